@@ -1,0 +1,174 @@
+"""The `python -m jax_m2n` command line: `plan` shows and prices a reshard.
+
+Owns argument parsing and output formats (text and the JSON contract of `plan --json`).
+Plans device-free from compact descriptors, so a 256-GPU cluster can be planned on a
+laptop. Errors are one line on stderr with exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+import numpy as np
+
+from jax_m2n._src.errors import ReshardError
+from jax_m2n._src.layout import box_size, parse_mesh_spec
+from jax_m2n._src.planner import DEFAULT_CHUNK_BYTES, ROUTES, plan_reshard
+from jax_m2n._src.topology import DEFAULT_NIC_GBPS, DEFAULT_NVLINK_GBPS, Topology
+
+USAGE = """python -m jax_m2n plan --shape 4,8 --dtype float32 \\
+    --src "mesh(dp=1, tp=4) P(tp, None) @0" --dst "mesh(dp=2, tp=2) P(tp, None) @4" \\
+    [--domain-size N] [--nic-gbps X] [--nvlink-gbps Y] \\
+    [--route hierarchical|flat|gather_bcast] [--chunk-bytes B] [--json]"""
+
+
+class _UsageError(Exception):
+  pass
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):  # one line, exit status 2 (raised to main)
+    raise _UsageError(message)
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+  text = text.strip()
+  if text in ("", "()", "scalar"):
+    return ()
+  try:
+    shape = tuple(int(s) for s in text.strip("()[] ").split(",") if s.strip())
+  except ValueError:
+    raise ReshardError(f"plan: --shape must be comma-separated ints; got {text!r}.")
+  if any(s < 0 for s in shape):
+    raise ReshardError(f"plan: --shape dims must be >= 0; got {text!r}.")
+  return shape
+
+
+def _parse_dtype(name: str) -> np.dtype:
+  import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
+  try:
+    dtype = np.dtype(getattr(ml_dtypes, name) if hasattr(ml_dtypes, name) else name)
+  except TypeError:
+    raise ReshardError(f"plan: --dtype must name a numpy/JAX dtype; got {name!r}.")
+  if dtype.kind not in "biufcV" or dtype.itemsize == 0:
+    raise ReshardError(f"plan: --dtype must name a numeric dtype; got {name!r}.")
+  return dtype
+
+
+def _positive(name):
+  def parse(text):
+    try:
+      value = float(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{name} must be a number; got {text!r}")
+    if not value > 0:
+      raise argparse.ArgumentTypeError(f"{name} must be > 0; got {text!r}")
+    return value
+  return parse
+
+
+def _positive_int(name):
+  def parse(text):
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{name} must be an int; got {text!r}")
+    if value < 1:
+      raise argparse.ArgumentTypeError(f"{name} must be >= 1; got {text!r}")
+    return value
+  return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = _Parser(prog="python -m jax_m2n", description="jax_m2n command line.")
+  sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+  p = sub.add_parser("plan", usage=USAGE,
+                     help="plan a reshard between two compact layouts and price it")
+  p.add_argument("--shape", required=True, help="global shape, e.g. 4,8")
+  p.add_argument("--dtype", default="float32", help="element type, e.g. bfloat16")
+  p.add_argument("--src", required=True, help='e.g. "mesh(dp=1, tp=4) P(tp, None) @0"')
+  p.add_argument("--dst", required=True, help='e.g. "mesh(dp=2, tp=2) P(tp, None) @4"')
+  p.add_argument("--domain-size", type=_positive_int("--domain-size"), default=8,
+                 help="device ids [k*N, (k+1)*N) form NVLink domain k (default 8)")
+  p.add_argument("--nic-gbps", type=_positive("--nic-gbps"), default=DEFAULT_NIC_GBPS,
+                 help="per-device network bandwidth, one direction, GB/s (default 50)")
+  p.add_argument("--nvlink-gbps", type=_positive("--nvlink-gbps"),
+                 default=DEFAULT_NVLINK_GBPS,
+                 help="per-device NVLink bandwidth, one direction, GB/s (default 450)")
+  p.add_argument("--route", choices=ROUTES, default="hierarchical")
+  p.add_argument("--chunk-bytes", type=_positive_int("--chunk-bytes"),
+                 default=DEFAULT_CHUNK_BYTES, help="bound on one pipelined chunk")
+  p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+  return parser
+
+
+def plan_json(plan, dtype: np.dtype) -> dict:
+  """The `plan --json` object (the contract outside checks use)."""
+  itemsize = plan.itemsizes
+  traffic = plan.traffic
+  return {
+      "version": 1,
+      "shape": list(plan.tensors[0].src.shape),
+      "dtype": dtype.name,
+      "payload_bytes": plan.payload_bytes,
+      "route": plan.route,
+      "transfers": [{
+          "src": x.src, "dst": x.dst, "stage": x.stage,
+          "box": [[lo, hi] for lo, hi in x.box],
+          "bytes": box_size(x.box) * itemsize[x.tensor],
+      } for x in plan.transfers],
+      "bytes_by_link": plan.bytes_by_link,
+      "estimate_ms": plan.estimate_ms,
+      "sol_ms": plan.sol_ms,
+      "chunks": len(plan.chunks),
+      "steps": (max(c.step for c in plan.chunks) + 1) if plan.chunks else 0,
+      "devices": {str(d): {
+          "egress": traffic.egress.get(d, {"nvlink": 0, "network": 0}),
+          "ingress": traffic.ingress.get(d, {"nvlink": 0, "network": 0}),
+      } for d in plan.devices},
+      "topology": {"domain_size": plan.topology.domain_size,
+                   "nvlink_gbps": plan.topology.nvlink_gbps,
+                   "nic_gbps": plan.topology.nic_gbps},
+  }
+
+
+def _plan_command(args) -> int:
+  shape = _parse_shape(args.shape)
+  dtype = _parse_dtype(args.dtype)
+  src = parse_mesh_spec(args.src).layout(shape)
+  dst = parse_mesh_spec(args.dst).layout(shape)
+  topo = Topology(domain_size=args.domain_size, nvlink_gbps=args.nvlink_gbps,
+                  nic_gbps=args.nic_gbps)
+  plan = plan_reshard([src], [dst], [dtype.itemsize], topo, args.route, args.chunk_bytes)
+  if args.json:
+    json.dump(plan_json(plan, dtype), sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+  print(f"reshard {shape} {dtype.name}: {parse_mesh_spec(args.src)} -> "
+        f"{parse_mesh_spec(args.dst)}")
+  print(plan.summary())
+  print("transfers (before chunking):")
+  for x in plan.transfers:
+    box = "[" + ", ".join(f"{lo}:{hi}" for lo, hi in x.box) + "]"
+    print(f"  {x.stage:>7} {x.src:>5} -> {x.dst:<5} {box} "
+          f"{box_size(x.box) * dtype.itemsize} B ({topo.link_class(x.src, x.dst)})")
+  return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the command line; returns the exit status (2 for bad input)."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  try:
+    args = _parser().parse_args(argv)
+    if args.command == "plan":
+      return _plan_command(args)
+  except _UsageError as e:
+    print(f"jax_m2n: error: {e}", file=sys.stderr)
+    return 2
+  except ReshardError as e:
+    print(f"jax_m2n: error: {e}", file=sys.stderr)
+    return 2
+  return 2

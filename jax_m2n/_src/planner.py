@@ -1,0 +1,538 @@
+"""The planner: from two layouts and a topology to the exact transfers of a route.
+
+Owns the decisions of what moves where: pieces (src box ∩ dst box), one owner per piece,
+leaders per destination shard and domain, ring forwarding between domains, local fan-out,
+the two baseline routes, the byte accounting and the cost model (the paper's Eqs. 3-9,
+generalized). Pure and deterministic: every rank derives the same plan; never touches
+devices, buffers or JAX runtime state. Chunks and steps are derived lazily (`Plan.chunks`)
+by `jax_m2n._src.chunks`, only when a schedule is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple, Sequence
+
+from jax_m2n._src.errors import ReshardValueError
+from jax_m2n._src.layout import Box, Layout, box_size, full_box, intersect
+from jax_m2n._src.topology import Topology
+
+ROUTES = ("hierarchical", "flat", "gather_bcast")
+STAGES = ("local", "inject", "forward", "fanout", "gather", "bcast")
+LINKS = ("local", "nvlink", "network")
+
+# Buffer kinds a transfer reads from / writes to (same codes as docs/schedule_format.md).
+SRC_SHARD, DST_SHARD, FULL_TMP = 0, 1, 2
+
+DEFAULT_CHUNK_BYTES = 16 << 20
+
+
+class Transfer(NamedTuple):
+  """One region moved from one device to another (or copied on one device).
+
+  `box` is in global coordinates. `src_kind`/`dst_kind` say which buffer of the device is
+  read/written: its source shard (0), its destination shard (1) or a full-tensor
+  workspace buffer (2, gather_bcast only). `parents` are the indices (in the same
+  tensor's transfer list) of the transfers that deliver what this one reads; `depth` is
+  the longest chain of parents.
+  """
+
+  tensor: int
+  src: int
+  dst: int
+  stage: str
+  box: Box
+  src_kind: int
+  dst_kind: int
+  parents: tuple[int, ...]
+  depth: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPlan:
+  """The route of one tensor (cached and shared between plans)."""
+
+  src: Layout
+  dst: Layout
+  itemsize: int
+  transfers: tuple[Transfer, ...]  # tensor index 0; re-indexed by Plan
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.src.shape) * self.itemsize
+
+
+def _check_pair(src: Layout, dst: Layout, where: str) -> None:
+  if src.shape != dst.shape:
+    raise ReshardValueError(
+        f"{where}: source and destination must have the same global shape; got "
+        f"{src.shape} and {dst.shape}.")
+
+
+class _Balance:
+  """Least-loaded choice among candidates (ties broken by order): load balancing."""
+
+  def __init__(self):
+    self.load: dict[int, int] = {}
+
+  def pick(self, candidates: Sequence[int], nbytes: int) -> int:
+    best = min(candidates, key=lambda d: (self.load.get(d, 0), candidates.index(d)))
+    self.load[best] = self.load.get(best, 0) + nbytes
+    return best
+
+
+def _split_dim(box: Box) -> int | None:
+  for d, (lo, hi) in enumerate(box):
+    if hi - lo > 1:
+      return d
+  return None
+
+
+def _split_for_leaders(regions: Sequence[Box], itemsize: int,
+                       leaders: Sequence[int]) -> list[tuple[Box, int, int]]:
+  """Spreads regions over leaders so that led bytes are (nearly) equal.
+
+  Returns (sub-region, leader, index of the region it came from). Regions are cut into
+  slabs along their outermost dim of extent > 1, at row granularity, only where a
+  leader's share ends inside a region. With equal regions and q a multiple of the leader
+  count this is exactly the paper's a_j / b_j rule; with fewer regions than leaders (one
+  source feeding three replicas) every replica still leads an equal share.
+  """
+  rho = len(leaders)
+  if rho == 1:
+    return [(r, leaders[0], i) for i, r in enumerate(regions)]
+  sizes = [box_size(r) * itemsize for r in regions]
+  total = sum(sizes)
+  ends = [((k + 1) * total + rho // 2) // rho for k in range(rho)]  # leader k's share ends
+
+  def leader_at(position: float) -> int:
+    return next((k for k, e in enumerate(ends) if position < e), rho - 1)
+
+  out = []
+  pos = 0
+  for i, (region, size) in enumerate(zip(regions, sizes)):
+    d = _split_dim(region)
+    if d is None or size == 0:
+      out.append((region, leaders[leader_at(pos + size / 2)], i))
+      pos += size
+      continue
+    lo, hi = region[d]
+    rows = hi - lo
+    row_bytes = size // rows
+    cuts = {0, rows}
+    for e in ends[:-1]:
+      if pos < e < pos + size:
+        cuts.add(min(rows, max(0, round((e - pos) / row_bytes))))
+    cuts = sorted(cuts)
+    for a, b in zip(cuts, cuts[1:]):
+      sub = region[:d] + ((lo + a, lo + b),) + region[d + 1:]
+      out.append((sub, leaders[leader_at(pos + (a + b) / 2 * row_bytes)], i))
+    pos += size
+  return out
+
+
+def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
+                  route: str) -> tuple[Transfer, ...]:
+  transfers: list[Transfer] = []
+
+  def add(s, t, stage, box, skind, dkind, parents=(), depth=0) -> int:
+    transfers.append(Transfer(0, s, t, stage, box, skind, dkind, tuple(parents), depth))
+    return len(transfers) - 1
+
+  src_shards = src.shards()
+  dst_shards = dst.shards()
+  if not dst_shards:
+    return ()
+  owners = _Balance()
+
+  if route == "gather_bcast":
+    # Legacy refit: gather the whole tensor on the first source device, then broadcast
+    # the whole tensor along a chain through every destination device (a ring
+    # broadcast, as NCCL's), and let each destination keep its box.
+    root = src.devices[0]
+    gathered = []
+    for box, holders in src_shards:
+      owner = root if root in holders else owners.pick(holders, box_size(box) * itemsize)
+      gathered.append(add(owner, root, "gather", box, SRC_SHARD, FULL_TMP))
+    whole = full_box(src.shape)
+    chain = sorted({t for _, ts in dst_shards for t in ts} - {root},
+                   key=lambda t: (topo.domain_of(t) != topo.domain_of(root),
+                                  topo.domain_of(t), t))
+    arrival = {root: (tuple(gathered), 1)}
+    prev = root
+    for t in chain:
+      parents, depth = arrival[prev]
+      arrival[t] = ((add(prev, t, "bcast", whole, FULL_TMP, FULL_TMP, parents, depth),),
+                    depth + 1)
+      prev = t
+    for box, ts in dst_shards:
+      for t in ts:
+        parents, depth = arrival[t]
+        add(t, t, "local", box, FULL_TMP, DST_SHARD, parents, depth)
+    return tuple(transfers)
+
+  for dbox, replicas in dst_shards:
+    # Contributions: (region, holders) ordered by source shard.
+    contributions = []
+    for sbox, holders in src_shards:
+      region = intersect(sbox, dbox)
+      if region is not None:
+        contributions.append((region, holders))
+    by_domain: dict[int, list[int]] = {}
+    for t in replicas:
+      by_domain.setdefault(topo.domain_of(t), []).append(t)
+
+    if route == "flat":
+      for region, holders in contributions:
+        nbytes = box_size(region) * itemsize
+        for t in replicas:
+          if t in holders:
+            add(t, t, "local", region, SRC_SHARD, DST_SHARD)
+          else:
+            local = [h for h in holders if topo.domain_of(h) == topo.domain_of(t)]
+            add(owners.pick(local or holders, nbytes), t, "inject", region,
+                SRC_SHARD, DST_SHARD)
+      continue
+
+    # Hierarchical. Per domain: regions a replica holds itself are local copies and
+    # that replica leads them; regions some source in the domain holds are injected over
+    # NVLink; the rest must cross the network: once, into the first domain of a ring,
+    # then forwarded leader to leader.
+    region_holders: dict[Box, tuple[int, ...]] = {}
+    network_regions: dict[int, list[int]] = {}  # contribution index -> domains (ring)
+    led: dict[int, list[tuple[Box, int, int]]] = {}  # domain -> (box, leader, transfer)
+    for dom, reps in by_domain.items():
+      led[dom] = []
+      remote = []  # contribution indices this domain must receive from a device
+      for ci, (region, holders) in enumerate(contributions):
+        own = [t for t in reps if t in holders]
+        region_holders[region] = holders
+        for t in own:
+          led[dom].append((region, t, add(t, t, "local", region, SRC_SHARD, DST_SHARD)))
+        if not own:
+          remote.append(ci)
+      if not remote:
+        continue
+      split = _split_for_leaders([contributions[ci][0] for ci in remote], itemsize, reps)
+      for sub, leader, k in split:
+        ci = remote[k]
+        holders = contributions[ci][1]
+        region_holders[sub] = holders
+        local = [h for h in holders if topo.domain_of(h) == dom]
+        if local:
+          led[dom].append((sub, leader, add(owners.pick(local, box_size(sub) * itemsize),
+                                             leader, "inject", sub, SRC_SHARD, DST_SHARD)))
+        else:
+          network_regions.setdefault(ci, []).append(dom)
+          led[dom].append((sub, leader, -1 - ci))  # filled in by the ring below
+
+    # Ring: each network-bound contribution enters the ring at the domain after its
+    # owner's, then moves leader to leader; a later domain's slab may straddle two slabs
+    # of the previous domain, so forwarding intersects them.
+    for ci, doms in network_regions.items():
+      region, holders = contributions[ci]
+      owner = owners.pick(holders, box_size(region) * itemsize)
+      home = topo.domain_of(owner)
+      ring = sorted(doms, key=lambda dm: ((dm - home - 1) % (1 << 30), dm))
+      previous = None  # list of (box, leader, transfer index) in the previous domain
+      for hop, dom in enumerate(ring):
+        slabs = [(i, b, l) for i, (b, l, x) in enumerate(led[dom]) if x == -1 - ci]
+        current = []
+        for i, sub, leader in slabs:
+          if previous is None:
+            x = add(owner, leader, "inject", sub, SRC_SHARD, DST_SHARD)
+            current.append((sub, leader, x))
+          else:
+            parts = []
+            for pbox, pleader, px in previous:
+              piece = intersect(pbox, sub)
+              if piece is not None:
+                region_holders[piece] = holders
+                parts.append(add(pleader, leader, "forward", piece, DST_SHARD, DST_SHARD,
+                                 (px,), transfers[px].depth + 1))
+            current.append((sub, leader, parts))
+          led[dom][i] = (sub, leader, current[-1][2])
+        previous = []
+        for sub, leader, x in current:
+          for xi in (x if isinstance(x, list) else [x]):
+            previous.append((transfers[xi].box, leader, xi))
+
+    # Fan-out inside each domain: every leader copies what it leads to the other
+    # replicas of the shard there (skipping replicas that hold the region themselves).
+    for dom, reps in by_domain.items():
+      for box, leader, x in led[dom]:
+        for xi in (x if isinstance(x, list) else [x]):
+          arrival = transfers[xi]
+          holders = region_holders[arrival.box] if arrival.box in region_holders else ()
+          for t in reps:
+            if t == leader or t in holders:
+              continue
+            add(leader, t, "fanout", arrival.box, DST_SHARD, DST_SHARD, (xi,),
+                arrival.depth + 1)
+  return tuple(transfers)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_tensor(src: Layout, dst: Layout, itemsize: int, topology: Topology,
+                route: str) -> TensorPlan:
+  """The route of one tensor; cached, so equal (layouts, itemsize, topology) plan once."""
+  _check_pair(src, dst, "plan")
+  if route not in ROUTES:
+    raise ReshardValueError(f"plan: route must be one of {ROUTES}; got {route!r}.")
+  return TensorPlan(src, dst, itemsize, _route_tensor(src, dst, itemsize, topology, route))
+
+
+# ---------------------------------------------------------------------------------------
+# Accounting and the cost model
+# ---------------------------------------------------------------------------------------
+
+def _ms(nbytes: float, gbps: float) -> float:
+  return nbytes / (gbps * 1e6)
+
+
+@dataclasses.dataclass
+class Traffic:
+  """Bytes per link class, and per device egress/ingress per link class."""
+
+  by_link: dict[str, int]
+  egress: dict[int, dict[str, int]]
+  ingress: dict[int, dict[str, int]]
+
+  @staticmethod
+  def of(transfers: Sequence[Transfer], itemsizes: Sequence[int],
+         topo: Topology) -> "Traffic":
+    by_link = {k: 0 for k in LINKS}
+    egress: dict[int, dict[str, int]] = {}
+    ingress: dict[int, dict[str, int]] = {}
+    for x in transfers:
+      n = box_size(x.box) * itemsizes[x.tensor]
+      link = topo.link_class(x.src, x.dst)
+      by_link[link] += n
+      if link != "local":
+        e = egress.setdefault(x.src, {"nvlink": 0, "network": 0})
+        e[link] += n
+        i = ingress.setdefault(x.dst, {"nvlink": 0, "network": 0})
+        i[link] += n
+    return Traffic(by_link, egress, ingress)
+
+  def time_ms(self, topo: Topology) -> float:
+    """Max over devices and directions of bytes / bandwidth of the link class."""
+    worst = 0.0
+    for side in (self.egress, self.ingress):
+      for loads in side.values():
+        worst = max(worst, _ms(loads["nvlink"], topo.nvlink_gbps),
+                    _ms(loads["network"], topo.nic_gbps))
+    return worst
+
+
+def sol_ms(tensors: Sequence[TensorPlan], topo: Topology) -> float:
+  """The data-movement bound: no route can be faster (bytes that must cross links).
+
+  Per device and per domain, summed over tensors:
+    * a destination device must take in the bytes of its box it does not hold itself;
+    * a destination domain must take in over the network, at its devices' NICs, the
+      bytes its devices need that no source in the domain holds;
+    * a source replica group must send out, at its devices' links, one copy of each byte
+      that a device outside the group needs (over the network if needed outside the
+      group's domains).
+  """
+  dev_in: dict[int, float] = {}
+  dev_out: dict[int, float] = {}
+  dom_in: dict[int, float] = {}
+  fastest = max(topo.nvlink_gbps, topo.nic_gbps)
+  for tp in tensors:
+    src_shards = tp.src.shards()
+    dst_devices = [t for _, ts in tp.dst.shards() for t in ts]
+    for dbox, ts in tp.dst.shards():
+      for t in ts:
+        held = tp.src.box_of(t)
+        own = intersect(held, dbox) if held is not None else None
+        need = box_size(dbox) - (box_size(own) if own else 0)
+        dev_in[t] = dev_in.get(t, 0.0) + _ms(need * tp.itemsize, fastest)
+    doms: dict[int, list[int]] = {}
+    for t in dst_devices:
+      doms.setdefault(topo.domain_of(t), []).append(t)
+    for dom, ts in doms.items():
+      local_boxes = [b for b, hs in src_shards
+                     if any(topo.domain_of(h) == dom for h in hs)]
+      needed = {tp.dst.box_of(t) for t in ts}
+      remote = 0
+      for dbox in needed:
+        remote += box_size(dbox) - sum(
+            box_size(i) for i in (intersect(b, dbox) for b in local_boxes) if i)
+      dom_in[dom] = dom_in.get(dom, 0.0) + _ms(
+          remote * tp.itemsize / len(ts), topo.nic_gbps)
+    for sbox, holders in src_shards:
+      hold_doms = {topo.domain_of(h) for h in holders}
+      any_out = net_out = 0
+      for dbox, ts in tp.dst.shards():
+        piece = intersect(sbox, dbox)
+        if piece is None:
+          continue
+        if any(t not in holders for t in ts):
+          any_out += box_size(piece)
+        if any(topo.domain_of(t) not in hold_doms for t in ts):
+          net_out += box_size(piece)
+      share = max(_ms(any_out * tp.itemsize, fastest),
+                  _ms(net_out * tp.itemsize, topo.nic_gbps)) / len(holders)
+      for h in holders:
+        dev_out[h] = dev_out.get(h, 0.0) + share
+  return max([0.0, *dev_in.values(), *dev_out.values(), *dom_in.values()])
+
+
+# ---------------------------------------------------------------------------------------
+# The plan of a whole call (a pytree of tensors)
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+  """The plan of one reshard call: every tensor's route, accounting and cost.
+
+  Attributes:
+    route: `hierarchical`, `flat` or `gather_bcast`.
+    topology: the topology planned for.
+    tensors: one `TensorPlan` per tensor (pytree leaf), in leaf order.
+    chunk_bytes: bound on the bytes of one chunk (see `chunks`).
+  """
+
+  route: str
+  topology: Topology
+  tensors: tuple[TensorPlan, ...]
+  chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+  @functools.cached_property
+  def transfers(self) -> tuple[Transfer, ...]:
+    """Every transfer of every tensor, before chunking, `tensor` set to the leaf index."""
+    out = []
+    for i, tp in enumerate(self.tensors):
+      out.extend(x._replace(tensor=i) for x in tp.transfers)
+    return tuple(out)
+
+  @property
+  def itemsizes(self) -> tuple[int, ...]:
+    return tuple(tp.itemsize for tp in self.tensors)
+
+  @property
+  def payload_bytes(self) -> int:
+    return sum(tp.nbytes for tp in self.tensors)
+
+  @functools.cached_property
+  def traffic(self) -> Traffic:
+    return Traffic.of(self.transfers, self.itemsizes, self.topology)
+
+  @property
+  def bytes_by_link(self) -> dict[str, int]:
+    return dict(self.traffic.by_link)
+
+  @functools.cached_property
+  def devices(self) -> tuple[int, ...]:
+    """Every participating device (holds a source or a destination box), sorted."""
+    ds = set()
+    for tp in self.tensors:
+      ds.update(tp.src.devices)
+      ds.update(tp.dst.devices)
+    return tuple(sorted(ds))
+
+  def route_estimate_ms(self) -> float:
+    """This route's time bound: max over devices of bytes / link bandwidth."""
+    return self.traffic.time_ms(self.topology)
+
+  @functools.cached_property
+  def estimate_ms(self) -> dict[str, float]:
+    """The cost-model estimate of every route for the same tensors and topology."""
+    out = {}
+    for route in ROUTES:
+      p = self if route == self.route else self.with_route(route)
+      out[route] = p.route_estimate_ms()
+    return out
+
+  @functools.cached_property
+  def sol_ms(self) -> float:
+    return sol_ms(self.tensors, self.topology)
+
+  def with_route(self, route: str) -> "Plan":
+    return plan_reshard([tp.src for tp in self.tensors], [tp.dst for tp in self.tensors],
+                        self.itemsizes, self.topology, route, self.chunk_bytes)
+
+  @functools.cached_property
+  def chunks(self):
+    """The chunked, step-assigned schedule (see jax_m2n._src.chunks.Chunks)."""
+    from jax_m2n._src import chunks
+    return chunks.schedule_chunks(self)
+
+  def summary(self) -> str:
+    """A readable summary (the `plan` command without --json)."""
+    from collections import Counter
+    lines = []
+    stages = Counter(x.stage for x in self.transfers)
+    lines.append(f"route: {self.route}   tensors: {len(self.tensors)}   payload: "
+                 f"{_fmt_bytes(self.payload_bytes)}   devices: {len(self.devices)}")
+    lines.append("transfers: " + ", ".join(f"{s} {stages[s]}" for s in STAGES if stages[s]))
+    lines.append("bytes by link: " + ", ".join(
+        f"{k} {_fmt_bytes(v)}" for k, v in self.bytes_by_link.items()))
+    lines.append(f"topology: nvlink {self.topology.nvlink_gbps:g} GB/s, network "
+                 f"{self.topology.nic_gbps:g} GB/s per device")
+    for route, ms in self.estimate_ms.items():
+      mark = " <-" if route == self.route else ""
+      lines.append(f"estimate {route:>12}: {ms:12.6g} ms{mark}")
+    lines.append(f"bound (sol)         : {self.sol_ms:12.6g} ms")
+    return "\n".join(lines)
+
+
+def _fmt_bytes(n: int) -> str:
+  for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    if n >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{n} B"
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_cached(src: tuple[Layout, ...], dst: tuple[Layout, ...],
+                 itemsizes: tuple[int, ...], topology: Topology, route: str,
+                 chunk_bytes: int) -> Plan:
+  tensors = tuple(plan_tensor(s, d, i, topology, route)
+                  for s, d, i in zip(src, dst, itemsizes))
+  return Plan(route, topology, tensors, chunk_bytes)
+
+
+def plan_reshard(src_layouts: Sequence[Layout], dst_layouts: Sequence[Layout],
+                 itemsizes: Sequence[int], topology: Topology | None = None,
+                 route: str = "hierarchical",
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Plan:
+  """Plans the reshard of several tensors (one pytree) in one call.
+
+  Args:
+    src_layouts: the source layout of each tensor.
+    dst_layouts: the destination layout of each tensor (same global shapes).
+    itemsizes: bytes per element of each tensor.
+    topology: NVLink domains and bandwidths (default: one domain).
+    route: `hierarchical` (the product), `flat` or `gather_bcast` (baselines).
+    chunk_bytes: bound on one chunk of a transfer (pipelining, staging).
+
+  Returns:
+    A `Plan`. Plans are cached: the same arguments return the same object, and every
+    rank derives the same plan without talking.
+
+  Example:
+    >>> from jax_m2n._src.layout import parse_layout
+    >>> src = parse_layout("mesh(dp=1, tp=4) P(tp, None) @0", (4, 8))
+    >>> dst = parse_layout("mesh(dp=2, tp=2) P(tp, None) @4", (4, 8))
+    >>> plan_reshard([src], [dst], [4]).bytes_by_link["nvlink"]
+    128
+  """
+  if route not in ROUTES:
+    raise ReshardValueError(f"plan: route must be one of {ROUTES}; got {route!r}.")
+  if not (len(src_layouts) == len(dst_layouts) == len(itemsizes)):
+    raise ReshardValueError(
+        f"plan: src_layouts, dst_layouts and itemsizes must have equal lengths; got "
+        f"{len(src_layouts)}, {len(dst_layouts)} and {len(itemsizes)}.")
+  if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+    raise ReshardValueError(
+        f"plan: chunk_bytes must be a positive int; got {chunk_bytes!r}.")
+  for i, (s, d) in enumerate(zip(src_layouts, dst_layouts)):
+    _check_pair(s, d, f"plan (tensor {i})")
+  return _plan_cached(tuple(src_layouts), tuple(dst_layouts),
+                      tuple(int(i) for i in itemsizes), topology or Topology(), route,
+                      int(chunk_bytes))
