@@ -201,6 +201,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     # NVLink; the rest must cross the network: once, into the first domain of a ring,
     # then forwarded leader to leader.
     region_holders: dict[Box, tuple[int, ...]] = {}
+    fanout_targets: dict[int, list[int]] = {}  # local copy -> replicas it serves
     network_regions: dict[int, list[int]] = {}  # contribution index -> domains (ring)
     led: dict[int, list[tuple[Box, int, int]]] = {}  # domain -> (box, leader, transfer)
     for dom, reps in by_domain.items():
@@ -209,8 +210,13 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
       for ci, (region, holders) in enumerate(contributions):
         own = [t for t in reps if t in holders]
         region_holders[region] = holders
-        for t in own:
-          led[dom].append((region, t, add(t, t, "local", region, SRC_SHARD, DST_SHARD)))
+        # Replicas that hold the region copy it locally; the others get it from one of
+        # them, spread round-robin.
+        others = [t for t in reps if t not in holders]
+        for k, t in enumerate(own):
+          x = add(t, t, "local", region, SRC_SHARD, DST_SHARD)
+          fanout_targets[x] = others[k::len(own)]
+          led[dom].append((region, t, x))
         if not own:
           remote.append(ci)
       if not remote:
@@ -225,7 +231,9 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
           led[dom].append((sub, leader, add(owners.pick(local, box_size(sub) * itemsize),
                                              leader, "inject", sub, SRC_SHARD, DST_SHARD)))
         else:
-          network_regions.setdefault(ci, []).append(dom)
+          doms = network_regions.setdefault(ci, [])
+          if dom not in doms:
+            doms.append(dom)
           led[dom].append((sub, leader, -1 - ci))  # filled in by the ring below
 
     # Ring: each network-bound contribution enters the ring at the domain after its
@@ -266,7 +274,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
         for xi in (x if isinstance(x, list) else [x]):
           arrival = transfers[xi]
           holders = region_holders[arrival.box] if arrival.box in region_holders else ()
-          for t in reps:
+          for t in fanout_targets.get(xi, reps):
             if t == leader or t in holders:
               continue
             add(leader, t, "fanout", arrival.box, DST_SHARD, DST_SHARD, (xi,),
@@ -349,7 +357,7 @@ def sol_ms(tensors: Sequence[TensorPlan], topo: Topology) -> float:
       for t in ts:
         held = tp.src.box_of(t)
         own = intersect(held, dbox) if held is not None else None
-        need = box_size(dbox) - (box_size(own) if own else 0)
+        need = box_size(dbox) - (box_size(own) if own is not None else 0)
         dev_in[t] = dev_in.get(t, 0.0) + _ms(need * tp.itemsize, fastest)
     doms: dict[int, list[int]] = {}
     for t in dst_devices:
@@ -361,7 +369,7 @@ def sol_ms(tensors: Sequence[TensorPlan], topo: Topology) -> float:
       remote = 0
       for dbox in needed:
         remote += box_size(dbox) - sum(
-            box_size(i) for i in (intersect(b, dbox) for b in local_boxes) if i)
+            box_size(i) for i in (intersect(b, dbox) for b in local_boxes) if i is not None)
       dom_in[dom] = dom_in.get(dom, 0.0) + _ms(
           remote * tp.itemsize / len(ts), topo.nic_gbps)
     for sbox, holders in src_shards:
