@@ -47,7 +47,7 @@ def full_box(shape: Sequence[int]) -> Box:
   return tuple((0, int(s)) for s in shape)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Layout:
   """Where the pieces of one global tensor live.
 
@@ -63,6 +63,22 @@ class Layout:
   shape: tuple[int, ...]
   devices: tuple[int, ...]
   boxes: tuple[Box, ...]
+
+  def __hash__(self) -> int:
+    # Layouts key the plan caches; hash once (the boxes of a 256-device layout).
+    h = self.__dict__.get("_hash")
+    if h is None:
+      h = hash((self.shape, self.devices, self.boxes))
+      object.__setattr__(self, "_hash", h)
+    return h
+
+  def __eq__(self, other) -> bool:
+    if self is other:
+      return True
+    if not isinstance(other, Layout):
+      return NotImplemented
+    return (self.shape, self.devices, self.boxes) == (other.shape, other.devices,
+                                                      other.boxes)
 
   def __post_init__(self):
     if len(self.devices) != len(self.boxes):

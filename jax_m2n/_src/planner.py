@@ -57,11 +57,20 @@ class TensorPlan:
   src: Layout
   dst: Layout
   itemsize: int
+  topology: Topology
   transfers: tuple[Transfer, ...]  # tensor index 0; re-indexed by Plan
 
   @property
   def nbytes(self) -> int:
     return math.prod(self.src.shape) * self.itemsize
+
+  @functools.cached_property
+  def traffic(self) -> "Traffic":
+    return Traffic.of(self.transfers, (self.itemsize,), self.topology)
+
+  @functools.cached_property
+  def bound_loads(self) -> "dict[tuple[str, int], float]":
+    return _bound_loads(self)
 
 
 def _check_pair(src: Layout, dst: Layout, where: str) -> None:
@@ -289,7 +298,8 @@ def plan_tensor(src: Layout, dst: Layout, itemsize: int, topology: Topology,
   _check_pair(src, dst, "plan")
   if route not in ROUTES:
     raise ReshardValueError(f"plan: route must be one of {ROUTES}; got {route!r}.")
-  return TensorPlan(src, dst, itemsize, _route_tensor(src, dst, itemsize, topology, route))
+  return TensorPlan(src, dst, itemsize, topology,
+                    _route_tensor(src, dst, itemsize, topology, route))
 
 
 # ---------------------------------------------------------------------------------------
@@ -325,6 +335,21 @@ class Traffic:
         i[link] += n
     return Traffic(by_link, egress, ingress)
 
+  @staticmethod
+  def merge(parts: "Sequence[Traffic]") -> "Traffic":
+    by_link = {k: 0 for k in LINKS}
+    egress: dict[int, dict[str, int]] = {}
+    ingress: dict[int, dict[str, int]] = {}
+    for part in parts:
+      for k, v in part.by_link.items():
+        by_link[k] += v
+      for mine, theirs in ((egress, part.egress), (ingress, part.ingress)):
+        for d, loads in theirs.items():
+          m = mine.setdefault(d, {"nvlink": 0, "network": 0})
+          m["nvlink"] += loads["nvlink"]
+          m["network"] += loads["network"]
+    return Traffic(by_link, egress, ingress)
+
   def time_ms(self, topo: Topology) -> float:
     """Max over devices and directions of bytes / bandwidth of the link class."""
     worst = 0.0
@@ -335,7 +360,7 @@ class Traffic:
     return worst
 
 
-def sol_ms(tensors: Sequence[TensorPlan], topo: Topology) -> float:
+def sol_ms(tensors: Sequence[TensorPlan]) -> float:
   """The data-movement bound: no route can be faster (bytes that must cross links).
 
   Per device and per domain, summed over tensors:
@@ -346,48 +371,60 @@ def sol_ms(tensors: Sequence[TensorPlan], topo: Topology) -> float:
       that a device outside the group needs (over the network if needed outside the
       group's domains).
   """
+  total: dict[tuple[str, int], float] = {}
+  for tp in tensors:
+    for k, v in tp.bound_loads.items():
+      total[k] = total.get(k, 0.0) + v
+  return max(total.values(), default=0.0)
+
+
+def _bound_loads(tp: TensorPlan) -> dict[tuple[str, int], float]:
+  """One tensor's share of the bound: ms per (kind, device or domain)."""
+  topo = tp.topology
   dev_in: dict[int, float] = {}
   dev_out: dict[int, float] = {}
   dom_in: dict[int, float] = {}
   fastest = max(topo.nvlink_gbps, topo.nic_gbps)
-  for tp in tensors:
-    src_shards = tp.src.shards()
-    dst_devices = [t for _, ts in tp.dst.shards() for t in ts]
+  src_shards = tp.src.shards()
+  dst_devices = [t for _, ts in tp.dst.shards() for t in ts]
+  for dbox, ts in tp.dst.shards():
+    for t in ts:
+      held = tp.src.box_of(t)
+      own = intersect(held, dbox) if held is not None else None
+      need = box_size(dbox) - (box_size(own) if own is not None else 0)
+      dev_in[t] = dev_in.get(t, 0.0) + _ms(need * tp.itemsize, fastest)
+  doms: dict[int, list[int]] = {}
+  for t in dst_devices:
+    doms.setdefault(topo.domain_of(t), []).append(t)
+  for dom, ts in doms.items():
+    local_boxes = [b for b, hs in src_shards
+                   if any(topo.domain_of(h) == dom for h in hs)]
+    needed = {tp.dst.box_of(t) for t in ts}
+    remote = 0
+    for dbox in needed:
+      remote += box_size(dbox) - sum(
+          box_size(i) for i in (intersect(b, dbox) for b in local_boxes) if i is not None)
+    dom_in[dom] = dom_in.get(dom, 0.0) + _ms(
+        remote * tp.itemsize / len(ts), topo.nic_gbps)
+  for sbox, holders in src_shards:
+    hold_doms = {topo.domain_of(h) for h in holders}
+    any_out = net_out = 0
     for dbox, ts in tp.dst.shards():
-      for t in ts:
-        held = tp.src.box_of(t)
-        own = intersect(held, dbox) if held is not None else None
-        need = box_size(dbox) - (box_size(own) if own is not None else 0)
-        dev_in[t] = dev_in.get(t, 0.0) + _ms(need * tp.itemsize, fastest)
-    doms: dict[int, list[int]] = {}
-    for t in dst_devices:
-      doms.setdefault(topo.domain_of(t), []).append(t)
-    for dom, ts in doms.items():
-      local_boxes = [b for b, hs in src_shards
-                     if any(topo.domain_of(h) == dom for h in hs)]
-      needed = {tp.dst.box_of(t) for t in ts}
-      remote = 0
-      for dbox in needed:
-        remote += box_size(dbox) - sum(
-            box_size(i) for i in (intersect(b, dbox) for b in local_boxes) if i is not None)
-      dom_in[dom] = dom_in.get(dom, 0.0) + _ms(
-          remote * tp.itemsize / len(ts), topo.nic_gbps)
-    for sbox, holders in src_shards:
-      hold_doms = {topo.domain_of(h) for h in holders}
-      any_out = net_out = 0
-      for dbox, ts in tp.dst.shards():
-        piece = intersect(sbox, dbox)
-        if piece is None:
-          continue
-        if any(t not in holders for t in ts):
-          any_out += box_size(piece)
-        if any(topo.domain_of(t) not in hold_doms for t in ts):
-          net_out += box_size(piece)
-      share = max(_ms(any_out * tp.itemsize, fastest),
-                  _ms(net_out * tp.itemsize, topo.nic_gbps)) / len(holders)
-      for h in holders:
-        dev_out[h] = dev_out.get(h, 0.0) + share
-  return max([0.0, *dev_in.values(), *dev_out.values(), *dom_in.values()])
+      piece = intersect(sbox, dbox)
+      if piece is None:
+        continue
+      if any(t not in holders for t in ts):
+        any_out += box_size(piece)
+      if any(topo.domain_of(t) not in hold_doms for t in ts):
+        net_out += box_size(piece)
+    share = max(_ms(any_out * tp.itemsize, fastest),
+                _ms(net_out * tp.itemsize, topo.nic_gbps)) / len(holders)
+    for h in holders:
+      dev_out[h] = dev_out.get(h, 0.0) + share
+  loads = {("in", d): v for d, v in dev_in.items()}
+  loads.update({("out", d): v for d, v in dev_out.items()})
+  loads.update({("domain", d): v for d, v in dom_in.items()})
+  return loads
 
 
 # ---------------------------------------------------------------------------------------
@@ -428,7 +465,7 @@ class Plan:
 
   @functools.cached_property
   def traffic(self) -> Traffic:
-    return Traffic.of(self.transfers, self.itemsizes, self.topology)
+    return Traffic.merge([tp.traffic for tp in self.tensors])
 
   @property
   def bytes_by_link(self) -> dict[str, int]:
@@ -458,7 +495,7 @@ class Plan:
 
   @functools.cached_property
   def sol_ms(self) -> float:
-    return sol_ms(self.tensors, self.topology)
+    return sol_ms(self.tensors)
 
   def with_route(self, route: str) -> "Plan":
     return plan_reshard([tp.src for tp in self.tensors], [tp.dst for tp in self.tensors],
