@@ -1,0 +1,168 @@
+// The nanobind module jax_m2n._ffi_cuda: the CUDA handlers of `jax_m2n_reshard` for
+// registration from Python, and the NCCL communicator's life cycle. Glue only: argument
+// conversion and error mapping; the work is in nccl_comm.cc and reshard_cuda.cc.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "xla_ffi/cuda/nccl_comm.h"
+#include "xla_ffi/cuda/reshard_cuda.h"
+
+namespace nb = nanobind;
+
+namespace jax_m2n {
+namespace {
+
+constexpr const char kModuleDoc[] = R"doc(CUDA handlers of jax_m2n_reshard and the NCCL communicator.
+
+Python-facing API (docs/dev_contracts.md, section "_ffi_cuda"; docs/cuda_transport.md):
+
+  registrations() -> {"jax_m2n_reshard": {"instantiate": capsule, "execute": capsule}}
+      for jax.ffi.register_ffi_target(name, target, platform="CUDA", api_version=1).
+  type_registrations() -> {"jax_m2n.cuda.ReshardState": {"type_id": ..., "type_info": ...}}
+      register each with jax.ffi.register_ffi_type(name, reg, platform="CUDA") BEFORE
+      the target.
+  nccl_version(nccl_library="") -> int
+  nccl_unique_id(nccl_library="") -> bytes        (128 bytes; one process makes it)
+  initialize(unique_id, device_ids, local_devices, *, timeout_ms=600000,
+             nccl_library="", blocking=False, warmup_bytes=8388608) -> None
+      Collective over all processes. device_ids: [d.id for d in jax.devices()] (rank =
+      position); local_devices: [(d.local_hardware_id, d.id) for d in
+      jax.local_devices()]. Creates the communicator (one group of ncclCommInitRank
+      for this process's devices) and connects every pair of ranks. Raises ValueError,
+      TimeoutError (a process never arrived) or RuntimeError. Releases the GIL.
+  is_initialized() -> bool
+  error() -> str | None        the sticky error after a timeout (communicator aborted)
+  finalize() -> None           destroy the communicator (re-initialize after an abort)
+
+Example (one process, every local GPU):
+  import jax, jax_m2n._ffi_cuda as m
+  m.initialize(m.nccl_unique_id(), [d.id for d in jax.devices()],
+               [(d.local_hardware_id, d.id) for d in jax.local_devices()])
+)doc";
+
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+[[noreturn]] void Raise(PyObject* type, const std::string& message) {
+  PyErr_SetString(type, message.c_str());
+  throw nb::python_error();
+}
+
+const NcclApi& Nccl(const std::string& library) {
+  std::string error;
+  const NcclApi* api = LoadNccl(library, &error);
+  if (api == nullptr) Raise(PyExc_RuntimeError, error);
+  return *api;
+}
+
+}  // namespace
+}  // namespace jax_m2n
+
+NB_MODULE(_ffi_cuda, m) {
+  using namespace jax_m2n;  // NOLINT: module glue only
+  m.doc() = kModuleDoc;
+
+  m.def("registrations", []() {
+    nb::dict stages;
+    stages["instantiate"] = Capsule(JaxM2nReshardCudaInstantiate);
+    stages["execute"] = Capsule(JaxM2nReshardCudaExecute);
+    nb::dict d;
+    d["jax_m2n_reshard"] = stages;
+    return d;
+  });
+
+  m.def("type_registrations", []() {
+    nb::dict reg;
+    reg["type_id"] = nb::capsule(reinterpret_cast<void*>(CudaReshardStateTypeId()));
+    reg["type_info"] = nb::capsule(
+        reinterpret_cast<void*>(const_cast<XLA_FFI_TypeInfo*>(CudaReshardStateTypeInfo())));
+    nb::dict d;
+    d[kCudaReshardStateName] = reg;
+    return d;
+  });
+
+  m.def(
+      "nccl_version", [](const std::string& nccl_library) { return Nccl(nccl_library).version; },
+      nb::arg("nccl_library") = "");
+
+  m.def(
+      "nccl_unique_id",
+      [](const std::string& nccl_library) {
+        const NcclApi& api = Nccl(nccl_library);
+        ncclUniqueId id;
+        ncclResult_t r = api.GetUniqueId(&id);
+        if (r != ncclSuccess) {
+          Raise(PyExc_RuntimeError,
+                JAX_M2N_AT("ncclGetUniqueId failed: " + api.Describe(r, nullptr)));
+        }
+        return nb::bytes(reinterpret_cast<const char*>(&id), sizeof(id));
+      },
+      nb::arg("nccl_library") = "");
+
+  m.def(
+      "initialize",
+      [](nb::bytes unique_id, std::vector<int64_t> device_ids,
+         std::vector<std::pair<int, int64_t>> local_devices, int64_t timeout_ms,
+         std::string nccl_library, bool blocking, int64_t warmup_bytes) {
+        if (timeout_ms <= 0) {
+          Raise(PyExc_ValueError, "initialize: timeout_ms must be > 0; got " +
+                                      std::to_string(timeout_ms) + ".");
+        }
+        if (warmup_bytes < 0) {
+          Raise(PyExc_ValueError, "initialize: warmup_bytes must be >= 0; got " +
+                                      std::to_string(warmup_bytes) + ".");
+        }
+        InitOptions o;
+        o.unique_id.assign(unique_id.c_str(), unique_id.size());
+        o.device_ids = std::move(device_ids);
+        o.local = std::move(local_devices);
+        o.timeout_ms = timeout_ms;
+        o.nccl_library = std::move(nccl_library);
+        o.blocking = blocking;
+        o.warmup_bytes = warmup_bytes;
+        std::string error;
+        bool timed_out = false;
+        {
+          nb::gil_scoped_release release;
+          error = Communicator::Get().Initialize(o, &timed_out);
+        }
+        if (!error.empty()) {
+          const bool bad_argument = error.find("initialize: ") != std::string::npos;
+          Raise(timed_out ? PyExc_TimeoutError
+                          : (bad_argument ? PyExc_ValueError : PyExc_RuntimeError),
+                error);
+        }
+      },
+      nb::arg("unique_id"), nb::arg("device_ids"), nb::arg("local_devices"), nb::kw_only(),
+      nb::arg("timeout_ms") = 600000, nb::arg("nccl_library") = "",
+      nb::arg("blocking") = false, nb::arg("warmup_bytes") = int64_t{8} << 20);
+
+  m.def("is_initialized", []() { return Communicator::Get().initialized(); });
+
+  m.def("error", []() -> std::optional<std::string> {
+    std::string e = Communicator::Get().StickyError();
+    if (e.empty()) return std::nullopt;
+    return e;
+  });
+
+  m.def("finalize", []() {
+    std::string error;
+    {
+      nb::gil_scoped_release release;
+      error = Communicator::Get().Finalize();
+    }
+    if (!error.empty()) Raise(PyExc_RuntimeError, error);
+  });
+}

@@ -1,0 +1,46 @@
+// Strided box copies on one GPU: the pack / unpack / local-copy kernels of the CUDA
+// transport (docs/cuda_transport.md). Owns the launch-time descriptor of a copy and the
+// launcher; knows nothing of schedules, NCCL or XLA. Plain C++ so that both nvcc
+// (pack.cu.cc) and the host compiler (cuda_transport.cc) read it.
+
+#ifndef JAX_M2N_XLA_FFI_CUDA_PACK_H_
+#define JAX_M2N_XLA_FFI_CUDA_PACK_H_
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace jax_m2n {
+
+// A box of rank <= 8 collapses to one contiguous run of bytes (a "row") repeated
+// over at most 7 outer dims.
+inline constexpr int kCopyMaxOuterDims = 7;
+
+// One strided copy: `rows` rows of `row_units` units of (1 << vec_log2) bytes each.
+// Row r is decomposed into outer indices innermost first: i_k = (r / prod_{j<k}
+// extent[j]) % extent[k]; its bytes start at src + sum_k i_k * src_stride[k] (same
+// for dst). Every pointer, stride and row length is a multiple of the unit.
+struct CopyTask {
+  const char* src;
+  char* dst;
+  uint64_t rows;
+  uint64_t row_units;
+  int32_t vec_log2;  // 0..4: 1, 2, 4, 8 or 16-byte units
+  int32_t n_outer;   // 0..kCopyMaxOuterDims
+  uint64_t extent[kCopyMaxOuterDims];
+  int64_t src_stride[kCopyMaxOuterDims];
+  int64_t dst_stride[kCopyMaxOuterDims];
+};
+
+// How many tasks one launch carries (by value, as a __grid_constant__ kernel
+// parameter: 64 * 208 bytes, under the 32764-byte limit of CUDA >= 12.1 on sm_70+).
+inline constexpr int kCopyTasksPerLaunch = 64;
+
+// Enqueues `n` copies (any n >= 0) on `stream`, in as few launches as fit. The tasks
+// must write disjoint bytes and not read what another task writes. `tasks` is host
+// memory borrowed for the duration of the call. Returns the first CUDA error.
+cudaError_t LaunchCopyTasks(const CopyTask* tasks, int n, cudaStream_t stream);
+
+}  // namespace jax_m2n
+
+#endif  // JAX_M2N_XLA_FFI_CUDA_PACK_H_
