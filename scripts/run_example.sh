@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The main job (README): installs what is missing, builds the extensions
+# (scripts/setup.sh), then runs examples/rl_refit.py from the repository root:
+# on the GPUs when there are GPUs and a CUDA-enabled jax, else on 8 CPU devices.
+#   ./scripts/run_example.sh [rl_refit.py arguments...]
+# Environment: JAX_M2N_CPU_DEVICES=8 (CPU device count), plus setup.sh's.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
+
+example=$ROOT/examples/rl_refit.py
+[ -f "$example" ] || { echo "run_example: $example not found" >&2; exit 1; }
+
+has_gpu=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then
+  if "$PY" -c "import importlib.metadata as m, sys; sys.exit(not any(
+      (d.metadata['Name'] or '').lower().startswith('jax-cuda') for d in m.distributions()))"; then
+    has_gpu=1
+  else
+    echo "run_example: GPUs found but $PY has no jax CUDA plugin (jax[cuda13]); using CPU devices" >&2
+  fi
+fi
+if [ "$has_gpu" = 0 ]; then
+  export JAX_PLATFORMS=cpu
+  export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=${JAX_M2N_CPU_DEVICES:-8}"
+fi
+
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PY" "$example" "$@"

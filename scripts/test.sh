@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): installs what is missing (scripts/setup.sh),
+# builds the extensions with Bazel, runs every test with Bazel, prints each test's
+# pytest summary line, and exits non-zero if anything failed.
+#   ./scripts/test.sh                      # everything
+#   ./scripts/test.sh //tests:planner_test # extra arguments go to `bazel test`
+set -euo pipefail
+export JAX_M2N_BUILDER=bazel  # tests run under Bazel
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
+
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(//...)
+
+marker=$(mktemp)
+trap 'rm -f "$marker"' EXIT
+rc=0
+bazel_run test "${targets[@]}" || rc=$?  # --nocache_test_results: see bazel_run
+
+# pytest's closing line ("12 passed, 1 skipped in 3.40s") from every log of this run.
+echo "pytest summaries:"
+find -L "$ROOT/bazel-testlogs" -name test.log -newer "$marker" 2>/dev/null | sort |
+  while read -r log; do
+    rel=${log#"$ROOT/bazel-testlogs/"}
+    line=$(grep -E "(passed|failed|error|errors|skipped|no tests ran|deselected).* in [0-9.]+s" "$log" |
+      tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
+    printf '  //%s:%s  %s\n' "$(dirname "$(dirname "$rel")")" "$(basename "$(dirname "$rel")")" \
+      "${line:-(no pytest summary: see $log)}"
+  done
+exit "$rc"
