@@ -11,6 +11,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "xla_ffi/cuda/pack.h"
+
 namespace jax_m2n {
 namespace {
 
@@ -257,6 +259,12 @@ std::string Communicator::Initialize(const InitOptions& o, bool* timed_out) {
         api_->GroupEnd();
         return JAX_M2N_AT("cudaSetDevice(" + std::to_string(lr->ordinal) +
                              ") failed: " + CudaError(cerr));
+      }
+      cerr = PreloadCopyKernel();
+      if (cerr != cudaSuccess) {
+        api_->GroupEnd();
+        return JAX_M2N_AT("loading the copy kernel on device " +
+                          std::to_string(lr->device_id) + " failed: " + CudaError(cerr));
       }
       r = api_->CommInitRankConfig(&lr->comm, n_ranks, id, lr->rank, &config);
       if (r != ncclSuccess && r != ncclInProgress) {

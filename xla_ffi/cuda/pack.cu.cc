@@ -134,4 +134,9 @@ cudaError_t LaunchCopyTasks(const CopyTask* tasks, int n, cudaStream_t stream) {
   return cudaSuccess;
 }
 
+cudaError_t PreloadCopyKernel() {
+  cudaFuncAttributes attributes;
+  return cudaFuncGetAttributes(&attributes, CopyBoxesKernel);
+}
+
 }  // namespace jax_m2n

@@ -41,6 +41,11 @@ inline constexpr int kCopyTasksPerLaunch = 64;
 // memory borrowed for the duration of the call. Returns the first CUDA error.
 cudaError_t LaunchCopyTasks(const CopyTask* tasks, int n, cudaStream_t stream);
 
+// Loads the copy kernel into the current device's context now. With CUDA's lazy module
+// loading, a first launch in the middle of a reshard may wait for the device's running
+// kernels (an NCCL receive waiting for a peer): a deadlock. Call once per device early.
+cudaError_t PreloadCopyKernel();
+
 }  // namespace jax_m2n
 
 #endif  // JAX_M2N_XLA_FFI_CUDA_PACK_H_
