@@ -1,0 +1,131 @@
+"""Benchmark of the CUDA transport on 4 GPUs (a program, not a test: it never fails on speed).
+
+Usage (GPU machine, after building jax_m2n/_ffi_cuda.so):
+  NCCL_NVLS_ENABLE=0 python3 tests/gpu_bench.py [--mib 1024] [--iters 10] [--warmup 3]
+      [--chunks-mib 16,64,256,1024] [--json OUT.json] [--no-device-put]
+
+Cases (bf16 [rows, 32768], --mib MiB in all; notes/benchmarking.md):
+  A  2 GPUs P('x', None) -> 2 other GPUs replicated           bound 2.75 ms/GiB
+  B  1 GPU -> 3 GPUs replicated                               bound 2.75 ms/GiB
+  C  2 GPUs P('x', None) -> 2 other GPUs P(None, 'x')         bound 1.37 ms/GiB
+Engines: jax_m2n hierarchical / flat / gather_bcast, jax.device_put; then the chunk-size
+sweep of the hierarchical route (jax_m2n._src.ops.DEFAULT_CHUNK_BYTES), and the latency of
+a 1 KiB reshard. Time = wall clock around reshard + block_until_ready (min and mean of
+--iters after --warmup); every engine's output is checked bitwise once against device_put.
+JSON: {"version": 1, "rows": [{case, engine, chunk_mib, min_ms, mean_ms, bound_ms}, ...]}.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_m2n  # noqa: E402
+from jax_m2n._src import ops as m2n_ops  # noqa: E402
+
+GBPS = 391.0  # measured copy-engine bandwidth per direction (notes/gpu-machine.md)
+
+
+def sharding(ids, spec):
+  g = jax.devices("gpu")
+  return NamedSharding(Mesh(np.array([g[i] for i in ids]), ("x",)), spec)
+
+
+def timed(fn, iters, warmup):
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  ts = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    ts.append((time.perf_counter() - t0) * 1e3)
+  return min(ts), sum(ts) / len(ts)
+
+
+def same(a, b):
+  for s, r in zip(sorted(a.addressable_shards, key=lambda s: s.device.id),
+                  sorted(b.addressable_shards, key=lambda s: s.device.id)):
+    if not np.array_equal(np.asarray(s.data).view(np.uint16), np.asarray(r.data).view(np.uint16)):
+      return False
+  return True
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--mib", type=int, default=1024)
+  ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--warmup", type=int, default=3)
+  ap.add_argument("--chunks-mib", default="16,64,256,1024")
+  ap.add_argument("--json", default="")
+  ap.add_argument("--no-device-put", action="store_true")
+  a = ap.parse_args()
+
+  cols = 32768
+  rows = a.mib * (1 << 20) // (2 * cols)
+  shape = (rows, cols)
+  gib = rows * cols * 2 / (1 << 30)
+  bound_full = gib * (1 << 30) / (GBPS * 1e9) * 1e3
+  cases = {
+      "A 2xP(x)->2 repl": ([0, 1], P("x", None), [2, 3], P(), bound_full),
+      "B 1->3 repl": ([0], P(), [1, 2, 3], P(), bound_full),
+      "C 2xP(x)->2xP(None,x)": ([0, 1], P("x", None), [2, 3], P(None, "x"), bound_full / 2),
+  }
+  host = np.random.default_rng(0).integers(1, 1 << 15, size=shape, dtype=np.uint16)
+  host = host.view(ml_dtypes.bfloat16)
+  out_rows = []
+
+  def record(case, engine, chunk, t, bound, ok):
+    row = dict(case=case, engine=engine, chunk_mib=chunk, min_ms=round(t[0], 3),
+               mean_ms=round(t[1], 3), bound_ms=round(bound, 3), bitwise_ok=ok)
+    out_rows.append(row)
+    print(f"{case:24s} {engine:22s} chunk={str(chunk):>5s}  min {t[0]:8.2f} ms  "
+          f"mean {t[1]:8.2f} ms  bound {bound:6.2f} ms  x{t[0] / bound:5.2f}  ok={ok}",
+          flush=True)
+
+  default_chunk = m2n_ops.DEFAULT_CHUNK_BYTES
+  for case, (si, ss, di, ds, bound) in cases.items():
+    src, dst = sharding(si, ss), sharding(di, ds)
+    x = jax.device_put(host, src)
+    ref = jax.device_put(x, dst)
+    if not a.no_device_put:
+      record(case, "device_put", None, timed(lambda: jax.device_put(x, dst), a.iters, a.warmup),
+             bound, True)
+    for route in ("hierarchical", "flat", "gather_bcast"):
+      m2n_ops.DEFAULT_CHUNK_BYTES = default_chunk
+      ok = same(jax_m2n.reshard(x, dst, route=route), ref)
+      t = timed(lambda: jax_m2n.reshard(x, dst, route=route), a.iters, a.warmup)
+      record(case, f"m2n-{route}", default_chunk >> 20, t, bound, ok)
+    for c in [int(v) for v in a.chunks_mib.split(",") if v]:
+      if (c << 20) == default_chunk:
+        continue
+      m2n_ops.DEFAULT_CHUNK_BYTES = c << 20
+      ok = same(jax_m2n.reshard(x, dst), ref)
+      t = timed(lambda: jax_m2n.reshard(x, dst), a.iters, a.warmup)
+      record(case, "m2n-hierarchical", c, t, bound, ok)
+    m2n_ops.DEFAULT_CHUNK_BYTES = default_chunk
+    del x, ref
+
+  # Fixed cost: 1 KiB from GPU 0 to GPU 2 (two per-device programs).
+  small = jax.device_put(np.arange(512, dtype=np.uint16).view(ml_dtypes.bfloat16),
+                         sharding([0], P()))
+  d2 = sharding([2], P())
+  t = timed(lambda: jax_m2n.reshard(small, d2), 50, 5)
+  record("1KiB 0->2", "m2n-hierarchical", None, t, 1e-3, True)
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump({"version": 1, "shape": shape, "dtype": "bfloat16", "rows": out_rows}, f,
+                indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,192 @@
+"""GPU tests of the CUDA transport (xla_ffi/cuda/): jax_m2n.reshard on 4 GPUs.
+
+Every route, eager (disjoint 2+2 and 1+3 device sets, overlapping, identical) and inside
+jit, emulated two-domain topologies (Topology(domain_size=2): the ring-forward stage runs),
+a pytree in one call, odd element sizes and shapes, a few random layouts; every result is
+bitwise equal to jax.device_put of the same array. Skipped without 4 GPUs (CI).
+
+Run on the GPU machine (after building jax_m2n/_ffi_cuda.so):
+  NCCL_NVLS_ENABLE=0 python3 -m pytest -q tests/gpu_test.py
+"""
+
+import os
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # multicast stays off (notes/gpu-machine.md)
+
+import jax  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_m2n  # noqa: E402
+
+
+def _gpus():
+  try:
+    return jax.devices("gpu")
+  except RuntimeError:
+    return []
+
+
+GPUS = _gpus()
+pytestmark = pytest.mark.skipif(len(GPUS) < 4, reason="needs 4 GPUs")
+
+ROUTES = ("hierarchical", "flat", "gather_bcast")
+
+
+def _sharding(ids, mesh_shape, spec, names=("x", "y")):
+  devs = np.array([GPUS[i] for i in ids], dtype=object).reshape(mesh_shape)
+  return NamedSharding(Mesh(devs, names[:len(mesh_shape)]), spec)
+
+
+def _random(shape, dtype, seed):
+  """Random bit patterns of `dtype` (never zeros: unwritten outputs must show)."""
+  rng = np.random.default_rng(seed)
+  itemsize = np.dtype(dtype).itemsize
+  raw = rng.integers(1, 255, size=int(np.prod(shape, dtype=np.int64)) * itemsize,
+                     dtype=np.uint8)
+  return raw.view(dtype).reshape(shape)
+
+
+def _bits(a):
+  a = np.asarray(a)
+  return a.view(f"u{a.dtype.itemsize}") if a.dtype.itemsize in (1, 2, 4, 8) else a
+
+
+def _check(out, ref, dst):
+  """`out` has `dst`'s layout and every shard bitwise equals the reference's."""
+  assert out.sharding.is_equivalent_to(dst, out.ndim), (out.sharding, dst)
+  by_device = {s.device: s for s in ref.addressable_shards}
+  for s in out.addressable_shards:
+    r = by_device[s.device]
+    assert s.index == r.index
+    np.testing.assert_array_equal(_bits(s.data), _bits(r.data),
+                                  err_msg=f"shard on {s.device} at {s.index}")
+
+
+def _run_case(src, dst, shape, dtype, route="hierarchical", topology=None, seed=0):
+  x = jax.device_put(_random(shape, dtype, seed), src)
+  ref = jax.device_put(x, dst)
+  out = jax_m2n.reshard(x, dst, route=route, topology=topology)
+  _check(out, ref, dst)
+  # A second call reuses the cached programs and plans.
+  x2 = jax.device_put(_random(shape, dtype, seed + 1), src)
+  _check(jax_m2n.reshard(x2, dst, route=route, topology=topology),
+         jax.device_put(x2, dst), dst)
+
+
+BF16 = ml_dtypes.bfloat16
+
+# (name, src (ids, mesh shape, spec), dst (ids, mesh shape, spec), shape, dtype)
+EAGER_CASES = [
+    ("2+2 dim0 -> replicated", ([0, 1], (2,), P("x", None)), ([2, 3], (2,), P()),
+     (64, 96), BF16),
+    ("2+2 dim0 -> dim1", ([0, 1], (2,), P("x", None)), ([2, 3], (2,), P(None, "x")),
+     (64, 96), BF16),
+    ("2+2 dim0 -> dim0", ([0, 1], (2,), P("x", None)), ([2, 3], (2,), P("x", None)),
+     (64, 96), np.float32),
+    ("1+3 -> replicated", ([0], (1,), P()), ([1, 2, 3], (3,), P()), (48, 40), BF16),
+    ("1+3 -> dim1", ([0], (1,), P()), ([1, 2, 3], (3,), P(None, "x")), (10, 48), np.int8),
+    ("overlap 3 -> 3", ([0, 1, 2], (3,), P("x")), ([1, 2, 3], (3,), P(None, "x")),
+     (48, 24), np.float32),
+    ("identical dim0 -> dim1", ([0, 1, 2, 3], (4,), P("x", None)),
+     ([0, 1, 2, 3], (4,), P(None, "x")), (32, 64), BF16),
+    ("identical permuted", ([0, 1, 2, 3], (4,), P("x")), ([3, 2, 1, 0], (4,), P("x")),
+     (64,), np.int32),
+    ("2x2 mesh -> transposed", ([0, 1, 2, 3], (2, 2), P("x", "y")),
+     ([0, 1, 2, 3], (2, 2), P("y", "x")), (8, 12, 6), np.int16),
+    ("3-D inner dim", ([0, 1], (2,), P(None, None, "x")), ([2, 3], (2,), P("x", None, None)),
+     (4, 6, 10), np.int8),
+    ("scalar-like rank 1", ([0], (1,), P()), ([1, 2, 3], (3,), P()), (1,), np.float64),
+]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", EAGER_CASES, ids=[c[0] for c in EAGER_CASES])
+def test_eager(case, route):
+  _, s, d, shape, dtype = case
+  _run_case(_sharding(*s), _sharding(*d), shape, dtype, route=route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_two_domains_ring_forward(route):
+  # Domains {0,1} and {2,3}: a destination replicated over both gets one injection per
+  # domain and ring forwarding between the leaders.
+  topo = jax_m2n.Topology(domain_size=2)
+  _run_case(_sharding([0], (1,), P()), _sharding([1, 2, 3], (3,), P()), (64, 80), BF16,
+            route=route, topology=topo)
+  _run_case(_sharding([0, 1], (2,), P("x", None)), _sharding([0, 1, 2, 3], (4,), P()),
+            (64, 80), BF16, route=route, topology=topo)
+  _run_case(_sharding([0, 2], (2,), P(None, "x")), _sharding([1, 3], (2,), P()),
+            (32, 64), np.float32, route=route, topology=topo)
+
+
+def test_pytree_one_call():
+  src2 = _sharding([0, 1], (2,), P("x", None))
+  tree = {
+      "w": jax.device_put(_random((64, 32), BF16, 1), src2),
+      "b": jax.device_put(_random((16,), np.float32, 2), _sharding([0, 1], (2,), P())),
+      "e": jax.device_put(_random((8, 6, 4), np.int8, 3), _sharding([0, 1], (2,), P(None, "x"))),
+  }
+  dst = {
+      "w": _sharding([2, 3], (2,), P(None, "x")),
+      "b": _sharding([2, 3], (2,), P("x")),
+      "e": _sharding([1, 2, 3], (3,), P(None, "x")),
+  }
+  out = jax_m2n.reshard(tree, dst)
+  for k in tree:
+    _check(out[k], jax.device_put(tree[k], dst[k]), dst[k])
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_inside_jit(route):
+  src = _sharding([0, 1, 2, 3], (4,), P("x", None))
+  for dst_spec in (P(None, "x"), P(), P("x", None)):
+    dst = _sharding([0, 1, 2, 3], (4,), dst_spec)
+    f = jax.jit(lambda a, dst=dst: jax_m2n.reshard(a, dst, route=route, src_sharding=src))
+    x = jax.device_put(_random((64, 128), BF16, 5), src)
+    out = f(x)
+    _check(out, jax.device_put(x, dst), dst)
+    x2 = jax.device_put(_random((64, 128), BF16, 6), src)
+    _check(f(x2), jax.device_put(x2, dst), dst)
+
+
+def test_inside_jit_2x2_mesh_and_pytree():
+  devs = np.array(GPUS[:4], dtype=object).reshape(2, 2)
+  mesh = Mesh(devs, ("dp", "tp"))
+  src = {"a": NamedSharding(mesh, P("dp", "tp")), "b": NamedSharding(mesh, P(("dp", "tp")))}
+  dst = {"a": NamedSharding(mesh, P("tp", None)), "b": NamedSharding(mesh, P())}
+  x = {"a": jax.device_put(_random((8, 16), np.float32, 7), src["a"]),
+       "b": jax.device_put(_random((32,), BF16, 8), src["b"])}
+  out = jax.jit(lambda t: jax_m2n.reshard(t, dst, src_sharding=src))(x)
+  for k in x:
+    _check(out[k], jax.device_put(x[k], dst[k]), dst[k])
+
+
+def _random_sharding(rng, ids_pool, shape):
+  n = int(rng.choice([1, 2, 3, 4]))
+  ids = [int(i) for i in rng.permutation(ids_pool)[:n]]
+  spec = [None] * len(shape)
+  dims = [d for d in range(len(shape)) if shape[d] % n == 0]
+  if n > 1 and dims and rng.random() < 0.8:
+    spec[int(rng.choice(dims))] = "x"
+  return _sharding(ids, (n,), P(*spec))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_layouts(seed):
+  rng = np.random.default_rng(100 + seed)
+  shape = tuple(int(v) for v in rng.choice([6, 12, 24], size=int(rng.integers(1, 4))))
+  dtype = [np.int8, BF16, np.float32][seed % 3]
+  src = _random_sharding(rng, range(4), shape)
+  dst = _random_sharding(rng, range(4), shape)
+  route = ROUTES[seed % 3]
+  _run_case(src, dst, shape, dtype, route=route, seed=seed)
+
+
+def test_large_chunked_and_packed():
+  # 64 MiB: several chunks per transfer (default 16 MiB) and packed dim1 boxes.
+  src = _sharding([0, 1], (2,), P("x", None))
+  for spec in (P(None, "x"), P()):
+    _run_case(src, _sharding([2, 3], (2,), spec), (4096, 8192), BF16)

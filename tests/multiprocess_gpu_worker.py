@@ -1,0 +1,123 @@
+"""One process of tests/multiprocess_gpu_test.py: jax.distributed on loopback, 1 GPU each.
+
+Not a test by itself (no `_test` suffix). Usage, one per process, started together:
+  python3 tests/multiprocess_gpu_worker.py --process-id I --num-processes 4 --port P \
+      --scenario refit|timeout
+Prints "RESULT <scenario> process=I ok ..." on success; exits non-zero otherwise.
+
+Scenarios:
+  refit    2 + 2 trainer -> generator refit (the RL case): GPUs 0,1 hold P('x', None),
+           GPUs 2,3 receive it replicated, as P(None, 'x'), and over two emulated
+           NVLink domains; every route; outputs checked bitwise against numpy.
+  timeout  the receiver's peer never calls: the receiving process sees the call fail
+           within its timeout (watchdog + ncclCommAbort), not a hang.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _bits(a):
+  import numpy as np
+  a = np.asarray(a)
+  return a.view(f"u{a.dtype.itemsize}")
+
+
+def _refit(jax, jax_m2n, pid):
+  import ml_dtypes
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  devs = jax.devices()
+  assert len(devs) == 4, devs
+  src = NamedSharding(Mesh(np.array(devs[:2]), ("x",)), P("x", None))
+  gen = Mesh(np.array(devs[2:]), ("x",))
+  shape = (512, 1024)
+  rng = np.random.default_rng(7)
+  host = rng.integers(1, 1 << 16, size=shape, dtype=np.uint16).view(ml_dtypes.bfloat16)
+  x = jax.make_array_from_callback(shape, src, lambda idx: host[idx])
+  cases = [(P(), "hierarchical", None), (P(None, "x"), "hierarchical", None),
+           (P(), "flat", None), (P(), "gather_bcast", None),
+           (P(), "hierarchical", jax_m2n.Topology(domain_size=2))]
+  times = []
+  for spec, route, topo in cases:
+    dst = NamedSharding(gen, spec)
+    for it in range(3):
+      t0 = time.perf_counter()
+      y = jax_m2n.reshard(x, dst, route=route, topology=topo)
+      jax.block_until_ready(y)
+      times.append(time.perf_counter() - t0)
+      for s in y.addressable_shards:
+        np.testing.assert_array_equal(_bits(s.data), _bits(host[s.index]),
+                                      err_msg=f"{route} {spec} process {pid} {s.index}")
+  from jax_m2n._src import ffi as m2n_ffi  # noqa: F401
+  import jax_m2n._ffi_cuda as cuda
+  assert cuda.error() is None, cuda.error()
+  return f"cases={len(cases)} last_ms={times[-1] * 1e3:.2f}"
+
+
+def _timeout(jax, jax_m2n, pid):
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax._src import distributed
+  devs = jax.devices()
+  client = distributed.global_state.client
+  # Every process creates the communicator first (a collective): a tiny 4-device refit.
+  src4 = NamedSharding(Mesh(np.array(devs), ("x",)), P("x"))
+  z = jax.make_array_from_callback((8,), src4, lambda idx: np.arange(8, dtype=np.float32)[idx])
+  jax.block_until_ready(jax_m2n.reshard(z, NamedSharding(Mesh(np.array(devs[::-1]), ("x",)), P("x"))))
+  src = NamedSharding(Mesh(np.array(devs[:1]), ("x",)), P())
+  dst = NamedSharding(Mesh(np.array(devs[1:2]), ("x",)), P())
+  x = jax.make_array_from_callback((256,), src, lambda idx: np.ones(256, np.float32)[idx])
+  outcome = "idle"
+  if pid == 1:  # the receiver; process 0 (the sender) never calls
+    import jax_m2n._ffi_cuda as cuda
+    t0 = time.perf_counter()
+    try:
+      y = jax_m2n.reshard(x, dst, timeout_s=3.0)
+      jax.block_until_ready(y)
+      err = cuda.error()
+      outcome = f"returned_after_s={time.perf_counter() - t0:.1f} error={err is not None}"
+      if err is None:
+        raise AssertionError("no error recorded after the peer never arrived")
+    except jax_m2n.ReshardError as e:
+      outcome = f"raised_after_s={time.perf_counter() - t0:.1f} {type(e).__name__}"
+    # The communicator is aborted: the next reshard fails at once, naming the cause.
+    try:
+      jax.block_until_ready(jax_m2n.reshard(x, dst, timeout_s=3.0))
+      raise AssertionError("a reshard after the abort succeeded")
+    except jax_m2n.ReshardError as e:
+      assert "timeout" in str(e).lower() or "abort" in str(e).lower(), e
+      outcome += " next_call_raised"
+  client.wait_at_barrier("jax_m2n_timeout_done", 120_000)
+  return outcome
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--process-id", type=int, required=True)
+  p.add_argument("--num-processes", type=int, default=4)
+  p.add_argument("--port", type=int, required=True)
+  p.add_argument("--scenario", choices=("refit", "timeout"), default="refit")
+  a = p.parse_args()
+  import jax
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}",
+                             num_processes=a.num_processes, process_id=a.process_id,
+                             local_device_ids=[a.process_id],
+                             initialization_timeout=120)
+  import jax_m2n
+  fn = {"refit": _refit, "timeout": _timeout}[a.scenario]
+  detail = fn(jax, jax_m2n, a.process_id)
+  print(f"RESULT {a.scenario} process={a.process_id} ok {detail}", flush=True)
+  # Skip NCCL/XLA teardown races at exit: every process is done with the communicator.
+  jax.distributed.shutdown()
+  os._exit(0)
+
+
+if __name__ == "__main__":
+  main()
