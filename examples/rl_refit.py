@@ -1,0 +1,590 @@
+"""RL weight refit with jax_m2n: a small policy learns to reverse digit strings.
+
+The trainer updates a decoder-only transformer in its layout (default FSDP x TP on one
+half of the devices); before every rollout `jax_m2n.reshard` moves the whole parameter
+pytree, in one call, into the generator's layout (default TP x DP on the other half),
+where jitted sampling answers a batch of prompts. Owns the demo loop only: weights reach
+the generator through `jax_m2n.reshard` alone (`jax.device_put` runs once, as the baseline).
+
+Usage (from the repository root; without a GPU it runs on 8 forced CPU devices):
+  python -m examples.rl_refit                                   # fsdp2xtp2->tp2xdp2
+  python -m examples.rl_refit --layouts='fsdp4->tp2xdp2@same' --route=flat
+  python -m examples.rl_refit --generator_mesh=data=2,model=2 \
+      --generator_specs=batch=data,hidden=model,vocab=model
+"""
+
+import os
+
+
+def _default_to_cpu_devices():
+  """Without a GPU, runs on 8 forced host devices (must happen before jax starts)."""
+  if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if (os.environ.get("JAX_PLATFORMS") == "cpu"
+      and "xla_force_host_platform_device_count" not in xla_flags):
+    os.environ["XLA_FLAGS"] = (
+        xla_flags + " --xla_force_host_platform_device_count=8").strip()
+
+
+_default_to_cpu_devices()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import dataclasses
+import functools
+import json
+import math
+import re
+import sys
+import time
+from typing import Any, Optional
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import jax_m2n
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+try:  # rich draws the progress bar; plain lines are printed without it.
+  import rich.progress
+except ImportError:
+  rich = None
+
+ROUTES = ("hierarchical", "flat", "gather_bcast")
+# Layout presets named in the docs; --layouts accepts any name of the same grammar.
+PRESETS = ("fsdp2xtp2->tp2xdp2", "fsdp4->tp4", "tp2->tp2xdp2", "fsdp4->tp2xdp2@same")
+# What each conventional mesh axis shards: logical axes of parameters and of the batch.
+AXIS_ROLES = {"fsdp": ("batch", "model"), "tp": ("hidden", "vocab"), "dp": ("batch",)}
+LOGICAL_AXES = ("batch", "model", "hidden", "vocab")
+# Logical axes of each parameter, by leaf name (see init_params).
+PARAM_AXES = {
+    "embed": ("vocab", "model"), "pos": (None, "model"),
+    "ln1": ("model",), "wq": ("model", "hidden"), "wk": ("model", "hidden"),
+    "wv": ("model", "hidden"), "wo": ("hidden", "model"),
+    "ln2": ("model",), "w1": ("model", "hidden"), "w2": ("hidden", "model"),
+    "ln_f": ("model",), "unembed": ("model", "vocab"),
+}
+NUM_DIGITS = 10
+SEP = NUM_DIGITS      # token between prompt and answer
+VOCAB = 16            # 10 digits + SEP, padded so TP up to 16 divides it
+
+
+def _option(default, help_text, choices=None):
+  return dataclasses.field(default=default,
+                           metadata={"help": help_text, "choices": choices})
+
+
+@dataclasses.dataclass(frozen=True)
+class RefitConfig:
+  """Everything a run needs; each field is also a command-line flag."""
+  layouts: str = _option(
+      PRESETS[0], "trainer->generator layouts: mesh axes fsdp/tp/dp with sizes joined "
+      "by 'x', '@same' puts the generator on the trainer's devices. Presets: "
+      + ", ".join(PRESETS) + ".")
+  trainer_mesh: str = _option(
+      "", "explicit trainer mesh 'name=size,...' (replaces the preset's; devices "
+      "must suffice, no fitting)")
+  generator_mesh: str = _option("", "explicit generator mesh 'name=size,...'")
+  trainer_specs: str = _option(
+      "", "explicit trainer sharding rules 'logical=mesh_axis[+mesh_axis],...' over "
+      "logical axes " + "/".join(LOGICAL_AXES) + " ('logical=' replicates); "
+      "default: by axis name, " + ", ".join(
+          f"{k}: {'+'.join(v)}" for k, v in AXIS_ROLES.items()))
+  generator_specs: str = _option("", "explicit generator sharding rules, as above")
+  devices_per_side: int = _option(
+      0, "devices each side may use (0: half of all, or all with @same); a preset "
+      "layout larger than that is halved from its rightmost axis")
+  route: str = _option(ROUTES[0], "jax_m2n.reshard route", ROUTES)
+  layers: int = _option(2, "transformer layers")
+  d_model: int = _option(64, "model width")
+  heads: int = _option(4, "attention heads")
+  d_ff: int = _option(0, "MLP width (0: 4 * d_model)")
+  digits: int = _option(5, "digits per prompt (the answer reverses them)")
+  batch_size: int = _option(512, "sampled answers per step")
+  group_size: int = _option(8, "answers sampled per prompt (advantages are "
+                            "normalized within each group)")
+  steps: int = _option(400, "RL steps (refit + rollout + train)")
+  learning_rate: float = _option(3e-3, "Adam learning rate")
+  seed: int = _option(0, "seed of parameters, prompts and sampling")
+  window: int = _option(20, "steps per moving average of the reward")
+  log_every: int = _option(25, "print a progress line every this many steps")
+  timing_reps: int = _option(10, "timed refits per engine at the end (after 3 "
+                             "warm-ups): jax_m2n.reshard vs jax.device_put")
+  progress: bool = _option(True, "draw a progress bar (needs rich)")
+  json_out: str = _option("", "write the metrics as JSON to this path")
+
+  @property
+  def ffn(self):
+    return self.d_ff or 4 * self.d_model
+
+  @property
+  def seq_len(self):   # prompt, SEP, answer
+    return 2 * self.digits + 1
+
+
+# ---------------------------------------------------------------- layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class Side:
+  """One side's layout: a mesh over its devices plus logical-axis rules."""
+  mesh: Mesh
+  rules: dict   # logical axis -> tuple of mesh axes
+
+  def spec(self, logical_axes):
+    return P(*(self._mesh_axes(a) for a in logical_axes))
+
+  def sharding(self, logical_axes):
+    return NamedSharding(self.mesh, self.spec(logical_axes))
+
+  def _mesh_axes(self, logical):
+    axes = self.rules.get(logical, ()) if logical else ()
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+  def describe(self):
+    shape = ",".join(f"{n}={s}" for n, s in self.mesh.shape.items())
+    ids = [d.id for d in self.mesh.devices.flat]
+    rules = ", ".join(f"{k}->{'+'.join(v)}" for k, v in self.rules.items() if v)
+    return f"mesh({shape}) on devices {ids}; {rules or 'replicated'}"
+
+
+def _parse_mesh(text, what):
+  """'fsdp2xtp2' (preset grammar) or 'fsdp=2,tp=2' -> [(name, size), ...]."""
+  pattern = (r"([A-Za-z_]\w*)=(\d+)" if "=" in text else r"([a-z_]+?)(\d+)")
+  separator = "," if "=" in text else "x"
+  axes = []
+  for term in text.split(separator):
+    match = re.fullmatch(pattern, term.strip())
+    if not match or int(match.group(2)) < 1:
+      raise ValueError(f"rl_refit: {what} must be axes like 'fsdp2xtp2' or "
+                       f"'fsdp=2,tp=2' with sizes >= 1; got {text!r}.")
+    axes.append((match.group(1), int(match.group(2))))
+  if len({n for n, _ in axes}) != len(axes):
+    raise ValueError(f"rl_refit: {what} must name each axis once; got {text!r}.")
+  return axes
+
+
+def _fit(axes, devices, what):
+  """Halves the rightmost axis > 1 until the layout fits on `devices` devices."""
+  axes = list(axes)
+  while math.prod(s for _, s in axes) > devices:
+    i = max(i for i, (_, s) in enumerate(axes) if s > 1)
+    name, size = axes[i]
+    if size % 2:
+      raise ValueError(f"rl_refit: {what} must fit on {devices} devices by halving "
+                       f"axes; got axis {name}={size}. Pass --devices_per_side.")
+    axes[i] = (name, size // 2)
+  return axes
+
+
+def _parse_rules(text, mesh_axes, what):
+  """'batch=fsdp,model=fsdp,hidden=tp' -> {logical: (mesh axes...)}."""
+  if not text:
+    unknown = [n for n in mesh_axes if n not in AXIS_ROLES]
+    if unknown:
+      raise ValueError(f"rl_refit: {what} mesh axes must be among "
+                       f"{sorted(AXIS_ROLES)} unless rules are given; got "
+                       f"{unknown}. Pass the side's --*_specs.")
+    return {logical: tuple(n for n in mesh_axes if logical in AXIS_ROLES[n])
+            for logical in LOGICAL_AXES}
+  rules = {logical: () for logical in LOGICAL_AXES}
+  for term in text.split(","):
+    logical, _, targets = term.partition("=")
+    logical = logical.strip()
+    targets = tuple(t.strip() for t in targets.split("+") if t.strip())
+    if logical not in rules or any(t not in mesh_axes for t in targets):
+      raise ValueError(f"rl_refit: {what} specs must map logical axes "
+                       f"{LOGICAL_AXES} to mesh axes {tuple(mesh_axes)}; got "
+                       f"{term!r}.")
+    rules[logical] = targets
+  return rules
+
+
+def make_sides(cfg, devices):
+  """Resolves the layout flags into (trainer Side, generator Side)."""
+  match = re.fullmatch(r"\s*(\w+)\s*->\s*(\w+)\s*(@same)?\s*", cfg.layouts)
+  if not match:
+    raise ValueError("rl_refit: --layouts must read '<trainer>-><generator>[@same]' "
+                     f"like {PRESETS[0]!r}; got {cfg.layouts!r}.")
+  colocated = bool(match.group(3))
+  per_side = cfg.devices_per_side or (
+      len(devices) if colocated else len(devices) // 2)
+  sides = []
+  for which, preset, explicit_mesh, specs in (
+      ("trainer", match.group(1), cfg.trainer_mesh, cfg.trainer_specs),
+      ("generator", match.group(2), cfg.generator_mesh, cfg.generator_specs)):
+    axes = (_parse_mesh(explicit_mesh, f"--{which}_mesh") if explicit_mesh else
+            _fit(_parse_mesh(preset, f"--layouts {which}"), per_side, which))
+    rules = _parse_rules(specs, [n for n, _ in axes], which)
+    sides.append((axes, rules))
+  sizes = [math.prod(s for _, s in axes) for axes, _ in sides]
+  first = (0, 0) if colocated else (0, sizes[0])
+  needed = max(sizes) if colocated else sum(sizes)
+  if needed > len(devices):
+    raise ValueError(f"rl_refit: layouts must fit on the {len(devices)} devices; "
+                     f"got {cfg.layouts!r} needing {needed} (trainer {sizes[0]}, "
+                     f"generator {sizes[1]}).")
+  return tuple(
+      Side(Mesh(np.array(devices[f:f + n]).reshape([s for _, s in axes]),
+                tuple(name for name, _ in axes)), rules)
+      for (axes, rules), f, n in zip(sides, first, sizes))
+
+
+def param_shardings(params, side):
+  """Per-leaf NamedSharding of `params` in `side`'s layout (by PARAM_AXES)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: side.sharding(PARAM_AXES[path[-1].key]), params)
+
+
+# ---------------------------------------------------------------- model
+
+
+def init_params(key, cfg):
+  """A pre-LayerNorm decoder-only transformer with learned positions."""
+  keys = iter(jax.random.split(key, 4 + 6 * cfg.layers))
+  d, f = cfg.d_model, cfg.ffn
+  normal = lambda shape, scale: scale * jax.random.normal(next(keys), shape)
+  residual_scale = (2 * cfg.layers) ** -0.5   # keeps the residual stream O(1)
+  layer = lambda: {
+      "ln1": jnp.ones(d), "wq": normal((d, d), d ** -0.5),
+      "wk": normal((d, d), d ** -0.5), "wv": normal((d, d), d ** -0.5),
+      "wo": normal((d, d), d ** -0.5 * residual_scale),
+      "ln2": jnp.ones(d), "w1": normal((d, f), d ** -0.5),
+      "w2": normal((f, d), f ** -0.5 * residual_scale)}
+  return {"embed": normal((VOCAB, d), 1.0), "pos": normal((cfg.seq_len, d), 0.1),
+          "layers": [layer() for _ in range(cfg.layers)],
+          "ln_f": jnp.ones(d), "unembed": normal((d, VOCAB), d ** -0.5)}
+
+
+def _layer_norm(x, scale):
+  x = x - x.mean(-1, keepdims=True)
+  return scale * x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5)
+
+
+def policy_logits(params, tokens, heads):
+  """Logits over the next token, restricted to digits: [batch, time, VOCAB]."""
+  _, t = tokens.shape
+  x = params["embed"][tokens] + params["pos"][:t]
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  for p in params["layers"]:
+    h = _layer_norm(x, p["ln1"])
+    q, k, v = (jnp.reshape(h @ p[w], h.shape[:2] + (heads, -1))
+               for w in ("wq", "wk", "wv"))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+    attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+    x = x + attended.reshape(x.shape[:2] + (-1,)) @ p["wo"]
+    x = x + jax.nn.gelu(_layer_norm(x, p["ln2"]) @ p["w1"]) @ p["w2"]
+  logits = _layer_norm(x, params["ln_f"]) @ params["unembed"]
+  return jnp.where(jnp.arange(VOCAB) < NUM_DIGITS, logits, -1e9)
+
+
+def sample(params, prompts, key, *, heads):
+  """Answers each prompt autoregressively; returns [batch, seq_len] tokens."""
+  batch, digits = prompts.shape
+  tokens = jnp.zeros((batch, 2 * digits + 1), jnp.int32)
+  tokens = tokens.at[:, :digits].set(prompts).at[:, digits].set(SEP)
+
+  def next_token(i, tokens):
+    # Recomputes the whole (short) sequence instead of keeping a KV cache.
+    logits = policy_logits(params, tokens, heads)[:, digits + i]
+    token = jax.random.categorical(jax.random.fold_in(key, i), logits)
+    return tokens.at[:, digits + 1 + i].set(token.astype(jnp.int32))
+
+  return jax.lax.fori_loop(0, digits, next_token, tokens)
+
+
+def train_step(params, opt_state, tokens, advantages, *, heads, learning_rate):
+  """One policy-gradient step: REINFORCE on per-digit advantages, then Adam."""
+  digits = advantages.shape[1]
+
+  def loss_fn(params):
+    logits = policy_logits(params, tokens[:, :-1], heads)[:, digits:]
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits),
+                               tokens[:, digits + 1:, None], axis=-1)[..., 0]
+    return -(advantages * logp).sum(-1).mean()
+
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  params, opt_state = adam(params, grads, opt_state, learning_rate)
+  return params, opt_state, loss
+
+
+def adam(params, grads, state, learning_rate, b1=0.9, b2=0.99, eps=1e-8):
+  """Adam (Kingma & Ba), bias-corrected; state = (m, v, step count)."""
+  m, v, count = state
+  count = count + 1
+  m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, grads)
+  v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, grads)
+  step = learning_rate * jnp.sqrt(1 - b2 ** count) / (1 - b1 ** count)
+  params = jax.tree.map(lambda p, m, v: p - step * m / (jnp.sqrt(v) + eps),
+                        params, m, v)
+  return params, (m, v, count)
+
+
+def rewards_and_advantages(prompts, tokens, group_size):
+  """The verifier: per-digit reward 1 where the answer digit reverses the prompt.
+
+  Advantages are GRPO-style, per digit position: each reward minus its group's
+  mean (the answers sampled for the same prompt), over the group's std + 0.1.
+  """
+  digits = prompts.shape[1]
+  correct = (tokens[:, digits + 1:] == prompts[:, ::-1]).astype(np.float32)
+  grouped = correct.reshape(-1, group_size, digits)
+  advantages = (grouped - grouped.mean(1, keepdims=True)) / (
+      grouped.std(1, keepdims=True) + 0.1)
+  return correct, advantages.reshape(correct.shape)
+
+
+def checksums(params):
+  """Per-leaf uint32 checksum of the bits (position-weighted, so order matters)."""
+  def leaf(x):
+    bits = jax.lax.bitcast_convert_type(
+        x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
+    index = jnp.zeros(x.shape, jnp.uint32)   # row-major element index, no reshape
+    for dim in range(x.ndim):
+      stride = np.uint32(math.prod(x.shape[dim + 1:]))
+      index += jax.lax.broadcasted_iota(jnp.uint32, x.shape, dim) * stride
+    return jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32)
+  return jnp.stack([leaf(x) for x in jax.tree.leaves(params)])
+
+
+# ---------------------------------------------------------------- the loop
+
+
+@dataclasses.dataclass
+class RefitResult:
+  """What a run produced; the test and the docs read these."""
+  trainer_params: Any
+  generator_params: Any          # the last refit's output
+  generator_shardings: Any
+  rewards: list                  # per step: mean per-digit reward
+  exact: list                    # per step: fraction of exact answers
+  checksums_equal: list          # per step: trainer vs generator, every leaf
+  times_ms: dict                 # phase -> per-step list (train, refit, rollout)
+  reshard_ms: list               # the final comparison, jax_m2n.reshard
+  device_put_ms: list            # ... and jax.device_put of the same pytree
+  baseline_equal: bool           # device_put's output bitwise equals reshard's
+
+
+class _Display:
+  """A rich progress bar on a terminal (when asked for), plain lines otherwise."""
+
+  def __init__(self, cfg):
+    self._bar = None
+    if cfg.progress and rich is not None and sys.stdout.isatty():
+      self._bar = rich.progress.Progress(
+          rich.progress.TextColumn("[bold]RL refit"), rich.progress.BarColumn(),
+          rich.progress.MofNCompleteColumn(), rich.progress.TextColumn("{task.fields[status]}"),
+          rich.progress.TimeElapsedColumn())
+      self._task = self._bar.add_task("", total=cfg.steps, status="")
+      self._bar.start()
+
+  def update(self, status):
+    if self._bar is not None:
+      self._bar.update(self._task, advance=1, status=status)
+
+  def print(self, line):
+    if self._bar is not None:
+      self._bar.console.print(line, highlight=False, markup=False)
+    else:
+      print(line, flush=True)
+
+  def close(self):
+    if self._bar is not None:
+      self._bar.stop()
+
+
+def _timed(fn, *args):
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  return out, 1e3 * (time.perf_counter() - start)
+
+
+def run(cfg: RefitConfig, devices: Optional[list] = None) -> RefitResult:
+  """Trains the policy for cfg.steps RL steps; see the module docstring."""
+  if cfg.batch_size % cfg.group_size:
+    raise ValueError(f"rl_refit: --batch_size must be a multiple of --group_size "
+                     f"({cfg.group_size}); got {cfg.batch_size}.")
+  if cfg.d_model % cfg.heads:
+    raise ValueError(f"rl_refit: --d_model must be a multiple of --heads "
+                     f"({cfg.heads}); got {cfg.d_model}.")
+  devices = list(devices or jax.devices())
+  trainer, generator = make_sides(cfg, devices)
+  log = _Display(cfg)
+  log.print(f"trainer:   {trainer.describe()}")
+  log.print(f"generator: {generator.describe()}")
+
+  key = jax.random.key(cfg.seed)
+  init = functools.partial(init_params, cfg=cfg)
+  shapes = jax.eval_shape(init, key)
+  train_shardings = param_shardings(shapes, trainer)
+  gen_shardings = param_shardings(shapes, generator)
+  params = jax.jit(init, out_shardings=train_shardings)(jax.random.fold_in(key, 0))
+  zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p),
+                  out_shardings=train_shardings)
+  opt_state = (zeros(params), zeros(params),
+               jax.device_put(jnp.zeros((), jnp.int32), trainer.sharding(())))
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  log.print(f"policy: {len(jax.tree.leaves(params))} tensors, {nbytes / 2**20:.2f} MiB; "
+            f"task: reverse {cfg.digits} digits; refit route: {cfg.route}")
+
+  train_batch = trainer.sharding(("batch", None))
+  gen_batch = generator.sharding(("batch", None))
+  train_fn = jax.jit(
+      train_step, static_argnames=("heads", "learning_rate"), donate_argnums=(0, 1),
+      out_shardings=(train_shardings, jax.tree.map(lambda x: x.sharding, opt_state),
+                     trainer.sharding(())))
+  sample_fn = jax.jit(sample, static_argnames=("heads",), out_shardings=gen_batch)
+  checksum_fn = jax.jit(checksums)
+  # The refit: the whole parameter pytree in one call, one transfer plan.
+  refit = lambda p: jax_m2n.reshard(p, gen_shardings, route=cfg.route)
+
+  rng = np.random.default_rng(cfg.seed)
+  prompts_per_step = cfg.batch_size // cfg.group_size
+  times = {"train": [], "refit": [], "rollout": []}
+  rewards, exact, equal = [], [], []
+
+  def check_equal(params, gen_params, when):
+    """Verification, outside the timed phases: each side checksums its own copy."""
+    sums = jax.device_get((checksum_fn(params), checksum_fn(gen_params)))
+    if not np.array_equal(*sums):
+      raise RuntimeError(f"rl_refit: {when}: the generator's parameters must equal "
+                         "the trainer's bitwise; the checksums of leaves "
+                         f"{np.flatnonzero(sums[0] != sums[1]).tolist()} differ.")
+    return True
+
+  for step in range(cfg.steps):
+    gen_params, refit_ms = _timed(refit, params)
+    equal.append(check_equal(params, gen_params, f"step {step}"))
+
+    start = time.perf_counter()
+    prompts = np.repeat(rng.integers(0, NUM_DIGITS, (prompts_per_step, cfg.digits)),
+                        cfg.group_size, axis=0).astype(np.int32)
+    tokens = np.asarray(sample_fn(gen_params, jax.device_put(prompts, gen_batch),
+                                  jax.random.fold_in(key, step + 1), heads=cfg.heads))
+    correct, advantages = rewards_and_advantages(prompts, tokens, cfg.group_size)
+    rollout_ms = 1e3 * (time.perf_counter() - start)
+
+    (params, opt_state, _), train_ms = _timed(
+        lambda: train_fn(params, opt_state, jax.device_put(tokens, train_batch),
+                         jax.device_put(advantages, train_batch),
+                         heads=cfg.heads, learning_rate=cfg.learning_rate))
+    for phase, ms in (("train", train_ms), ("refit", refit_ms), ("rollout", rollout_ms)):
+      times[phase].append(ms)
+    rewards.append(float(correct.mean()))
+    exact.append(float(correct.all(1).mean()))
+    status = (f"reward {rewards[-1]:.3f} exact {exact[-1]:.3f} | train {train_ms:.0f} "
+              f"refit {refit_ms:.1f} rollout {rollout_ms:.0f} ms")
+    log.update(status)
+    if step % cfg.log_every == 0 or step == cfg.steps - 1:
+      log.print(f"step {step:4d}  {status} | checksums equal")
+  log.close()
+
+  gen_params = refit(params)
+  check_equal(params, gen_params, "after the last step")
+  reshard_ms, device_put_ms = _compare_refits(
+      params, refit, lambda p: jax.device_put(p, gen_shardings), cfg.timing_reps)
+  baseline = jax.device_put(params, gen_shardings)
+  baseline_equal = all(
+      np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+      for a, b in zip(jax.tree.leaves(gen_params), jax.tree.leaves(baseline)))
+  result = RefitResult(params, gen_params, gen_shardings, rewards, exact, equal,
+                       times, reshard_ms, device_put_ms, baseline_equal)
+  _report(cfg, result, nbytes)
+  return result
+
+
+def _compare_refits(params, refit, device_put, reps, warmups=3):
+  """Times both engines on the same pytree, interleaved, after warm-ups."""
+  timings = ([], [])
+  for rep in range(warmups + reps):
+    for engine, out in zip((refit, device_put), timings):
+      _, ms = _timed(engine, params)
+      if rep >= warmups:
+        out.append(ms)
+  return timings
+
+
+def _report(cfg, result, nbytes):
+  """Prints learning (first vs last moving average) and the time table."""
+  w = min(cfg.window, max(1, len(result.rewards) // 2))
+  first, last = np.mean(result.rewards[:w]), np.mean(result.rewards[-w:])
+  first_exact, last_exact = np.mean(result.exact[:w]), np.mean(result.exact[-w:])
+  print(f"\nreward (mean per-digit, moving average of {w} steps): first {first:.3f} -> "
+        f"last {last:.3f}; exact answers {first_exact:.3f} -> {last_exact:.3f}")
+  print(f"checksums equal on all {len(result.checksums_equal)} steps: "
+        f"{all(result.checksums_equal)}; device_put output equals reshard output: "
+        f"{result.baseline_equal}")
+
+  # The first step compiles everything; it is left out unless it is the only one.
+  skip = 1 if len(result.rewards) > 1 else 0
+  phase_ms = {k: float(np.mean(v[skip:])) for k, v in result.times_ms.items()}
+  step_ms = sum(phase_ms.values())
+  print(f"\nper RL step, mean of steps {skip + 1}-{len(result.rewards)} "
+        f"(route={cfg.route}, {nbytes / 2**20:.2f} MiB of parameters):\n")
+  print("| phase | ms / step | share of step |\n| --- | ---: | ---: |")
+  for phase in ("train", "refit", "rollout"):
+    print(f"| {phase} | {phase_ms[phase]:.1f} | {100 * phase_ms[phase] / step_ms:.1f}% |")
+  print(f"| step | {step_ms:.1f} | 100% |")
+
+  other_ms = step_ms - phase_ms["refit"]
+  print(f"\nrefit of the same pytree, {len(result.reshard_ms)} reps after warm-up "
+        "(refit share: if this engine did every step's refit):\n")
+  print("| engine | mean ms | min ms | refit share of step |\n| --- | ---: | ---: | ---: |")
+  for name, ms in ((f"jax_m2n.reshard ({cfg.route})", result.reshard_ms),
+                   ("jax.device_put", result.device_put_ms)):
+    mean = float(np.mean(ms))
+    print(f"| {name} | {mean:.2f} | {min(ms):.2f} | {100 * mean / (other_ms + mean):.1f}% |")
+  print(f"\njax.device_put / jax_m2n.reshard: "
+        f"{np.mean(result.device_put_ms) / np.mean(result.reshard_ms):.2f}x")
+
+  if len(result.rewards) >= 2 * cfg.window:
+    print("learning: " + ("reward went up" if last > first else "REWARD DID NOT GO UP"))
+  if cfg.json_out:
+    with open(cfg.json_out, "w") as f:
+      json.dump({"version": 1, "config": dataclasses.asdict(cfg),
+                 "devices": str(jax.devices()[0].platform),
+                 "param_bytes": nbytes, "phase_ms": phase_ms,
+                 "reshard_ms": result.reshard_ms,
+                 "device_put_ms": result.device_put_ms,
+                 "rewards": result.rewards, "exact": result.exact}, f, indent=1)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _define_flags():
+  for field in dataclasses.fields(RefitConfig):
+    name, default, meta = field.name, field.default, field.metadata
+    if meta["choices"]:
+      flags.DEFINE_enum(name, default, meta["choices"], meta["help"])
+    elif isinstance(default, bool):
+      flags.DEFINE_bool(name, default, meta["help"])
+    elif isinstance(default, int):
+      flags.DEFINE_integer(name, default, meta["help"])
+    elif isinstance(default, float):
+      flags.DEFINE_float(name, default, meta["help"])
+    else:
+      flags.DEFINE_string(name, default, meta["help"])
+
+
+_define_flags()
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"rl_refit: unexpected arguments {argv[1:]}")
+  cfg = RefitConfig(**{f.name: getattr(flags.FLAGS, f.name)
+                       for f in dataclasses.fields(RefitConfig)})
+  start = time.perf_counter()
+  result = run(cfg)
+  print(f"wall time: {time.perf_counter() - start:.1f} s")
+  if len(result.rewards) >= 2 * cfg.window and (
+      np.mean(result.rewards[-cfg.window:]) <= np.mean(result.rewards[:cfg.window])):
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,106 @@
+"""Tier 0: the RL refit example (examples/rl_refit.py), two small steps on 8 CPU devices.
+
+Checks the example's claims end to end: after every refit the generator's parameters
+equal the trainer's bitwise, sit in the generator's shardings on the generator's devices,
+and equal what `jax.device_put` delivers. Also its layout flags and its checksum.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from examples import rl_refit
+
+SMALL = rl_refit.RefitConfig(
+    steps=2, layers=1, d_model=32, heads=4, digits=3, batch_size=32, group_size=4,
+    timing_reps=1, log_every=1, progress=False)
+
+
+def _bits(x):
+  return np.asarray(x).view(np.uint8)
+
+
+@pytest.mark.parametrize("layouts,route", (
+    [(layouts, "hierarchical") for layouts in rl_refit.PRESETS]
+    + [(rl_refit.PRESETS[0], route) for route in rl_refit.ROUTES[1:]]))
+def test_two_steps_refit_is_bitwise_and_in_generator_layout(layouts, route):
+  cfg = dataclasses.replace(SMALL, layouts=layouts, route=route)
+  trainer, generator = rl_refit.make_sides(cfg, jax.devices())
+  result = rl_refit.run(cfg)
+
+  assert result.checksums_equal == [True, True]
+  assert result.baseline_equal
+  generator_devices = set(generator.mesh.devices.flat)
+  trainer_devices = set(trainer.mesh.devices.flat)
+  assert layouts.endswith("@same") or not generator_devices & trainer_devices
+  flat_dst, treedef = jax.tree.flatten(result.generator_shardings)
+  assert treedef == jax.tree.structure(result.trainer_params)
+  for src, dst, dst_sharding in zip(jax.tree.leaves(result.trainer_params),
+                                    jax.tree.leaves(result.generator_params), flat_dst):
+    assert dst_sharding.mesh == generator.mesh
+    assert dst.sharding.is_equivalent_to(dst_sharding, dst.ndim)
+    assert dst.sharding.device_set == generator_devices
+    assert src.sharding.device_set == trainer_devices
+    np.testing.assert_array_equal(_bits(dst), _bits(src))
+  assert all(len(t) == 2 for t in result.times_ms.values())
+
+
+def test_default_layouts_shard_params_differently_on_each_side():
+  trainer, generator = rl_refit.make_sides(SMALL, jax.devices())
+  params = jax.eval_shape(lambda: rl_refit.init_params(jax.random.key(0), SMALL))
+  src = rl_refit.param_shardings(params, trainer)
+  dst = rl_refit.param_shardings(params, generator)
+  assert src["layers"][0]["wq"].spec == P("fsdp", "tp")
+  assert dst["layers"][0]["wq"].spec == P(None, "tp")
+  assert dst["embed"].spec == P("tp", None)
+  assert [d.id for d in generator.mesh.devices.flat] == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("layouts,per_side,want", (
+    ("fsdp2xtp2->tp2xdp2", 2, ({"fsdp": 2, "tp": 1}, {"tp": 2, "dp": 1})),  # 4 GPUs
+    ("fsdp2xtp2->tp2xdp2", 0, ({"fsdp": 2, "tp": 2}, {"tp": 2, "dp": 2})),
+    ("fsdp4->tp2xdp2@same", 0, ({"fsdp": 4}, {"tp": 2, "dp": 2})),
+    ("tp2->tp2xdp2", 1, ({"tp": 1}, {"tp": 1, "dp": 1})),
+))
+def test_layouts_fit_devices_per_side(layouts, per_side, want):
+  cfg = dataclasses.replace(SMALL, layouts=layouts, devices_per_side=per_side)
+  sides = rl_refit.make_sides(cfg, jax.devices())
+  assert tuple(dict(side.mesh.shape) for side in sides) == want
+
+
+def test_explicit_meshes_and_specs():
+  cfg = dataclasses.replace(
+      SMALL, generator_mesh="data=2,model=2",
+      generator_specs="batch=data,hidden=model,vocab=model,model=")
+  _, generator = rl_refit.make_sides(cfg, jax.devices())
+  assert dict(generator.mesh.shape) == {"data": 2, "model": 2}
+  assert generator.spec(("model", "hidden")) == P(None, "model")
+  assert generator.spec(("batch", None)) == P("data", None)
+
+
+@pytest.mark.parametrize("field,value,match", (
+    ("layouts", "fsdp2xtp2", "must read"),
+    ("trainer_mesh", "fsdp=8", "must fit on the 8 devices"),
+    ("layouts", "tp2xfsdp3->tp2", "by halving"),
+    ("generator_mesh", "data=2,model=2", "unless rules are given"),
+    ("generator_specs", "hidden=nope", "must map logical axes"),
+    ("trainer_mesh", "fsdp=0", "sizes >= 1"),
+))
+def test_bad_layout_flags_fail_clearly(field, value, match):
+  cfg = dataclasses.replace(SMALL, **{field: value})
+  with pytest.raises(ValueError, match=match):
+    rl_refit.make_sides(cfg, jax.devices())
+
+
+def test_checksum_sees_values_and_positions():
+  x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+  swapped = x.at[0, 1].set(x[1, 0]).at[1, 0].set(x[0, 1])
+  nudged = x.at[2, 3].set(jnp.nextafter(x[2, 3], jnp.inf))
+  base = rl_refit.checksums([x])
+  assert base != rl_refit.checksums([swapped])
+  assert base != rl_refit.checksums([nudged])
+  assert rl_refit.checksums([x.astype(jnp.bfloat16)]).dtype == jnp.uint32
