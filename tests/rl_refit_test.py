@@ -1,8 +1,8 @@
-"""Tier 0: the RL refit example (examples/rl_refit.py), two small steps on 8 CPU devices.
+"""Tier 0: the RL refit example (examples/rl_refit.py), two small steps, 8 CPU devices.
 
 Checks the example's claims end to end: after every refit the generator's parameters
-equal the trainer's bitwise, sit in the generator's shardings on the generator's devices,
-and equal what `jax.device_put` delivers. Also its layout flags and its checksum.
+equal the trainer's bitwise, sit in the generator's shardings on the generator's
+devices, and equal what `jax.device_put` delivers. Also its layout flags and checksum.
 """
 
 import dataclasses
