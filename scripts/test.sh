@@ -22,7 +22,7 @@ find -L "$ROOT/bazel-testlogs" -name test.log -newer "$marker" 2>/dev/null | sor
   while read -r log; do
     rel=${log#"$ROOT/bazel-testlogs/"}
     line=$(grep -E "(passed|failed|error|errors|skipped|no tests ran|deselected).* in [0-9.]+s" "$log" |
-      tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
+      tail -n 1 | sed -E 's/^=+ //; s/ =+$//') || true
     printf '  //%s:%s  %s\n' "$(dirname "$(dirname "$rel")")" "$(basename "$(dirname "$rel")")" \
       "${line:-(no pytest summary: see $log)}"
   done
