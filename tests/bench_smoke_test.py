@@ -1,0 +1,135 @@
+"""The benchmark harness (jax_m2n/bench): the smoke suite end to end, and its pure parts.
+
+Runs `python -m jax_m2n.bench --suite smoke` in a subprocess on 8 forced CPU devices and
+checks that every case validated bitwise and that results.json (schema 1) and results.md
+were written. Never asserts anything about timing: benchmarks do not fail on a slow machine.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jax_m2n
+from jax_m2n.bench import data as bench_data
+from jax_m2n.bench import report
+from jax_m2n.bench import suites
+
+
+def _env() -> dict:
+  env = dict(os.environ)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(jax_m2n.__file__)))
+  env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in sys.path if p])
+  env["JAX_PLATFORMS"] = "cpu"
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  return env
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench_smoke")
+  proc = subprocess.run(
+      [sys.executable, "-m", "jax_m2n.bench", "--suite", "smoke", "--out_dir", str(out)],
+      capture_output=True, text=True, env=_env(), timeout=600, check=False)
+  return proc, out
+
+
+def test_smoke_validates_and_writes_json_and_markdown(smoke_run):
+  proc, out = smoke_run
+  assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+  with open(out / "results.json") as f:
+    doc = json.load(f)
+  assert doc["schema"] == 1
+  env = doc["environment"]
+  assert env["device_count"] == 8 and env["platform"] == "cpu"
+  assert env["versions"]["jax"] and env["command"].endswith(f"--out_dir {out}")
+  moves = [r for r in doc["results"] if r["kind"] == "move"]
+  cases = {r["case"] for r in moves}
+  assert {"2to2_replicate", "1to3_replicate", "pytree_mixed", "4dev_dim0_to_dim1"} <= cases
+  engines = {r["engine"] for r in moves if r["status"] == "ok"}
+  assert {"m2n_hierarchical", "m2n_flat", "m2n_gather_bcast", "m2n_jit_hierarchical",
+          "jit_identity", "device_put", "numpy_copy"} <= engines
+  for r in moves:
+    assert r["status"] in ("ok", "skipped"), (r["case"], r["engine"], r["reason"])
+    if r["status"] == "ok":
+      assert r["validated"] is True
+      assert len(r["times_s"]) >= 10 and len(r["warmup_s"]) >= 3
+      assert r["bound_ms"] > 0 and r["mean_ms"] > 0
+  skipped = {r["engine"] for r in moves if r["status"] == "skipped"}
+  assert skipped <= {"torch_gather_bcast"}
+  plans = [r for r in doc["results"] if r["kind"] == "planner"]
+  assert {r["engine"] for r in plans} >= {"plan_cold", "plan_cached"}
+  md = (out / "results.md").read_text()
+  assert "## smoke" in md and "| 2to2_replicate | m2n_hierarchical |" in md
+
+
+def test_smoke_plots(smoke_run):
+  pytest.importorskip("matplotlib")
+  _, out = smoke_run
+  assert (out / "smoke.png").stat().st_size > 10_000
+
+
+def test_bad_flags_exit_2(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "jax_m2n.bench", "--suite", "nope", "--out_dir",
+       str(tmp_path)], capture_output=True, text=True, env=_env(), timeout=300,
+      check=False)
+  assert proc.returncode != 0
+  assert "--suite must be a comma list" in proc.stderr
+  proc = subprocess.run(
+      [sys.executable, "-m", "jax_m2n.bench", "--iters", "3", "--out_dir", str(tmp_path)],
+      capture_output=True, text=True, env=_env(), timeout=300, check=False)
+  assert proc.returncode != 0 and "iters" in proc.stderr
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64", "int8"])
+def test_data_is_deterministic_finite_and_normal(dtype):
+  a = bench_data.make_array((64, 33), dtype, 7)
+  b = bench_data.make_array((64, 33), dtype, 7)
+  assert bench_data.same_bits(a, b)
+  assert not bench_data.same_bits(a, bench_data.make_array((64, 33), dtype, 8))
+  if a.dtype.kind == "f" or dtype == "bfloat16":
+    import ml_dtypes
+    f = a.astype(np.float64)
+    tiny = float(ml_dtypes.finfo(a.dtype).tiny)
+    assert np.isfinite(f).all() and (np.abs(f) >= tiny).all()
+  c = a.copy()
+  c[3, 5] = c[3, 4]
+  assert "1 of 2112 elements differ; first at (3, 5)" in bench_data.describe_mismatch(c, a)
+
+
+def test_cases_tile_and_fit_their_devices():
+  from jax_m2n._src.layout import parse_layout
+  cases = suites.build_cases(["smoke", "refit", "colocated", "model", "emulated"],
+                             8 << 20, 64 << 20, "bfloat16", 8)
+  assert len({c.key for c in cases}) == len(cases)
+  for c in cases:
+    assert c.devices_needed <= 8, c.key
+    for t in c.tensors:
+      for text in (t.src, t.dst):
+        parse_layout(text, t.shape).validate()
+  llama = next(c for c in cases if c.name.startswith("llama"))
+  assert len(llama.tensors) == 291
+  assert 0.8 < llama.payload_bytes / (64 << 20) < 1.25
+
+
+def test_planner_model_shapes():
+  stages = suites.PlannerModel().descriptors()
+  assert len(stages) == 8 and sum(len(s) for s in stages) == 61 * 17 + 3
+  names = [n for s in stages for n, *_ in s]
+  assert "layers.60.mlp.experts.down_proj" in names and names[0] == "embed_tokens"
+
+
+def test_cpu_requirement_ratios():
+  def row(engine, ms):
+    return {"suite": "refit", "kind": "move", "case": "c", "engine": engine,
+            "status": "ok", "mean_ms": ms, "payload_bytes": 1 << 20, "layout_change": True}
+  req = report.cpu_requirement([row("m2n_hierarchical", 3.0), row("m2n_flat", 2.0),
+                                row("numpy_copy", 2.0), row("device_put", 4.0)])
+  assert len(req) == 1
+  r = req[0]
+  assert r["vs_numpy"] == 1.5 and r["meets_numpy"] and r["meets_device_put"]
+  assert r["best_route"] == "flat"
