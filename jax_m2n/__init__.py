@@ -1,0 +1,31 @@
+"""jax_m2n: reshard distributed JAX arrays from M source devices to N destination devices.
+
+The public surface: `reshard` (move a pytree of arrays into new layouts, eagerly across
+device sets or inside jit), `plan` (the transfer plan without moving anything),
+`Topology`, `Layout` and the `ReshardError` family. Internals live in `jax_m2n._src`.
+"""
+
+from jax_m2n._src.errors import (
+    ReshardError as ReshardError,
+    ReshardTimeoutError as ReshardTimeoutError,
+    ReshardTypeError as ReshardTypeError,
+    ReshardValueError as ReshardValueError,
+)
+from jax_m2n._src.layout import Layout as Layout
+from jax_m2n._src.ops import plan as plan
+from jax_m2n._src.ops import reshard as reshard
+from jax_m2n._src.topology import Topology as Topology
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Layout",
+    "ReshardError",
+    "ReshardTimeoutError",
+    "ReshardTypeError",
+    "ReshardValueError",
+    "Topology",
+    "__version__",
+    "plan",
+    "reshard",
+]

@@ -1,0 +1,239 @@
+"""Bad input to jax_m2n.reshard fails in Python, before any data moves, naming the leaf.
+
+Every rule of the public API: pytree structure, shape/dtype changes, shardings that
+cannot hold the shape, platforms, uncommitted/deleted arrays, non-array leaves, unknown
+routes, source shardings, and what jit cannot express.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+import jax_m2n
+from jax_m2n._src import ffi as m2n_ffi
+from jax_m2n._src import ops
+
+
+@pytest.fixture
+def devs():
+  assert jax.device_count() == 8
+  return np.array(jax.devices())
+
+
+@pytest.fixture
+def no_data_moves(monkeypatch):
+  """Fails the test if reshard builds or runs anything (errors come first)."""
+  def forbidden(*args, **kwargs):
+    raise AssertionError("reshard built a program before rejecting its input")
+  monkeypatch.setattr(ops, "_build_eager", forbidden)
+  monkeypatch.setattr(ops._EagerReshard, "__call__", forbidden)
+
+
+def sharded(devs, shape=(8, 4), dtype=np.float32, spec=P("x"), ids=slice(0, 4)):
+  mesh = Mesh(devs[ids], ("x",))
+  return jax.device_put(np.arange(np.prod(shape)).reshape(shape).astype(dtype),
+                        NamedSharding(mesh, spec))
+
+
+def gen(devs, spec=P()):
+  return NamedSharding(Mesh(devs[4:], ("y",)), spec)
+
+
+def test_mismatched_pytree_structure(devs, no_data_moves):
+  x = {"a": sharded(devs), "b": sharded(devs)}
+  with pytest.raises(jax_m2n.ReshardValueError, match="prefix of x"):
+    jax_m2n.reshard(x, {"a": gen(devs), "c": gen(devs)})
+  with pytest.raises(jax_m2n.ReshardValueError, match="prefix of x"):
+    jax_m2n.reshard([sharded(devs)], [gen(devs), gen(devs)])
+
+
+def test_shape_or_dtype_change(devs, no_data_moves):
+  x = {"w": sharded(devs)}
+  bad_shape = jax.ShapeDtypeStruct((4, 8), np.float32, sharding=gen(devs))
+  with pytest.raises(jax_m2n.ReshardValueError, match=r"x\['w'\].*shape and dtype"):
+    jax_m2n.reshard(x, {"w": bad_shape})
+  bad_dtype = jax.ShapeDtypeStruct((8, 4), jnp.bfloat16, sharding=gen(devs))
+  with pytest.raises(jax_m2n.ReshardValueError, match="float32.*bfloat16"):
+    jax_m2n.reshard(x, {"w": bad_dtype})
+  no_sharding = jax.ShapeDtypeStruct((8, 4), np.float32)
+  with pytest.raises(jax_m2n.ReshardTypeError, match="must carry a sharding"):
+    jax_m2n.reshard(x, {"w": no_sharding})
+
+
+def test_good_shape_dtype_struct_is_accepted(devs):
+  x = sharded(devs)
+  dst = gen(devs, P(None, "y"))
+  y = jax_m2n.reshard(x, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dst))
+  assert y.sharding == dst
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+def test_dst_cannot_hold_the_shape(devs, no_data_moves):
+  x = {"odd": sharded(devs, shape=(6, 4), spec=P())}
+  with pytest.raises(jax_m2n.ReshardValueError, match=r"x\['odd'\].*hold shape"):
+    jax_m2n.reshard(x, gen(devs, P("y")))  # 6 rows over 4 devices
+  with pytest.raises(jax_m2n.ReshardValueError, match=r"one PartitionSpec entry per dim"):
+    jax_m2n.reshard(x, gen(devs, P(None, None, "y")))
+
+
+def test_not_a_sharding(devs, no_data_moves):
+  x = sharded(devs)
+  with pytest.raises(jax_m2n.ReshardTypeError, match="NamedSharding"):
+    jax_m2n.reshard(x, P("x"))
+  with pytest.raises(jax_m2n.ReshardTypeError, match="must be a jax.sharding.Sharding"):
+    jax_m2n.reshard(x, "cpu:4")
+
+
+def test_devices_of_another_platform(devs, no_data_moves):
+  class OtherPlatform:
+    platform = "tpu"
+    id = 99
+    process_index = 0
+
+  class TpuSharding(jax.sharding.SingleDeviceSharding):
+    @property
+    def device_set(self):
+      return {OtherPlatform()}
+
+  x = sharded(devs)
+  dst = TpuSharding(devs[5])
+  with pytest.raises(jax_m2n.ReshardValueError, match="source's platform"):
+    jax_m2n.reshard(x, dst)
+
+
+def test_platform_without_a_handler():
+  with pytest.raises(jax_m2n.ReshardValueError, match="platform 'tpu'"):
+    m2n_ffi.ensure_registered("tpu")
+
+
+def test_uncommitted_array(devs, no_data_moves):
+  x = {"u": jnp.arange(8.0)}
+  assert not x["u"].committed
+  with pytest.raises(jax_m2n.ReshardValueError, match=r"x\['u'\] must be committed"):
+    jax_m2n.reshard(x, gen(devs))
+
+
+def test_deleted_array(devs, no_data_moves):
+  x = [sharded(devs), sharded(devs)]
+  x[1].delete()
+  with pytest.raises(jax_m2n.ReshardValueError, match=r"x\[1\] must be a live array"):
+    jax_m2n.reshard(x, gen(devs))
+
+
+def test_deleted_array_after_a_cached_call(devs):
+  x = sharded(devs, shape=(8, 2))
+  jax_m2n.reshard(x, gen(devs))
+  x.delete()
+  with pytest.raises(jax_m2n.ReshardValueError, match="must be a live array"):
+    jax_m2n.reshard(x, gen(devs))
+
+
+@pytest.mark.parametrize("leaf", [np.ones(4), 3.0, "text"], ids=["numpy", "float", "str"])
+def test_non_array_leaves(devs, no_data_moves, leaf):
+  with pytest.raises(jax_m2n.ReshardTypeError, match=r"x\['bad'\]"):
+    jax_m2n.reshard({"ok": sharded(devs), "bad": leaf}, gen(devs))
+
+
+def test_numpy_leaf_hint(devs, no_data_moves):
+  with pytest.raises(jax_m2n.ReshardTypeError, match="jax.device_put"):
+    jax_m2n.reshard(np.ones(4), gen(devs))
+
+
+def test_unknown_route(devs, no_data_moves):
+  with pytest.raises(jax_m2n.ReshardValueError, match="route must be one of"):
+    jax_m2n.reshard(sharded(devs), gen(devs), route="ring")
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), "10", True])
+def test_bad_timeout(devs, no_data_moves, timeout):
+  with pytest.raises(jax_m2n.ReshardValueError, match="timeout_s"):
+    jax_m2n.reshard(sharded(devs), gen(devs), timeout_s=timeout)
+
+
+def test_bad_topology(devs, no_data_moves):
+  with pytest.raises(jax_m2n.ReshardValueError, match="topology"):
+    jax_m2n.reshard(sharded(devs), gen(devs), topology="nvlink")
+
+
+def test_src_sharding_must_match_the_array(devs, no_data_moves):
+  x = {"w": sharded(devs)}
+  wrong = NamedSharding(Mesh(devs[:4], ("x",)), P(None, "x"))
+  with pytest.raises(jax_m2n.ReshardValueError, match=r"src_sharding of x\['w'\]"):
+    jax_m2n.reshard(x, gen(devs), src_sharding=wrong)
+
+
+def test_donating_one_array_twice(devs, no_data_moves):
+  a = sharded(devs)
+  with pytest.raises(jax_m2n.ReshardValueError, match=r"appear once.*x\[0\].*x\[1\]"):
+    jax_m2n.reshard([a, a], gen(devs), donate=True)
+
+
+def test_errors_are_raised_before_data_moves(devs):
+  """A bad leaf anywhere in the tree: nothing is built, the sources are untouched."""
+  n = len(ops._eager_cache)
+  x = {"a": sharded(devs), "b": sharded(devs, shape=(5,), spec=P())}
+  with pytest.raises(jax_m2n.ReshardValueError, match=r"x\['b'\]"):
+    jax_m2n.reshard(x, gen(devs, P("y")), donate=True)
+  assert len(ops._eager_cache) == n
+  assert not x["a"].is_deleted()
+
+
+# ---------------------------------------------------------------------------------------
+# Inside jit
+# ---------------------------------------------------------------------------------------
+
+def test_jit_cross_device_set(devs):
+  x = sharded(devs)
+  src = x.sharding
+  with pytest.raises(jax_m2n.ReshardValueError, match="outside jit"):
+    jax.jit(lambda v: jax_m2n.reshard(v, gen(devs), src_sharding=src))(x)
+
+
+def test_jit_needs_the_source_sharding(devs):
+  x = sharded(devs)
+  dst = NamedSharding(x.sharding.mesh, P(None, "x"))
+  with pytest.raises(jax_m2n.ReshardValueError, match="src_sharding="):
+    jax.jit(lambda v: jax_m2n.reshard({"w": v}, dst))(x)
+
+
+def test_jit_src_sharding_must_match_the_type(devs):
+  mesh = Mesh(devs[:4], ("x",), axis_types=(AxisType.Explicit,))
+  x = jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(mesh, P("x")))
+  dst = NamedSharding(mesh, P(None, "x"))
+  wrong = NamedSharding(mesh, P(None, "x"))
+  with pytest.raises(jax_m2n.ReshardValueError, match="match the sharding in its type"):
+    jax.jit(lambda v: jax_m2n.reshard(v, dst, src_sharding=wrong))(x)
+
+
+def test_jit_uneven_or_unrefinable_layouts(devs):
+  m6a = Mesh(devs[:6].reshape(2, 3), ("a", "b"))
+  m6b = Mesh(devs[:6].reshape(3, 2), ("c", "d"))
+  src = NamedSharding(m6a, P("a", "b"))
+  dst = NamedSharding(m6b, P("c", "d"))
+  x = jax.device_put(np.zeros((6, 6), np.float32), src)
+  with pytest.raises(jax_m2n.ReshardValueError, match="outside jit"):
+    jax.jit(lambda v: jax_m2n.reshard(v, dst, src_sharding=src))(x)
+  # The eager path takes the same layouts.
+  y = jax_m2n.reshard(x, dst)
+  assert y.sharding == dst
+
+
+def test_jit_different_device_order(devs):
+  a = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  b = NamedSharding(Mesh(devs[[1, 0, 2, 3]], ("x",)), P("x"))
+  x = jax.device_put(np.zeros((8,), np.float32), a)
+  with pytest.raises(jax_m2n.ReshardValueError, match="outside jit"):
+    jax.jit(lambda v: jax_m2n.reshard(v, b, src_sharding=a))(x)
+
+
+def test_jit_non_array_leaf(devs):
+  x = sharded(devs)
+  with pytest.raises(jax_m2n.ReshardTypeError, match=r"x\[1\]"):
+    jax.jit(lambda v: jax_m2n.reshard([v, "s"], x.sharding, src_sharding=x.sharding))(x)
