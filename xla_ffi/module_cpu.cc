@@ -1,0 +1,122 @@
+// The nanobind module `jax_m2n._ffi`: hands the CPU handler of
+// `jax_m2n_reshard` to Python (registrations()) plus small helpers for the
+// Python side (schedule version, decoder check, abandoning a generation).
+// Only bindings here: the handler is reshard_cpu.cc.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "nanobind/nanobind.h"
+#include "nanobind/ndarray.h"
+#include "nanobind/stl/vector.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cpu_transport.h"
+#include "xla_ffi/reshard_cpu.h"
+#include "xla_ffi/schedule.h"
+
+namespace nb = nanobind;
+
+namespace jax_m2n {
+namespace {
+
+template <typename T>
+nb::capsule Capsule(T* pointer) {
+  return nb::capsule(reinterpret_cast<void*>(pointer));
+}
+
+using Int64Array =
+    nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// Decodes a schedule as the instantiate stage would; raises ValueError with the
+// decoder's message (file:line, field, value) if it is invalid.
+nb::dict DecodeForPython(Int64Array encoded) {
+  ::xla::ffi::ErrorOr<Schedule> decoded = DecodeSchedule(
+      ::xla::ffi::Span<const int64_t>(encoded.data(), encoded.shape(0)));
+  if (decoded.has_error()) {
+    throw nb::value_error(decoded.error().message().c_str());
+  }
+  const Schedule& s = decoded.value();
+  nb::dict out;
+  out["version"] = kScheduleVersion;
+  out["n_steps"] = s.n_steps;
+  out["n_tensors"] = s.tensors.size();
+  out["n_ops"] = s.ops.size();
+  out["devices"] = s.devices;
+  out["ws"] = s.ws_bytes;
+  out["fingerprint"] = s.fingerprint;
+  return out;
+}
+
+}  // namespace
+}  // namespace jax_m2n
+
+NB_MODULE(_ffi, m) {
+  m.doc() =
+      "jax_m2n CPU extension: the jax_m2n_reshard XLA FFI handler (platform "
+      "cpu) and helpers. See docs/schedule_format.md.";
+
+  m.attr("SCHEDULE_VERSION") = jax_m2n::kScheduleVersion;
+
+  m.def(
+      "registrations",
+      []() {
+        nb::dict stages;
+        stages["instantiate"] = jax_m2n::Capsule(JaxM2nReshardCpuInstantiate);
+        stages["execute"] = jax_m2n::Capsule(JaxM2nReshardCpuExecute);
+        nb::dict targets;
+        targets["jax_m2n_reshard"] = stages;
+        return targets;
+      },
+      "Targets for jax.ffi.register_ffi_target(name, target, platform='cpu', "
+      "api_version=1): {'jax_m2n_reshard': {'instantiate': capsule, "
+      "'execute': capsule}}.");
+
+  m.def(
+      "type_registrations",
+      []() {
+        nb::dict type;
+        type["type_id"] = jax_m2n::Capsule(&jax_m2n::ReshardCpuState::id);
+        type["type_info"] = jax_m2n::Capsule(
+            const_cast<XLA_FFI_TypeInfo*>(jax_m2n::ReshardCpuStateTypeInfo()));
+        nb::dict types;
+        types[jax_m2n::kReshardCpuStateTypeName] = type;
+        return types;
+      },
+      "Optional: {name: {'type_id': capsule, 'type_info': capsule}} for "
+      "jax.ffi.register_ffi_type(name, reg, platform='cpu'). The instantiate "
+      "stage registers its state type itself when nobody has.");
+
+  m.def(
+      "schedule_version", []() { return jax_m2n::kScheduleVersion; },
+      "The schedule format version this extension decodes.");
+
+  m.def("decode_schedule", &jax_m2n::DecodeForPython, nb::arg("schedule"),
+        "Decodes and validates a schedule (1-D C-contiguous int64 array) as "
+        "the instantiate stage does. Returns a summary dict (version, n_steps, "
+        "n_tensors, n_ops, devices, ws, fingerprint); raises ValueError naming "
+        "the field and value if it is invalid. Buffer-dependent checks run at "
+        "execute time only.");
+
+  m.def(
+      "abandon",
+      [](int64_t site, std::vector<int64_t> device_ids) {
+        for (int64_t device : device_ids) {
+          jax_m2n::AbortNextCpuGeneration(
+              site, device, /*n_participants=*/-1,
+              JAX_M2N_ERROR(
+                  kAborted,
+                  "its program was not dispatched (abandoned by the caller)"));
+        }
+      },
+      nb::arg("site"), nb::arg("device_ids"),
+      "For the eager path: consumes the next generation of `site` on each of "
+      "`device_ids` whose program the caller could not dispatch. Peers waiting "
+      "in that generation fail at once (instead of after timeout_ms) and the "
+      "devices' next calls line up with their peers again. Call it once per "
+      "undispatched program, in dispatch order.");
+
+  m.def(
+      "pending_generations", []() { return jax_m2n::PendingCpuGenerations(); },
+      "For tests: generations of any site not yet joined by all participants.");
+}

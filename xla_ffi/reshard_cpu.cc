@@ -1,0 +1,201 @@
+// The CPU FFI handler of `jax_m2n_reshard`: instantiate decodes the schedule
+// into ffi::State; execute maps XLA's buffers to the schedule's slots, checks
+// them, and hands over to the in-process transport. No copying here, no
+// waiting here: cpu_transport.cc owns both.
+
+#include "xla_ffi/reshard_cpu.h"
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cpu_transport.h"
+#include "xla_ffi/schedule.h"
+
+namespace jax_m2n {
+
+namespace ffi = ::xla::ffi;
+
+ffi::TypeId ReshardCpuState::id = {};
+
+const XLA_FFI_TypeInfo* ReshardCpuStateTypeInfo() {
+  static const XLA_FFI_TypeInfo info = {
+      XLA_FFI_TypeInfo_STRUCT_SIZE,
+      /*extension_start=*/nullptr,
+      /*deleter=*/
+      [](void* state) { delete static_cast<ReshardCpuState*>(state); },
+  };
+  return &info;
+}
+
+namespace {
+
+// The context of errors that happen outside the rendezvous.
+std::string CallName(int64_t site) {
+  return "jax_m2n_reshard (cpu), site " + std::to_string(site);
+}
+std::string CallName(int64_t site, int64_t device) {
+  return "jax_m2n_reshard (cpu) on device " + std::to_string(device) +
+         ", site " + std::to_string(site);
+}
+
+ffi::ErrorOr<std::unique_ptr<ReshardCpuState>> Instantiate(
+    ffi::Span<const int64_t> schedule, int64_t site, int64_t timeout_ms) {
+  using Result = ffi::ErrorOr<std::unique_ptr<ReshardCpuState>>;
+  const std::string context = CallName(site) + ", instantiate";
+  if (timeout_ms < 1 || timeout_ms > kMaxTimeoutMs) {
+    return Result(ffi::Unexpected<ffi::Error>(AddContext(
+        JAX_M2N_ERROR(kInvalidArgument,
+                      "attribute timeout_ms must be in [1, 2^40] ms; got " +
+                          std::to_string(timeout_ms)),
+        context)));
+  }
+  ffi::ErrorOr<Schedule> decoded = DecodeSchedule(schedule);
+  if (decoded.has_error()) {
+    return Result(
+        ffi::Unexpected<ffi::Error>(AddContext(decoded.error(), context)));
+  }
+  auto state = std::make_unique<ReshardCpuState>();
+  state->schedule = std::move(decoded.value());
+  state->site = site;
+  state->timeout_ms = timeout_ms;
+  return Result(std::move(state));
+}
+
+// Maps XLA's buffers to the schedule's slots and checks them; on success fills
+// `buffers`.
+ffi::Error CollectBuffers(const ReshardCpuState& state, int32_t participant,
+                          const ffi::RemainingArgs& args,
+                          const ffi::RemainingRets& rets,
+                          CpuDeviceBuffers* buffers) {
+  DeviceBufferShapes shapes;
+  buffers->operands.reserve(args.size());
+  shapes.operands.reserve(args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
+    if (arg.has_error()) {
+      return JAX_M2N_ERROR(kInvalidArgument,
+                           "operand " + std::to_string(i) +
+                               " must be an array: " + arg.error().message());
+    }
+    CpuBuffer view{static_cast<char*>(arg->untyped_data()), arg->dimensions(),
+                   static_cast<int64_t>(ffi::ByteWidth(arg->element_type()))};
+    buffers->operands.push_back(view);
+    shapes.operands.push_back(BufferShape{view.dims, view.elem_bytes});
+  }
+  if (rets.size() < 1) {
+    return JAX_M2N_ERROR(kInvalidArgument,
+                         "the call must have at least one result (the uint8 "
+                         "workspace, last); got none");
+  }
+  const size_t n_results = rets.size() - 1;
+  buffers->results.reserve(n_results);
+  shapes.results.reserve(n_results);
+  for (size_t i = 0; i <= n_results; ++i) {
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+    if (ret.has_error()) {
+      return JAX_M2N_ERROR(kInvalidArgument,
+                           "result " + std::to_string(i) +
+                               " must be an array: " + ret.error().message());
+    }
+    ffi::AnyBuffer buffer = **ret;
+    if (i == n_results) {
+      if (buffer.element_type() != ffi::DataType::U8 ||
+          buffer.dimensions().size() != 1) {
+        return JAX_M2N_ERROR(
+            kInvalidArgument,
+            "the last result must be the workspace, a 1-D uint8 array; got "
+            "dtype code " +
+                std::to_string(static_cast<int>(buffer.element_type())) +
+                " with rank " + std::to_string(buffer.dimensions().size()));
+      }
+      buffers->workspace = static_cast<char*>(buffer.untyped_data());
+      buffers->workspace_bytes = static_cast<int64_t>(buffer.size_bytes());
+      shapes.workspace_bytes = buffers->workspace_bytes;
+      break;
+    }
+    CpuBuffer view{static_cast<char*>(buffer.untyped_data()),
+                   buffer.dimensions(),
+                   static_cast<int64_t>(ffi::ByteWidth(buffer.element_type()))};
+    buffers->results.push_back(view);
+    shapes.results.push_back(BufferShape{view.dims, view.elem_bytes});
+  }
+  return CheckDeviceBuffers(state.schedule, participant, shapes);
+}
+
+ffi::Error Execute(int32_t device_ordinal, ReshardCpuState* state,
+                   ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  const Schedule& schedule = state->schedule;
+  const int32_t participant = schedule.ParticipantIndex(device_ordinal);
+  if (participant < 0) {
+    return AddContext(
+        JAX_M2N_ERROR(kInvalidArgument,
+                      "device " + std::to_string(device_ordinal) +
+                          " runs the call but is not one of the schedule's "
+                          "devices " +
+                          FormatList(schedule.devices)),
+        CallName(state->site, device_ordinal));
+  }
+  CpuDeviceBuffers buffers;
+  if (ffi::Error error =
+          CollectBuffers(*state, participant, args, rets, &buffers);
+      error.failure()) {
+    // Take this device's generation down with it, so that peers fail now
+    // rather than after timeout_ms, and later generations still line up.
+    AbortNextCpuGeneration(state->site, device_ordinal,
+                           static_cast<int64_t>(schedule.devices.size()),
+                           error);
+    return AddContext(error, CallName(state->site, device_ordinal));
+  }
+  return RunCpuTransport(
+      CpuCall{&schedule, state->site, state->timeout_ms, participant}, buffers);
+}
+
+XLA_FFI_DEFINE_HANDLER(kInstantiate, Instantiate,
+                       ffi::Ffi::BindInstantiate()
+                           .Attr<ffi::Span<const int64_t>>("schedule")
+                           .Attr<int64_t>("site")
+                           .Attr<int64_t>("timeout_ms"));
+
+// The execute stage binds no attributes: everything it needs is in the state
+// (XLA checks attribute counts only for handlers that bind attributes).
+XLA_FFI_DEFINE_HANDLER(kExecute, Execute,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::DeviceOrdinal>()  // global id on CPU
+                           .Ctx<ffi::State<ReshardCpuState>>()
+                           .RemainingArgs()    // source shards
+                           .RemainingRets());  // destination shards, workspace
+
+// Registers ReshardCpuState with the XLA that calls us, once. Idempotent on the
+// XLA side too: a registration of the same name with the same id succeeds, so
+// Python may also register it (module_cpu.cc: type_registrations()).
+XLA_FFI_Error* EnsureStateTypeRegistered(const XLA_FFI_Api* api) {
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  if (ReshardCpuState::id.type_id != 0) return nullptr;
+  return ffi::Ffi::RegisterTypeId(api, kReshardCpuStateTypeName,
+                                  &ReshardCpuState::id,
+                                  ReshardCpuStateTypeInfo());
+}
+
+}  // namespace
+}  // namespace jax_m2n
+
+extern "C" XLA_FFI_Error* JaxM2nReshardCpuInstantiate(
+    XLA_FFI_CallFrame* call_frame) {
+  if (XLA_FFI_Error* error =
+          jax_m2n::EnsureStateTypeRegistered(call_frame->api)) {
+    return error;
+  }
+  return jax_m2n::kInstantiate(call_frame);
+}
+
+extern "C" XLA_FFI_Error* JaxM2nReshardCpuExecute(
+    XLA_FFI_CallFrame* call_frame) {
+  return jax_m2n::kExecute(call_frame);
+}

@@ -1,0 +1,540 @@
+// Decoding and validation of the `schedule` attribute
+// (docs/schedule_format.md). Everything here is pure: no device, no thread, no
+// transport; every error names the field, the op and the offending value.
+
+#include "xla_ffi/schedule.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_m2n {
+
+namespace ffi = ::xla::ffi;
+
+const char* StageName(Stage stage) {
+  switch (stage) {
+    case Stage::kLocal:
+      return "local";
+    case Stage::kInject:
+      return "inject";
+    case Stage::kForward:
+      return "forward";
+    case Stage::kFanout:
+      return "fanout";
+    case Stage::kGather:
+      return "gather";
+    case Stage::kBcast:
+      return "bcast";
+  }
+  return "?";
+}
+
+const char* BufferKindName(BufferKind kind) {
+  switch (kind) {
+    case BufferKind::kOperand:
+      return "operand";
+    case BufferKind::kResult:
+      return "result";
+    case BufferKind::kWorkspace:
+      return "workspace";
+  }
+  return "?";
+}
+
+ffi::Error MakeError(ffi::ErrorCode code, std::string_view file, int line,
+                     std::string_view message) {
+  std::string text;
+  text.reserve(file.size() + message.size() + 16);
+  text.append(file);
+  text.push_back(':');
+  text.append(std::to_string(line));
+  text.append(": ");
+  text.append(message);
+  return ffi::Error(code, std::move(text));
+}
+
+ffi::Error AddContext(const ffi::Error& error, std::string_view context) {
+  if (error.success()) return error;
+  std::string text(context);
+  text.append(": ");
+  text.append(error.message());
+  return ffi::Error(error.errc().value_or(ffi::ErrorCode::kUnknown),
+                    std::move(text));
+}
+
+std::string FormatList(const std::vector<int64_t>& values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i > 0) out.append(", ");
+    out.append(std::to_string(values[i]));
+  }
+  out.push_back(']');
+  return out;
+}
+
+namespace {
+
+template <typename T>
+std::string FormatSpan(const T* values, int64_t n) {
+  std::string out = "[";
+  for (int64_t i = 0; i < n; ++i) {
+    if (i > 0) out.append(", ");
+    out.append(std::to_string(values[i]));
+  }
+  out.push_back(']');
+  return out;
+}
+
+std::string Hex(int64_t value) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "0x%" PRIx64, static_cast<uint64_t>(value));
+  return buf;
+}
+
+// FNV-1a over int64 words: cheap, deterministic, good enough to catch two
+// participants running different schedules under one site.
+class Fingerprint {
+ public:
+  void Add(int64_t value) {
+    uint64_t v = static_cast<uint64_t>(value);
+    for (int i = 0; i < 8; ++i) {
+      hash_ ^= (v >> (8 * i)) & 0xff;
+      hash_ *= 0x100000001b3ULL;
+    }
+  }
+  uint64_t value() const { return hash_; }
+
+ private:
+  uint64_t hash_ = 0xcbf29ce484222325ULL;
+};
+
+// Multiplies non-negative values, reporting overflow of int64.
+bool MulOverflows(int64_t a, int64_t b, int64_t* out) {
+  return __builtin_mul_overflow(a, b, out);
+}
+
+// "op 3 (step 1, tensor 0, fanout)".
+std::string OpName(int64_t index, const Op& op) {
+  return "op " + std::to_string(index) + " (step " + std::to_string(op.step) +
+         ", tensor " + std::to_string(op.tensor) + ", " + StageName(op.stage) +
+         ")";
+}
+
+}  // namespace
+
+int32_t Schedule::ParticipantIndex(int64_t device_id) const {
+  auto it = std::lower_bound(devices.begin(), devices.end(), device_id);
+  if (it == devices.end() || *it != device_id) return -1;
+  return static_cast<int32_t>(it - devices.begin());
+}
+
+int64_t Schedule::RequiredWorkspaceBytes(int32_t participant) const {
+  return std::max<int64_t>(1, ws_bytes[participant]);
+}
+
+ffi::ErrorOr<Schedule> DecodeSchedule(ffi::Span<const int64_t> encoded) {
+  const int64_t size = static_cast<int64_t>(encoded.size());
+  const int64_t* a = encoded.begin();
+  auto fail = [](ffi::Error error) -> ffi::ErrorOr<Schedule> {
+    return ffi::Unexpected<ffi::Error>(std::move(error));
+  };
+#define JAX_M2N_SCHEDULE_FAIL(message) \
+  return fail(                         \
+      JAX_M2N_ERROR(kInvalidArgument, std::string("schedule: ") + (message)))
+
+  if (size < kHeaderWidth) {
+    JAX_M2N_SCHEDULE_FAIL(
+        "the attribute must hold at least the " + std::to_string(kHeaderWidth) +
+        "-element header; got " + std::to_string(size) + " elements");
+  }
+  const int64_t magic = a[0], version = a[1], n_tensors = a[2],
+                n_devices = a[3], n_steps = a[4], n_ops = a[5], op_width = a[6],
+                max_rank = a[7];
+  if (magic != kScheduleMagic) {
+    JAX_M2N_SCHEDULE_FAIL("header MAGIC must be " + Hex(kScheduleMagic) +
+                          " (\"M2N_\"); got " + Hex(magic) +
+                          ": not a jax_m2n schedule");
+  }
+  if (version != kScheduleVersion) {
+    JAX_M2N_SCHEDULE_FAIL(
+        "header VERSION must be " + std::to_string(kScheduleVersion) +
+        " (the version this extension decodes); got " +
+        std::to_string(version) +
+        ": the Python package and the extension are out of step, rebuild");
+  }
+  if (op_width != kOpWidth) {
+    JAX_M2N_SCHEDULE_FAIL("header OP_WIDTH must be " +
+                          std::to_string(kOpWidth) + "; got " +
+                          std::to_string(op_width));
+  }
+  if (max_rank != kMaxRank) {
+    JAX_M2N_SCHEDULE_FAIL("header MAX_RANK must be " +
+                          std::to_string(kMaxRank) + "; got " +
+                          std::to_string(max_rank));
+  }
+  if (n_tensors < 0 || n_tensors > size) {
+    JAX_M2N_SCHEDULE_FAIL("header n_tensors must be in [0, " +
+                          std::to_string(size) + "]; got " +
+                          std::to_string(n_tensors));
+  }
+  if (n_devices < 1 || n_devices > size) {
+    JAX_M2N_SCHEDULE_FAIL("header n_devices must be in [1, " +
+                          std::to_string(size) + "]; got " +
+                          std::to_string(n_devices));
+  }
+  if (n_steps < 0 || n_steps > (int64_t{1} << 30)) {
+    JAX_M2N_SCHEDULE_FAIL("header n_steps must be in [0, 2^30]; got " +
+                          std::to_string(n_steps));
+  }
+  if (n_ops < 0 || n_ops > size || n_ops > INT32_MAX) {
+    JAX_M2N_SCHEDULE_FAIL("header n_ops must be in [0, " +
+                          std::to_string(std::min<int64_t>(size, INT32_MAX)) +
+                          "]; got " + std::to_string(n_ops));
+  }
+  // Each count is <= size (< 2^60 for any real attribute): no overflow here.
+  const int64_t expected = kHeaderWidth + 2 * n_devices +
+                           kTensorWidth * n_tensors + kOpWidth * n_ops;
+  if (expected != size) {
+    JAX_M2N_SCHEDULE_FAIL("sizes must add up: 8 + 2 * n_devices (" +
+                          std::to_string(n_devices) + ") + 10 * n_tensors (" +
+                          std::to_string(n_tensors) + ") + 35 * n_ops (" +
+                          std::to_string(n_ops) +
+                          ") = " + std::to_string(expected) +
+                          " elements; got " + std::to_string(size));
+  }
+
+  Schedule s;
+  s.n_steps = n_steps;
+  Fingerprint fp;
+  for (int i = 0; i < kHeaderWidth; ++i) {
+    if (i != 5) fp.Add(a[i]);  // n_ops differs between per-device encodings
+  }
+
+  // devices, ws
+  const int64_t* devices = a + kHeaderWidth;
+  const int64_t* ws = devices + n_devices;
+  s.devices.assign(devices, devices + n_devices);
+  s.ws_bytes.assign(ws, ws + n_devices);
+  for (int64_t i = 0; i < n_devices; ++i) {
+    if (devices[i] < 0 || devices[i] > INT32_MAX) {
+      JAX_M2N_SCHEDULE_FAIL("devices[" + std::to_string(i) +
+                            "] must be a global device id in [0, 2^31); got " +
+                            std::to_string(devices[i]));
+    }
+    if (i > 0 && devices[i] <= devices[i - 1]) {
+      JAX_M2N_SCHEDULE_FAIL(
+          "devices must be sorted ascending without repeats; "
+          "got devices[" +
+          std::to_string(i - 1) + "] = " + std::to_string(devices[i - 1]) +
+          ", devices[" + std::to_string(i) +
+          "] = " + std::to_string(devices[i]));
+    }
+    if (ws[i] < 0) {
+      JAX_M2N_SCHEDULE_FAIL("ws[" + std::to_string(i) + "] (device " +
+                            std::to_string(devices[i]) +
+                            ") must be >= 0 bytes; got " +
+                            std::to_string(ws[i]));
+    }
+    fp.Add(devices[i]);
+    fp.Add(ws[i]);
+  }
+
+  // tensors
+  const int64_t* tensors = ws + n_devices;
+  s.tensors.resize(n_tensors);
+  for (int64_t t = 0; t < n_tensors; ++t) {
+    const int64_t* row = tensors + t * kTensorWidth;
+    for (int i = 0; i < kTensorWidth; ++i) fp.Add(row[i]);
+    TensorSpec& spec = s.tensors[t];
+    const std::string name = "tensor " + std::to_string(t);
+    spec.elem_bytes = row[0];
+    spec.rank = row[1];
+    if (spec.elem_bytes < 1 || spec.elem_bytes > 1024) {
+      JAX_M2N_SCHEDULE_FAIL(name + ": elem_bytes must be in [1, 1024]; got " +
+                            std::to_string(spec.elem_bytes));
+    }
+    if (spec.rank < 0 || spec.rank > kMaxRank) {
+      JAX_M2N_SCHEDULE_FAIL(name + ": rank must be in [0, " +
+                            std::to_string(kMaxRank) + "]; got " +
+                            std::to_string(spec.rank));
+    }
+    int64_t bytes = spec.elem_bytes;
+    for (int64_t d = 0; d < kMaxRank; ++d) {
+      const int64_t dim = row[2 + d];
+      spec.dims[d] = dim;
+      if (d < spec.rank) {
+        if (dim < 0) {
+          JAX_M2N_SCHEDULE_FAIL(name + ": dim_" + std::to_string(d) +
+                                " must be >= 0; got " + std::to_string(dim));
+        }
+        if (MulOverflows(bytes, dim, &bytes)) {
+          JAX_M2N_SCHEDULE_FAIL(name + ": byte size overflows int64 (dims " +
+                                FormatSpan(row + 2, spec.rank) + ")");
+        }
+      } else if (dim != 0) {
+        JAX_M2N_SCHEDULE_FAIL(name + ": dim_" + std::to_string(d) +
+                              " must be 0 (padding beyond rank " +
+                              std::to_string(spec.rank) + "); got " +
+                              std::to_string(dim));
+      }
+    }
+    spec.bytes = bytes;
+  }
+  s.fingerprint = fp.value();
+
+  // ops
+  const int64_t* ops = tensors + n_tensors * kTensorWidth;
+  s.ops.resize(n_ops);
+  s.ops_by_dst.resize(n_devices);
+  s.ops_by_device.resize(n_devices);
+  // (participant, kind, slot) -> tensor: a slot holds one tensor.
+  std::unordered_map<uint64_t, int64_t> slot_tensor;
+  int64_t prev_step = 0;
+  for (int64_t i = 0; i < n_ops; ++i) {
+    const int64_t* row = ops + i * kOpWidth;
+    Op& op = s.ops[i];
+    const std::string name = "op " + std::to_string(i);
+    op.step = row[0];
+    if (op.step < 0 || op.step >= n_steps) {
+      JAX_M2N_SCHEDULE_FAIL(
+          name + ": step must be in [0, n_steps = " + std::to_string(n_steps) +
+          "); got " + std::to_string(op.step));
+    }
+    if (op.step < prev_step) {
+      JAX_M2N_SCHEDULE_FAIL(name + ": ops must be sorted by step; got step " +
+                            std::to_string(op.step) + " after step " +
+                            std::to_string(prev_step));
+    }
+    prev_step = op.step;
+    if (row[1] < 0 || row[1] >= kNumStages) {
+      JAX_M2N_SCHEDULE_FAIL(name +
+                            ": stage must be in [0, 5] (local, inject, "
+                            "forward, fanout, gather, bcast); got " +
+                            std::to_string(row[1]));
+    }
+    op.stage = static_cast<Stage>(row[1]);
+    op.tensor = row[2];
+    if (op.tensor < 0 || op.tensor >= n_tensors) {
+      JAX_M2N_SCHEDULE_FAIL(name + ": tensor must be in [0, n_tensors = " +
+                            std::to_string(n_tensors) + "); got " +
+                            std::to_string(op.tensor));
+    }
+    const TensorSpec& spec = s.tensors[op.tensor];
+    const std::string full_name = OpName(i, op);
+
+    // Box: extent and starts; unused dims (1, 0, 0).
+    op.bytes = spec.elem_bytes;
+    for (int64_t d = 0; d < kMaxRank; ++d) {
+      const int64_t extent = row[kOpFixedWidth + 3 * d];
+      const int64_t src_start = row[kOpFixedWidth + 3 * d + 1];
+      const int64_t dst_start = row[kOpFixedWidth + 3 * d + 2];
+      op.extent[d] = extent;
+      op.src.start[d] = src_start;
+      op.dst.start[d] = dst_start;
+      const std::string dim = "[" + std::to_string(d) + "]";
+      if (d >= spec.rank) {
+        if (extent != 1 || src_start != 0 || dst_start != 0) {
+          JAX_M2N_SCHEDULE_FAIL(
+              full_name + ": dim " + std::to_string(d) +
+              " is beyond the tensor's rank " + std::to_string(spec.rank) +
+              " and must be (extent 1, start 0, start 0); got (" +
+              std::to_string(extent) + ", " + std::to_string(src_start) + ", " +
+              std::to_string(dst_start) + ")");
+        }
+        continue;
+      }
+      if (extent < 0 || extent > spec.dims[d]) {
+        JAX_M2N_SCHEDULE_FAIL(
+            full_name + ": extent" + dim + " must be in [0, " +
+            std::to_string(spec.dims[d]) + "] (tensor dim " +
+            std::to_string(d) + "); got " + std::to_string(extent));
+      }
+      for (const auto& [side, start] :
+           {std::make_pair("src.start", src_start),
+            std::make_pair("dst.start", dst_start)}) {
+        // Local coordinates: a shard is never larger than the global tensor.
+        if (start < 0 || start > spec.dims[d] - extent) {
+          JAX_M2N_SCHEDULE_FAIL(full_name + ": " + side + dim + " = " +
+                                std::to_string(start) + " with extent " +
+                                std::to_string(extent) +
+                                " must lie in tensor dim " + std::to_string(d) +
+                                " = " + std::to_string(spec.dims[d]));
+        }
+      }
+      op.bytes *= extent;  // <= spec.bytes: no overflow
+    }
+
+    // Ends.
+    for (int side = 0; side < 2; ++side) {
+      OpEnd& end = side == 0 ? op.src : op.dst;
+      const char* which = side == 0 ? "src" : "dst";
+      const int64_t device = row[side == 0 ? 3 : 6];
+      const int64_t kind = row[side == 0 ? 4 : 7];
+      const int64_t slot = row[side == 0 ? 5 : 8];
+      const int64_t pack = row[side == 0 ? 9 : 10];
+      end.device = device;
+      end.participant = s.ParticipantIndex(device);
+      if (end.participant < 0) {
+        JAX_M2N_SCHEDULE_FAIL(
+            full_name + ": " + which + "_dev = " + std::to_string(device) +
+            " must be one of the devices " + FormatList(s.devices));
+      }
+      const int64_t min_kind = side == 0 ? 0 : 1;
+      if (kind < min_kind || kind > 2) {
+        JAX_M2N_SCHEDULE_FAIL(full_name + ": " + which + "_kind must be " +
+                              (side == 0
+                                   ? "0 (operand), 1 (result) or 2 (workspace)"
+                                   : "1 (result) or 2 (workspace)") +
+                              "; got " + std::to_string(kind));
+      }
+      end.kind = static_cast<BufferKind>(kind);
+      end.slot = slot;
+      end.pack = pack;
+      const int64_t ws_bytes = s.ws_bytes[end.participant];
+      if (end.kind == BufferKind::kWorkspace) {
+        if (slot < 0 || slot > ws_bytes - spec.bytes) {
+          JAX_M2N_SCHEDULE_FAIL(
+              full_name + ": " + which + "_slot = " + std::to_string(slot) +
+              " is a workspace offset: the whole tensor (" +
+              std::to_string(spec.bytes) + " bytes) must fit in ws[device " +
+              std::to_string(device) + "] = " + std::to_string(ws_bytes) +
+              " bytes");
+        }
+      } else if (slot < 0 || slot >= n_tensors) {
+        // A device has at most one operand and one result per tensor.
+        JAX_M2N_SCHEDULE_FAIL(full_name + ": " + which +
+                              "_slot = " + std::to_string(slot) + " is a " +
+                              BufferKindName(end.kind) +
+                              " index and must be in [0, n_tensors = " +
+                              std::to_string(n_tensors) + ")");
+      }
+      const uint64_t key =
+          ((static_cast<uint64_t>(end.participant) << 2 | kind) << 40) ^
+          static_cast<uint64_t>(slot);
+      auto [it, inserted] = slot_tensor.emplace(key, op.tensor);
+      if (!inserted && it->second != op.tensor) {
+        JAX_M2N_SCHEDULE_FAIL(
+            full_name + ": " + which + " " + BufferKindName(end.kind) + " " +
+            std::to_string(slot) + " of device " + std::to_string(device) +
+            " holds tensor " + std::to_string(it->second) +
+            " in an earlier op; one buffer must hold one tensor");
+      }
+      if (pack < -1 || (pack >= 0 && pack > ws_bytes - op.bytes)) {
+        JAX_M2N_SCHEDULE_FAIL(
+            full_name + ": " + which + "_pack = " + std::to_string(pack) +
+            " must be -1 or a staging area of " + std::to_string(op.bytes) +
+            " bytes inside ws[device " + std::to_string(device) +
+            "] = " + std::to_string(ws_bytes) + " bytes");
+      }
+    }
+    s.ops_by_dst[op.dst.participant].push_back(static_cast<int32_t>(i));
+    s.ops_by_device[op.dst.participant].push_back(static_cast<int32_t>(i));
+    if (op.src.participant != op.dst.participant) {
+      s.ops_by_device[op.src.participant].push_back(static_cast<int32_t>(i));
+    }
+  }
+#undef JAX_M2N_SCHEDULE_FAIL
+  return s;
+}
+
+ffi::Error CheckOpEnd(const Schedule& schedule, int32_t op_index, bool src_side,
+                      const BufferShape& buffer) {
+  const Op& op = schedule.ops[op_index];
+  const OpEnd& end = src_side ? op.src : op.dst;
+  const TensorSpec& spec = schedule.tensors[op.tensor];
+  const int64_t rank = static_cast<int64_t>(buffer.dims.size());
+  auto where = [&]() {
+    return OpName(op_index, op) + ": " +
+           (src_side ? "source " : "destination ") + BufferKindName(end.kind) +
+           " " + std::to_string(end.slot) + " of device " +
+           std::to_string(end.device);
+  };
+  if (rank != spec.rank) {
+    return JAX_M2N_ERROR(kInvalidArgument,
+                         where() + " must have the tensor's rank " +
+                             std::to_string(spec.rank) + "; got dims " +
+                             FormatSpan(buffer.dims.begin(), rank));
+  }
+  if (buffer.elem_bytes != spec.elem_bytes) {
+    return JAX_M2N_ERROR(
+        kInvalidArgument,
+        where() + " must have " + std::to_string(spec.elem_bytes) +
+            "-byte elements (tensors table); got " +
+            std::to_string(buffer.elem_bytes) + "-byte elements");
+  }
+  for (int64_t d = 0; d < rank; ++d) {
+    if (end.start[d] + op.extent[d] > buffer.dims[d]) {
+      return JAX_M2N_ERROR(
+          kInvalidArgument,
+          where() + ": box start " + FormatSpan(end.start.data(), rank) +
+              " + extent " + FormatSpan(op.extent.data(), rank) +
+              " must lie inside the buffer's dims " +
+              FormatSpan(buffer.dims.begin(), rank) + " (dim " +
+              std::to_string(d) + ")");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckDeviceBuffers(const Schedule& schedule, int32_t participant,
+                              const DeviceBufferShapes& buffers) {
+  const int64_t device = schedule.devices[participant];
+  const int64_t required = schedule.RequiredWorkspaceBytes(participant);
+  if (buffers.workspace_bytes < required) {
+    return JAX_M2N_ERROR(
+        kInvalidArgument,
+        "the workspace (last result) of device " + std::to_string(device) +
+            " must hold at least max(1, ws) = " + std::to_string(required) +
+            " bytes; got " + std::to_string(buffers.workspace_bytes));
+  }
+  for (int32_t index : schedule.ops_by_device[participant]) {
+    const Op& op = schedule.ops[index];
+    const TensorSpec& spec = schedule.tensors[op.tensor];
+    for (int side = 0; side < 2; ++side) {
+      const OpEnd& end = side == 0 ? op.src : op.dst;
+      if (end.participant != participant) continue;
+      BufferShape shape;
+      switch (end.kind) {
+        case BufferKind::kOperand:
+        case BufferKind::kResult: {
+          const std::vector<BufferShape>& list =
+              end.kind == BufferKind::kOperand ? buffers.operands
+                                               : buffers.results;
+          if (end.slot >= static_cast<int64_t>(list.size())) {
+            return JAX_M2N_ERROR(
+                kInvalidArgument,
+                OpName(index, op) + ": " + (side == 0 ? "src" : "dst") +
+                    "_slot = " + std::to_string(end.slot) +
+                    " must name one of the " + std::to_string(list.size()) +
+                    " " + BufferKindName(end.kind) + "s of device " +
+                    std::to_string(device) +
+                    (end.kind == BufferKind::kResult
+                         ? " (results without the trailing workspace)"
+                         : ""));
+          }
+          shape = list[end.slot];
+          break;
+        }
+        case BufferKind::kWorkspace:
+          // Inside ws (checked by DecodeSchedule) <= the real workspace.
+          shape.dims = ffi::Span<const int64_t>(spec.dims.data(), spec.rank);
+          shape.elem_bytes = spec.elem_bytes;
+          break;
+      }
+      if (ffi::Error error = CheckOpEnd(schedule, index, side == 0, shape);
+          error.failure()) {
+        return error;
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_m2n

@@ -1,0 +1,176 @@
+// The C++ side of the schedule format, version kScheduleVersion
+// (docs/schedule_format.md; the Python side is jax_m2n/_src/schedule.py).
+// Owns: decoding and validating the `schedule` attribute of `jax_m2n_reshard`
+// into a `Schedule`, and the execute-time check of boxes against the buffers
+// XLA hands a device. Platform-free (no device API, no threads, no transport):
+// the CPU and CUDA transports both build on it. It never moves data.
+
+#ifndef JAX_M2N_XLA_FFI_SCHEDULE_H_
+#define JAX_M2N_XLA_FFI_SCHEDULE_H_
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_m2n {
+
+// ---------------------------------------------------------------------------
+// Format constants (docs/schedule_format.md, "The `schedule` array").
+// ---------------------------------------------------------------------------
+
+inline constexpr int64_t kScheduleMagic = 0x4D324E5F;  // "M2N_"
+inline constexpr int64_t kScheduleVersion = 1;
+inline constexpr int64_t kHeaderWidth = 8;
+inline constexpr int64_t kMaxRank = 8;
+inline constexpr int64_t kTensorWidth = 2 + kMaxRank;  // elem_bytes, rank, dims
+inline constexpr int64_t kOpFixedWidth = 11;           // fields 0..10
+inline constexpr int64_t kOpWidth = kOpFixedWidth + 3 * kMaxRank;  // 35
+
+// What an op does in the route. Transports copy every stage the same way; the
+// stage says why the op exists (and lets a transport pick an engine).
+enum class Stage : int8_t {
+  kLocal = 0,    // source and destination shard on one device
+  kInject = 1,   // source device -> a leader of the destination domain
+  kForward = 2,  // leader -> leader of the next domain (ring)
+  kFanout = 3,   // leader -> replicas inside its domain
+  kGather = 4,   // source shard -> a full-tensor workspace buffer
+  kBcast = 5,    // full-tensor workspace buffer -> destination shards
+};
+inline constexpr int64_t kNumStages = 6;
+const char* StageName(Stage stage);
+
+// Which buffer of a device an op reads or writes.
+enum class BufferKind : int8_t {
+  kOperand = 0,  // slot = operand index (source shards only)
+  kResult = 1,   // slot = result index (destination shards, not the workspace)
+  kWorkspace =
+      2,  // slot = byte offset of a full-tensor buffer in the workspace
+};
+const char* BufferKindName(BufferKind kind);
+
+// One tensor of the pytree: its element size and global shape.
+struct TensorSpec {
+  int64_t elem_bytes = 0;
+  int64_t rank = 0;
+  std::array<int64_t, kMaxRank>
+      dims{};         // global shape; dims[d] == 0 for d >= rank
+  int64_t bytes = 0;  // elem_bytes * prod(dims[:rank])
+};
+
+// One side (source or destination) of an op.
+struct OpEnd {
+  int64_t device = 0;       // global device id
+  int32_t participant = 0;  // index of `device` in Schedule::devices
+  BufferKind kind = BufferKind::kOperand;
+  int64_t slot = 0;   // meaning depends on `kind`
+  int64_t pack = -1;  // workspace byte offset of a staging area, -1 if none
+  std::array<int64_t, kMaxRank>
+      start{};  // first index per dim, local coordinates
+};
+
+// One copy of a box of one tensor from one buffer to another (a chunk).
+struct Op {
+  int64_t step = 0;
+  Stage stage = Stage::kLocal;
+  int64_t tensor = 0;
+  OpEnd src;
+  OpEnd dst;
+  std::array<int64_t, kMaxRank> extent{};  // box size per dim; 1 for d >= rank
+  int64_t bytes = 0;                       // elem_bytes * prod(extent[:rank])
+};
+
+// A decoded, validated schedule. Immutable after DecodeSchedule; safe to share
+// between threads.
+struct Schedule {
+  int64_t n_steps = 0;
+  std::vector<int64_t> devices;   // global ids of the participants, ascending
+  std::vector<int64_t> ws_bytes;  // workspace bytes each participant needs
+  std::vector<TensorSpec> tensors;
+  std::vector<Op> ops;  // sorted by step
+
+  // Per participant, indices into `ops` (in step order) of the ops it writes
+  // (dst) and of the ops that touch it (src or dst).
+  std::vector<std::vector<int32_t>> ops_by_dst;
+  std::vector<std::vector<int32_t>> ops_by_device;
+
+  // Hash of everything every participant's encoding shares (header without
+  // n_ops, devices, ws, tensors): participants of one rendezvous must agree.
+  uint64_t fingerprint = 0;
+
+  // Index of `device_id` in `devices`, or -1 if it is not a participant.
+  int32_t ParticipantIndex(int64_t device_id) const;
+  // Bytes of the workspace result a participant needs: max(1, ws_bytes[p]).
+  int64_t RequiredWorkspaceBytes(int32_t participant) const;
+};
+
+// Decodes and validates a `schedule` attribute. Checks everything that does not
+// depend on the buffers of one device (see the invariants section of
+// docs/schedule_format.md); errors name the field, the op and the value, e.g.
+// "schedule.cc:210: schedule: op 3 (step 1): src.start[1] + extent[1] = 9
+// exceeds tensor 0 dim 1 = 8".
+::xla::ffi::ErrorOr<Schedule> DecodeSchedule(
+    ::xla::ffi::Span<const int64_t> encoded);
+
+// The shape of one buffer XLA handed to a device, for CheckDeviceBuffers.
+struct BufferShape {
+  ::xla::ffi::Span<const int64_t> dims;  // borrowed from the call frame
+  int64_t elem_bytes = 0;                // byte width of the buffer's dtype
+};
+
+// The buffers of one device's call: operands, results without the workspace,
+// and the workspace size.
+struct DeviceBufferShapes {
+  std::vector<BufferShape> operands;
+  std::vector<BufferShape> results;
+  int64_t workspace_bytes = 0;
+};
+
+// Execute-time check for one participant: the workspace is large enough, and
+// for every op that touches it, on its own side(s): the slot exists, the
+// buffer's rank and element size match the tensor, the box lies inside the
+// buffer, and a staging area (pack >= 0) lies inside the workspace.
+::xla::ffi::Error CheckDeviceBuffers(const Schedule& schedule,
+                                     int32_t participant,
+                                     const DeviceBufferShapes& buffers);
+
+// Checks one side of one op against a buffer of the device on that side (the
+// per-op part of CheckDeviceBuffers; transports use it on peers' buffers).
+// `kind`/`slot` have been resolved to `buffer` by the caller; for kWorkspace
+// pass the tensor's global dims.
+::xla::ffi::Error CheckOpEnd(const Schedule& schedule, int32_t op_index,
+                             bool src_side, const BufferShape& buffer);
+
+// ---------------------------------------------------------------------------
+// Errors. STYLE.md: an ffi::Error carries file:line and the call and peer.
+// ---------------------------------------------------------------------------
+
+// Strips the directories of a __FILE__ string.
+constexpr std::string_view FileBaseName(std::string_view path) {
+  size_t slash = path.find_last_of('/');
+  return slash == std::string_view::npos ? path : path.substr(slash + 1);
+}
+
+// "<file>:<line>: <message>".
+::xla::ffi::Error MakeError(::xla::ffi::ErrorCode code, std::string_view file,
+                            int line, std::string_view message);
+
+// Prefixes an error's message with context, keeping its code.
+::xla::ffi::Error AddContext(const ::xla::ffi::Error& error,
+                             std::string_view context);
+
+// Builds an ffi::Error with the code `kInvalidArgument`, `kInternal`, ... and
+// the current file:line, e.g. JAX_M2N_ERROR(kInvalidArgument, "bad " + x).
+#define JAX_M2N_ERROR(code, message)                \
+  ::jax_m2n::MakeError(::xla::ffi::ErrorCode::code, \
+                       ::jax_m2n::FileBaseName(__FILE__), __LINE__, (message))
+
+// Formats integers for error messages: "[1, 2, 3]".
+std::string FormatList(const std::vector<int64_t>& values);
+
+}  // namespace jax_m2n
+
+#endif  // JAX_M2N_XLA_FFI_SCHEDULE_H_
