@@ -4,10 +4,11 @@ Usage (GPU machine, after building jax_m2n/_ffi_cuda.so):
   NCCL_NVLS_ENABLE=0 python3 tests/gpu_bench.py [--mib 1024] [--iters 10] [--warmup 3]
       [--chunks-mib 16,64,256,1024] [--json OUT.json] [--no-device-put]
 
-Cases (bf16 [rows, 32768], --mib MiB in all; notes/benchmarking.md):
+Cases (bf16 [rows, 32768], --mib MiB in all; notes/benchmarking.md), with 4 GPUs:
   A  2 GPUs P('x', None) -> 2 other GPUs replicated           bound 2.75 ms/GiB
   B  1 GPU -> 3 GPUs replicated                               bound 2.75 ms/GiB
   C  2 GPUs P('x', None) -> 2 other GPUs P(None, 'x')         bound 1.37 ms/GiB
+with 2 GPUs: D 1 -> 1 copy, E 2 P('x', None) -> the same 2 replicated, F -> P(None, 'x').
 Engines: jax_m2n hierarchical / flat / gather_bcast, jax.device_put; then the chunk-size
 sweep of the hierarchical route (jax_m2n._src.ops.DEFAULT_CHUNK_BYTES), and the latency of
 a 1 KiB reshard. Time = wall clock around reshard + block_until_ready (min and mean of
@@ -68,6 +69,8 @@ def main():
   ap.add_argument("--chunks-mib", default="16,64,256,1024")
   ap.add_argument("--json", default="")
   ap.add_argument("--no-device-put", action="store_true")
+  ap.add_argument("--cases", default="", help="letters of the cases to run (default all)")
+  ap.add_argument("--routes", default="hierarchical,flat,gather_bcast")
   a = ap.parse_args()
 
   cols = 32768
@@ -75,11 +78,21 @@ def main():
   shape = (rows, cols)
   gib = rows * cols * 2 / (1 << 30)
   bound_full = gib * (1 << 30) / (GBPS * 1e9) * 1e3
-  cases = {
-      "A 2xP(x)->2 repl": ([0, 1], P("x", None), [2, 3], P(), bound_full),
-      "B 1->3 repl": ([0], P(), [1, 2, 3], P(), bound_full),
-      "C 2xP(x)->2xP(None,x)": ([0, 1], P("x", None), [2, 3], P(None, "x"), bound_full / 2),
-  }
+  if len(jax.devices("gpu")) >= 4:
+    cases = {
+        "A 2xP(x)->2 repl": ([0, 1], P("x", None), [2, 3], P(), bound_full),
+        "B 1->3 repl": ([0], P(), [1, 2, 3], P(), bound_full),
+        "C 2xP(x)->2xP(None,x)": ([0, 1], P("x", None), [2, 3], P(None, "x"),
+                                  bound_full / 2),
+    }
+  else:  # 2 GPUs: a point-to-point copy and the two colocated reshards
+    cases = {
+        "D 1->1": ([0], P(), [1], P(), bound_full),
+        "E 2xP(x)->same 2 repl": ([0, 1], P("x", None), [0, 1], P(), bound_full / 2),
+        "F 2xP(x)->same 2xP(None,x)": ([0, 1], P("x", None), [0, 1], P(None, "x"),
+                                       bound_full / 4),
+    }
+  cases = {k: v for k, v in cases.items() if not a.cases or k[0] in a.cases}
   host = np.random.default_rng(0).integers(1, 1 << 15, size=shape, dtype=np.uint16)
   host = host.view(ml_dtypes.bfloat16)
   out_rows = []
@@ -100,7 +113,7 @@ def main():
     if not a.no_device_put:
       record(case, "device_put", None, timed(lambda: jax.device_put(x, dst), a.iters, a.warmup),
              bound, True)
-    for route in ("hierarchical", "flat", "gather_bcast"):
+    for route in a.routes.split(","):
       m2n_ops.DEFAULT_CHUNK_BYTES = default_chunk
       ok = same(jax_m2n.reshard(x, dst, route=route), ref)
       t = timed(lambda: jax_m2n.reshard(x, dst, route=route), a.iters, a.warmup)
@@ -115,12 +128,12 @@ def main():
     m2n_ops.DEFAULT_CHUNK_BYTES = default_chunk
     del x, ref
 
-  # Fixed cost: 1 KiB from GPU 0 to GPU 2 (two per-device programs).
+  # Fixed cost: 1 KiB from GPU 0 to GPU 1 (two per-device programs).
   small = jax.device_put(np.arange(512, dtype=np.uint16).view(ml_dtypes.bfloat16),
                          sharding([0], P()))
-  d2 = sharding([2], P())
-  t = timed(lambda: jax_m2n.reshard(small, d2), 50, 5)
-  record("1KiB 0->2", "m2n-hierarchical", None, t, 1e-3, True)
+  d1 = sharding([1], P())
+  t = timed(lambda: jax_m2n.reshard(small, d1), 50, 5)
+  record("1KiB 0->1", "m2n-hierarchical", None, t, 1e-3, True)
   if a.json:
     with open(a.json, "w") as f:
       json.dump({"version": 1, "shape": shape, "dtype": "bfloat16", "rows": out_rows}, f,

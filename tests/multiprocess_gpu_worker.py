@@ -6,9 +6,10 @@ Not a test by itself (no `_test` suffix). Usage, one per process, started togeth
 Prints "RESULT <scenario> process=I ok ..." on success; exits non-zero otherwise.
 
 Scenarios:
-  refit    2 + 2 trainer -> generator refit (the RL case): GPUs 0,1 hold P('x', None),
-           GPUs 2,3 receive it replicated, as P(None, 'x'), and over two emulated
-           NVLink domains; every route; outputs checked bitwise against numpy.
+  refit    N/2 + N/2 trainer -> generator refit (the RL case; 2 + 2 with 4 processes):
+           the first half of the GPUs hold P('x', None), the second half receive it
+           replicated, as P(None, 'x'), and over two emulated NVLink domains; every
+           route; outputs checked bitwise against numpy.
   timeout  the receiver's peer never calls: the receiving process sees the call fail
            within its timeout (watchdog + ncclCommAbort), not a hang.
 """
@@ -23,6 +24,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _log(pid, what):
+  print(f"[{time.strftime('%H:%M:%S')} process {pid}] {what}", file=sys.stderr, flush=True)
+
+
 def _bits(a):
   import numpy as np
   a = np.asarray(a)
@@ -34,18 +39,19 @@ def _refit(jax, jax_m2n, pid):
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   devs = jax.devices()
-  assert len(devs) == 4, devs
-  src = NamedSharding(Mesh(np.array(devs[:2]), ("x",)), P("x", None))
-  gen = Mesh(np.array(devs[2:]), ("x",))
+  half = len(devs) // 2
+  src = NamedSharding(Mesh(np.array(devs[:half]), ("x",)), P("x", None))
+  gen = Mesh(np.array(devs[half:]), ("x",))
   shape = (512, 1024)
   rng = np.random.default_rng(7)
   host = rng.integers(1, 1 << 16, size=shape, dtype=np.uint16).view(ml_dtypes.bfloat16)
-  x = jax.make_array_from_callback(shape, src, lambda idx: host[idx])
+  x = jax.make_array_from_callback(shape, src, lambda idx: host[idx], dtype=host.dtype)
   cases = [(P(), "hierarchical", None), (P(None, "x"), "hierarchical", None),
            (P(), "flat", None), (P(), "gather_bcast", None),
            (P(), "hierarchical", jax_m2n.Topology(domain_size=2))]
   times = []
   for spec, route, topo in cases:
+    _log(pid, f"reshard {route} {spec} topology={topo}")
     dst = NamedSharding(gen, spec)
     for it in range(3):
       t0 = time.perf_counter()
@@ -69,11 +75,13 @@ def _timeout(jax, jax_m2n, pid):
   client = distributed.global_state.client
   # Every process creates the communicator first (a collective): a tiny 4-device refit.
   src4 = NamedSharding(Mesh(np.array(devs), ("x",)), P("x"))
-  z = jax.make_array_from_callback((8,), src4, lambda idx: np.arange(8, dtype=np.float32)[idx])
+  z = jax.make_array_from_callback((8,), src4, lambda idx: np.arange(8, dtype=np.float32)[idx],
+                                   dtype=np.float32)
   jax.block_until_ready(jax_m2n.reshard(z, NamedSharding(Mesh(np.array(devs[::-1]), ("x",)), P("x"))))
   src = NamedSharding(Mesh(np.array(devs[:1]), ("x",)), P())
   dst = NamedSharding(Mesh(np.array(devs[1:2]), ("x",)), P())
-  x = jax.make_array_from_callback((256,), src, lambda idx: np.ones(256, np.float32)[idx])
+  x = jax.make_array_from_callback((256,), src, lambda idx: np.ones(256, np.float32)[idx],
+                                   dtype=np.float32)
   outcome = "idle"
   if pid == 1:  # the receiver; process 0 (the sender) never calls
     import jax_m2n._ffi_cuda as cuda
@@ -106,13 +114,22 @@ def main():
   p.add_argument("--scenario", choices=("refit", "timeout"), default="refit")
   a = p.parse_args()
   import jax
+  _log(a.process_id, "jax.distributed.initialize")
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}",
                              num_processes=a.num_processes, process_id=a.process_id,
                              local_device_ids=[a.process_id],
                              initialization_timeout=120)
   import jax_m2n
+  _log(a.process_id, f"devices {jax.devices()} local {jax.local_devices()} "
+       f"local_hardware_id {[d.local_hardware_id for d in jax.local_devices()]}")
   fn = {"refit": _refit, "timeout": _timeout}[a.scenario]
-  detail = fn(jax, jax_m2n, a.process_id)
+  try:
+    detail = fn(jax, jax_m2n, a.process_id)
+  except BaseException:  # noqa: BLE001 - exit at once: peers must not wait for a barrier
+    import traceback
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)
   print(f"RESULT {a.scenario} process={a.process_id} ok {detail}", flush=True)
   # Skip NCCL/XLA teardown races at exit: every process is done with the communicator.
   jax.distributed.shutdown()

@@ -34,7 +34,7 @@ Python-facing API (docs/dev_contracts.md, section "_ffi_cuda"; docs/cuda_transpo
   nccl_version(nccl_library="") -> int
   nccl_unique_id(nccl_library="") -> bytes        (128 bytes; one process makes it)
   initialize(unique_id, device_ids, local_devices, *, timeout_ms=600000,
-             nccl_library="", blocking=False, warmup_bytes=8388608) -> None
+             nccl_library="", blocking=True, warmup_bytes=8388608) -> None
       Collective over all processes. device_ids: [d.id for d in jax.devices()] (rank =
       position); local_devices: [(d.local_hardware_id, d.id) for d in
       jax.local_devices()]. Creates the communicator (one group of ncclCommInitRank
@@ -147,7 +147,7 @@ NB_MODULE(_ffi_cuda, m) {
       },
       nb::arg("unique_id"), nb::arg("device_ids"), nb::arg("local_devices"), nb::kw_only(),
       nb::arg("timeout_ms") = 600000, nb::arg("nccl_library") = "",
-      nb::arg("blocking") = false, nb::arg("warmup_bytes") = int64_t{8} << 20);
+      nb::arg("blocking") = true, nb::arg("warmup_bytes") = int64_t{8} << 20);
 
   m.def("is_initialized", []() { return Communicator::Get().initialized(); });
 

@@ -179,6 +179,212 @@ ncclResult_t Communicator::WaitReady(ncclComm_t comm, Clock::time_point deadline
   }
 }
 
+namespace {
+
+// Creation of this process's ranks and the warm-up exchange, run on a helper thread so
+// that Initialize can give up after its deadline even with blocking communicators (whose
+// calls cannot be interrupted). If Initialize gave up, the thread aborts what it created.
+struct InitJob {
+  const NcclApi* api = nullptr;
+  ncclUniqueId id;
+  int n_ranks = 0;
+  bool blocking = true;
+  int64_t timeout_ms = 0;
+  size_t warmup_bytes = 0;
+  Clock::time_point deadline;
+  std::vector<std::unique_ptr<LocalRank>> local;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  bool abandoned = false;
+  std::string error;
+  bool timed_out = false;
+
+  void AbortAll() {
+    for (auto& lr : local) {
+      if (lr->comm != nullptr) api->CommAbort(lr->comm);
+      lr->comm = nullptr;
+    }
+  }
+};
+
+// Waits (nonblocking communicators) until `comm` has no operation in progress.
+ncclResult_t WaitComm(const NcclApi& api, ncclComm_t comm, Clock::time_point deadline,
+                      bool* late) {
+  *late = false;
+  for (int spins = 0;; ++spins) {
+    ncclResult_t state = ncclSuccess;
+    ncclResult_t r = api.CommGetAsyncError(comm, &state);
+    if (r != ncclSuccess) return r;
+    if (state != ncclInProgress) return state;
+    if (Clock::now() > deadline) {
+      *late = true;
+      return ncclInProgress;
+    }
+    if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+std::string CreateRanks(InitJob& job) {
+  const NcclApi& api = *job.api;
+  ScopedDevice restore;
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = job.blocking ? 1 : 0;
+  for (auto& lr : job.local) {
+    cudaError_t cerr = cudaSetDevice(lr->ordinal);
+    if (cerr == cudaSuccess) cerr = PreloadCopyKernel();
+    if (cerr != cudaSuccess) {
+      return JAX_M2N_AT("preparing device " + std::to_string(lr->device_id) + " (ordinal " +
+                        std::to_string(lr->ordinal) + ") failed: " + CudaError(cerr));
+    }
+  }
+  ncclResult_t r = api.GroupStart();
+  if (r != ncclSuccess) return JAX_M2N_AT("ncclGroupStart failed: " + api.Describe(r, nullptr));
+  for (auto& lr : job.local) {
+    cudaSetDevice(lr->ordinal);
+    r = api.CommInitRankConfig(&lr->comm, job.n_ranks, job.id, lr->rank, &config);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      api.GroupEnd();
+      return JAX_M2N_AT("ncclCommInitRankConfig(rank=" + std::to_string(lr->rank) +
+                        ", nranks=" + std::to_string(job.n_ranks) + ") failed: " +
+                        api.Describe(r, nullptr));
+    }
+  }
+  r = api.GroupEnd();  // blocking communicators: returns once every rank has joined
+  if (r != ncclSuccess && r != ncclInProgress) {
+    return JAX_M2N_AT("ncclGroupEnd (communicator creation, " + std::to_string(job.n_ranks) +
+                      " ranks) failed: " + api.Describe(r, nullptr));
+  }
+  for (auto& lr : job.local) {
+    bool late = false;
+    r = WaitComm(api, lr->comm, job.deadline, &late);
+    if (late || r != ncclSuccess) {
+      job.timed_out = late;
+      return JAX_M2N_AT("ncclCommInitRankConfig(rank=" + std::to_string(lr->rank) +
+                        ", device " + std::to_string(lr->device_id) + ", nranks=" +
+                        std::to_string(job.n_ranks) + "): " +
+                        (late ? "timed out after " + std::to_string(job.timeout_ms) +
+                                    " ms: not every rank called initialize"
+                              : api.Describe(r, lr->comm)));
+    }
+  }
+  return "";
+}
+
+// Every rank sends warmup_bytes to every other rank and receives as much, in one group:
+// NCCL connects peers lazily, and a connection set up inside a reshard would block the
+// host until the peer arrives (a deadlock when programs are dispatched one by one).
+std::string Warmup(InitJob& job) {
+  const NcclApi& api = *job.api;
+  ScopedDevice restore;
+  const int n_ranks = job.n_ranks;
+  const size_t bytes = job.warmup_bytes;
+  struct Buffers {
+    char* send = nullptr;
+    char* recv = nullptr;
+    cudaStream_t stream = nullptr;
+  };
+  std::vector<Buffers> bufs(job.local.size());
+  std::string err;
+  auto cleanup = [&] {
+    for (size_t i = 0; i < job.local.size(); ++i) {
+      cudaSetDevice(job.local[i]->ordinal);
+      if (bufs[i].stream) cudaStreamSynchronize(bufs[i].stream);
+      if (bufs[i].send) cudaFree(bufs[i].send);
+      if (bufs[i].recv) cudaFree(bufs[i].recv);
+      if (bufs[i].stream) cudaStreamDestroy(bufs[i].stream);
+    }
+  };
+  for (size_t i = 0; i < job.local.size() && err.empty(); ++i) {
+    cudaError_t c = cudaSetDevice(job.local[i]->ordinal);
+    if (c == cudaSuccess) c = cudaMalloc(&bufs[i].send, bytes * n_ranks);
+    if (c == cudaSuccess) c = cudaMalloc(&bufs[i].recv, bytes * n_ranks);
+    if (c == cudaSuccess) c = cudaStreamCreateWithFlags(&bufs[i].stream, cudaStreamNonBlocking);
+    if (c == cudaSuccess) c = cudaMemsetAsync(bufs[i].send, 1, bytes * n_ranks, bufs[i].stream);
+    if (c != cudaSuccess) {
+      err = JAX_M2N_AT("warm-up buffers on device " + std::to_string(job.local[i]->device_id) +
+                       " (" + std::to_string(2 * bytes * n_ranks) + " bytes): " + CudaError(c));
+    }
+  }
+  if (!err.empty()) {
+    cleanup();
+    return err;
+  }
+  ncclResult_t r = api.GroupStart();
+  for (size_t i = 0; i < job.local.size() && r == ncclSuccess; ++i) {
+    const int self = job.local[i]->rank;
+    for (int k = 1; k < n_ranks && r == ncclSuccess; ++k) {
+      // Pairwise order (self+k, self-k) as in an all-to-all.
+      const int to = (self + k) % n_ranks, from = (self - k + n_ranks) % n_ranks;
+      r = api.Send(bufs[i].send + to * bytes, bytes, ncclUint8, to, job.local[i]->comm,
+                   bufs[i].stream);
+      if (r == ncclSuccess || r == ncclInProgress) {
+        r = api.Recv(bufs[i].recv + from * bytes, bytes, ncclUint8, from, job.local[i]->comm,
+                     bufs[i].stream);
+      }
+      if (r == ncclInProgress) r = ncclSuccess;
+    }
+  }
+  ncclResult_t end = api.GroupEnd();  // blocking: returns once peers are connected
+  if (r == ncclSuccess) r = end;
+  if (r != ncclSuccess && r != ncclInProgress) {
+    job.AbortAll();  // the streams would never drain
+    cleanup();
+    return JAX_M2N_AT("warm-up exchange (ncclSend/ncclRecv to every peer, " +
+                      std::to_string(bytes) + " bytes each) failed: " + api.Describe(r, nullptr));
+  }
+  for (auto& lr : job.local) {
+    bool late = false;
+    r = WaitComm(api, lr->comm, job.deadline, &late);
+    if (late || r != ncclSuccess) {
+      job.timed_out = late;
+      job.AbortAll();
+      cleanup();
+      return JAX_M2N_AT("warm-up exchange on device " + std::to_string(lr->device_id) +
+                        (late ? std::string(": timed out connecting peers")
+                              : ": " + api.Describe(r, nullptr)));
+    }
+  }
+  // Wait for the exchange itself, with the deadline (a peer process may be missing).
+  for (size_t i = 0; i < job.local.size() && err.empty(); ++i) {
+    cudaSetDevice(job.local[i]->ordinal);
+    for (;;) {
+      cudaError_t q = cudaStreamQuery(bufs[i].stream);
+      if (q == cudaSuccess) break;
+      if (q != cudaErrorNotReady) {
+        err = JAX_M2N_AT("warm-up exchange on device " +
+                         std::to_string(job.local[i]->device_id) + ": " + CudaError(q));
+        break;
+      }
+      if (Clock::now() > job.deadline) {
+        job.timed_out = true;
+        err = JAX_M2N_AT("warm-up exchange on device " +
+                         std::to_string(job.local[i]->device_id) + " timed out after " +
+                         std::to_string(job.timeout_ms) + " ms: a peer never arrived");
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+  if (!err.empty()) job.AbortAll();  // kernels exit, so cleanup's synchronize returns
+  cleanup();
+  return err;
+}
+
+void RunInitJob(const std::shared_ptr<InitJob>& job) {
+  std::string err = CreateRanks(*job);
+  if (!err.empty()) job->AbortAll();
+  if (err.empty() && job->warmup_bytes > 0 && job->n_ranks > 1) err = Warmup(*job);
+  std::lock_guard<std::mutex> lock(job->mu);
+  job->error = err;
+  job->done = true;
+  if (job->abandoned) job->AbortAll();  // Initialize gave up: nobody will use these
+  job->cv.notify_all();
+}
+
+}  // namespace
+
 std::string Communicator::Initialize(const InitOptions& o, bool* timed_out) {
   *timed_out = false;
   std::lock_guard<std::mutex> lock(init_mu_);
@@ -190,9 +396,8 @@ std::string Communicator::Initialize(const InitOptions& o, bool* timed_out) {
   }
   // Arguments (the Python side checked types).
   if (o.unique_id.size() != sizeof(ncclUniqueId)) {
-    return JAX_M2N_AT("initialize: unique_id must be " +
-                         std::to_string(sizeof(ncclUniqueId)) + " bytes (nccl_unique_id()); got " +
-                         std::to_string(o.unique_id.size()));
+    return JAX_M2N_AT("initialize: unique_id must be " + std::to_string(sizeof(ncclUniqueId)) +
+                      " bytes (nccl_unique_id()); got " + std::to_string(o.unique_id.size()));
   }
   if (o.device_ids.empty() || o.local.empty()) {
     return JAX_M2N_AT("initialize: device_ids and local_devices must be non-empty");
@@ -205,7 +410,7 @@ std::string Communicator::Initialize(const InitOptions& o, bool* timed_out) {
   for (size_t i = 1; i < rank_of.size(); ++i) {
     if (rank_of[i].first == rank_of[i - 1].first) {
       return JAX_M2N_AT("initialize: device_ids must be distinct; device " +
-                           std::to_string(rank_of[i].first) + " appears twice");
+                        std::to_string(rank_of[i].first) + " appears twice");
     }
   }
   std::string error;
@@ -216,107 +421,64 @@ std::string Communicator::Initialize(const InitOptions& o, bool* timed_out) {
 
   int n_cuda = 0;
   cudaError_t cerr = cudaGetDeviceCount(&n_cuda);
-  if (cerr != cudaSuccess) {
-    return JAX_M2N_AT("cudaGetDeviceCount failed: " + CudaError(cerr));
-  }
-  std::vector<std::unique_ptr<LocalRank>> local;
+  if (cerr != cudaSuccess) return JAX_M2N_AT("cudaGetDeviceCount failed: " + CudaError(cerr));
+  auto job = std::make_shared<InitJob>();
   std::vector<LocalRank*> by_ordinal(n_cuda, nullptr);
   for (const auto& [ordinal, device_id] : o.local) {
     if (ordinal < 0 || ordinal >= n_cuda || by_ordinal[ordinal] != nullptr) {
-      return JAX_M2N_AT("initialize: local_devices ordinals must be distinct CUDA "
-                           "ordinals in [0, " + std::to_string(n_cuda) + "); got " +
-                           std::to_string(ordinal));
+      return JAX_M2N_AT("initialize: local_devices ordinals must be distinct CUDA ordinals "
+                        "in [0, " + std::to_string(n_cuda) + "); got " + std::to_string(ordinal));
     }
-    int rank = RankOf(device_id);
+    const int rank = RankOf(device_id);
     if (rank < 0) {
       return JAX_M2N_AT("initialize: local device " + std::to_string(device_id) +
-                           " must be listed in device_ids");
+                        " must be listed in device_ids");
     }
     auto lr = std::make_unique<LocalRank>();
     lr->ordinal = ordinal;
     lr->device_id = device_id;
     lr->rank = rank;
     by_ordinal[ordinal] = lr.get();
-    local.push_back(std::move(lr));
+    job->local.push_back(std::move(lr));
   }
 
   // Multicast (NVLS) must stay off on these machines; respect an explicit setting.
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
 
-  const auto deadline = Clock::now() + std::chrono::milliseconds(o.timeout_ms);
-  ncclUniqueId id;
-  std::memcpy(&id, o.unique_id.data(), sizeof(id));
-  const int n_ranks = static_cast<int>(o.device_ids.size());
+  job->api = api_;
+  std::memcpy(&job->id, o.unique_id.data(), sizeof(job->id));
+  job->n_ranks = static_cast<int>(o.device_ids.size());
+  job->blocking = o.blocking;
+  job->timeout_ms = o.timeout_ms;
+  job->warmup_bytes = static_cast<size_t>(std::max<int64_t>(0, o.warmup_bytes));
+  job->deadline = Clock::now() + std::chrono::milliseconds(o.timeout_ms);
+  std::thread([job] { RunInitJob(job); }).detach();
   {
-    ScopedDevice restore;
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = o.blocking ? 1 : 0;
-    ncclResult_t r = api_->GroupStart();
-    if (r != ncclSuccess) return JAX_M2N_AT("ncclGroupStart failed: " + api_->Describe(r, nullptr));
-    for (auto& lr : local) {
-      cerr = cudaSetDevice(lr->ordinal);
-      if (cerr != cudaSuccess) {
-        api_->GroupEnd();
-        return JAX_M2N_AT("cudaSetDevice(" + std::to_string(lr->ordinal) +
-                             ") failed: " + CudaError(cerr));
-      }
-      cerr = PreloadCopyKernel();
-      if (cerr != cudaSuccess) {
-        api_->GroupEnd();
-        return JAX_M2N_AT("loading the copy kernel on device " +
-                          std::to_string(lr->device_id) + " failed: " + CudaError(cerr));
-      }
-      r = api_->CommInitRankConfig(&lr->comm, n_ranks, id, lr->rank, &config);
-      if (r != ncclSuccess && r != ncclInProgress) {
-        api_->GroupEnd();
-        return JAX_M2N_AT("ncclCommInitRankConfig(rank=" + std::to_string(lr->rank) +
-                             ", nranks=" + std::to_string(n_ranks) + ") failed: " +
-                             api_->Describe(r, nullptr));
-      }
+    std::unique_lock<std::mutex> jlock(job->mu);
+    // A little past the deadline: the job's own checks report more precisely.
+    const bool finished = job->cv.wait_until(
+        jlock, job->deadline + std::chrono::seconds(2), [&] { return job->done; });
+    if (!finished) {
+      job->abandoned = true;  // the job aborts its communicators if it ever returns
+      *timed_out = true;
+      return JAX_M2N_AT("initialize: creating the NCCL communicator (" +
+                        std::to_string(job->n_ranks) + " ranks; this process: " +
+                        std::to_string(job->local.size()) + ") did not finish within timeout_ms=" +
+                        std::to_string(o.timeout_ms) + ": a process never called initialize "
+                        "(or NCCL is stuck); restart the processes");
     }
-    r = api_->GroupEnd();
-    if (r != ncclSuccess && r != ncclInProgress) {
-      return JAX_M2N_AT("ncclGroupEnd (communicator creation, " + std::to_string(n_ranks) +
-                           " ranks) failed: " + api_->Describe(r, nullptr));
-    }
-    for (auto& lr : local) {
-      bool late = false;
-      r = WaitReady(lr->comm, deadline, &late);
-      if (late || r != ncclSuccess) {
-        std::string why = late ? "timed out after " + std::to_string(o.timeout_ms) +
-                                     " ms: not every rank called initialize"
-                               : api_->Describe(r, lr->comm);
-        for (auto& other : local) {
-          if (other->comm != nullptr) api_->CommAbort(other->comm);
-        }
-        *timed_out = late;
-        return JAX_M2N_AT("ncclCommInitRankConfig(rank=" + std::to_string(lr->rank) +
-                             ", device " + std::to_string(lr->device_id) + ", nranks=" +
-                             std::to_string(n_ranks) + "): " + why);
-      }
+    if (!job->error.empty()) {
+      *timed_out = job->timed_out;
+      return job->error;
     }
   }
-  local_ = std::move(local);
+  local_ = std::move(job->local);
   by_ordinal_ = std::move(by_ordinal);
   options_ = o;
   {
     std::lock_guard<std::mutex> elock(error_mu_);
     sticky_error_.clear();
   }
-
-  if (o.warmup_bytes > 0 && n_ranks > 1) {
-    std::string err = Warmup(deadline, timed_out);
-    if (!err.empty()) {
-      for (auto& lr : local_) {
-        if (lr->comm != nullptr) api_->CommAbort(lr->comm);
-        lr->comm = nullptr;
-      }
-      local_.clear();
-      by_ordinal_.clear();
-      return err;
-    }
-  }
-
   {
     std::lock_guard<std::mutex> wlock(watch_mu_);
     watch_stop_ = false;
@@ -325,115 +487,6 @@ std::string Communicator::Initialize(const InitOptions& o, bool* timed_out) {
   generation_.fetch_add(1, std::memory_order_acq_rel);
   initialized_.store(true, std::memory_order_release);
   return "";
-}
-
-// Every rank sends warmup_bytes to every other rank and receives as much, in one group:
-// NCCL connects peers lazily, and a connection set up inside a reshard would block the
-// host until the peer arrives (a deadlock when programs are dispatched one by one).
-std::string Communicator::Warmup(Clock::time_point deadline, bool* timed_out) {
-  ScopedDevice restore;
-  const int n_ranks = static_cast<int>(options_.device_ids.size());
-  const size_t bytes = static_cast<size_t>(options_.warmup_bytes);
-  struct Buffers {
-    char* send = nullptr;
-    char* recv = nullptr;
-    cudaStream_t stream = nullptr;
-  };
-  std::vector<Buffers> bufs(local_.size());
-  std::string err;
-  auto cleanup = [&] {
-    for (size_t i = 0; i < local_.size(); ++i) {
-      cudaSetDevice(local_[i]->ordinal);
-      if (bufs[i].stream) cudaStreamSynchronize(bufs[i].stream);
-      if (bufs[i].send) cudaFree(bufs[i].send);
-      if (bufs[i].recv) cudaFree(bufs[i].recv);
-      if (bufs[i].stream) cudaStreamDestroy(bufs[i].stream);
-    }
-  };
-  for (size_t i = 0; i < local_.size() && err.empty(); ++i) {
-    cudaError_t c = cudaSetDevice(local_[i]->ordinal);
-    if (c == cudaSuccess) c = cudaMalloc(&bufs[i].send, bytes * n_ranks);
-    if (c == cudaSuccess) c = cudaMalloc(&bufs[i].recv, bytes * n_ranks);
-    if (c == cudaSuccess) c = cudaStreamCreateWithFlags(&bufs[i].stream, cudaStreamNonBlocking);
-    if (c == cudaSuccess) c = cudaMemsetAsync(bufs[i].send, 1, bytes * n_ranks, bufs[i].stream);
-    if (c != cudaSuccess) {
-      err = JAX_M2N_AT("warm-up buffers on device " + std::to_string(local_[i]->device_id) +
-                          " (" + std::to_string(2 * bytes * n_ranks) + " bytes): " + CudaError(c));
-    }
-  }
-  if (!err.empty()) {
-    cleanup();
-    return err;
-  }
-  ncclResult_t r = api_->GroupStart();
-  for (size_t i = 0; i < local_.size() && r == ncclSuccess; ++i) {
-    const int self = local_[i]->rank;
-    for (int k = 1; k < n_ranks && r == ncclSuccess; ++k) {
-      // Pairwise order (self+k, self-k) as in an all-to-all.
-      const int to = (self + k) % n_ranks, from = (self - k + n_ranks) % n_ranks;
-      r = api_->Send(bufs[i].send + to * bytes, bytes, ncclUint8, to, local_[i]->comm,
-                     bufs[i].stream);
-      if (r == ncclSuccess || r == ncclInProgress) {
-        r = api_->Recv(bufs[i].recv + from * bytes, bytes, ncclUint8, from, local_[i]->comm,
-                       bufs[i].stream);
-      }
-      if (r == ncclInProgress) r = ncclSuccess;
-    }
-  }
-  ncclResult_t end = api_->GroupEnd();
-  if (r == ncclSuccess) r = end;
-  if (r != ncclSuccess && r != ncclInProgress) {
-    cleanup();
-    return JAX_M2N_AT("warm-up exchange (ncclSend/ncclRecv to every peer, " +
-                         std::to_string(bytes) + " bytes each) failed: " +
-                         api_->Describe(r, nullptr));
-  }
-  for (auto& lr : local_) {
-    bool late = false;
-    r = WaitReady(lr->comm, deadline, &late);
-    if (late || r != ncclSuccess) {
-      *timed_out = late;
-      // Abort first: the streams would never drain.
-      for (auto& other : local_) {
-        if (other->comm) api_->CommAbort(other->comm);
-        other->comm = nullptr;
-      }
-      cleanup();
-      return JAX_M2N_AT("warm-up exchange on device " + std::to_string(lr->device_id) +
-                           (late ? std::string(": timed out connecting peers")
-                                 : ": " + api_->Describe(r, nullptr)));
-    }
-  }
-  // Wait for the exchange itself, with the deadline (a peer process may be missing).
-  for (size_t i = 0; i < local_.size(); ++i) {
-    cudaSetDevice(local_[i]->ordinal);
-    for (;;) {
-      cudaError_t q = cudaStreamQuery(bufs[i].stream);
-      if (q == cudaSuccess) break;
-      if (q != cudaErrorNotReady) {
-        err = JAX_M2N_AT("warm-up exchange on device " +
-                            std::to_string(local_[i]->device_id) + ": " + CudaError(q));
-        break;
-      }
-      if (Clock::now() > deadline) {
-        *timed_out = true;
-        err = JAX_M2N_AT("warm-up exchange on device " +
-                            std::to_string(local_[i]->device_id) + " timed out after " +
-                            std::to_string(options_.timeout_ms) + " ms: a peer never arrived");
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-    if (!err.empty()) break;
-  }
-  if (!err.empty()) {
-    for (auto& lr : local_) {
-      if (lr->comm) api_->CommAbort(lr->comm);
-      lr->comm = nullptr;
-    }
-  }
-  cleanup();
-  return err;
 }
 
 std::string Communicator::Finalize() {

@@ -77,7 +77,9 @@ struct InitOptions {
   std::vector<std::pair<int, int64_t>> local;        // (CUDA ordinal, global id)
   int64_t timeout_ms = 600000;
   std::string nccl_library;
-  bool blocking = false;  // NCCL blocking communicators (no init timeout) if true
+  // Blocking NCCL communicators (the default): ncclGroupEnd enqueues and returns in
+  // ~10 us; nonblocking ones cost ~120 us of host time per group (measured, NCCL 2.28).
+  bool blocking = true;
   int64_t warmup_bytes = 8 << 20;
 };
 
@@ -136,7 +138,6 @@ class Communicator {
   void WatchdogLoop();
   void AbortAll(const std::string& reason);  // sets the sticky error, aborts every comm
   void ReleaseEvent(LocalRank* rank, cudaEvent_t event);
-  std::string Warmup(std::chrono::steady_clock::time_point deadline, bool* timed_out);
 
   std::mutex init_mu_;  // Initialize / Finalize
   std::atomic<bool> initialized_{false};
