@@ -146,6 +146,27 @@ def test_numpy_leaf_hint(devs, no_data_moves):
     jax_m2n.reshard(np.ones(4), gen(devs))
 
 
+def test_dtypes_without_whole_bytes(devs, no_data_moves):
+  keys = jax.device_put(jax.random.split(jax.random.key(0), 8),
+                        NamedSharding(Mesh(devs[:4], ("x",)), P("x")))
+  with pytest.raises(jax_m2n.ReshardTypeError, match="extended dtype"):
+    jax_m2n.reshard({"k": keys}, gen(devs))
+  nibbles = jax.device_put(np.zeros(8, jnp.int4), NamedSharding(Mesh(devs[:4], ("x",)), P()))
+  with pytest.raises(jax_m2n.ReshardTypeError, match="whole bytes"):
+    jax_m2n.reshard(nibbles, gen(devs))
+
+
+def test_memory_kind_other_than_device(devs, no_data_moves):
+  x = sharded(devs)
+  kinds = {m.kind for m in devs[4].addressable_memories()}
+  other = next((k for k in sorted(kinds) if k != devs[4].default_memory().kind), None)
+  if other is None:
+    pytest.skip("this backend has one memory kind")
+  dst = NamedSharding(Mesh(devs[4:], ("y",)), P(), memory_kind=other)
+  with pytest.raises(jax_m2n.ReshardValueError, match="memory kind"):
+    jax_m2n.reshard(x, dst)
+
+
 def test_unknown_route(devs, no_data_moves):
   with pytest.raises(jax_m2n.ReshardValueError, match="route must be one of"):
     jax_m2n.reshard(sharded(devs), gen(devs), route="ring")

@@ -128,6 +128,34 @@ def _check_holds(api: str, name: str, sharding: Sharding, shape, what: str) -> N
         f"{api}: {name} must have rank at most {MAX_RANK}; got shape {tuple(shape)}.")
 
 
+def _check_dtype(api: str, name: str, dtype) -> None:
+  """Whole bytes per element, no extended dtypes: the handler copies plain bytes."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    raise ReshardTypeError(
+        f"{api}: {name} must have a plain array dtype; got the extended dtype {dtype}. "
+        "Hint: reshard jax.random.key_data(keys) and wrap the result again.")
+  if jax.dtypes.itemsize_bits(dtype) % 8:
+    raise ReshardTypeError(
+        f"{api}: {name} must have whole bytes per element; got {dtype} "
+        f"({jax.dtypes.itemsize_bits(dtype)} bits). Hint: bitcast packed sub-byte data "
+        "to uint8 first.")
+
+
+def _check_memory_kind(api: str, name: str, sharding: Sharding, what: str) -> None:
+  kind = sharding.memory_kind
+  if kind is None:
+    return
+  device = next(iter(sharding.device_set))
+  try:
+    default = device.default_memory().kind
+  except Exception:  # noqa: BLE001 - some backends expose no memories
+    default = kind
+  if kind != default:
+    raise ReshardValueError(
+        f"{api}: the {what} of {name} must be in device memory ({default!r}); got "
+        f"memory kind {kind!r}. Hint: move between memory kinds with jax.device_put.")
+
+
 def _check_route(api: str, route: Any) -> None:
   if route not in ROUTES:
     raise ReshardValueError(
@@ -263,6 +291,12 @@ def _worker(device_id: int) -> _Worker:
   return w
 
 
+try:  # the class behind jax.Array (checked construction is the public fallback)
+  from jax._src.array import ArrayImpl as _ArrayImpl
+except ImportError:  # pragma: no cover
+  _ArrayImpl = None
+
+
 # One eager reshard at a time per process: interleaving two calls' per-device programs
 # from several user threads could order them differently on different devices.
 _dispatch_lock = threading.Lock()
@@ -295,6 +329,10 @@ class _EagerReshard:
   src_shard_index: list[dict[int, int]]      # per leaf: device id -> index in _arrays
   platform: str
   site: int
+  avals: list[Any] = dataclasses.field(default_factory=list)  # per leaf, after call 1
+
+  def __post_init__(self):
+    self.avals = [None] * len(self.out_avals)
 
   def __call__(self, leaves: Sequence[jax.Array], donate: bool,
                devices: Sequence[int] | None = None) -> list[jax.Array]:
@@ -349,9 +387,19 @@ class _EagerReshard:
         if not x.is_deleted():
           x.delete()
     out = []
-    for (shape, dtype, sharding), slots in zip(self.out_avals, self.out_slots):
+    for t, ((shape, dtype, sharding), slots) in enumerate(zip(self.out_avals,
+                                                              self.out_slots)):
       arrays = [results[p][r] for p, r in slots]
-      out.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays))
+      aval = self.avals[t]
+      if aval is None:
+        y = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        if _ArrayImpl is not None and type(y) is _ArrayImpl:
+          self.avals[t] = y.aval
+      else:
+        # What make_array_from_single_device_arrays builds, without re-checking what
+        # the first call checked (half the per-leaf cost of a small reshard).
+        y = _ArrayImpl(aval, sharding, arrays, committed=True, _skip_checks=True)
+      out.append(y)
     return out
 
   def _abandon(self, programs: Sequence[_DeviceProgram]) -> None:
@@ -439,6 +487,10 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
                        site)
 
 
+# Compiled per-device programs by (tree, shapes, dtypes, shardings, route, topology,
+# timeout, chunk size). A model's refit is one entry; the bound only stops growth when
+# layouts keep changing.
+_EAGER_CACHE_SIZE = 256
 _eager_cache: dict[Any, _EagerReshard] = {}
 _eager_cache_lock = threading.Lock()
 
@@ -486,9 +538,12 @@ def _validate_eager(x, leaves, dsts, src_shardings, donate, topology,
           f"{_API}: {name} must be committed to its devices (its sharding is then "
           f"what the source layout is); got an uncommitted array on {leaf.sharding}. "
           "Hint: jax.device_put(x, sharding) commits it.")
+    _check_dtype(_API, name, leaf.dtype)
     dst_sharding = _dst_sharding_of(_API, name, dst, leaf.shape, leaf.dtype)
     src = leaf.sharding
     _check_holds(_API, name, dst_sharding, leaf.shape, "destination")
+    _check_memory_kind(_API, name, src, "source")
+    _check_memory_kind(_API, name, dst_sharding, "destination")
     src_platform = _platform_of(src.device_set)
     dst_platform = _platform_of(dst_sharding.device_set)
     if src_platform != dst_platform or any(
@@ -536,6 +591,8 @@ def _reshard_eager(x, leaves, treedef, dsts, src_shardings, route, topology, don
       fn = _build_eager(shapes, dtypes, srcs, dst_shardings, route, topology, timeout_ms,
                         chunk_bytes)
       if key is not None:
+        if len(_eager_cache) >= _EAGER_CACHE_SIZE:  # drop the oldest entry
+          _eager_cache.pop(next(iter(_eager_cache)))
         _eager_cache[key] = fn
   return fn(leaves, donate)
 
@@ -684,6 +741,7 @@ def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
           f"{_API}: every leaf of x must be an array; got {type(leaf).__name__} at "
           f"{name}.")
     shape, dtype = tuple(aval.shape), aval.dtype
+    _check_dtype(_API, name, dtype)
     dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype)
     _check_holds(_API, name, dst_sharding, shape, "destination")
     typed = _typed_sharding(aval)
