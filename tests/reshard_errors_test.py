@@ -258,3 +258,13 @@ def test_jit_non_array_leaf(devs):
   x = sharded(devs)
   with pytest.raises(jax_m2n.ReshardTypeError, match=r"x\[1\]"):
     jax.jit(lambda v: jax_m2n.reshard([v, "s"], x.sharding, src_sharding=x.sharding))(x)
+
+
+def test_inside_shard_map(devs):
+  mesh = Mesh(devs[:4], ("x",))
+  x = jax.device_put(np.zeros((8,), np.float32), NamedSharding(mesh, P("x")))
+  dst = NamedSharding(mesh, P())
+  f = jax.shard_map(lambda v: jax_m2n.reshard(v, dst, src_sharding=dst), mesh=mesh,
+                    in_specs=P("x"), out_specs=P("x"))
+  with pytest.raises(jax_m2n.ReshardValueError, match="outside shard_map"):
+    jax.jit(f)(x)

@@ -299,6 +299,22 @@ def test_forward_stage_runs_across_domains(topology):
   assert_same_as_device_put(y, x, dst)
 
 
+def test_plan_matches_what_reshard_runs():
+  """jax_m2n.plan on arrays or ShapeDtypeStructs gives the plan the eager call caches."""
+  devs = np.array(devices())
+  src = NamedSharding(Mesh(devs[:4].reshape(1, 4), ("dp", "tp")), P("tp", None))
+  dst = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P("tp", None))
+  x = jax.device_put(random_data((4, 8), np.float32, 16), src)
+  p = jax_m2n.plan(x, dst)
+  assert p.bytes_by_link == {"local": 0, "nvlink": 256, "network": 0}
+  assert p.devices == tuple(range(8))
+  p2 = jax_m2n.plan(jax.ShapeDtypeStruct((4, 8), np.float32), dst, src_sharding=src)
+  assert p2 is p  # plans are cached
+  assert jax_m2n.plan(x, dst, route="flat").route == "flat"
+  with pytest.raises(jax_m2n.ReshardValueError, match="src_sharding="):
+    jax_m2n.plan(jax.ShapeDtypeStruct((4, 8), np.float32), dst)
+
+
 # ---------------------------------------------------------------------------------------
 # Pytrees, caching, donation
 # ---------------------------------------------------------------------------------------

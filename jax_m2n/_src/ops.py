@@ -729,6 +729,13 @@ def _refine(api: str, name: str, shardings: Sequence[NamedSharding],
 def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
                     chunk_bytes, names) -> list:
   _check_topology(_API, topology)
+  context = jax.sharding.get_abstract_mesh()
+  if not context.empty and getattr(context, "manual_axes", ()):
+    raise ReshardValueError(
+        f"{_API}: reshard must be called outside shard_map (it lowers to its own SPMD "
+        f"program over whole arrays); got a call under manual mesh axes "
+        f"{tuple(context.manual_axes)}. Hint: call it on the global arrays, inside jit "
+        "or eagerly.")
   shapes, dtypes, srcs, dst_named, typed_any = [], [], [], [], False
   for i, (leaf, dst) in enumerate(zip(leaves, dsts)):
     name = names()[i]
@@ -967,8 +974,8 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
 
   Example:
     >>> p = jax_m2n.plan(w, NamedSharding(generator, P("tp", None)))
-    >>> p.bytes_by_link
-    {'local': 0, 'nvlink': 128, 'network': 0}
+    >>> p.bytes_by_link  # 128 bytes injected, 128 fanned out to the dp replicas
+    {'local': 0, 'nvlink': 256, 'network': 0}
   """
   api = "plan"
   _check_route(api, route)
