@@ -202,3 +202,18 @@ def test_composes_with_other_ops_and_out_shardings():
   y = f(x)
   assert y.sharding == dst
   np.testing.assert_array_equal(np.asarray(y), (data((8, 8)) + 1) * 3)
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_context_mesh_of_another_shape(explicit):
+  """Under jax.set_mesh(m) a reshard between two other meshes of m's devices."""
+  m22 = mesh((2, 2), ("dp", "tp"), explicit)
+  m4 = mesh((4,), ("a",), explicit)
+  src = NamedSharding(m4, P("a", None))
+  dst = NamedSharding(m22, P(None, "tp"))
+  x = jax.device_put(data((4, 8)), src)
+  with jax.set_mesh(m22):
+    f = jax.jit(lambda v: jax_m2n.reshard(v, dst, src_sharding=src))
+    check_compiled(f, x)
+    y = f(x)
+  check_values(y, x, dst)

@@ -431,8 +431,8 @@ def test_timeout_when_a_peer_never_arrives():
   x = jax.device_put(random_data((13, 4), np.float32, 15)[:, :3], src)
   assert x.shape == shape
   jax_m2n.reshard(x, dst, timeout_s=0.5)  # builds and caches the programs
-  key = ops._eager_key(jax.tree.structure(x), [x], [dst], "hierarchical", None, 500,
-                       ops.DEFAULT_CHUNK_BYTES)
+  key = ops._eager_key(jax.tree.structure(x), [x], [dst], [None], "hierarchical", None,
+                       500, ops.DEFAULT_CHUNK_BYTES)
   entry = ops._eager_cache[key]
   start = time.monotonic()
   with pytest.raises(jax_m2n.ReshardTimeoutError, match="did not arrive") as e:

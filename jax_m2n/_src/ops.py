@@ -261,20 +261,21 @@ class _Worker:
                                     daemon=True)
     self._thread.start()
 
-  def submit(self, batch: _Batch, i: int, prog: "_DeviceProgram", args: list) -> None:
-    self._queue.put((batch, i, prog, args))
+  def submit(self, batch: _Batch, i: int, fn: Callable[..., Any], *args) -> None:
+    """Runs fn(*args) on this device's thread; its result or error goes to batch[i]."""
+    self._queue.put((batch, i, fn, args))
 
   def _loop(self) -> None:
     while True:
-      batch, i, prog, args = self._queue.get()
+      batch, i, fn, args = self._queue.get()
       result = None
       try:
-        result = _run_device(prog, args)
+        result = fn(*args)
       except BaseException as e:  # noqa: BLE001 - handed to the calling thread
         batch.done(i, None, e)
       else:
         batch.done(i, result, None)
-      del batch, prog, args, result  # drop buffer references while idle
+      del batch, fn, args, result  # drop buffer references while idle
 
 
 _workers: dict[int, _Worker] = {}
@@ -309,6 +310,10 @@ class _DeviceProgram:
   operands: tuple[tuple[int, int], ...]        # (leaf, index into leaf's shards)
   results: tuple[int, ...]                     # leaves this device holds a dst shard of
   schedule: np.ndarray
+
+
+def _compile(jitted, in_types) -> Callable[..., Any]:
+  return jitted.lower(*in_types).compile()
 
 
 def _run_device(prog: _DeviceProgram, args: list) -> list:
@@ -350,7 +355,8 @@ class _EagerReshard:
       # Programs 1.. go to their devices' threads; this thread runs program 0 itself.
       arguments = [[shards[t][k] for t, k in p.operands] for p in programs]
       for i in range(1, n):
-        _worker(programs[i].device.id).submit(batch, i, programs[i], arguments[i])
+        _worker(programs[i].device.id).submit(batch, i, _run_device, programs[i],
+                                              arguments[i])
       if n:
         try:
           result = _run_device(programs[0], arguments[0])
@@ -441,6 +447,7 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
   src_shard_index = [
       {d.id: i for i, d in enumerate(s._addressable_device_assignment)} for s in srcs]
   programs: list[_DeviceProgram] = []
+  to_compile = []
   result_index: dict[tuple[int, int], tuple[int, int]] = {}  # (leaf, dev) -> (prog, r)
   for dev_id in local:
     device = devices[dev_id]
@@ -469,15 +476,26 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
     def body(*shards, call=call, sched=sched):
       return tuple(call(*shards, schedule=sched, site=np.int64(site), timeout_ms=timeout))
 
-    compiled = jax.jit(
-        body, in_shardings=(sharding,) * len(in_types),
-        out_shardings=(sharding,) * len(out_types)).lower(*in_types).compile()
+    jitted = jax.jit(body, in_shardings=(sharding,) * len(in_types),
+                     out_shardings=(sharding,) * len(out_types))
     for r, t in enumerate(result_leaves):
       result_index[(t, dev_id)] = (len(programs), r)
     programs.append(_DeviceProgram(
-        device, compiled,
+        device, None,
         tuple((t, src_shard_index[t][dev_id]) for t in operand_leaves),
         tuple(result_leaves), sched))
+    to_compile.append((jitted, in_types))
+
+  # Compile the per-device programs concurrently, on the devices' threads (XLA compiles
+  # without the GIL): the first call of a many-device reshard pays about one compile.
+  batch = _Batch(len(programs))
+  for i, (p, (jitted, in_types)) in enumerate(zip(programs, to_compile)):
+    _worker(p.device.id).submit(batch, i, _compile, jitted, in_types)
+  batch.wait()
+  if batch.errors:
+    raise batch.errors[0]
+  for p, compiled in zip(programs, batch.results):
+    p.call = compiled
 
   out_avals, out_slots = [], []
   for t, (shape, dtype, dst) in enumerate(zip(shapes, dtypes, dsts)):
@@ -495,13 +513,18 @@ _eager_cache: dict[Any, _EagerReshard] = {}
 _eager_cache_lock = threading.Lock()
 
 
-def _eager_key(treedef, leaves, dsts, route, topology, timeout_ms, chunk_bytes):
-  """The cache key, or None when some leaf is not a committed, live jax.Array."""
+def _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms,
+               chunk_bytes):
+  """The cache key (None when it cannot be formed: then validation says why).
+
+  A given src_sharding is part of the key: its agreement with x.sharding was checked
+  when the entry was built.
+  """
   parts = []
-  for x, d in zip(leaves, dsts):
+  for x, d, s in zip(leaves, dsts, src_shardings):
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
       return None
-    parts.append((x.shape, x.dtype, x.sharding, d))
+    parts.append((x.shape, x.dtype, x.sharding, d, s))
   try:
     return (treedef, tuple(parts), route, _topology_key(topology), timeout_ms, chunk_bytes)
   except TypeError:  # unhashable topology or destination
@@ -570,9 +593,8 @@ def _validate_eager(x, leaves, dsts, src_shardings, donate, topology,
 
 def _reshard_eager(x, leaves, treedef, dsts, src_shardings, route, topology, donate,
                    timeout_ms, chunk_bytes, names) -> list[jax.Array]:
-  key = None
-  if not any(s is not None for s in src_shardings):
-    key = _eager_key(treedef, leaves, dsts, route, topology, timeout_ms, chunk_bytes)
+  key = _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms,
+                   chunk_bytes)
   fn = _eager_cache.get(key) if key is not None else None
   if fn is not None:
     for i, leaf in enumerate(leaves):  # what may change between calls of one key
