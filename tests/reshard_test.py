@@ -284,6 +284,58 @@ def test_jit_matches_device_put(case):
   assert_same_as_device_put(y, x, dst, exact_sharding=False)
 
 
+@st.composite
+def eager_tree_cases(draw):
+  """2-3 leaves, each with its own devices, layouts and dtype: one plan, one call."""
+  cases = draw(st.lists(eager_cases(), min_size=2, max_size=3))
+  route = draw(st.sampled_from(ROUTES))
+  topology = draw(st.sampled_from(TOPOLOGIES))
+  return [c[1:5] for c in cases], route, topology
+
+
+@hypothesis.settings(SETTINGS, max_examples=20)
+@hypothesis.given(eager_tree_cases())
+def test_eager_pytree_matches_device_put(case):
+  leaves, route, topology = case
+  x = {f"t{i}": jax.device_put(random_data(shape, dtype, i), src)
+       for i, (shape, dtype, src, _) in enumerate(leaves)}
+  dst = {f"t{i}": d for i, (_, _, _, d) in enumerate(leaves)}
+  y = jax_m2n.reshard(x, dst, route=route, topology=topology)
+  for k in x:
+    assert_same_as_device_put(y[k], x[k], dst[k])
+
+
+@st.composite
+def jit_tree_cases(draw):
+  """2-3 leaves on one pair of meshes (one device order), each with its own specs."""
+  shape, dtype, src, dst, route, topology, explicit = draw(jit_cases())
+  leaves = [(shape, dtype, src, dst)]
+  for _ in range(draw(st.integers(1, 2))):
+    rank = draw(st.integers(0, 3))
+    s = NamedSharding(src.mesh, draw(random_spec(src.mesh.axis_names, rank)))
+    d = NamedSharding(dst.mesh, draw(random_spec(dst.mesh.axis_names, rank)))
+    cs, cd = split_counts(s, rank), split_counts(d, rank)
+    leaf_shape = tuple(math.lcm(a, b) * draw(st.integers(1, 2)) for a, b in zip(cs, cd))
+    leaves.append((leaf_shape, draw(st.sampled_from(DTYPES)), s, d))
+  return leaves, route, topology
+
+
+@hypothesis.settings(SETTINGS, max_examples=20)
+@hypothesis.given(jit_tree_cases())
+def test_jit_pytree_matches_device_put(case):
+  leaves, route, topology = case
+  x = [jax.device_put(random_data(shape, dtype, i), src)
+       for i, (shape, dtype, src, _) in enumerate(leaves)]
+  src = [s for _, _, s, _ in leaves]
+  dst = [d for _, _, _, d in leaves]
+  f = jax.jit(lambda t: jax_m2n.reshard(t, dst, route=route, topology=topology,
+                                        src_sharding=src))
+  assert f.lower(x).as_text().count("@jax_m2n_reshard") == 1
+  y = f(x)
+  for yl, xl, d in zip(y, x, dst):
+    assert_same_as_device_put(yl, xl, d, exact_sharding=False)
+
+
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=("one_domain", "domain2", "domain4"))
 def test_forward_stage_runs_across_domains(topology):
   """Replicas of one shard in several domains: inject once, forward, fan out."""
