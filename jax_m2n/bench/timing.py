@@ -37,17 +37,20 @@ def stats_ms(times_s: list[float]) -> dict[str, float]:
 
 
 def time_calls(run: Callable[[], Any], block: Callable[[Any], Any], warmup: int,
-               iters: int, release: Callable[[Any], None] | None = None) -> Timing:
+               iters: int, release: Callable[[Any], None] | None = None,
+               before: Callable[[], None] | None = None) -> Timing:
   """Calls `run` warmup + iters times; each time is `run()` until `block(out)` returns.
 
-  `release(out)` (e.g. deleting device buffers) runs after the clock stops. The garbage
-  collector is paused while the clock runs, so a collection triggered by the bench never
-  lands inside a measurement.
+  `before()` (fresh inputs) runs before the clock starts, `release(out)` (deleting device
+  buffers) after it stops. The garbage collector is paused while the clock runs, so a
+  collection triggered by the bench never lands inside a measurement.
   """
   warm, timed = [], []
   was_enabled = gc.isenabled()
   try:
     for i in range(warmup + iters):
+      if before is not None:
+        before()
       gc.collect()
       gc.disable()
       t0 = time.perf_counter()
