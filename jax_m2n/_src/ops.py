@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-import math
+import numbers
 import queue
 import threading
 from typing import Any, Callable, Sequence
@@ -32,6 +32,7 @@ from jax_m2n._src.topology import Topology, as_topology
 # How long a device waits for its peers inside the handler before every waiting device
 # fails with ReshardTimeoutError. Generous: a peer may be busy with earlier work.
 DEFAULT_TIMEOUT_S = 300.0
+_MAX_TIMEOUT_S = float(2**40 // 1000)  # the handlers' bound on the timeout_ms attribute
 
 _API = "reshard"
 
@@ -166,12 +167,12 @@ def _check_route(api: str, route: Any) -> None:
 def _timeout_ms(api: str, timeout_s: Any) -> int:
   if timeout_s is None:
     timeout_s = DEFAULT_TIMEOUT_S
-  if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
-      timeout_s > 0) or math.isinf(timeout_s):
+  if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not (
+      0 < timeout_s <= _MAX_TIMEOUT_S):
     raise ReshardValueError(
-        f"{api}: timeout_s must be a positive finite number of seconds; got "
+        f"{api}: timeout_s must be a number of seconds in (0, {_MAX_TIMEOUT_S:.0f}]; got "
         f"{timeout_s!r}.")
-  return max(1, int(round(timeout_s * 1000)))
+  return max(1, int(round(float(timeout_s) * 1000)))
 
 
 def _topology_key(topology: Any) -> Any:
