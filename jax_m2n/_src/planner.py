@@ -564,8 +564,8 @@ def plan_reshard(src_layouts: Sequence[Layout], dst_layouts: Sequence[Layout],
     >>> from jax_m2n._src.layout import parse_layout
     >>> src = parse_layout("mesh(dp=1, tp=4) P(tp, None) @0", (4, 8))
     >>> dst = parse_layout("mesh(dp=2, tp=2) P(tp, None) @4", (4, 8))
-    >>> plan_reshard([src], [dst], [4]).bytes_by_link["nvlink"]
-    128
+    >>> plan_reshard([src], [dst], [4]).bytes_by_link["nvlink"]  # injected + fanned out
+    256
   """
   if route not in ROUTES:
     raise ReshardValueError(f"plan: route must be one of {ROUTES}; got {route!r}.")
