@@ -502,3 +502,25 @@ def test_native_errors_map_to_the_family():
   assert "peer 3 missing" in str(timeout)
   other = ops._map_native_error(RuntimeError("INVALID_ARGUMENT: bad schedule"))
   assert type(other) is jax_m2n.ReshardError and "bad schedule" in str(other)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 64, 4096])
+def test_chunk_bytes_tunable_many_steps(chunk_bytes):
+  devs = jax.devices()
+  src = NamedSharding(Mesh(np.array(devs[:2]), ("x",)), P("x", None))
+  dst = NamedSharding(Mesh(np.array(devs[4:8]).reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+  x = jax.device_put(np.arange(16 * 24, dtype=np.float32).reshape(16, 24), src)
+  y = jax_m2n.reshard(x, dst, topology=jax_m2n.Topology(domain_size=2),
+                      chunk_bytes=chunk_bytes)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+  assert y.sharding == dst
+  for shard in y.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(x)[shard.index])
+
+
+@pytest.mark.parametrize("bad", [0, -4, 1.5, True])
+def test_chunk_bytes_must_be_positive_int(bad):
+  devs = jax.devices()
+  x = jax.device_put(np.ones((4, 4), np.float32), devs[0])
+  with pytest.raises(jax_m2n.ReshardValueError, match="chunk_bytes must be a positive int"):
+    jax_m2n.reshard(x, jax.sharding.SingleDeviceSharding(devs[1]), chunk_bytes=bad)
