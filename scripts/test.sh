@@ -25,5 +25,12 @@ find -L "$ROOT/bazel-testlogs" -name test.log -newer "$marker" 2>/dev/null | sor
       tail -n 1 | sed -E 's/^=+ //; s/ =+$//') || true
     printf '  //%s:%s  %s\n' "$(dirname "$(dirname "$rel")")" "$(basename "$(dirname "$rel")")" \
       "${line:-(no pytest summary: see $log)}"
-  done
+  done > "$marker.summary"
+cat "$marker.summary"
+# One closing line over every test target: "total: N passed, N failed, N skipped".
+count() { { grep -oE "[0-9]+ $1" "$marker.summary" || true; } | awk '{s += $1} END {print s + 0}'; }
+failed=$(( $(count failed) + $(count error) ))
+[ "$rc" -eq 0 ] || [ "$failed" -gt 0 ] || failed=1  # a failure without a pytest line
+echo "total: $(count passed) passed, $failed failed, $(count skipped) skipped"
+rm -f "$marker.summary"
 exit "$rc"
