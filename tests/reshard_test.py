@@ -524,3 +524,21 @@ def test_chunk_bytes_must_be_positive_int(bad):
   x = jax.device_put(np.ones((4, 4), np.float32), devs[0])
   with pytest.raises(jax_m2n.ReshardValueError, match="chunk_bytes must be a positive int"):
     jax_m2n.reshard(x, jax.sharding.SingleDeviceSharding(devs[1]), chunk_bytes=bad)
+
+
+def test_jit_pytree_with_zero_size_leaves():
+  """Zero-size leaves stay out of the custom call; the others still move in one call."""
+  devs = np.array(jax.devices()[:4])
+  src = NamedSharding(Mesh(devs, ("x",)), P("x", None))
+  dst = NamedSharding(Mesh(devs.reshape(2, 2), ("a", "b")), P(None, ("a", "b")))
+  tree = {"w": jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), src),
+          "e": jax.device_put(np.zeros((8, 0), np.float32), src)}
+  f = jax.jit(lambda t: jax_m2n.reshard(t, dst, src_sharding=src))
+  out = f(tree)
+  np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(tree["w"]))
+  assert out["e"].shape == (8, 0) and out["w"].sharding.is_equivalent_to(dst, 2)
+  hlo = f.lower(tree).compile().as_text()
+  assert hlo.count("jax_m2n_reshard") >= 1
+  only_empty = jax.jit(lambda t: jax_m2n.reshard(t, dst, src_sharding=src))(
+      {"e": tree["e"]})
+  assert only_empty["e"].shape == (8, 0)

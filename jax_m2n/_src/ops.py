@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import math
 import numbers
 import queue
 import threading
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
@@ -836,6 +838,29 @@ def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
                        srcs + dst_named, typed_any)
   src_specs = [refinement.spec(s, len(shape)) for s, shape in zip(srcs, shapes)]
   dst_specs = [refinement.spec(s, len(shape)) for s, shape in zip(dst_named, shapes)]
+
+  # Zero-size leaves move no bytes: they stay out of the call and are made empty in
+  # place (XLA 0.11.2 crashes compiling a shard_map over empty and non-empty arrays).
+  empty = [math.prod(shape) == 0 for shape in shapes]
+  if any(empty):
+    live = [i for i, e in enumerate(empty) if not e]
+    live_outs = iter(_reshard_traced(
+        [leaves[i] for i in live], [dsts[i] for i in live], [srcs[i] for i in live],
+        route, topology, timeout_ms, chunk_bytes,
+        lambda: [names()[i] for i in live]) if live else [])
+    result = []
+    for i, e in enumerate(empty):
+      if not e:
+        result.append(next(live_outs))
+        continue
+      y = jnp.zeros(shapes[i], dtypes[i])
+      dst = dst_named[i]
+      if any(t == jax.sharding.AxisType.Explicit for t in dst.mesh.axis_types):
+        y = jax.sharding.reshard(y, dst)
+      else:
+        y = jax.lax.with_sharding_constraint(y, dst)
+      result.append(y)
+    return result
 
   devices = srcs[0]._device_assignment
   platform = _platform_of(devices)
