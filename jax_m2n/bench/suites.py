@@ -494,7 +494,7 @@ def run_planner(model: PlannerModel, iters: int, cold_reps: int = 3,
   for s, (p, (src, _)) in enumerate(zip(plans, layouts)):
     per_stage.append({
         "stage": s, "tensors": len(p.tensors), "payload_bytes": p.payload_bytes,
-        "transfers": len(p.transfers), "devices": len(p.devices),
+        "transfers": sum(len(tp.transfers) for tp in p.tensors), "devices": len(p.devices),
         "bytes_by_link": p.bytes_by_link, "sol_ms": p.sol_ms,
         "estimate_ms": dict(p.estimate_ms)})
   timings["bound_and_estimates"] = [time.perf_counter() - t0]
@@ -502,7 +502,7 @@ def run_planner(model: PlannerModel, iters: int, cold_reps: int = 3,
       "model": dataclasses.asdict(model),
       "tensors": sum(len(p.tensors) for p in plans),
       "payload_bytes": sum(p.payload_bytes for p in plans),
-      "transfers": sum(len(p.transfers) for p in plans),
+      "transfers": sum(x["transfers"] for x in per_stage),
       "cache_hit": cache_hit,
       "stages": per_stage,
       "sol_ms_max_stage": max(x["sol_ms"] for x in per_stage),
