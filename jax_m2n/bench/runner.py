@@ -237,11 +237,11 @@ def run_torch(cases: Sequence[suites.Case], settings: Settings, device: str = "c
                              out_path], env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-      output, _ = proc.communicate(timeout=settings.torch_timeout_s + 120)
+      output, _ = proc.communicate(timeout=settings.torch_timeout_s + 30)
     except subprocess.TimeoutExpired:
       os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks (our own group)
       output, _ = proc.communicate()
-      return {"error": f"torch engine timed out after {settings.torch_timeout_s + 120} s",
+      return {"error": f"torch engine timed out after {settings.torch_timeout_s + 30} s",
               "output": (output or "")[-4000:]}
     except BaseException:  # interrupted: never leave ranks holding GPUs
       try:
