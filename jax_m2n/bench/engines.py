@@ -86,6 +86,38 @@ def _release(out) -> None:
       leaf.delete()
 
 
+def _aliased_shards(out) -> int:
+  """Output shards that share memory with another shard of the same leaf.
+
+  On CPU, `jax.device_put` may hand every replica the same host buffer (zero copy when
+  the gathered host array happens to be aligned): valid for immutable arrays on one
+  host, but it then copies 1/N of the bytes; the tables flag such rows.
+  """
+  import jax
+  n = 0
+  for leaf in jax.tree_util.tree_leaves(out):
+    if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+      try:
+        ptrs = [s.data.unsafe_buffer_pointer() for s in leaf.addressable_shards]
+      except Exception:  # noqa: BLE001 - not every backend exposes pointers
+        return 0
+      n += len(ptrs) - len(set(ptrs))
+  return n
+
+
+def _jax_prepared(run, inputs: "Inputs", info: dict | None = None) -> "Prepared":
+  """Prepared for engines returning jax.Arrays; counts calls with aliased outputs."""
+  info = dict(info or {})
+  info["calls_with_aliased_shards"] = 0
+
+  def release(out):
+    if _aliased_shards(out):
+      info["calls_with_aliased_shards"] += 1
+    _release(out)
+
+  return Prepared(run, _block, release, lambda out: check_jax(out, inputs), info)
+
+
 def check_jax(outs: Sequence[Any], inputs: Inputs) -> str | None:
   """Every output leaf: its sharding places it as the destination sharding does, and
   every addressable shard is bitwise equal to the reference's matching slice."""
@@ -142,7 +174,7 @@ class M2NEager(Engine):
     def run():
       return jax_m2n.reshard(inputs.x, dst, route=route, topology=topology)
 
-    return Prepared(run, _block, _release, lambda out: check_jax(out, inputs))
+    return _jax_prepared(run, inputs)
 
 
 class M2NJit(Engine):
@@ -166,8 +198,7 @@ class M2NJit(Engine):
                  in_shardings=(src,))
     text = fn.lower(inputs.x).compile().as_text()
     info = {"hlo_ops": _hlo_collectives(text)}
-    return Prepared(lambda: fn(inputs.x), _block, _release,
-                    lambda out: check_jax(out, inputs), info)
+    return _jax_prepared(lambda: fn(inputs.x), inputs, info)
 
 
 class XlaJit(Engine):
@@ -183,8 +214,7 @@ class XlaJit(Engine):
     import jax
     fn = jax.jit(lambda a: a, in_shardings=(inputs.src,), out_shardings=inputs.dst)
     text = fn.lower(inputs.x).compile().as_text()
-    return Prepared(lambda: fn(inputs.x), _block, _release,
-                    lambda out: check_jax(out, inputs), {"hlo_ops": _hlo_collectives(text)})
+    return _jax_prepared(lambda: fn(inputs.x), inputs, {"hlo_ops": _hlo_collectives(text)})
 
 
 class DevicePut(Engine):
@@ -196,8 +226,7 @@ class DevicePut(Engine):
   def prepare(self, inputs: Inputs) -> Prepared:
     import jax
     dst = inputs.dst
-    return Prepared(lambda: jax.device_put(inputs.x, dst), _block, _release,
-                    lambda out: check_jax(out, inputs))
+    return _jax_prepared(lambda: jax.device_put(inputs.x, dst), inputs)
 
 
 def _slices(box, origin) -> tuple[slice, ...]:

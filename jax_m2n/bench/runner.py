@@ -371,6 +371,7 @@ def run_engine(eng: bench_engines.Engine, inputs: bench_engines.Inputs, settings
     row.update(status="failed", reason=f"timed calls: {_error_text(e)}")
     return row
   row.update(status="ok", warmup_s=t.warmup_s, times_s=t.times_s)
+  row.update(prepared.info)  # counters kept during the calls
   return row
 
 
