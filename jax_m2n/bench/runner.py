@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
