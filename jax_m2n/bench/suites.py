@@ -126,9 +126,16 @@ def refit_cases(suite: str, nbytes: int, dtype: str, tree_bytes: int,
       Case(suite, "pytree64_fsdp2_to_tp2", "64-leaf transformer pytree, FSDP2 -> TP2 "
            "(other devs)", tuple(_transformer64(tree_bytes, dtype))),
   ]
+  # On two devices (a 2-GPU machine) the only cross-set move is a whole-array copy.
+  cases.append(_two_d(suite, "1to1_copy", "1 dev -> 1 other dev (point to point)", nbytes,
+                      dtype, "mesh(x=1) P(None, None) @0", "mesh(x=1) P(None, None) @1",
+                      layout_change=False))
   if tiny:
     cases.append(_two_d(suite, "tiny_2to2_replicate", "4 KiB, 2 devs -> 2 other devs P() "
                         "(fixed cost per call)", 4096, dtype, s2, r2))
+    cases.append(_two_d(suite, "tiny_1to1", "4 KiB, 1 dev -> 1 other dev (fixed cost per "
+                        "call)", 4096, dtype, "mesh(x=1) P(None, None) @0",
+                        "mesh(x=1) P(None, None) @1", layout_change=False))
   return cases
 
 
@@ -156,9 +163,14 @@ def _transformer64(total: int, dtype: str) -> list[TensorSpec]:
 
 
 def colocated_cases(suite: str, nbytes: int, dtype: str) -> list[Case]:
-  """In-jit layout changes on one device set of 4."""
+  """In-jit layout changes on one device set of 4 (and of 2, for 2-GPU machines)."""
   src = "mesh(x=4) P(x, None) @0"
+  pair = "mesh(x=2) P(x, None) @0"
   return [
+      _two_d(suite, "2dev_dim0_to_dim1", "2 devs P(x,None) -> P(None,x) (all-to-all)",
+             nbytes, dtype, pair, "mesh(x=2) P(None, x) @0", colocated=True),
+      _two_d(suite, "2dev_dim0_to_replicated", "2 devs P(x,None) -> P() (all-gather)",
+             nbytes, dtype, pair, "mesh(x=2) P(None, None) @0", colocated=True),
       _two_d(suite, "4dev_dim0_to_dim1", "4 devs P(x,None) -> P(None,x) (all-to-all)",
              nbytes, dtype, src, "mesh(x=4) P(None, x) @0", colocated=True),
       _two_d(suite, "4dev_dim0_to_replicated", "4 devs P(x,None) -> P() (all-gather)",
