@@ -17,6 +17,11 @@ from jax_m2n._src.layout import Box, box_size, intersect
 # How many chunks' bytes one step may hold per device before the next tensor is
 # deferred to a later step (bounds staging memory and keeps NCCL groups moderate).
 STEP_CHUNKS = 4
+# A transfer nobody reads from (no forward or fan-out follows it) gains nothing from
+# pipelining; it is cut only to bound staging, in chunks this many times larger (on
+# H200 a 1 GiB point-to-point copy was fastest in 256 MiB pieces, 4 x the 64 MiB
+# default: each NCCL step drains the pipe; docs/cuda_transport.md).
+LEAF_CHUNK_FACTOR = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +55,11 @@ def chunk_box(box: Box, itemsize: int, limit: int) -> list[Box]:
 def _tensor_chunks(transfers, itemsize: int, limit: int) -> list[list[tuple[Box, int]]]:
   """Per transfer of one tensor: (box, step) of its chunks, steps local to the tensor."""
   out: list[list[tuple[Box, int]]] = []
-  for x in transfers:
+  read = {p for x in transfers for p in x.parents}
+  for i, x in enumerate(transfers):
     if not x.parents:
-      out.append([(b, i) for i, b in enumerate(chunk_box(x.box, itemsize, limit))])
+      size = limit if i in read else LEAF_CHUNK_FACTOR * limit
+      out.append([(b, k) for k, b in enumerate(chunk_box(x.box, itemsize, size))])
       continue
     parent = transfers[x.parents[0]]
     if len(x.parents) == 1 and intersect(parent.box, x.box) == x.box:
