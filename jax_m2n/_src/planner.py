@@ -287,10 +287,15 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
         for xi in (x if isinstance(x, list) else [x]):
           arrival = transfers[xi]
           piece, parents, depth = arrival.box, (xi,), arrival.depth + 1
+          skind = DST_SHARD
+          if arrival.stage == "local" and arrival.src_kind == SRC_SHARD:
+            # The leader holds the region in its source shard: send from there at once
+            # instead of waiting for its own local copy.
+            parents, depth, skind = (), 0, SRC_SHARD
           holders = region_holders.get(piece, ())
           for t in fanout_targets.get(xi, reps):
             if t != leader and t not in holders:
-              append(new(Transfer, (0, leader, t, "fanout", piece, DST_SHARD, DST_SHARD,
+              append(new(Transfer, (0, leader, t, "fanout", piece, skind, DST_SHARD,
                                     parents, depth)))
   return tuple(transfers)
 
