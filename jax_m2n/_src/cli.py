@@ -58,26 +58,17 @@ def _parse_dtype(name: str) -> np.dtype:
   return dtype
 
 
-def _positive(name):
+def _number(name: str, kind: type, minimum: float):
+  """An argparse type: an int >= `minimum`, or a float > `minimum`."""
   def parse(text):
     try:
-      value = float(text)
+      value = kind(text)
     except ValueError:
-      raise argparse.ArgumentTypeError(f"{name} must be a number; got {text!r}")
-    if not value > 0:
-      raise argparse.ArgumentTypeError(f"{name} must be > 0; got {text!r}")
-    return value
-  return parse
-
-
-def _positive_int(name):
-  def parse(text):
-    try:
-      value = int(text)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"{name} must be an int; got {text!r}")
-    if value < 1:
-      raise argparse.ArgumentTypeError(f"{name} must be >= 1; got {text!r}")
+      raise argparse.ArgumentTypeError(f"{name} must be a {kind.__name__}; got {text!r}")
+    if kind is float and not value > minimum:
+      raise argparse.ArgumentTypeError(f"{name} must be > {minimum:g}; got {text!r}")
+    if kind is int and value < minimum:
+      raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}; got {text!r}")
     return value
   return parse
 
@@ -91,15 +82,15 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--dtype", default="float32", help="element type, e.g. bfloat16")
   p.add_argument("--src", required=True, help='e.g. "mesh(dp=1, tp=4) P(tp, None) @0"')
   p.add_argument("--dst", required=True, help='e.g. "mesh(dp=2, tp=2) P(tp, None) @4"')
-  p.add_argument("--domain-size", type=_positive_int("--domain-size"), default=8,
+  p.add_argument("--domain-size", type=_number("--domain-size", int, 1), default=8,
                  help="device ids [k*N, (k+1)*N) form NVLink domain k (default 8)")
-  p.add_argument("--nic-gbps", type=_positive("--nic-gbps"), default=DEFAULT_NIC_GBPS,
+  p.add_argument("--nic-gbps", type=_number("--nic-gbps", float, 0), default=DEFAULT_NIC_GBPS,
                  help="per-device network bandwidth, one direction, GB/s (default 50)")
-  p.add_argument("--nvlink-gbps", type=_positive("--nvlink-gbps"),
+  p.add_argument("--nvlink-gbps", type=_number("--nvlink-gbps", float, 0),
                  default=DEFAULT_NVLINK_GBPS,
                  help="per-device NVLink bandwidth, one direction, GB/s (default 450)")
   p.add_argument("--route", choices=ROUTES, default="hierarchical")
-  p.add_argument("--chunk-bytes", type=_positive_int("--chunk-bytes"),
+  p.add_argument("--chunk-bytes", type=_number("--chunk-bytes", int, 1),
                  default=DEFAULT_CHUNK_BYTES, help="bound on one pipelined chunk")
   p.add_argument("--json", action="store_true", help="one JSON object on stdout")
   return parser
