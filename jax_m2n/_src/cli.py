@@ -64,7 +64,8 @@ def _number(name: str, kind: type, minimum: float):
     try:
       value = kind(text)
     except ValueError:
-      raise argparse.ArgumentTypeError(f"{name} must be a {kind.__name__}; got {text!r}")
+      raise argparse.ArgumentTypeError(
+          f"{name} must be {'an int' if kind is int else 'a number'}; got {text!r}")
     if kind is float and not value > minimum:
       raise argparse.ArgumentTypeError(f"{name} must be > {minimum:g}; got {text!r}")
     if kind is int and value < minimum:
