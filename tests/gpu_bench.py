@@ -10,7 +10,7 @@ Cases (bf16 [rows, 32768], --mib MiB in all; notes/benchmarking.md), with 4 GPUs
   C  2 GPUs P('x', None) -> 2 other GPUs P(None, 'x')         bound 1.37 ms/GiB
 with 2 GPUs: D 1 -> 1 copy, E 2 P('x', None) -> the same 2 replicated, F -> P(None, 'x').
 Engines: jax_m2n hierarchical / flat / gather_bcast, jax.device_put; then the chunk-size
-sweep of the hierarchical route (jax_m2n._src.ops.DEFAULT_CHUNK_BYTES), and the latency of
+sweep of the hierarchical route (reshard's chunk_bytes=), and the latency of
 a 1 KiB reshard. Time = wall clock around reshard + block_until_ready (min and mean of
 --iters after --warmup); every engine's output is checked bitwise once against device_put.
 JSON: {"version": 1, "rows": [{case, engine, chunk_mib, min_ms, mean_ms, bound_ms}, ...]}.
@@ -105,7 +105,7 @@ def main():
           f"mean {t[1]:8.2f} ms  bound {bound:6.2f} ms  x{t[0] / bound:5.2f}  ok={ok}",
           flush=True)
 
-  default_chunk = m2n_ops.DEFAULT_CHUNK_BYTES
+  default_chunk = m2n_ops.GPU_CHUNK_BYTES
   for case, (si, ss, di, ds, bound) in cases.items():
     src, dst = sharding(si, ss), sharding(di, ds)
     x = jax.device_put(host, src)
@@ -114,18 +114,15 @@ def main():
       record(case, "device_put", None, timed(lambda: jax.device_put(x, dst), a.iters, a.warmup),
              bound, True)
     for route in a.routes.split(","):
-      m2n_ops.DEFAULT_CHUNK_BYTES = default_chunk
       ok = same(jax_m2n.reshard(x, dst, route=route), ref)
       t = timed(lambda: jax_m2n.reshard(x, dst, route=route), a.iters, a.warmup)
       record(case, f"m2n-{route}", default_chunk >> 20, t, bound, ok)
     for c in [int(v) for v in a.chunks_mib.split(",") if v]:
       if (c << 20) == default_chunk:
         continue
-      m2n_ops.DEFAULT_CHUNK_BYTES = c << 20
-      ok = same(jax_m2n.reshard(x, dst), ref)
-      t = timed(lambda: jax_m2n.reshard(x, dst), a.iters, a.warmup)
+      ok = same(jax_m2n.reshard(x, dst, chunk_bytes=c << 20), ref)
+      t = timed(lambda: jax_m2n.reshard(x, dst, chunk_bytes=c << 20), a.iters, a.warmup)
       record(case, "m2n-hierarchical", c, t, bound, ok)
-    m2n_ops.DEFAULT_CHUNK_BYTES = default_chunk
     del x, ref
 
   # Fixed cost: 1 KiB from GPU 0 to GPU 1 (two per-device programs).
