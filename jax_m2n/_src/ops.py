@@ -187,6 +187,20 @@ def _platform_of(devices) -> str:
   return next(iter(devices)).platform
 
 
+def _check_in_process(api: str, platform: str, devices) -> None:
+  """The CPU transport meets its peers in one process: refuse others' devices up front
+  (the handler would otherwise wait for peers that can never arrive)."""
+  if platform != "cpu":
+    return
+  me = jax.process_index()
+  remote = sorted(d.id for d in devices if d.process_index != me)
+  if remote:
+    raise ReshardValueError(
+        f"{api}: on CPU every participating device must belong to this process (the CPU "
+        f"transport is in-process); got devices {remote} of other processes. Hint: "
+        "multi-process reshards need GPUs (NCCL), or reshard within each process.")
+
+
 def _same_layout(a: Sharding, b: Sharding, shape) -> bool:
   """Whether two shardings place `shape` identically (same devices, same boxes)."""
   if a == b:
@@ -435,6 +449,7 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
     for d in s._device_assignment:
       devices[d.id] = d
   platform = _platform_of(devices.values())
+  _check_in_process(_API, platform, devices.values())
   staging = platform != "cpu"
   m2n_ffi.ensure_registered(platform, timeout_ms)
   topo = as_topology(topology, devices.values())
@@ -864,6 +879,7 @@ def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
 
   devices = srcs[0]._device_assignment
   platform = _platform_of(devices)
+  _check_in_process(_API, platform, devices)
   staging = platform != "cpu"
   m2n_ffi.ensure_registered(platform, timeout_ms)
   topo = as_topology(topology, devices)
