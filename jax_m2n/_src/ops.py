@@ -979,8 +979,9 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     ReshardTypeError: a leaf is not an array, a destination is not a Sharding.
     ReshardValueError: structures do not match, shapes or dtypes would change, a
       sharding cannot hold the shape, devices are on another platform, arrays are
-      uncommitted or deleted, an unknown route, or a layout inside jit that needs the
-      eager path. Raised before any data moves; the message names the leaf.
+      uncommitted or deleted, an unknown route, devices of another process on CPU, or a
+      layout inside jit that needs the eager path. Raised before any data moves; the
+      message names the leaf.
     ReshardTimeoutError: a peer did not arrive within `timeout_s`.
     ReshardError: the native handler failed (its message included). No partial
       outputs are returned.
