@@ -4,15 +4,16 @@ Owns the split of every transfer into chunks of at most `chunk_bytes` and the st
 chunk (docs/schedule_format.md, "Ordering contract"): a chunk runs one step after the
 chunks it reads, so a leader forwards or fans out chunk c while chunk c+1 arrives.
 Tensors are started in waves so that no step holds much more than a few chunks' bytes
-per device. Pure; no devices, no encodings.
+per device. Per-tensor work is cached on the (shared) TensorPlan; per-plan work is
+array arithmetic. Pure; no devices, no encodings.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import numpy as np
 
-from jax_m2n._src.layout import Box, box_size, intersect
+from jax_m2n._src.layout import MAX_RANK, Box, box_size, intersect
 
 # How many chunks' bytes one step may hold per device before the next tensor is
 # deferred to a later step (bounds staging memory and keeps NCCL groups moderate).
@@ -83,36 +84,139 @@ def _tensor_chunks(transfers, itemsize: int, limit: int) -> list[list[tuple[Box,
   return out
 
 
-def schedule_chunks(plan) -> list[Chunk]:
+def derived(tp, key, build):
+  """`build(tp)` computed once per TensorPlan object and `key` (kept on the object).
+
+  TensorPlans are cached and shared by the tensors of a plan and between plans (a model
+  stage has ~17 distinct ones for ~140 tensors), so per-tensor work is done once per
+  object. Keyed on identity: hashing a TensorPlan hashes its whole transfer tuple.
+  """
+  cache = tp.__dict__.setdefault("_m2n_derived", {})
+  out = cache.get(key)
+  if out is None:
+    out = cache[key] = build(tp)
+  return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TensorChunks:
+  """The chunks of one TensorPlan as arrays, in transfer order, steps local.
+
+  Boxes are padded to MAX_RANK with (0, 1), so extents beyond the rank are 1.
+  """
+
+  transfer: np.ndarray  # (n,) index into the TensorPlan's transfers
+  step: np.ndarray      # (n,) step local to the tensor
+  lo: np.ndarray        # (n, MAX_RANK)
+  hi: np.ndarray        # (n, MAX_RANK)
+  length: int           # local steps the tensor spans
+  peak: int             # most bytes of non-local chunks on one device in one local step
+
+
+def tensor_chunks(tp, chunk_bytes: int) -> TensorChunks:
+  """The chunks of `tp` for `chunk_bytes` (cached on `tp`)."""
+  return derived(tp, ("chunks", chunk_bytes), lambda tp: _build_tensor_chunks(tp, chunk_bytes))
+
+
+def _build_tensor_chunks(tp, limit: int) -> TensorChunks:
+  per_transfer = _tensor_chunks(tp.transfers, tp.itemsize, limit)
+  transfer, step, lo, hi = [], [], [], []
+  pad_lo, pad_hi = (0,) * MAX_RANK, (1,) * MAX_RANK
+  rank = len(tp.src.shape)
+  for i, cs in enumerate(per_transfer):
+    for b, s in cs:
+      transfer.append(i)
+      step.append(s)
+      lo.append(tuple(l for l, _ in b) + pad_lo[rank:])
+      hi.append(tuple(h for _, h in b) + pad_hi[rank:])
+  n = len(transfer)
+  transfer = np.array(transfer, np.int64).reshape(n)
+  step = np.array(step, np.int64).reshape(n)
+  lo = np.array(lo, np.int64).reshape(n, MAX_RANK)
+  hi = np.array(hi, np.int64).reshape(n, MAX_RANK)
+  length = int(step.max()) + 1 if n else 0
+  # Bytes per (device, local step) of non-local chunks: the tensor's footprint.
+  src = np.array([x.src for x in tp.transfers], np.int64)[transfer]
+  dst = np.array([x.dst for x in tp.transfers], np.int64)[transfer]
+  cross = src != dst
+  nbytes = np.prod(hi - lo, axis=1)[cross] * tp.itemsize
+  peak = 0
+  if cross.any():
+    dev = np.concatenate([src[cross], dst[cross]])
+    at = np.concatenate([step[cross], step[cross]])
+    keys, inverse = np.unique(np.stack([dev, at]), axis=1, return_inverse=True)
+    load = np.bincount(inverse.reshape(-1), np.concatenate([nbytes, nbytes]),
+                       minlength=keys.shape[1])
+    peak = int(load.max())
+  for a in (transfer, step, lo, hi):
+    a.flags.writeable = False
+  return TensorChunks(transfer, step, lo, hi, length, peak)
+
+
+class Chunks:
+  """Every chunk of a plan, global steps, sorted by step (stable), as arrays.
+
+  A sequence of `Chunk` too (built on access; the arrays are what encoders use).
+  Attributes: `tensor`, `index` (chunk index in the tensor's `TensorChunks`), `transfer`
+  (index into Plan.transfers), `step`, `lo`/`hi` (n, MAX_RANK; padded), `order` (position
+  of each chunk in the tensor-by-tensor concatenation), `rank` (per tensor).
+  """
+
+  def __init__(self, tensor, index, transfer, step, lo, hi, order, rank):
+    self.tensor, self.index, self.transfer, self.step = tensor, index, transfer, step
+    self.lo, self.hi, self.order, self.rank = lo, hi, order, rank
+
+  @property
+  def n_steps(self) -> int:
+    return int(self.step[-1]) + 1 if len(self.step) else 0
+
+  def __len__(self) -> int:
+    return len(self.step)
+
+  def __getitem__(self, i: int) -> Chunk:
+    if not -len(self) <= i < len(self):
+      raise IndexError(i)
+    r = self.rank[self.tensor[i]]
+    box = tuple(zip(self.lo[i, :r].tolist(), self.hi[i, :r].tolist()))
+    return Chunk(int(self.transfer[i]), box, int(self.step[i]))
+
+  def __iter__(self):
+    return (self[i] for i in range(len(self)))
+
+
+def schedule_chunks(plan) -> Chunks:
   """Every chunk of `plan`, with global steps, sorted by step (stable)."""
   limit = plan.chunk_bytes
   cap = STEP_CHUNKS * limit
   usage: dict[int, int] = {}
-  chunks: list[Chunk] = []
-  base = 0  # index of the tensor's first transfer in plan.transfers
+  parts = [tensor_chunks(tp, limit) for tp in plan.tensors]
+  offsets = []
   offset = 0
-  for tp in plan.tensors:
-    per_transfer = _tensor_chunks(tp.transfers, tp.itemsize, limit)
-    # Bytes per (device, local step) of non-local chunks: the tensor's footprint.
-    load: dict[tuple[int, int], int] = {}
-    length = 0
-    for x, cs in zip(tp.transfers, per_transfer):
-      for b, s in cs:
-        length = max(length, s + 1)
-        if x.src != x.dst:
-          n = box_size(b) * tp.itemsize
-          load[(x.src, s)] = load.get((x.src, s), 0) + n
-          load[(x.dst, s)] = load.get((x.dst, s), 0) + n
-    peak = max(load.values(), default=0)
+  for tc in parts:
+    # Waves: a tensor starts at the first step from which adding its peak keeps every
+    # step it spans under the cap (or that step is still empty).
+    peak, length = tc.peak, tc.length
     if peak:
       while any(usage.get(s, 0) and usage[s] + peak > cap
                 for s in range(offset, offset + length)):
         offset += 1
       for s in range(offset, offset + length):
         usage[s] = usage.get(s, 0) + peak
-    for i, cs in enumerate(per_transfer):
-      for b, s in cs:
-        chunks.append(Chunk(base + i, b, offset + s))
-    base += len(tp.transfers)
-  chunks.sort(key=lambda c: c.step)
-  return chunks
+    offsets.append(offset)
+  counts = np.array([len(tc.step) for tc in parts], np.int64)
+  n_transfers = np.array([len(tp.transfers) for tp in plan.tensors], np.int64)
+  tensor = np.repeat(np.arange(len(parts), dtype=np.int64), counts)
+  first_transfer = np.cumsum(n_transfers) - n_transfers
+  index = np.arange(len(tensor), dtype=np.int64) - (np.cumsum(counts) - counts)[tensor]
+  transfer = _cat([tc.transfer for tc in parts], (0,)) + first_transfer[tensor]
+  step = _cat([tc.step for tc in parts], (0,)) + np.array(offsets, np.int64)[tensor]
+  order = np.argsort(step, kind="stable")
+  lo = _cat([tc.lo for tc in parts], (0, MAX_RANK))[order]
+  hi = _cat([tc.hi for tc in parts], (0, MAX_RANK))[order]
+  rank = tuple(len(tp.src.shape) for tp in plan.tensors)
+  return Chunks(tensor[order], index[order], transfer[order], step[order], lo, hi, order,
+                rank)
+
+
+def _cat(arrays, empty_shape) -> np.ndarray:
+  return np.concatenate(arrays) if arrays else np.zeros(empty_shape, np.int64)

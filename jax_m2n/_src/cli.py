@@ -116,7 +116,7 @@ def plan_json(plan, dtype: np.dtype) -> dict:
       "estimate_ms": plan.estimate_ms,
       "sol_ms": plan.sol_ms,
       "chunks": len(plan.chunks),
-      "steps": (max(c.step for c in plan.chunks) + 1) if plan.chunks else 0,
+      "steps": plan.chunks.n_steps,
       "devices": {str(d): {
           "egress": traffic.egress.get(d, {"nvlink": 0, "network": 0}),
           "ingress": traffic.ingress.get(d, {"nvlink": 0, "network": 0}),

@@ -520,7 +520,7 @@ class Plan:
 
   @functools.cached_property
   def chunks(self):
-    """The chunked, step-assigned schedule (see jax_m2n._src.chunks.Chunks)."""
+    """The chunked, step-assigned schedule (a `jax_m2n._src.chunks.Chunks`)."""
     from jax_m2n._src import chunks
     return chunks.schedule_chunks(self)
 
