@@ -3,7 +3,8 @@
 Owns the byte-level format of docs/schedule_format.md (version `SCHEDULE_VERSION`),
 mirrored by xla_ffi/schedule.h: slots of operand/result/workspace buffers, local
 coordinates, steps, workspace layout (full-tensor buffers and pack staging). Knows
-plans; knows nothing about shardings, JAX or transports.
+plans; knows nothing about shardings, JAX or transports. The per-tensor part of the ops
+is cached on the (shared) TensorPlan; per plan only array arithmetic runs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import functools
 
 import numpy as np
 
-from jax_m2n._src.layout import MAX_RANK, Box, box_size
+from jax_m2n._src import chunks as chunks_lib
+from jax_m2n._src.layout import MAX_RANK
 from jax_m2n._src.planner import DST_SHARD, FULL_TMP, SRC_SHARD, STAGES, Plan
 
 SCHEDULE_VERSION = 1
@@ -31,14 +33,6 @@ def _align(n: int) -> int:
   return -(-n // ALIGN) * ALIGN
 
 
-def _contiguous(extent, dims) -> bool:
-  """Whether a box of `extent` inside a row-major buffer of `dims` is one byte range."""
-  k = 0
-  while k < len(dims) and extent[k] == 1:
-    k += 1
-  return all(e == d for e, d in zip(extent[k + 1:], dims[k + 1:]))
-
-
 @dataclasses.dataclass(frozen=True)
 class Buffers:
   """Which buffers each device has: operand/result slots and workspace offsets."""
@@ -49,13 +43,22 @@ class Buffers:
   tmp_bytes: dict[int, int]             # device -> bytes of its full-tensor buffers
 
 
+def _tmp_devices(tp) -> frozenset:
+  """Devices that hold a full-tensor workspace buffer of `tp` (cached on `tp`)."""
+  return chunks_lib.derived(tp, "tmp_devices", lambda tp: frozenset(
+      dev for x in tp.transfers
+      for dev, kind in ((x.src, x.src_kind), (x.dst, x.dst_kind)) if kind == FULL_TMP))
+
+
 @functools.lru_cache(maxsize=256)
 def buffers(plan: Plan) -> Buffers:
   """Operand/result slots: a device has an operand for every tensor whose source layout
   lists it and a result for every tensor whose destination layout lists it, in tensor
-  order; full-tensor workspace buffers come first in the workspace."""
+  order; full-tensor workspace buffers come first in the workspace, in tensor order."""
   operands: dict[int, dict[int, int]] = {}
   results: dict[int, dict[int, int]] = {}
+  tmp: dict[int, dict[int, int]] = {}
+  tmp_bytes: dict[int, int] = {}
   for t, tp in enumerate(plan.tensors):
     for d in tp.src.devices:
       slots = operands.setdefault(d, {})
@@ -63,79 +66,188 @@ def buffers(plan: Plan) -> Buffers:
     for d in tp.dst.devices:
       slots = results.setdefault(d, {})
       slots[t] = len(slots)
-  tmp: dict[int, dict[int, int]] = {}
-  tmp_bytes: dict[int, int] = {}
-  for x in plan.transfers:
-    for dev, kind in ((x.src, x.src_kind), (x.dst, x.dst_kind)):
-      if kind == FULL_TMP and x.tensor not in tmp.get(dev, {}):
-        offset = tmp_bytes.get(dev, 0)
-        tmp.setdefault(dev, {})[x.tensor] = offset
-        tmp_bytes[dev] = offset + _align(plan.tensors[x.tensor].nbytes)
+    for dev in sorted(_tmp_devices(tp)):
+      offset = tmp_bytes.get(dev, 0)
+      tmp.setdefault(dev, {})[t] = offset
+      tmp_bytes[dev] = offset + _align(tp.nbytes)
   return Buffers(operands, results, tmp, tmp_bytes)
 
 
-def _buffer(plan: Plan, bufs: Buffers, device: int, tensor: int, kind: int):
-  """(slot, origin, dims) of one buffer of one device."""
-  tp = plan.tensors[tensor]
+@dataclasses.dataclass(frozen=True, eq=False)
+class _TensorOps:
+  """The plan-independent part of one TensorPlan's ops, one row per chunk in
+  TensorChunks order: step local, tensor 0, slots and packs unset (-1)."""
+
+  rows: np.ndarray        # (n, OP_WIDTH)
+  src_pack: np.ndarray    # (n,) bool: cross-device and not contiguous on the source
+  dst_pack: np.ndarray    # (n,) bool: same on the destination
+  nbytes: np.ndarray      # (n,) aligned bytes of the chunk
+
+
+def _tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
+  return chunks_lib.derived(tp, ("ops", chunk_bytes),
+                            lambda tp: _build_tensor_ops(tp, chunk_bytes))
+
+
+def _buffer_geometry(tp, device: int, kind: int):
+  """(origin, dims) of one buffer of one device, padded to MAX_RANK with (0, 1)."""
+  rank = len(tp.src.shape)
   if kind == FULL_TMP:
-    return bufs.tmp[device][tensor], (0,) * len(tp.src.shape), tp.src.shape
-  layout, slots = ((tp.src, bufs.operands) if kind == SRC_SHARD else (tp.dst, bufs.results))
-  box = layout.box_of(device)
-  return (slots[device][tensor], tuple(lo for lo, _ in box),
-          tuple(hi - lo for lo, hi in box))
+    origin, dims = (0,) * rank, tuple(tp.src.shape)
+  else:
+    box = (tp.src if kind == SRC_SHARD else tp.dst).box_of(device)
+    origin, dims = tuple(lo for lo, _ in box), tuple(hi - lo for lo, hi in box)
+  return origin + (0,) * (MAX_RANK - rank), dims + (1,) * (MAX_RANK - rank)
+
+
+def _contiguous_rows(extent: np.ndarray, dims: np.ndarray) -> np.ndarray:
+  """Per row, whether a box of `extent` inside a row-major buffer of `dims` is one byte
+  range: past the first extent that is not 1, extents equal dims (padding has extent 1
+  and dim 1, so it never breaks contiguity)."""
+  not_one = extent != 1
+  first = np.where(not_one.any(axis=1), not_one.argmax(axis=1), MAX_RANK)
+  later = np.arange(MAX_RANK)[None, :] > first[:, None]
+  return ~((extent != dims) & later).any(axis=1)
+
+
+def _build_tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
+  tc = chunks_lib.tensor_chunks(tp, chunk_bytes)
+  xs = tp.transfers
+  geometry = {}
+  def geo(dev, kind):
+    key = (dev, kind)
+    if key not in geometry:
+      geometry[key] = _buffer_geometry(tp, dev, kind)
+    return geometry[key]
+  src_geo = [geo(x.src, x.src_kind) for x in xs]
+  dst_geo = [geo(x.dst, x.dst_kind) for x in xs]
+  shape = (len(xs), MAX_RANK)
+  s_origin = np.array([g[0] for g in src_geo], np.int64).reshape(shape)[tc.transfer]
+  s_dims = np.array([g[1] for g in src_geo], np.int64).reshape(shape)[tc.transfer]
+  d_origin = np.array([g[0] for g in dst_geo], np.int64).reshape(shape)[tc.transfer]
+  d_dims = np.array([g[1] for g in dst_geo], np.int64).reshape(shape)[tc.transfer]
+  fixed = np.array([(STAGE_CODES[x.stage], x.src, x.src_kind, x.dst, x.dst_kind)
+                    for x in xs], np.int64).reshape(len(xs), 5)[tc.transfer]
+  n = len(tc.step)
+  rows = np.full((n, OP_WIDTH), -1, np.int64)
+  rows[:, 0] = tc.step
+  rows[:, 1] = fixed[:, 0]
+  rows[:, 2] = 0
+  rows[:, 3:5] = fixed[:, 1:3]
+  rows[:, 6:8] = fixed[:, 3:5]
+  extent = tc.hi - tc.lo
+  rows[:, OP_FIXED::3] = extent
+  rows[:, OP_FIXED + 1::3] = tc.lo - s_origin
+  rows[:, OP_FIXED + 2::3] = tc.lo - d_origin
+  cross = fixed[:, 1] != fixed[:, 3]
+  src_pack = cross & ~_contiguous_rows(extent, s_dims)
+  dst_pack = cross & ~_contiguous_rows(extent, d_dims)
+  nbytes = -(-(np.prod(extent, axis=1) * tp.itemsize) // ALIGN) * ALIGN
+  for a in (rows, src_pack, dst_pack, nbytes):
+    a.flags.writeable = False
+  return _TensorOps(rows, src_pack, dst_pack, nbytes)
+
+
+def _slot_table(plan: Plan, bufs: Buffers, devices: np.ndarray) -> np.ndarray:
+  """(kind, tensor, device position) -> slot; -1 where the buffer does not exist."""
+  table = np.full((3, len(plan.tensors), len(devices)), -1, np.int64)
+  position = {int(d): j for j, d in enumerate(devices)}
+  for kind, per_device in ((SRC_SHARD, bufs.operands), (DST_SHARD, bufs.results),
+                           (FULL_TMP, bufs.tmp)):
+    for dev, slots in per_device.items():
+      j = position[dev]
+      for t, slot in slots.items():
+        table[kind, t, j] = slot
+  return table
 
 
 @functools.lru_cache(maxsize=256)
-def _ops(plan: Plan, staging: bool) -> tuple[np.ndarray, dict[int, int], int]:
-  """All ops of a plan (n_ops x OP_WIDTH), workspace bytes per device, step count."""
+def _ops(plan: Plan, staging: bool) -> tuple[np.ndarray, dict[int, int], int, np.ndarray]:
+  """All ops of a plan (n_ops x OP_WIDTH), workspace bytes per device, step count, and
+  the SPMD encoding, whose tail the ops are (built in place: one large allocation)."""
   bufs = buffers(plan)
   chunks = plan.chunks
-  transfers = plan.transfers
-  rows = np.zeros((len(chunks), OP_WIDTH), np.int64)
+  parts = [_tensor_ops(tp, plan.chunk_bytes) for tp in plan.tensors]
   ws = dict(bufs.tmp_bytes)
-  stage_use: dict[tuple[int, int], int] = {}  # (device, step) -> staging bytes used
-  stage_peak: dict[int, int] = {}
-  for i, c in enumerate(chunks):
-    x = transfers[c.transfer]
-    tp = plan.tensors[x.tensor]
-    s_slot, s_origin, s_dims = _buffer(plan, bufs, x.src, x.tensor, x.src_kind)
-    d_slot, d_origin, d_dims = _buffer(plan, bufs, x.dst, x.tensor, x.dst_kind)
-    extent = tuple(hi - lo for lo, hi in c.box)
-    packs = [-1, -1]
-    if staging and x.src != x.dst:
-      nbytes = _align(box_size(c.box) * tp.itemsize)
-      for side, (dev, dims) in enumerate(((x.src, s_dims), (x.dst, d_dims))):
-        if not _contiguous(extent, dims):
-          used = stage_use.get((dev, c.step), 0)
-          packs[side] = used  # relative to the device's staging base, fixed below
-          stage_use[(dev, c.step)] = used + nbytes
-          stage_peak[dev] = max(stage_peak.get(dev, 0), used + nbytes)
-    row = rows[i]
-    row[:OP_FIXED] = (c.step, STAGE_CODES[x.stage], x.tensor, x.src, x.src_kind, s_slot,
-                      x.dst, x.dst_kind, d_slot, packs[0], packs[1])
-    for d in range(MAX_RANK):
-      base = OP_FIXED + 3 * d
-      if d < len(extent):
-        lo = c.box[d][0]
-        row[base:base + 3] = (extent[d], lo - s_origin[d], lo - d_origin[d])
-      else:
-        row[base:base + 3] = (1, 0, 0)
-  # Staging sits after the full-tensor buffers of each device.
+  head = _prefix_width(plan)
+  out = np.empty(head + len(chunks) * OP_WIDTH, np.int64)
+  rows = out[head:].reshape(len(chunks), OP_WIDTH)
+  if not len(chunks):
+    out[:head] = _prefix(plan, ws, 0, 0)
+    out.flags.writeable = False
+    return rows, ws, 0, out
+  # One scatter per tensor into the sorted position of its chunks (no concatenated copy).
+  position = np.empty_like(chunks.order)
+  position[chunks.order] = np.arange(len(chunks.order))
+  start = 0
+  for p in parts:
+    rows[position[start:start + len(p.rows)]] = p.rows
+    start += len(p.rows)
+  order = chunks.order
+  tensor = chunks.tensor
+  rows[:, 0] = chunks.step
+  rows[:, 2] = tensor
+  devices = np.array(plan.devices, np.int64)
+  table = _slot_table(plan, bufs, devices)
+  src_dev = np.concatenate([p.rows[:, 3] for p in parts])[order]
+  dst_dev = np.concatenate([p.rows[:, 6] for p in parts])[order]
+  for dev, kind_col, slot_col in ((src_dev, 4, 5), (dst_dev, 7, 8)):
+    kind = np.concatenate([p.rows[:, kind_col] for p in parts])[order]
+    rows[:, slot_col] = table[kind, tensor, np.searchsorted(devices, dev)]
   if staging:
-    for col, devcol in ((9, 3), (10, 6)):
-      mask = rows[:, col] >= 0
-      if mask.any():
-        base = np.array([bufs.tmp_bytes.get(int(d), 0) for d in rows[mask, devcol]])
-        rows[mask, col] += base
-    for dev, peak in stage_peak.items():
-      ws[dev] = ws.get(dev, 0) + peak
-  n_steps = (max(c.step for c in chunks) + 1) if chunks else 0
-  return rows, ws, n_steps
+    # Pack areas: per (device, step), the op's aligned bytes in op order, the source side
+    # of an op before its destination side (the two sides are on different devices).
+    src_pack = np.concatenate([p.src_pack for p in parts])[order]
+    dst_pack = np.concatenate([p.dst_pack for p in parts])[order]
+    nbytes = np.concatenate([p.nbytes for p in parts])[order]
+    op = np.concatenate([np.flatnonzero(src_pack), np.flatnonzero(dst_pack)])
+    side = np.repeat([0, 1], [int(src_pack.sum()), int(dst_pack.sum())])
+    dev = np.where(side == 0, src_dev[op], dst_dev[op])
+    step = chunks.step[op]
+    sort = np.lexsort((side, op, dev, step))
+    op, side, dev, step = op[sort], side[sort], dev[sort], step[sort]
+    size = nbytes[op]
+    end = np.cumsum(size)
+    new_group = np.ones(len(op), bool)
+    new_group[1:] = (dev[1:] != dev[:-1]) | (step[1:] != step[:-1])
+    group_start = np.maximum.accumulate(np.where(new_group, np.arange(len(op)), 0))
+    used = end - size - (end - size)[group_start]
+    tmp_bytes = np.array([bufs.tmp_bytes.get(int(d), 0) for d in devices], np.int64)
+    dev_pos = np.searchsorted(devices, dev)
+    rows[op, 9 + side] = used + tmp_bytes[dev_pos]
+    peak = np.zeros(len(devices), np.int64)
+    np.maximum.at(peak, dev_pos, used + size)
+    for j in np.flatnonzero(peak):
+      d = int(devices[j])
+      ws[d] = ws.get(d, 0) + int(peak[j])
+  out[:head] = _prefix(plan, ws, chunks.n_steps, len(rows))
+  out.flags.writeable = False
+  return rows, ws, chunks.n_steps, out
+
+
+def _prefix_width(plan: Plan) -> int:
+  return HEADER_WIDTH + 2 * len(plan.devices) + TENSOR_WIDTH * len(plan.tensors)
+
+
+def _prefix(plan: Plan, ws: dict[int, int], n_steps: int, n_ops: int) -> np.ndarray:
+  """Header, devices, ws and tensors: everything of an encoding before its ops."""
+  devices = plan.devices
+  tensors = np.zeros((len(plan.tensors), TENSOR_WIDTH), np.int64)
+  for t, tp in enumerate(plan.tensors):
+    shape = tp.src.shape
+    tensors[t, 0] = tp.itemsize
+    tensors[t, 1] = len(shape)
+    tensors[t, 2:2 + len(shape)] = shape
+  header = np.array([MAGIC, SCHEDULE_VERSION, len(plan.tensors), len(devices), n_steps,
+                     n_ops, OP_WIDTH, MAX_RANK], np.int64)
+  return np.concatenate([header, np.array(devices, np.int64),
+                         np.array([ws.get(d, 0) for d in devices], np.int64),
+                         tensors.reshape(-1)])
 
 
 def workspace_bytes(plan: Plan, device: int | None = None, staging: bool = False) -> int:
   """Workspace a device needs (device=None: the largest over devices, for SPMD)."""
-  _, ws, _ = _ops(plan, staging)
+  _, ws, _, _ = _ops(plan, staging)
   if device is None:
     return max(ws.values(), default=0)
   return ws.get(device, 0)
@@ -153,22 +265,11 @@ def encode(plan: Plan, device: int | None = None, staging: bool = False) -> np.n
   Returns:
     A read-only 1-D int64 array (docs/schedule_format.md, version 1).
   """
-  rows, ws, n_steps = _ops(plan, staging)
-  if device is not None:
-    rows = rows[(rows[:, 3] == device) | (rows[:, 6] == device)]
-  devices = plan.devices
-  tensors = np.zeros((len(plan.tensors), TENSOR_WIDTH), np.int64)
-  for t, tp in enumerate(plan.tensors):
-    shape = tp.src.shape
-    tensors[t, 0] = tp.itemsize
-    tensors[t, 1] = len(shape)
-    tensors[t, 2:2 + len(shape)] = shape
-  header = np.array([MAGIC, SCHEDULE_VERSION, len(plan.tensors), len(devices), n_steps,
-                     len(rows), OP_WIDTH, MAX_RANK], np.int64)
-  out = np.concatenate([
-      header, np.array(devices, np.int64),
-      np.array([ws.get(d, 0) for d in devices], np.int64),
-      tensors.reshape(-1), rows.reshape(-1)]).astype(np.int64)
+  rows, ws, n_steps, spmd = _ops(plan, staging)
+  if device is None:
+    return spmd  # cached and read-only: shared by every caller
+  rows = rows[(rows[:, 3] == device) | (rows[:, 6] == device)]
+  out = np.concatenate([_prefix(plan, ws, n_steps, len(rows)), rows.reshape(-1)])
   out.flags.writeable = False
   return out
 

@@ -1,0 +1,246 @@
+"""Schedule encoding against a per-chunk reference, on random plans.
+
+`schedule.encode` and `chunks.schedule_chunks` work on per-TensorPlan arrays; the
+reference below is the straightforward per-chunk loop they replaced (kept here, not in
+the library). Encodings must be equal element for element, SPMD and per device.
+"""
+
+import dataclasses
+import math
+
+import hypothesis
+import numpy as np
+from hypothesis import strategies as st
+
+from jax_m2n._src import chunks as chunks_lib
+from jax_m2n._src import schedule as schedule_lib
+from jax_m2n._src.layout import MAX_RANK, box_size, intersect, parse_layout
+from jax_m2n._src.planner import FULL_TMP, SRC_SHARD, ROUTES, plan_reshard
+from jax_m2n._src.topology import Topology
+from planner_test import reshard_cases
+
+# --------------------------------------------------------------------------------------
+# Reference: one Python iteration per chunk
+# --------------------------------------------------------------------------------------
+
+
+def _tensor_chunks_reference(transfers, itemsize, limit):
+  out = []
+  read = {p for x in transfers for p in x.parents}
+  for i, x in enumerate(transfers):
+    if not x.parents:
+      size = limit if i in read else chunks_lib.LEAF_CHUNK_FACTOR * limit
+      out.append([(b, k) for k, b in enumerate(chunks_lib.chunk_box(x.box, itemsize, size))])
+      continue
+    parent = transfers[x.parents[0]]
+    if len(x.parents) == 1 and intersect(parent.box, x.box) == x.box:
+      mine = []
+      for pbox, pstep in out[x.parents[0]]:
+        piece = intersect(pbox, x.box)
+        if piece is not None:
+          mine.append((piece, pstep + 1))
+      out.append(mine)
+      continue
+    mine = []
+    for b in chunks_lib.chunk_box(x.box, itemsize, limit):
+      step = 0
+      for p in x.parents:
+        for pbox, pstep in out[p]:
+          if intersect(pbox, b) is not None:
+            step = max(step, pstep + 1)
+      mine.append((b, step))
+    out.append(mine)
+  return out
+
+
+def _schedule_chunks_reference(plan):
+  """(transfer, box, step) of every chunk, sorted by step (stable)."""
+  limit = plan.chunk_bytes
+  cap = chunks_lib.STEP_CHUNKS * limit
+  usage, chunks = {}, []
+  base = offset = 0
+  for tp in plan.tensors:
+    per_transfer = _tensor_chunks_reference(tp.transfers, tp.itemsize, limit)
+    load, length = {}, 0
+    for x, cs in zip(tp.transfers, per_transfer):
+      for b, s in cs:
+        length = max(length, s + 1)
+        if x.src != x.dst:
+          n = box_size(b) * tp.itemsize
+          load[(x.src, s)] = load.get((x.src, s), 0) + n
+          load[(x.dst, s)] = load.get((x.dst, s), 0) + n
+    peak = max(load.values(), default=0)
+    if peak:
+      while any(usage.get(s, 0) and usage[s] + peak > cap
+                for s in range(offset, offset + length)):
+        offset += 1
+      for s in range(offset, offset + length):
+        usage[s] = usage.get(s, 0) + peak
+    for i, cs in enumerate(per_transfer):
+      for b, s in cs:
+        chunks.append((base + i, b, offset + s))
+    base += len(tp.transfers)
+  chunks.sort(key=lambda c: c[2])
+  return chunks
+
+
+def _contiguous(extent, dims):
+  k = 0
+  while k < len(dims) and extent[k] == 1:
+    k += 1
+  return all(e == d for e, d in zip(extent[k + 1:], dims[k + 1:]))
+
+
+def _buffer(plan, bufs, device, tensor, kind):
+  tp = plan.tensors[tensor]
+  if kind == FULL_TMP:
+    return bufs.tmp[device][tensor], (0,) * len(tp.src.shape), tp.src.shape
+  layout, slots = ((tp.src, bufs.operands) if kind == SRC_SHARD else (tp.dst, bufs.results))
+  box = layout.box_of(device)
+  return (slots[device][tensor], tuple(lo for lo, _ in box),
+          tuple(hi - lo for lo, hi in box))
+
+
+def _buffers_reference(plan):
+  operands, results = {}, {}
+  for t, tp in enumerate(plan.tensors):
+    for d in tp.src.devices:
+      slots = operands.setdefault(d, {})
+      slots[t] = len(slots)
+    for d in tp.dst.devices:
+      slots = results.setdefault(d, {})
+      slots[t] = len(slots)
+  tmp, tmp_bytes = {}, {}
+  for x in plan.transfers:
+    for dev, kind in ((x.src, x.src_kind), (x.dst, x.dst_kind)):
+      if kind == FULL_TMP and x.tensor not in tmp.get(dev, {}):
+        offset = tmp_bytes.get(dev, 0)
+        tmp.setdefault(dev, {})[x.tensor] = offset
+        tmp_bytes[dev] = offset + schedule_lib._align(plan.tensors[x.tensor].nbytes)
+  return schedule_lib.Buffers(operands, results, tmp, tmp_bytes)
+
+
+def _ops_reference(plan, staging):
+  """All ops (n_ops x OP_WIDTH), workspace bytes per device, step count."""
+  bufs = _buffers_reference(plan)
+  chunks = _schedule_chunks_reference(plan)
+  transfers = plan.transfers
+  rows = np.zeros((len(chunks), schedule_lib.OP_WIDTH), np.int64)
+  ws = dict(bufs.tmp_bytes)
+  stage_use, stage_peak = {}, {}
+  for i, (transfer, box, step) in enumerate(chunks):
+    x = transfers[transfer]
+    tp = plan.tensors[x.tensor]
+    s_slot, s_origin, s_dims = _buffer(plan, bufs, x.src, x.tensor, x.src_kind)
+    d_slot, d_origin, d_dims = _buffer(plan, bufs, x.dst, x.tensor, x.dst_kind)
+    extent = tuple(hi - lo for lo, hi in box)
+    packs = [-1, -1]
+    if staging and x.src != x.dst:
+      nbytes = schedule_lib._align(box_size(box) * tp.itemsize)
+      for side, (dev, dims) in enumerate(((x.src, s_dims), (x.dst, d_dims))):
+        if not _contiguous(extent, dims):
+          used = stage_use.get((dev, step), 0)
+          packs[side] = used
+          stage_use[(dev, step)] = used + nbytes
+          stage_peak[dev] = max(stage_peak.get(dev, 0), used + nbytes)
+    row = rows[i]
+    row[:schedule_lib.OP_FIXED] = (step, schedule_lib.STAGE_CODES[x.stage], x.tensor, x.src,
+                                   x.src_kind, s_slot, x.dst, x.dst_kind, d_slot, *packs)
+    for d in range(MAX_RANK):
+      base = schedule_lib.OP_FIXED + 3 * d
+      if d < len(extent):
+        lo = box[d][0]
+        row[base:base + 3] = (extent[d], lo - s_origin[d], lo - d_origin[d])
+      else:
+        row[base:base + 3] = (1, 0, 0)
+  if staging:
+    for col, devcol in ((9, 3), (10, 6)):
+      mask = rows[:, col] >= 0
+      if mask.any():
+        rows[mask, col] += [bufs.tmp_bytes.get(int(d), 0) for d in rows[mask, devcol]]
+    for dev, peak in stage_peak.items():
+      ws[dev] = ws.get(dev, 0) + peak
+  n_steps = (max(c[2] for c in chunks) + 1) if chunks else 0
+  return rows, ws, n_steps, chunks, bufs
+
+
+def _encode_reference(plan, device, staging):
+  rows, ws, n_steps, _, _ = _ops_reference(plan, staging)
+  if device is not None:
+    rows = rows[(rows[:, 3] == device) | (rows[:, 6] == device)]
+  tensors = np.zeros((len(plan.tensors), schedule_lib.TENSOR_WIDTH), np.int64)
+  for t, tp in enumerate(plan.tensors):
+    shape = tp.src.shape
+    tensors[t, :2] = (tp.itemsize, len(shape))
+    tensors[t, 2:2 + len(shape)] = shape
+  header = [schedule_lib.MAGIC, schedule_lib.SCHEDULE_VERSION, len(plan.tensors),
+            len(plan.devices), n_steps, len(rows), schedule_lib.OP_WIDTH, MAX_RANK]
+  return np.concatenate([np.array(header, np.int64), np.array(plan.devices, np.int64),
+                         np.array([ws.get(d, 0) for d in plan.devices], np.int64),
+                         tensors.reshape(-1), rows.reshape(-1)]).astype(np.int64)
+
+
+# --------------------------------------------------------------------------------------
+# Comparisons
+# --------------------------------------------------------------------------------------
+
+
+def _check_against_reference(plan):
+  for staging in (False, True):
+    _, ws, _, chunks, bufs = _ops_reference(plan, staging)
+    got = plan.chunks
+    assert len(got) == len(chunks)
+    assert [dataclasses.astuple(c) for c in got] == chunks
+    assert got.n_steps == (chunks[-1][2] + 1 if chunks else 0)
+    new_bufs = schedule_lib.buffers(plan)
+    assert new_bufs == bufs
+    for device in (None, *plan.devices):
+      want = _encode_reference(plan, device, staging)
+      have = schedule_lib.encode(plan, device, staging)
+      assert have.dtype == np.int64 and not have.flags.writeable
+      np.testing.assert_array_equal(have, want, err_msg=f"device={device}, {staging=}")
+      if device is not None:
+        assert schedule_lib.workspace_bytes(plan, device, staging) == ws.get(device, 0)
+    assert schedule_lib.workspace_bytes(plan, None, staging) == max(ws.values(), default=0)
+
+
+def _plan_of(cases, route, chunk, domain):
+  srcs = [parse_layout(src, shape) for shape, src, *_ in cases]
+  dsts = [parse_layout(dst, shape) for shape, _, dst, *_ in cases]
+  sizes = [case[-1] for case in cases]
+  return plan_reshard(srcs, dsts, sizes, Topology(domain_size=domain), route, chunk)
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(reshard_cases())
+def test_random_plans_encode_as_reference(case):
+  shape, src, dst, domain, route, chunk, itemsize = case
+  _check_against_reference(_plan_of([case], route, chunk, domain))
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(st.lists(reshard_cases(), min_size=2, max_size=5),
+                  st.sampled_from(ROUTES), st.sampled_from([8, 32, 64, 1 << 20]),
+                  st.sampled_from([None, 2, 4]), st.data())
+def test_random_pytrees_encode_as_reference(cases, route, chunk, domain, data):
+  # Repeat some tensors: repeated layouts share one TensorPlan (and its cached arrays).
+  cases = cases + data.draw(st.lists(st.sampled_from(cases), max_size=3))
+  _check_against_reference(_plan_of(cases, route, chunk, domain))
+
+
+def test_shared_tensor_plans_are_chunked_once():
+  src = parse_layout("mesh(a=2, b=2) P(a, b) @0", (8, 8))
+  dst = parse_layout("mesh(c=4) P(None, c) @2", (8, 8))
+  plan = plan_reshard([src] * 3, [dst] * 3, [4] * 3, Topology(domain_size=2),
+                      "hierarchical", 64)
+  assert plan.tensors[0] is plan.tensors[1] is plan.tensors[2]
+  tc = chunks_lib.tensor_chunks(plan.tensors[0], 64)
+  assert chunks_lib.tensor_chunks(plan.tensors[0], 64) is tc
+  assert len(plan.chunks) == 3 * len(tc.step)
+  _check_against_reference(plan)
+
+
+def test_empty_plan():
+  plan = plan_reshard([], [], [])
+  assert len(plan.chunks) == 0
+  _check_against_reference(plan)
