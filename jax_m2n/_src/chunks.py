@@ -65,8 +65,13 @@ def _tensor_chunks(transfers, itemsize: int, limit: int) -> list[list[tuple[Box,
     parent = transfers[x.parents[0]]
     if len(x.parents) == 1 and intersect(parent.box, x.box) == x.box:
       # Follow the parent's chunks: chunk i reads exactly what parent chunk i wrote.
+      pchunks = out[x.parents[0]]
+      if len(pchunks) == 1:
+        # The one chunk is the parent's whole box, which holds this one.
+        out.append([(x.box, pchunks[0][1] + 1)])
+        continue
       mine = []
-      for pbox, pstep in out[x.parents[0]]:
+      for pbox, pstep in pchunks:
         piece = intersect(pbox, x.box)
         if piece is not None:
           mine.append((piece, pstep + 1))
@@ -109,6 +114,7 @@ class TensorChunks:
   step: np.ndarray      # (n,) step local to the tensor
   lo: np.ndarray        # (n, MAX_RANK)
   hi: np.ndarray        # (n, MAX_RANK)
+  rank: int             # the tensor's rank (boxes beyond it are padding)
   length: int           # local steps the tensor spans
   peak: int             # most bytes of non-local chunks on one device in one local step
 
@@ -120,20 +126,16 @@ def tensor_chunks(tp, chunk_bytes: int) -> TensorChunks:
 
 def _build_tensor_chunks(tp, limit: int) -> TensorChunks:
   per_transfer = _tensor_chunks(tp.transfers, tp.itemsize, limit)
-  transfer, step, lo, hi = [], [], [], []
-  pad_lo, pad_hi = (0,) * MAX_RANK, (1,) * MAX_RANK
-  rank = len(tp.src.shape)
-  for i, cs in enumerate(per_transfer):
-    for b, s in cs:
-      transfer.append(i)
-      step.append(s)
-      lo.append(tuple(l for l, _ in b) + pad_lo[rank:])
-      hi.append(tuple(h for _, h in b) + pad_hi[rank:])
-  n = len(transfer)
+  transfer = [i for i, cs in enumerate(per_transfer) for _ in cs]
+  step = [s for cs in per_transfer for _, s in cs]
+  n, rank = len(transfer), len(tp.src.shape)
+  boxes = np.array([b for cs in per_transfer for b, _ in cs], np.int64).reshape(n, rank, 2)
+  lo = np.zeros((n, MAX_RANK), np.int64)
+  hi = np.ones((n, MAX_RANK), np.int64)
+  lo[:, :rank] = boxes[:, :, 0]
+  hi[:, :rank] = boxes[:, :, 1]
   transfer = np.array(transfer, np.int64).reshape(n)
   step = np.array(step, np.int64).reshape(n)
-  lo = np.array(lo, np.int64).reshape(n, MAX_RANK)
-  hi = np.array(hi, np.int64).reshape(n, MAX_RANK)
   length = int(step.max()) + 1 if n else 0
   # Bytes per (device, local step) of non-local chunks: the tensor's footprint.
   src = np.array([x.src for x in tp.transfers], np.int64)[transfer]
@@ -144,13 +146,13 @@ def _build_tensor_chunks(tp, limit: int) -> TensorChunks:
   if cross.any():
     dev = np.concatenate([src[cross], dst[cross]])
     at = np.concatenate([step[cross], step[cross]])
-    keys, inverse = np.unique(np.stack([dev, at]), axis=1, return_inverse=True)
-    load = np.bincount(inverse.reshape(-1), np.concatenate([nbytes, nbytes]),
-                       minlength=keys.shape[1])
+    _, inverse = np.unique(dev * length + at, return_inverse=True)
+    load = np.zeros(inverse.max() + 1, np.int64)
+    np.add.at(load, inverse.reshape(-1), np.concatenate([nbytes, nbytes]))
     peak = int(load.max())
   for a in (transfer, step, lo, hi):
     a.flags.writeable = False
-  return TensorChunks(transfer, step, lo, hi, length, peak)
+  return TensorChunks(transfer, step, lo, hi, rank, length, peak)
 
 
 class Chunks:
@@ -158,13 +160,14 @@ class Chunks:
 
   A sequence of `Chunk` too (built on access; the arrays are what encoders use).
   Attributes: `tensor`, `index` (chunk index in the tensor's `TensorChunks`), `transfer`
-  (index into Plan.transfers), `step`, `lo`/`hi` (n, MAX_RANK; padded), `order` (position
-  of each chunk in the tensor-by-tensor concatenation), `rank` (per tensor).
+  (index into Plan.transfers), `step`, `order` (position of each chunk in the
+  tensor-by-tensor concatenation), `parts` (the `TensorChunks` of each tensor; boxes stay
+  there, per distinct TensorPlan, rather than copied per plan).
   """
 
-  def __init__(self, tensor, index, transfer, step, lo, hi, order, rank):
+  def __init__(self, tensor, index, transfer, step, order, parts):
     self.tensor, self.index, self.transfer, self.step = tensor, index, transfer, step
-    self.lo, self.hi, self.order, self.rank = lo, hi, order, rank
+    self.order, self.parts = order, parts
 
   @property
   def n_steps(self) -> int:
@@ -176,8 +179,8 @@ class Chunks:
   def __getitem__(self, i: int) -> Chunk:
     if not -len(self) <= i < len(self):
       raise IndexError(i)
-    r = self.rank[self.tensor[i]]
-    box = tuple(zip(self.lo[i, :r].tolist(), self.hi[i, :r].tolist()))
+    part, k = self.parts[self.tensor[i]], self.index[i]
+    box = tuple(zip(part.lo[k, :part.rank].tolist(), part.hi[k, :part.rank].tolist()))
     return Chunk(int(self.transfer[i]), box, int(self.step[i]))
 
   def __iter__(self):
@@ -211,11 +214,8 @@ def schedule_chunks(plan) -> Chunks:
   transfer = _cat([tc.transfer for tc in parts], (0,)) + first_transfer[tensor]
   step = _cat([tc.step for tc in parts], (0,)) + np.array(offsets, np.int64)[tensor]
   order = np.argsort(step, kind="stable")
-  lo = _cat([tc.lo for tc in parts], (0, MAX_RANK))[order]
-  hi = _cat([tc.hi for tc in parts], (0, MAX_RANK))[order]
-  rank = tuple(len(tp.src.shape) for tp in plan.tensors)
-  return Chunks(tensor[order], index[order], transfer[order], step[order], lo, hi, order,
-                rank)
+  return Chunks(tensor[order], index[order], transfer[order], step[order], order,
+                tuple(parts))
 
 
 def _cat(arrays, empty_shape) -> np.ndarray:
