@@ -6,7 +6,6 @@ the library). Encodings must be equal element for element, SPMD and per device.
 """
 
 import dataclasses
-import math
 
 import hypothesis
 import numpy as np
@@ -17,7 +16,7 @@ from jax_m2n._src import schedule as schedule_lib
 from jax_m2n._src.layout import MAX_RANK, box_size, intersect, parse_layout
 from jax_m2n._src.planner import FULL_TMP, SRC_SHARD, ROUTES, plan_reshard
 from jax_m2n._src.topology import Topology
-from planner_test import reshard_cases
+from plan_strategies import reshard_cases
 
 # --------------------------------------------------------------------------------------
 # Reference: one Python iteration per chunk
