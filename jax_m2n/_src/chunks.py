@@ -93,7 +93,7 @@ def derived(tp, key, build):
   """`build(tp)` computed once per TensorPlan object and `key` (kept on the object).
 
   TensorPlans are cached and shared by the tensors of a plan and between plans (a model
-  stage has ~17 distinct ones for ~140 tensors), so per-tensor work is done once per
+  stage has ~15 distinct ones for ~140 tensors), so per-tensor work is done once per
   object. Keyed on identity: hashing a TensorPlan hashes its whole transfer tuple.
   """
   cache = tp.__dict__.setdefault("_m2n_derived", {})
@@ -176,7 +176,9 @@ class Chunks:
   def __len__(self) -> int:
     return len(self.step)
 
-  def __getitem__(self, i: int) -> Chunk:
+  def __getitem__(self, i):
+    if isinstance(i, slice):
+      return [self[k] for k in range(*i.indices(len(self)))]
     if not -len(self) <= i < len(self):
       raise IndexError(i)
     part, k = self.parts[self.tensor[i]], self.index[i]
@@ -211,12 +213,12 @@ def schedule_chunks(plan) -> Chunks:
   tensor = np.repeat(np.arange(len(parts), dtype=np.int64), counts)
   first_transfer = np.cumsum(n_transfers) - n_transfers
   index = np.arange(len(tensor), dtype=np.int64) - (np.cumsum(counts) - counts)[tensor]
-  transfer = _cat([tc.transfer for tc in parts], (0,)) + first_transfer[tensor]
-  step = _cat([tc.step for tc in parts], (0,)) + np.array(offsets, np.int64)[tensor]
+  transfer = _cat([tc.transfer for tc in parts]) + first_transfer[tensor]
+  step = _cat([tc.step for tc in parts]) + np.array(offsets, np.int64)[tensor]
   order = np.argsort(step, kind="stable")
   return Chunks(tensor[order], index[order], transfer[order], step[order], order,
                 tuple(parts))
 
 
-def _cat(arrays, empty_shape) -> np.ndarray:
-  return np.concatenate(arrays) if arrays else np.zeros(empty_shape, np.int64)
+def _cat(arrays) -> np.ndarray:
+  return np.concatenate(arrays) if arrays else np.zeros((0,), np.int64)
