@@ -263,7 +263,8 @@ def encode(plan: Plan, device: int | None = None, staging: bool = False) -> np.n
     staging: reserve workspace for pack/unpack of non-contiguous boxes (CUDA transport).
 
   Returns:
-    A read-only 1-D int64 array (docs/schedule_format.md, version 1).
+    A read-only 1-D int64 array (docs/schedule_format.md, version 1). The SPMD encoding
+    is cached with the plan: repeated calls return the same array.
   """
   rows, ws, n_steps, spmd = _ops(plan, staging)
   if device is None:
