@@ -9,9 +9,10 @@ Cases (bf16 [rows, 32768], --mib MiB in all; notes/benchmarking.md), with 4 GPUs
   B  1 GPU -> 3 GPUs replicated                               bound 2.75 ms/GiB
   C  2 GPUs P('x', None) -> 2 other GPUs P(None, 'x')         bound 1.37 ms/GiB
 with 2 GPUs: D 1 -> 1 copy, E 2 P('x', None) -> the same 2 replicated, F -> P(None, 'x').
-Engines: jax_m2n hierarchical / flat / gather_bcast, jax.device_put; then the chunk-size
-sweep of the hierarchical route (reshard's chunk_bytes=), and the latency of
-a 1 KiB reshard. Time = wall clock around reshard + block_until_ready (min and mean of
+Engines: jax.device_put, XLA's own reshard in jit (colocated cases), and per CUDA engine
+(`_ffi_cuda.set_engine`: auto = the direct peer path in one process, nccl) jax_m2n
+hierarchical / flat / gather_bcast eager, in jit (colocated), the chunk-size sweep; then
+the fixed cost of a 4.5 KiB reshard against device_put, with where its time goes. Time = wall clock around reshard + block_until_ready (min and mean of
 --iters after --warmup); every engine's output is checked bitwise once against device_put.
 JSON: {"version": 1, "rows": [{case, engine, chunk_mib, min_ms, mean_ms, bound_ms}, ...]}.
 """
@@ -71,6 +72,9 @@ def main():
   ap.add_argument("--no-device-put", action="store_true")
   ap.add_argument("--cases", default="", help="letters of the cases to run (default all)")
   ap.add_argument("--routes", default="hierarchical,flat,gather_bcast")
+  ap.add_argument("--engines", default="auto,nccl",
+                  help="_ffi_cuda.set_engine values to compare (auto = the peer path in one "
+                       "process)")
   a = ap.parse_args()
 
   cols = 32768
@@ -106,6 +110,8 @@ def main():
           flush=True)
 
   default_chunk = m2n_ops.GPU_CHUNK_BYTES
+  cuda = __import__("jax_m2n._ffi_cuda", fromlist=["_"])
+  engines = [e for e in a.engines.split(",") if e]
   for case, (si, ss, di, ds, bound) in cases.items():
     src, dst = sharding(si, ss), sharding(di, ds)
     x = jax.device_put(host, src)
@@ -113,24 +119,75 @@ def main():
     if not a.no_device_put:
       record(case, "device_put", None, timed(lambda: jax.device_put(x, dst), a.iters, a.warmup),
              bound, True)
-    for route in a.routes.split(","):
-      ok = same(jax_m2n.reshard(x, dst, route=route), ref)
-      t = timed(lambda: jax_m2n.reshard(x, dst, route=route), a.iters, a.warmup)
-      record(case, f"m2n-{route}", default_chunk >> 20, t, bound, ok)
-    for c in [int(v) for v in a.chunks_mib.split(",") if v]:
-      if (c << 20) == default_chunk:
-        continue
-      ok = same(jax_m2n.reshard(x, dst, chunk_bytes=c << 20), ref)
-      t = timed(lambda: jax_m2n.reshard(x, dst, chunk_bytes=c << 20), a.iters, a.warmup)
-      record(case, "m2n-hierarchical", c, t, bound, ok)
+    colocated = si == di or sorted(si) == sorted(di)
+    if colocated:
+      xla = jax.jit(lambda v: v, out_shardings=dst)
+      ok = same(xla(x), ref)
+      record(case, "xla-jit", None, timed(lambda: xla(x), a.iters, a.warmup), bound, ok)
+    for engine in engines:
+      jax_m2n.reshard(x, dst)  # the plan exists: set_engine applies to the next calls
+      cuda.set_engine(engine)
+      for route in a.routes.split(","):
+        ok = same(jax_m2n.reshard(x, dst, route=route), ref)
+        t = timed(lambda: jax_m2n.reshard(x, dst, route=route), a.iters, a.warmup)
+        record(case, f"m2n-{engine}-{route}", default_chunk >> 20, t, bound, ok)
+      if colocated:
+        f = jax.jit(lambda v: jax_m2n.reshard(v, dst, src_sharding=src))
+        ok = same(f(x), ref)
+        record(case, f"m2n-{engine}-jit", default_chunk >> 20,
+               timed(lambda: f(x), a.iters, a.warmup), bound, ok)
+      for c in [int(v) for v in a.chunks_mib.split(",") if v]:
+        if (c << 20) == default_chunk:
+          continue
+        ok = same(jax_m2n.reshard(x, dst, chunk_bytes=c << 20), ref)
+        t = timed(lambda: jax_m2n.reshard(x, dst, chunk_bytes=c << 20), a.iters, a.warmup)
+        record(case, f"m2n-{engine}-hierarchical", c, t, bound, ok)
+      cuda.set_engine("auto")
     del x, ref
 
-  # Fixed cost: 1 KiB from GPU 0 to GPU 1 (two per-device programs).
-  small = jax.device_put(np.arange(512, dtype=np.uint16).view(ml_dtypes.bfloat16),
+  # Fixed cost: 4.5 KiB bf16 from GPU 0 to GPU 1 (two per-device programs), and where the
+  # time goes: each device's program (dispatch until its outputs are ready) is timed
+  # inside the reshard by wrapping ops._run_device; the rest is Python on the caller.
+  small = jax.device_put(np.arange(2304, dtype=np.uint16).view(ml_dtypes.bfloat16),
                          sharding([0], P()))
   d1 = sharding([1], P())
-  t = timed(lambda: jax_m2n.reshard(small, d1), 50, 5)
-  record("1KiB 0->1", "m2n-hierarchical", None, t, 1e-3, True)
+  record("4.5KiB 0->1", "device_put", None,
+         timed(lambda: jax.device_put(small, d1), 200, 20), 1e-3, True)
+  ident = jax.jit(lambda v: v + 0)
+  record("4.5KiB 0->1", "jit-1dev-noop", None, timed(lambda: ident(small), 200, 20), 1e-3,
+         True)
+  for engine in engines:
+    jax_m2n.reshard(small, d1)
+    cuda.set_engine(engine)
+    ok = same(jax_m2n.reshard(small, d1), jax.device_put(small, d1))
+    record("4.5KiB 0->1", f"m2n-{engine}", None,
+           timed(lambda: jax_m2n.reshard(small, d1), 200, 20), 1e-3, ok)
+    spans = []
+    inner = m2n_ops._run_device
+
+    def run_device(prog, args, inner=inner):
+      t0 = time.perf_counter()
+      out = inner(prog, args)
+      spans.append((time.perf_counter() - t0) * 1e3)
+      return out
+
+    m2n_ops._run_device = run_device
+    try:
+      total = []
+      for _ in range(200):
+        spans.clear()
+        t0 = time.perf_counter()
+        jax.block_until_ready(jax_m2n.reshard(small, d1))
+        total.append(((time.perf_counter() - t0) * 1e3, max(spans)))
+    finally:
+      m2n_ops._run_device = inner
+    total.sort()
+    med = total[len(total) // 2]
+    print(f"4.5KiB breakdown ({engine}): median total {med[0]:.3f} ms, of which the slowest "
+          f"device program (dispatch -> ready) {med[1]:.3f} ms, Python around it "
+          f"{med[0] - med[1]:.3f} ms", flush=True)
+    cuda.set_engine("auto")
+  print("peer_stats", cuda.peer_stats())
   if a.json:
     with open(a.json, "w") as f:
       json.dump({"version": 1, "shape": shape, "dtype": "bfloat16", "rows": out_rows}, f,

@@ -1,10 +1,14 @@
-"""GPU tests of the CUDA transport (xla_ffi/cuda/): jax_m2n.reshard on 4 GPUs.
+"""GPU tests of the CUDA transport (xla_ffi/cuda/): jax_m2n.reshard on 2 or 4 GPUs.
 
-Every route, eager (disjoint 2+2 and 1+3 device sets, overlapping, identical) and inside
-jit, emulated two-domain topologies (Topology(domain_size=2): the ring-forward stage runs),
-a pytree in one call, odd element sizes and shapes, a few random layouts; every result is
-bitwise equal to jax.device_put of the same array. Cases needing more GPUs than the
-machine has are skipped (4 for the 2+2 and 1+3 cases); all are skipped without GPUs (CI).
+Both engines (`_ffi_cuda.set_engine`): "auto", which in one process takes the direct peer
+path (copy-engine peer copies, 2-D/3-D strided copies, the copy kernel over NVLink; the
+tests check that it did), and "nccl". Every route, eager (disjoint 2+2 and 1+3 device
+sets, overlapping, identical) and inside jit (also between XLA computations), emulated
+two-domain topologies (Topology(domain_size=2): the ring-forward stage runs), a pytree in
+one call, 1- to 8-byte elements, strided and contiguous boxes on each peer-path engine, a
+few random layouts; every result is bitwise equal to jax.device_put of the same array (or
+numpy). Cases needing more GPUs than the machine has are skipped (4 for the 2+2 and 1+3
+cases); all are skipped without GPUs (CI).
 
 Run on the GPU machine (after building jax_m2n/_ffi_cuda.so):
   NCCL_NVLS_ENABLE=0 python3 -m pytest -q tests/gpu_test.py
@@ -39,6 +43,37 @@ def _need(n):
     pytest.skip(f"needs {n} GPUs; have {len(GPUS)}")
 
 ROUTES = ("hierarchical", "flat", "gather_bcast")
+ENGINES = ("auto", "nccl")
+
+
+def _cuda():
+  import jax_m2n._ffi_cuda as cuda  # noqa: PLC0415 - only where GPUs exist
+  return cuda
+
+
+class _Engine(str):
+  rounds_before = 0
+
+  def check(self):
+    """With "auto" the direct peer path ran (one process); with "nccl" it did not."""
+    after = _cuda().peer_stats()["rounds"]
+    if self == "auto":
+      assert after > self.rounds_before, "the direct peer path did not run in one process"
+    else:
+      assert after == self.rounds_before, "set_engine('nccl') still took the peer path"
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+  """Runs the test under one CUDA engine (the test calls engine.check() at its end)."""
+  cuda = _cuda()
+  cuda.set_engine(request.param)
+  e = _Engine(request.param)
+  e.rounds_before = cuda.peer_stats()["rounds"]
+  try:
+    yield e
+  finally:
+    cuda.set_engine("auto")
 
 
 def _sharding(ids, mesh_shape, spec, names=("x", "y")):
@@ -113,15 +148,20 @@ EAGER_CASES = [
     ("3-D inner dim", ([0, 1], (2,), P(None, None, "x")), ([2, 3], (2,), P("x", None, None)),
      (4, 6, 10), np.int8),
     ("scalar-like rank 1", ([0], (1,), P()), ([1, 2, 3], (3,), P()), (1,), np.uint32),
+    ("1 -> 2 replicated (overlap)", ([0], (1,), P()), ([0, 1], (2,), P()), (40, 24),
+     np.complex64),
+    ("2 -> 1 gather (overlap)", ([0, 1], (2,), P(None, "x")), ([1], (1,), P()), (12, 40),
+     np.uint8),
 ]
 
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("case", EAGER_CASES, ids=[c[0] for c in EAGER_CASES])
-def test_eager(case, route):
+def test_eager(case, route, engine):
   _, s, d, shape, dtype = case
   _need(1 + max(s[0] + d[0]))
   _run_case(_sharding(*s), _sharding(*d), shape, dtype, route=route)
+  engine.check()
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -157,7 +197,7 @@ def test_pytree_one_call():
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_inside_jit(route):
+def test_inside_jit(route, engine):
   ids = list(range(min(4, len(GPUS))))
   src = _sharding(ids, (len(ids),), P("x", None))
   for dst_spec in (P(None, "x"), P(), P("x", None)):
@@ -168,6 +208,7 @@ def test_inside_jit(route):
     _check(out, jax.device_put(x, dst), dst)
     x2 = jax.device_put(_random((64, 128), BF16, 6), src)
     _check(f(x2), jax.device_put(x2, dst), dst)
+  engine.check()
 
 
 def test_inside_jit_2x2_mesh_and_pytree():
@@ -211,3 +252,68 @@ def test_large_chunked_and_packed():
   dst_ids = [2, 3] if len(GPUS) >= 4 else [1, 0]
   for spec in (P(None, "x"), P()):
     _run_case(src, _sharding(dst_ids, (2,), spec), (4096, 8192), BF16)
+
+
+# Boxes for each engine of the peer path (docs/cuda_transport.md, "Peer path"), on 2 GPUs:
+# (name, src spec, dst spec, shape, dtype, counter that must grow under "auto").
+PEER_CASES = [
+    # Contiguous boxes: cudaMemcpyPeerAsync.
+    ("contiguous 8B", P("x", None), P(None, None), (64, 256), np.complex64, "memcpys"),
+    ("contiguous 1B odd", P("x"), P(), (2 * 1001,), np.int8, "memcpys"),
+    # Rows of >= 512 bytes, one outer dim: a 2-D copy-engine copy.
+    ("2-D strided 2B", P("x", None), P(None, "x"), (512, 1024), BF16, "memcpys_3d"),
+    ("2-D strided 4B", P(None, "x"), P("x", None), (256, 512), np.float32, "memcpys_3d"),
+    # Two outer dims that do not merge: a 3-D copy-engine copy.
+    ("3-D strided 2B", P(None, "x", None), P(None, None, "x"), (4, 64, 1024), BF16,
+     "memcpys_3d"),
+    # Short rows: the copy kernel reading the peer's memory over NVLink.
+    ("kernel 1B rows", P("x", None), P(None, "x"), (64, 48), np.int8, "kernel_tasks"),
+    ("kernel 8B", P(None, "x"), P("x", None), (32, 16), np.complex64, "kernel_tasks"),
+    ("kernel 4-D", P(None, "x", None, None), P(None, None, None, "x"), (3, 4, 5, 8),
+     np.int16, "kernel_tasks"),
+]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", PEER_CASES, ids=[c[0] for c in PEER_CASES])
+def test_peer_engines(case, route, engine):
+  _, sspec, dspec, shape, dtype, counter = case
+  cuda = _cuda()
+  before = cuda.peer_stats()[counter]
+  for src_ids, dst_ids in (([0, 1], [0, 1]), ([0, 1], [1, 0])):
+    _run_case(_sharding(src_ids, (2,), sspec), _sharding(dst_ids, (2,), dspec), shape, dtype,
+              route=route)
+  if engine == "auto" and route != "gather_bcast":
+    assert cuda.peer_stats()[counter] > before, counter
+  engine.check()
+
+
+def test_peer_inside_jit_between_xla_work(engine):
+  """The reshard sits between XLA computations on the same streams, twice in one program."""
+  ids = [0, 1]
+  src = _sharding(ids, (2,), P("x", None))
+  dst = _sharding(ids, (2,), P(None, "x"))
+  rep = _sharding(ids, (2,), P())
+
+  @jax.jit
+  def f(a):
+    b = jax_m2n.reshard(a * 3 + 1, dst, src_sharding=src)
+    c = jax_m2n.reshard(b ^ 5, rep, src_sharding=dst)
+    return b + 1, c * 2
+
+  for seed in (11, 12, 13):
+    host = _random((256, 1024), np.int32, seed)
+    b, c = f(jax.device_put(host, src))
+    np.testing.assert_array_equal(np.asarray(b), host * 3 + 2)
+    np.testing.assert_array_equal(np.asarray(c), ((host * 3 + 1) ^ 5) * 2)
+  engine.check()
+
+
+def test_peer_large_both_directions(engine):
+  """Chunked 64 MiB exchanges (several ops per step and steps), 2-D copies both ways."""
+  src = _sharding([0, 1], (2,), P("x", None))
+  for spec in (P(None, "x"), P()):
+    _run_case(src, _sharding([0, 1], (2,), spec), (4096, 8192), BF16, seed=21)
+  _run_case(_sharding([0], (1,), P()), _sharding([1], (1,), P()), (8192, 4096), BF16,
+            seed=22)
+  engine.check()

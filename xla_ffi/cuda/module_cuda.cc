@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "xla_ffi/cuda/nccl_comm.h"
+#include "xla_ffi/cuda/peer_transport.h"
 #include "xla_ffi/cuda/reshard_cuda.h"
 
 namespace nb = nanobind;
@@ -43,6 +44,13 @@ Python-facing API (docs/dev_contracts.md, section "_ffi_cuda"; docs/cuda_transpo
   is_initialized() -> bool
   error() -> str | None        the sticky error after a timeout (communicator aborted)
   finalize() -> None           destroy the communicator (re-initialize after an abort)
+  set_engine(name) -> None     "auto" (default: the direct peer path when every
+                               participant is a GPU of this process, else NCCL), "nccl"
+                               or "peer"; applies to reshards that start afterwards.
+                               Every process must choose alike.
+  engine() -> str
+  peer_stats() -> dict         process-wide counters of the peer path: rounds,
+                               memcpys, memcpys_3d, kernel_tasks, plans_built
 
 Example (one process, every local GPU):
   import jax, jax_m2n._ffi_cuda as m
@@ -155,6 +163,44 @@ NB_MODULE(_ffi_cuda, m) {
     std::string e = Communicator::Get().StickyError();
     if (e.empty()) return std::nullopt;
     return e;
+  });
+
+  m.def(
+      "set_engine",
+      [](const std::string& name) {
+        if (name == "auto") {
+          SetCudaEngine(CudaEngine::kAuto);
+        } else if (name == "nccl") {
+          SetCudaEngine(CudaEngine::kNccl);
+        } else if (name == "peer") {
+          SetCudaEngine(CudaEngine::kPeer);
+        } else {
+          Raise(PyExc_ValueError,
+                "set_engine: name must be one of 'auto', 'nccl', 'peer'; got '" + name + "'.");
+        }
+      },
+      nb::arg("name"));
+
+  m.def("engine", []() -> std::string {
+    switch (GetCudaEngine()) {
+      case CudaEngine::kNccl:
+        return "nccl";
+      case CudaEngine::kPeer:
+        return "peer";
+      default:
+        return "auto";
+    }
+  });
+
+  m.def("peer_stats", []() {
+    PeerStats st = GetPeerStats();
+    nb::dict d;
+    d["rounds"] = st.rounds;
+    d["memcpys"] = st.memcpys;
+    d["memcpys_3d"] = st.memcpys_3d;
+    d["kernel_tasks"] = st.kernel_tasks;
+    d["plans_built"] = st.plans_built;
+    return d;
   });
 
   m.def("finalize", []() {

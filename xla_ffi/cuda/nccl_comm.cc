@@ -139,6 +139,13 @@ LocalRank* Communicator::ForOrdinal(int ordinal) const {
   return by_ordinal_[ordinal];
 }
 
+LocalRank* Communicator::ForDevice(int64_t device_id) const {
+  for (const auto& lr : local_) {
+    if (lr->device_id == device_id) return lr.get();
+  }
+  return nullptr;
+}
+
 int Communicator::RankOf(int64_t device_id) const {
   auto it = std::lower_bound(rank_of_.begin(), rank_of_.end(),
                              std::make_pair(device_id, -1));

@@ -103,6 +103,8 @@ class Communicator {
 
   // The rank of this process for a CUDA ordinal; nullptr if none.
   LocalRank* ForOrdinal(int ordinal) const;
+  // This process's rank of a global device id; nullptr if the device is not local.
+  LocalRank* ForDevice(int64_t device_id) const;
   // The rank of a global device id; -1 if the device is not in the communicator.
   int RankOf(int64_t device_id) const;
   std::string DescribeLocalTable() const;  // "{ordinal 0 -> device 0 (rank 0), ...}"

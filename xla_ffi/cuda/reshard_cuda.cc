@@ -15,6 +15,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cuda/cuda_transport.h"
 #include "xla_ffi/cuda/nccl_comm.h"
+#include "xla_ffi/cuda/peer_transport.h"
 #include "xla_ffi/schedule.h"
 
 namespace jax_m2n {
@@ -38,6 +39,20 @@ struct CudaReshardState {
 
   Schedule schedule;
   std::vector<std::unique_ptr<Slot>> slots;
+  // Whether the peer path can run this schedule (every participant local, peer access
+  // between them): -1 not yet known, else 0/1 for communicator generation `peer_gen`.
+  std::mutex peer_mu;
+  int peer_ok = -1;
+  uint64_t peer_gen = 0;
+
+  bool PeerOk(const Communicator& comm) {
+    std::lock_guard<std::mutex> lock(peer_mu);
+    if (peer_ok < 0 || peer_gen != comm.generation()) {
+      peer_ok = PeerPathPossible(schedule, comm) ? 1 : 0;
+      peer_gen = comm.generation();
+    }
+    return peer_ok == 1;
+  }
 };
 
 ffi::TypeId CudaReshardState::id = {};
@@ -53,7 +68,7 @@ namespace {
 
 ffi::ErrorOr<std::unique_ptr<CudaReshardState>> Instantiate(
     ffi::Span<const int64_t> schedule, int64_t site, int64_t timeout_ms) {
-  (void)site;        // NCCL matches sends and receives by order: no rendezvous key needed
+  (void)site;        // used at execute: the peer path's rendezvous key
   (void)timeout_ms;  // used at execute
   ffi::ErrorOr<Schedule> decoded = DecodeSchedule(schedule);
   if (decoded.has_error()) return ffi::Unexpected(decoded.error());
@@ -64,7 +79,6 @@ ffi::Error Execute(cudaStream_t stream, int32_t ordinal, CudaReshardState* state
                    ffi::RemainingArgs args, ffi::RemainingRets rets,
                    ffi::Span<const int64_t> schedule, int64_t site, int64_t timeout_ms) {
   (void)schedule;  // decoded at instantiate
-  (void)site;
   Communicator& comm = Communicator::Get();
   if (!comm.initialized()) {
     return JAX_M2N_ERROR(
@@ -129,14 +143,6 @@ ffi::Error Execute(cudaStream_t stream, int32_t ordinal, CudaReshardState* state
     }
   }
 
-  CudaReshardState::Slot& slot = *state->slots[participant];
-  std::lock_guard<std::mutex> lock(slot.mu);
-  if (slot.plan == nullptr || !PlanMatches(*slot.plan, shapes, comm.generation())) {
-    ffi::ErrorOr<DevicePlanPtr> plan =
-        BuildDevicePlan(s, participant, shapes, comm);
-    if (plan.has_error()) return plan.error();
-    slot.plan = std::move(plan.value());
-  }
   // XLA makes the device's context current; be robust to a thread that changed it.
   int current = -1;
   if (cudaGetDevice(&current) != cudaSuccess || current != ordinal) {
@@ -145,6 +151,39 @@ ffi::Error Execute(cudaStream_t stream, int32_t ordinal, CudaReshardState* state
       return JAX_M2N_ERROR(kInternal, "cudaSetDevice(" + std::to_string(ordinal) +
                                           ") failed: " + cudaGetErrorString(err));
     }
+  }
+
+  // The engine: the direct peer path when every participant is a GPU of this process
+  // (docs/cuda_transport.md, "Which engine"), else NCCL. Every participant decides
+  // alike: the answer depends only on the schedule's devices and the process.
+  const CudaEngine engine = GetCudaEngine();
+  if (engine != CudaEngine::kNccl) {
+    const bool peer_ok = state->PeerOk(comm);
+    if (!peer_ok && engine == CudaEngine::kPeer) {
+      return JAX_M2N_ERROR(kFailedPrecondition,
+                           "jax_m2n_reshard (CUDA): set_engine(\"peer\") requires every "
+                           "participant " + FormatList(s.devices) +
+                               " to be a GPU of this process with peer access to the others");
+    }
+    if (peer_ok) {
+      PeerCall call;
+      call.schedule = &s;
+      call.participant = participant;
+      call.ordinal = ordinal;
+      call.shapes = &shapes;
+      call.buffers = &buffers;
+      call.stream = stream;
+      return RunPeerCall(call, site, timeout_ms);
+    }
+  }
+
+  CudaReshardState::Slot& slot = *state->slots[participant];
+  std::lock_guard<std::mutex> lock(slot.mu);
+  if (slot.plan == nullptr || !PlanMatches(*slot.plan, shapes, comm.generation())) {
+    ffi::ErrorOr<DevicePlanPtr> plan =
+        BuildDevicePlan(s, participant, shapes, comm);
+    if (plan.has_error()) return plan.error();
+    slot.plan = std::move(plan.value());
   }
   return RunDevicePlan(*slot.plan, buffers, rank, stream, timeout_ms);
 }
