@@ -1,5 +1,9 @@
 """Multi-process GPU tests: 4 processes x 1 GPU under jax.distributed on loopback.
 
+Scenarios (tests/multiprocess_gpu_worker.py): a refit over NCCL; a peer that never
+arrives; and the refit with NCCL forced onto its socket transport, each process its own
+domain (the multi-node path on one host).
+
 Each test starts tests/multiprocess_gpu_worker.py four times at once (2 on a 2-GPU
 machine; process i owns GPU
 i via local_device_ids=[i]); the NCCL unique id travels through jax.distributed's
@@ -47,7 +51,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _run(scenario: str, timeout_s: float = 150.0) -> list[str]:
+def _run(scenario: str, timeout_s: float = 150.0, extra_env=None) -> list[str]:
   """Runs the N workers of `scenario`; returns each one's RESULT line.
 
   Fails (killing the others) as soon as one worker exits non-zero, or when the deadline
@@ -60,6 +64,7 @@ def _run(scenario: str, timeout_s: float = 150.0) -> list[str]:
   env["PYTHONUNBUFFERED"] = "1"
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   env.pop("JAX_PLATFORMS", None)
+  env.update(extra_env or {})
   logdir = os.environ.get("JAX_M2N_MP_LOGDIR") or tempfile.mkdtemp(prefix="jax_m2n_mp_")
   os.makedirs(logdir, exist_ok=True)
   paths = [os.path.join(logdir, f"{scenario}_{i}.log") for i in range(N)]
@@ -107,3 +112,14 @@ def test_peer_never_arrives_times_out():
   receiver = lines[1]
   assert "error=True" in receiver or "raised_after_s" in receiver, receiver
   assert "next_call_raised" in receiver, receiver
+
+
+# NCCL's network transport (sockets over loopback) instead of NVLink P2P and shared memory:
+# the path multi-node users run, on one host (docs/cuda_transport.md, "Across processes").
+NET_SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket",
+                  "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
+
+
+def test_nccl_socket_transport_each_process_a_domain():
+  for line in _run("netsocket", timeout_s=240.0, extra_env=NET_SOCKET_ENV):
+    print(line)

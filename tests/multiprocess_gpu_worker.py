@@ -12,6 +12,14 @@ Scenarios:
            route; outputs checked bitwise against numpy.
   timeout  the receiver's peer never calls: the receiving process sees the call fail
            within its timeout (watchdog + ncclCommAbort), not a hang.
+  netsocket the multi-node code path on one host (issue 13 item 4): run with NCCL forced
+           onto its network transport (the test sets NCCL_P2P_DISABLE=1
+           NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo), each process its
+           own domain (Topology(domain_size=1)): every route of a 1 -> N-1 refit, the
+           colocated P('x', None) -> P(None, 'x') exchange and a replicate over all
+           domains (inject, forward, fan-out), bitwise; then the socket bandwidth from a
+           64 MiB copy and, per case, measured time / the planner's estimate at that
+           bandwidth (printed; not asserted).
 """
 
 import argparse
@@ -106,12 +114,76 @@ def _timeout(jax, jax_m2n, pid):
   return outcome
 
 
+def _netsocket(jax, jax_m2n, pid):
+  import ml_dtypes
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  devs = jax.devices()
+  n = len(devs)
+  all_ = Mesh(np.array(devs), ("x",))
+  first = Mesh(np.array(devs[:1]), ("x",))
+  rest = Mesh(np.array(devs[1:]), ("x",))
+
+  def make(shape, sharding, seed):
+    rng = np.random.default_rng(seed)
+    host = rng.integers(1, 1 << 16, size=shape, dtype=np.uint16).view(ml_dtypes.bfloat16)
+    return host, jax.make_array_from_callback(shape, sharding, lambda idx: host[idx],
+                                              dtype=host.dtype)
+
+  def run(x, host, dst, route, topo, iters=1):
+    ts = []
+    for _ in range(iters):
+      t0 = time.perf_counter()
+      y = jax_m2n.reshard(x, dst, route=route, topology=topo)
+      jax.block_until_ready(y)
+      ts.append(time.perf_counter() - t0)
+      for s in y.addressable_shards:
+        np.testing.assert_array_equal(_bits(s.data), _bits(host[s.index]),
+                                      err_msg=f"{route} {dst} process {pid} {s.index}")
+    return ts
+
+  topo = jax_m2n.Topology(domain_size=1)  # every process (GPU) its own domain
+  small = (256, 1024)
+  cases = [  # (name, src sharding, dst sharding)
+      ("1->rest P()", NamedSharding(first, P()), NamedSharding(rest, P())),
+      ("1->rest P(None,x)", NamedSharding(first, P()), NamedSharding(rest, P(None, "x"))),
+      ("all P(x,None)->P(None,x)", NamedSharding(all_, P("x", None)),
+       NamedSharding(all_, P(None, "x"))),
+      ("all P(x,None)->P()", NamedSharding(all_, P("x", None)), NamedSharding(all_, P())),
+  ]
+  for k, (name, src, dst) in enumerate(cases):
+    host, x = make(small, src, 10 + k)
+    for route in ("hierarchical", "flat", "gather_bcast"):
+      _log(pid, f"netsocket {name} {route}")
+      run(x, host, dst, route, topo, iters=2)
+  import jax_m2n._ffi_cuda as cuda
+  assert cuda.error() is None, cuda.error()
+  # Socket bandwidth from a 64 MiB point-to-point copy, then the other cases at that size.
+  big = (2048, 16384)
+  nbytes = big[0] * big[1] * 2
+  host, x = make(big, cases[0][1], 99)
+  run(x, host, cases[0][2], "hierarchical", topo, iters=2)
+  t_copy = min(run(x, host, cases[0][2], "hierarchical", topo, iters=5))
+  gbps = nbytes / t_copy / 1e9
+  topo_bw = jax_m2n.Topology(domain_size=1, nic_gbps=gbps)
+  report = [f"socket_gbps={gbps:.2f}"]
+  for name, src, dst in cases[1:] + cases[:1]:
+    host, x = make(big, src, 98)
+    for route in ("hierarchical", "gather_bcast"):
+      run(x, host, dst, route, topo, iters=1)
+      t = min(run(x, host, dst, route, topo, iters=3))
+      est = jax_m2n.plan(x, dst, route=route, topology=topo_bw).route_estimate_ms()
+      report.append(f"[{name} {route}: {t * 1e3:.1f} ms est {est:.1f} ms "
+                    f"x{t * 1e3 / est:.2f}]")
+  return " ".join(report)
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--process-id", type=int, required=True)
   p.add_argument("--num-processes", type=int, default=4)
   p.add_argument("--port", type=int, required=True)
-  p.add_argument("--scenario", choices=("refit", "timeout"), default="refit")
+  p.add_argument("--scenario", choices=("refit", "timeout", "netsocket"), default="refit")
   a = p.parse_args()
   import jax
   _log(a.process_id, "jax.distributed.initialize")
@@ -122,7 +194,7 @@ def main():
   import jax_m2n
   _log(a.process_id, f"devices {jax.devices()} local {jax.local_devices()} "
        f"local_hardware_id {[d.local_hardware_id for d in jax.local_devices()]}")
-  fn = {"refit": _refit, "timeout": _timeout}[a.scenario]
+  fn = {"refit": _refit, "timeout": _timeout, "netsocket": _netsocket}[a.scenario]
   try:
     detail = fn(jax, jax_m2n, a.process_id)
   except BaseException:  # noqa: BLE001 - exit at once: peers must not wait for a barrier

@@ -10,7 +10,9 @@ Usage:
 Suites: smoke, refit (cross-device-set refits: 2 -> 2 replicated, 1 -> 3, dim0 -> dim1, a
 64-leaf pytree), colocated (layout changes on 4 devices, inside jit too), model (Llama- and
 MoE-shaped pytrees, FSDP/EP -> TP x DP on other devices), emulated (8 CPU devices in
-emulated NVLink domains of 2), planner (planning a DeepSeek-V3-sized refit, no devices).
+emulated NVLink domains of 2), planner (planning a DeepSeek-V3-sized refit, no devices),
+multiprocess (2-4 processes x 1 GPU under jax.distributed, spawned by the bench, beside
+torch.distributed, and over NCCL's socket transport: jax_m2n/bench/multiprocess.py).
 Engines: m2n_{hierarchical,flat,gather_bcast} (eager), m2n_jit_{...} (inside jit),
 jit_identity (XLA), device_put, numpy_copy (CPU), torch_gather_bcast (GPUs, torch).
 
@@ -128,6 +130,14 @@ def main(argv) -> int:
   console, progress_display = _ui()
   out_dir = _OUT_DIR.value
   os.makedirs(out_dir, exist_ok=True)
+  mp_rc = 0
+  if "multiprocess" in chosen_suites:  # its own processes, before this one takes the GPUs
+    from jax_m2n.bench import multiprocess
+    mp_rc = multiprocess.run_suite(out_dir, _SIZE_MIB.value or 1024, _ITERS.value,
+                                   _WARMUP.value, echo=console.print)
+    chosen_suites.remove("multiprocess")
+    if not chosen_suites:
+      return mp_rc
   json_path = os.path.join(out_dir, "results.json")
   move_suites = [s for s in chosen_suites if s != "planner"]
   use_torch = any(isinstance(e, bench_engines.TorchGatherBcast) for e in engines) and \
@@ -270,7 +280,7 @@ def main(argv) -> int:
     console.print(f"{len(bad)} result(s) failed or were not bitwise equal (see above).",
                   style="bold red")
     return 1
-  return 0
+  return mp_rc
 
 
 class _PlainConsole:

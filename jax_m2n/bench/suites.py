@@ -21,8 +21,9 @@ from jax_m2n.bench import data as bench_data
 
 MIB = 1 << 20
 
-# The suites `--suite` accepts, in run order.
-SUITES = ("smoke", "refit", "colocated", "model", "emulated", "planner")
+# The suites `--suite` accepts, in run order ("multiprocess" runs first, in processes of
+# its own: jax_m2n/bench/multiprocess.py).
+SUITES = ("smoke", "refit", "colocated", "model", "emulated", "planner", "multiprocess")
 
 
 @dataclasses.dataclass(frozen=True)
