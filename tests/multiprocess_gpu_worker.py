@@ -130,9 +130,15 @@ def _netsocket(jax, jax_m2n, pid):
     return host, jax.make_array_from_callback(shape, sharding, lambda idx: host[idx],
                                               dtype=host.dtype)
 
+  from jax._src import distributed
+  client = distributed.global_state.client
+  count = [0]
+
   def run(x, host, dst, route, topo, iters=1):
     ts = []
     for _ in range(iters):
+      count[0] += 1  # every call starts behind a barrier: per-process times comparable
+      client.wait_at_barrier(f"jax_m2n_netsocket_{count[0]}", 120_000)
       t0 = time.perf_counter()
       y = jax_m2n.reshard(x, dst, route=route, topology=topo)
       jax.block_until_ready(y)
