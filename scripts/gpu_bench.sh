@@ -10,7 +10,9 @@
 #
 # Environment:
 #   PYTHON           interpreter (default: python3; on the GPU machine /opt/torch/.venv)
-#   SUITES           default refit,colocated,planner,model (in that order)
+#   SUITES           default refit,colocated,planner,model (in that order); add
+#                    multiprocess for the 2-4 process x 1 GPU suite (runs first, in its
+#                    own processes, beside torch.distributed and over NCCL's sockets)
 #   BENCH_TIMEOUT_S  bound on the whole run (default 540; the torch.distributed launch,
 #                    first, is bounded at 180 s). results.json and results.md are
 #                    rewritten after every result, so a run cut short keeps its numbers.
