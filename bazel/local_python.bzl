@@ -137,7 +137,11 @@ def _local_python_env_impl(rctx):
         rctx.file("nccl_include/.missing_nvidia_nccl_cu13_wheel", "")
     rctx.file("BUILD.bazel", _BUILD.replace("%{python}", python))
     rctx.file("versions.txt", "\n".join(info["versions"].split(";")) + "\n")
-    rctx.file("defs.bzl", "PYTHON = %r\nEXT_SUFFIX = %r\n" % (python, info["ext_suffix"]))
+    rctx.file("defs.bzl", "PYTHON = %r\nEXT_SUFFIX = %r\nHAS_NCCL = %r\n" % (
+        python,
+        info["ext_suffix"],
+        bool(info["nccl_include"]) and rctx.path(info["nccl_include"] + "/nccl.h").exists,
+    ))
 
 local_python_env = repository_rule(
     implementation = _local_python_env_impl,
