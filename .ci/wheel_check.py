@@ -32,7 +32,9 @@ def check_metadata():
   meta = md.metadata("jax_m2n")
   assert md.version("jax_m2n") == jax_m2n.__version__, (
       f"dist {md.version('jax_m2n')} != __version__ {jax_m2n.__version__}")
-  assert meta["License"] == "Apache-2.0", meta["License"]
+  # License-Expression (metadata 2.4) or License, depending on scikit-build-core.
+  license_ = meta.get("License-Expression") or meta.get("License")
+  assert license_ == "Apache-2.0", license_
   requires = md.requires("jax_m2n") or []
   assert any(r.startswith("jax") and "<0.12" in r for r in requires), requires
   files = [str(f) for f in md.files("jax_m2n") or []]

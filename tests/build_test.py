@@ -110,9 +110,9 @@ def test_cuda_kernels_are_compiled_for_every_arch():
 
 def _cmake_cuda_archs():
     text = re.sub(r"#[^\n]*", "", (ROOT / "CMakeLists.txt").read_text())
-    m = re.search(r"set\(CMAKE_CUDA_ARCHITECTURES ([^)]*)\)", text)
-    assert m, "CMakeLists.txt: set(CMAKE_CUDA_ARCHITECTURES ...) not found."
-    return m.group(1).split()
+    m = re.search(r'set\(JAX_M2N_CUDA_ARCHITECTURES "([^"]*)"', text)
+    assert m, "CMakeLists.txt: set(JAX_M2N_CUDA_ARCHITECTURES \"...\" CACHE ...) not found."
+    return m.group(1).split(";")
 
 
 def test_cmake_and_bazel_build_the_same_cuda_archs():
@@ -121,5 +121,5 @@ def test_cmake_and_bazel_build_the_same_cuda_archs():
     assert tuple(bazel) == CUDA_ARCHS, f"xla_ffi/BUILD: archs must be {CUDA_ARCHS}."
     cmake = [f"{a}-real" for a in CUDA_ARCHS[:-1]] + [CUDA_ARCHS[-1]]
     assert _cmake_cuda_archs() == cmake, (
-        f"CMakeLists.txt: CMAKE_CUDA_ARCHITECTURES must be {' '.join(cmake)} "
+        f"CMakeLists.txt: JAX_M2N_CUDA_ARCHITECTURES must be {';'.join(cmake)} "
         "(SASS for each, PTX for the newest, as xla_ffi/BUILD).")
