@@ -73,17 +73,28 @@ PY
 _ensure_python() {
   if [ -n "${JAX_M2N_PYTHON:-}" ]; then
     PY=$JAX_M2N_PYTHON
-    local missing
+    local missing managed
     missing=$("$PY" - <<'PY' 2>/dev/null
 import importlib.util
 print(" ".join(m for m in ("jax", "jaxlib", "nanobind") if importlib.util.find_spec(m) is None))
 PY
 ) || _die "JAX_M2N_PYTHON=$PY does not run"
     if [ -n "$missing" ]; then
-      _die "JAX_M2N_PYTHON=$PY lacks $missing. Install them into that interpreter:
-  $PY -m pip install -r $ROOT/requirements.txt
-(or just the build and run needs: $PY -m pip install 'jax>=0.10.2,<0.12' 'nanobind>=3.1,<4'
- plus cmake and ninja for the CMake build), or drop JAX_M2N_PYTHON to use .venv."
+      # PEP 668: a distribution's Python (Debian's python3) refuses pip installs.
+      managed=$("$PY" -c 'import os, sysconfig; print(int(os.path.exists(os.path.join(
+        sysconfig.get_paths()["stdlib"], "EXTERNALLY-MANAGED"))))' 2>/dev/null || echo 0)
+      local pkgs="'jax>=0.10.2,<0.12' 'jaxlib>=0.10.2,<0.12' 'nanobind>=3.1,<4'"
+      if [ "$managed" = 1 ]; then
+        _die "JAX_M2N_PYTHON=$PY lacks $missing, and pip may not install into it (an
+externally managed system Python). Use a venv with them:
+  $PY -m venv ~/jax_m2n-venv && ~/jax_m2n-venv/bin/pip install $pkgs
+  JAX_M2N_PYTHON=~/jax_m2n-venv/bin/python $0
+or drop JAX_M2N_PYTHON: setup then creates .venv with requirements.txt."
+      fi
+      _die "JAX_M2N_PYTHON=$PY lacks $missing. Install them into it:
+  $PY -m pip install $pkgs
+(all of requirements.txt for the tests), or drop JAX_M2N_PYTHON: setup then creates
+.venv with requirements.txt."
     fi
     return
   fi
