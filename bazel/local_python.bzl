@@ -10,7 +10,10 @@ another one (`--repo_env=JAXFFI_PYTHON=/path/to/python`).
 _PROBE = """
 import importlib.metadata, importlib.util, os, sys, sysconfig
 import jax, jax.ffi, nanobind
-nccl = importlib.util.find_spec("nvidia.nccl")  # namespace package: no __init__.py
+try:  # namespace package: no __init__.py; no "nvidia" at all raises
+    nccl = importlib.util.find_spec("nvidia.nccl")
+except ImportError:
+    nccl = None
 nccl_include = os.path.join(nccl.submodule_search_locations[0], "include") if nccl else ""
 dists = sorted(set("%s==%s" % (d.metadata["Name"], d.version)
                    for d in importlib.metadata.distributions()))
