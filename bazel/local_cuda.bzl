@@ -61,7 +61,10 @@ def _find_toolkit(rctx):
         return None
 
     # `nvcc --dryrun` prints "#$ _HERE_=<toolkit>/bin" (resolves wrapper scripts).
-    res = rctx.execute([nvcc, "--dryrun", "--version"], quiet = True)
+    res = rctx.execute(
+        [nvcc, "--dryrun", "-x", "cu", "-c", "/dev/null", "-o", "/dev/null"],
+        quiet = True,
+    )
     for line in (res.stdout + res.stderr).split("\n"):
         if line.startswith("#$ _HERE_="):
             return line[len("#$ _HERE_="):].strip()[:-len("/bin")]
