@@ -2,7 +2,8 @@
 an alwayslink cc_library linked with the static CUDA runtime.
 
 A `.cu.cc` file is compiled as CUDA (`-x cu`), exactly like a `.cu` file.
-Zero sources gives an empty library; so does a build with JAX_M2N_NO_CUDA=1.
+Zero sources gives an empty library; so does a build without CUDA (see
+local_cuda.bzl: no toolkit, no NCCL headers, or JAX_M2N_NO_CUDA=1).
 """
 
 load("@local_cuda//:defs.bzl", "CUDA_ENABLED", "NVCC")
@@ -12,14 +13,15 @@ def cuda_library(
         srcs,
         hdrs = [],
         isystem = [],
-        archs = ["90"],
+        archs = ["80", "90", "100"],
         copts = [],
         visibility = None):
     """Args:
       srcs: .cu / .cu.cc files, each compiled to its own object.
       hdrs: everything the sources may #include (inputs of every nvcc action).
       isystem: directories passed with -isystem (third-party headers).
-      archs: SM versions; each gets real code (sm_XX), no PTX.
+      archs: SM versions, oldest first; each gets real code (sm_XX), and the
+        last also PTX (compute_XX), which the driver compiles for newer GPUs.
       copts: extra nvcc flags.
     """
     if not CUDA_ENABLED:
@@ -27,7 +29,7 @@ def cuda_library(
     gencode = " ".join([
         "-gencode arch=compute_%s,code=sm_%s" % (a, a)
         for a in archs
-    ])
+    ] + ["-gencode arch=compute_%s,code=compute_%s" % (archs[-1], archs[-1])] if archs else [])
     objs = []
     for src in srcs:
         stem = src[:-len(".cu.cc")] if src.endswith(".cu.cc") else src[:-len(".cu")]

@@ -10,7 +10,10 @@ another one (`--repo_env=JAXFFI_PYTHON=/path/to/python`).
 _PROBE = """
 import importlib.metadata, importlib.util, os, sys, sysconfig
 import jax, jax.ffi, nanobind
-nccl = importlib.util.find_spec("nvidia.nccl")  # namespace package: no __init__.py
+try:  # namespace package: no __init__.py; no "nvidia" at all raises
+    nccl = importlib.util.find_spec("nvidia.nccl")
+except ImportError:
+    nccl = None
 nccl_include = os.path.join(nccl.submodule_search_locations[0], "include") if nccl else ""
 dists = sorted(set("%s==%s" % (d.metadata["Name"], d.version)
                    for d in importlib.metadata.distributions()))
@@ -137,7 +140,11 @@ def _local_python_env_impl(rctx):
         rctx.file("nccl_include/.missing_nvidia_nccl_cu13_wheel", "")
     rctx.file("BUILD.bazel", _BUILD.replace("%{python}", python))
     rctx.file("versions.txt", "\n".join(info["versions"].split(";")) + "\n")
-    rctx.file("defs.bzl", "PYTHON = %r\nEXT_SUFFIX = %r\n" % (python, info["ext_suffix"]))
+    rctx.file("defs.bzl", "PYTHON = %r\nEXT_SUFFIX = %r\nHAS_NCCL = %r\n" % (
+        python,
+        info["ext_suffix"],
+        bool(info["nccl_include"]) and rctx.path(info["nccl_include"] + "/nccl.h").exists,
+    ))
 
 local_python_env = repository_rule(
     implementation = _local_python_env_impl,

@@ -4,8 +4,20 @@
 # on the GPUs when there are GPUs and a CUDA-enabled jax, else on 8 CPU devices.
 #   ./scripts/run_example.sh [rl_refit.py arguments...]
 # Environment: JAX_M2N_CPU_DEVICES=8 (CPU device count), plus setup.sh's.
+# Leaves no Bazel server behind that it started (bazel shutdown after the build).
 set -euo pipefail
+
+# Bazel's default output base for this workspace; its server.pid.txt exists while a
+# server runs (one the user started stays running).
+_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+_pidfile=${XDG_CACHE_HOME:-$HOME/.cache}/bazel/_bazel_$(id -un)/$(printf %s "$_root" | md5sum | cut -c1-32)/server/server.pid.txt
+_had_server=0
+if [ -f "$_pidfile" ] && kill -0 "$(cat "$_pidfile" 2>/dev/null)" 2>/dev/null; then _had_server=1; fi
+
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
+if [ "$BUILDER" = bazel ] && [ "$_had_server" = 0 ]; then
+  (cd "$ROOT" && bazel shutdown 2>/dev/null) || true
+fi
 
 example=$ROOT/examples/rl_refit.py
 [ -f "$example" ] || { echo "run_example: $example not found" >&2; exit 1; }

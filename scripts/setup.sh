@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Installs what is missing and builds the extensions into jax_m2n/ (gitignored),
-# so that `.venv/bin/python -c "import jax_m2n"` works from the repository root.
-# Shared by scripts/test.sh and scripts/run_example.sh (they source it; it also
-# runs alone). Idempotent: quiet, and a few seconds, when everything is there.
+# Installs what is missing, builds the extensions into jax_m2n/ (gitignored) and
+# installs the package editable into .venv, so that `.venv/bin/python -c "import
+# jax_m2n"`, `python -m jax_m2n` and `python examples/rl_refit.py` work from any
+# directory. Shared by scripts/test.sh and scripts/run_example.sh (they source it;
+# it also runs alone). Idempotent: quiet, and a few seconds, when everything is there.
 #
 # Installs, only when missing: Bazel 4.2.3 (apt: bazel-bootstrap), python3-venv,
 # .venv with requirements.txt. apt needs root or sudo.
+# CUDA: the CUDA extension is built when the machine has a CUDA toolkit (nvcc) and
+# the venv has NCCL's headers (bazel/local_cuda.bzl decides); otherwise the CPU
+# extension alone, and one line says so. A missing toolkit is never an error.
 #
 # Environment:
 #   JAX_M2N_PYTHON=/path/python  use this interpreter instead of .venv (nothing is
@@ -13,8 +17,9 @@
 #   JAX_M2N_BUILDER=bazel|cmake  how to build (default: bazel; cmake where Bazel is
 #                                absent but cmake, ninja and nanobind are there, as on
 #                                the GPU machines)
-#   JAX_M2N_NO_CUDA=1            build without the CUDA extension (no nvcc here)
-#   CUDA_PATH                    CUDA toolkit (default /usr/local/cuda)
+#   JAX_M2N_NO_CUDA=1            build the CPU extension alone even where CUDA is there
+#   JAX_M2N_CUDA=1               fail instead of skipping when CUDA cannot be built
+#   CUDA_PATH                    CUDA toolkit (default /usr/local/cuda, else nvcc on PATH)
 # After sourcing: ROOT, PY, and bazel_run <command> [args] (Bazel with this setup's flags).
 
 _setup_main() {
@@ -22,6 +27,7 @@ _setup_main() {
   ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   _ensure_python
   _build_extensions
+  _install_editable
 }
 
 _log() { echo "setup: $*" >&2; }
@@ -67,8 +73,29 @@ PY
 _ensure_python() {
   if [ -n "${JAX_M2N_PYTHON:-}" ]; then
     PY=$JAX_M2N_PYTHON
-    "$PY" -c "import jax, nanobind" 2>/dev/null \
-      || _die "JAX_M2N_PYTHON=$PY lacks jax or nanobind"
+    local missing managed
+    missing=$("$PY" - <<'PY' 2>/dev/null
+import importlib.util
+print(" ".join(m for m in ("jax", "jaxlib", "nanobind") if importlib.util.find_spec(m) is None))
+PY
+) || _die "JAX_M2N_PYTHON=$PY does not run"
+    if [ -n "$missing" ]; then
+      # PEP 668: a distribution's Python (Debian's python3) refuses pip installs.
+      managed=$("$PY" -c 'import os, sysconfig; print(int(os.path.exists(os.path.join(
+        sysconfig.get_paths()["stdlib"], "EXTERNALLY-MANAGED"))))' 2>/dev/null || echo 0)
+      local pkgs="'jax>=0.10.2,<0.12' 'jaxlib>=0.10.2,<0.12' 'nanobind>=3.1,<4'"
+      if [ "$managed" = 1 ]; then
+        _die "JAX_M2N_PYTHON=$PY lacks $missing, and pip may not install into it (an
+externally managed system Python). Use a venv with them:
+  $PY -m venv ~/jax_m2n-venv && ~/jax_m2n-venv/bin/pip install $pkgs
+  JAX_M2N_PYTHON=~/jax_m2n-venv/bin/python $0
+or drop JAX_M2N_PYTHON: setup then creates .venv with requirements.txt."
+      fi
+      _die "JAX_M2N_PYTHON=$PY lacks $missing. Install them into it:
+  $PY -m pip install $pkgs
+(all of requirements.txt for the tests), or drop JAX_M2N_PYTHON: setup then creates
+.venv with requirements.txt."
+    fi
     return
   fi
   PY=$ROOT/.venv/bin/python
@@ -130,25 +157,88 @@ _build_extensions() {
     bazel)
       command -v bazel >/dev/null 2>&1 || _apt_install bazel-bootstrap
       bazel_run build --ui_event_filters=-info --noshow_progress \
-        //jax_m2n:_ffi.so //jax_m2n:_ffi_cuda.so
-      local so
-      for so in _ffi.so _ffi_cuda.so; do
-        if ! cmp -s "$ROOT/bazel-bin/jax_m2n/$so" "$ROOT/jax_m2n/$so"; then
-          rm -f "$ROOT/jax_m2n/$so"
-          cp "$ROOT/bazel-bin/jax_m2n/$so" "$ROOT/jax_m2n/$so"
-          chmod u+w "$ROOT/jax_m2n/$so"
-        fi
-      done
+        //jax_m2n:_ffi.so //jax_m2n:_ffi_cuda.so //jax_m2n:cuda_status
+      local status
+      status=$(cat "$ROOT/bazel-bin/jax_m2n/cuda_status.txt")
+      _install_so _ffi.so
+      case "$status" in
+        "CPU and CUDA"*) _install_so _ffi_cuda.so ;;
+        *) rm -f "$ROOT/jax_m2n/_ffi_cuda.so"; _log "$status" ;;
+      esac
       ;;
     cmake)
       local cuda=AUTO
       if [ "${JAX_M2N_NO_CUDA:-0}" != 0 ]; then cuda=OFF; fi
+      if [ "${JAX_M2N_CUDA:-0}" != 0 ]; then cuda=ON; fi
       cmake -S "$ROOT" -B "$ROOT/build/inplace" -G Ninja --log-level=WARNING \
         -DPython_EXECUTABLE="$PY" -DJAX_M2N_INPLACE=ON -DJAX_M2N_CUDA=$cuda >/dev/null
       cmake --build "$ROOT/build/inplace" | { grep -Ev '^\[[0-9]+/[0-9]+\] ' || true; }
       ;;
     *) _die "JAX_M2N_BUILDER must be bazel or cmake; got $BUILDER" ;;
   esac
+}
+
+# Copies bazel-bin/jax_m2n/$1 next to jax_m2n/__init__.py when it changed.
+_install_so() {
+  if ! cmp -s "$ROOT/bazel-bin/jax_m2n/$1" "$ROOT/jax_m2n/$1"; then
+    rm -f "$ROOT/jax_m2n/$1"
+    cp "$ROOT/bazel-bin/jax_m2n/$1" "$ROOT/jax_m2n/$1"
+    chmod u+w "$ROOT/jax_m2n/$1"
+  fi
+}
+
+# Installs this checkout into .venv as an editable (path-based, like `pip install
+# -e` with setuptools' compat mode) distribution: a .pth naming build/editable/, which
+# holds one link, jax_m2n -> ../../jax_m2n, plus jax_m2n-<version>.dist-info (so
+# `pip list` shows it as editable and `pip uninstall jax_m2n` removes it). A path
+# entry, not an import hook: the current directory, PYTHONPATH and Bazel's runfiles
+# still come first. Skipped with JAX_M2N_PYTHON and where .venv is a symlink (a venv
+# shared by several checkouts), and left alone when .venv already has a jax_m2n from
+# elsewhere (one line says so).
+_install_editable() {
+  [ -z "${JAX_M2N_PYTHON:-}" ] && [ ! -L "$ROOT/.venv" ] || return 0
+  mkdir -p "$ROOT/build/editable"
+  ln -sfn ../../jax_m2n "$ROOT/build/editable/jax_m2n"
+  "$PY" - "$ROOT" <<'PY'
+import importlib.metadata as md, json, os, re, sys, sysconfig
+root = sys.argv[1]
+init = os.path.join(root, "jax_m2n", "__init__.py")
+version = re.search(r'^__version__ = "([^"]+)"', open(init).read(), re.M).group(1)
+site = sysconfig.get_paths()["purelib"]
+url = "file://" + root
+try:
+    dist = md.distribution("jax_m2n")
+except md.PackageNotFoundError:
+    dist = None
+if dist is not None:
+    direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    ours = (dist.read_text("INSTALLER") or "").strip() == "jax_m2n-setup"
+    if not ours or direct.get("url") != url:
+        where = direct.get("url", "") or str(dist.locate_file(""))
+        print(f"setup: .venv already has jax_m2n {dist.version} ({where}); left as is",
+              file=sys.stderr)
+        sys.exit(0)
+    if dist.version == version:
+        sys.exit(0)
+    for f in dist.files or []:
+        path = dist.locate_file(f)
+        if os.path.isfile(path):
+            os.remove(path)
+    os.rmdir(str(dist._path))  # pylint: disable=protected-access
+info = f"jax_m2n-{version}.dist-info"
+files = {
+    "jax_m2n_editable.pth": os.path.join(root, "build", "editable") + "\n",
+    f"{info}/METADATA": f"Metadata-Version: 2.1\nName: jax_m2n\nVersion: {version}\n",
+    f"{info}/INSTALLER": "jax_m2n-setup\n",
+    f"{info}/direct_url.json": json.dumps({"url": url, "dir_info": {"editable": True}}),
+}
+os.makedirs(os.path.join(site, info), exist_ok=True)
+for name, text in files.items():
+    with open(os.path.join(site, name), "w") as f:
+        f.write(text)
+with open(os.path.join(site, info, "RECORD"), "w") as f:
+    f.writelines(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+PY
 }
 
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then

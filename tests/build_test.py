@@ -15,8 +15,12 @@ import pytest
 # Not resolved: under Bazel the runfiles tree (with the built .so files) is the root.
 ROOT = Path(os.path.abspath(__file__)).parent.parent
 XLA_FFI = ROOT / "xla_ffi"
-# Built with JAX_M2N_NO_CUDA=1: _ffi_cuda.so is empty (see bazel/local_cuda.bzl).
-NO_CUDA = os.environ.get("JAX_M2N_NO_CUDA", "0") not in ("", "0")
+# Built without CUDA (no toolkit, no NCCL headers, or JAX_M2N_NO_CUDA=1; see
+# bazel/local_cuda.bzl): //jax_m2n carries no _ffi_cuda.so.
+NO_CUDA = (os.environ.get("JAX_M2N_NO_CUDA", "0") not in ("", "0")
+           or not (ROOT / "jax_m2n" / "_ffi_cuda.so").exists())
+# SASS for each, PTX for the last (bazel/cuda.bzl, CMakeLists.txt).
+CUDA_ARCHS = ("80", "90", "100")
 
 
 def _cmake_lists():
@@ -88,16 +92,34 @@ def test_cpu_extension_is_the_module_its_file_names():
 
 @pytest.mark.skipif(not (XLA_FFI / "cuda" / "module_cuda.cc").exists(),
                     reason="xla_ffi/cuda/module_cuda.cc not written yet")
-@pytest.mark.skipif(NO_CUDA, reason="built with JAX_M2N_NO_CUDA=1")
+@pytest.mark.skipif(NO_CUDA, reason="built without CUDA")
 def test_cuda_extension_is_the_module_its_file_names():
     assert b"PyInit__ffi_cuda\0" in _extension("_ffi_cuda")
 
 
 @pytest.mark.skipif(not _bazel_sources()["JAX_M2N_CUDA_SRCS"],
                     reason="no CUDA kernels (xla_ffi/cuda/*.cu.cc) yet")
-@pytest.mark.skipif(NO_CUDA, reason="built with JAX_M2N_NO_CUDA=1")
-def test_cuda_kernels_are_compiled_for_sm90():
+@pytest.mark.skipif(NO_CUDA, reason="built without CUDA")
+def test_cuda_kernels_are_compiled_for_every_arch():
     data = _extension("_ffi_cuda")
     # No cuobjdump in this toolkit; the embedded fatbin records ptxas options.
     assert b".nv_fatbin" in data
-    assert b"-arch sm_90" in data
+    for arch in CUDA_ARCHS:
+        assert f"-arch sm_{arch} ".encode() in data, f"no sm_{arch} code in _ffi_cuda.so"
+
+
+def _cmake_cuda_archs():
+    text = re.sub(r"#[^\n]*", "", (ROOT / "CMakeLists.txt").read_text())
+    m = re.search(r'set\(JAX_M2N_CUDA_ARCHITECTURES "([^"]*)"', text)
+    assert m, "CMakeLists.txt: set(JAX_M2N_CUDA_ARCHITECTURES \"...\" CACHE ...) not found."
+    return m.group(1).split(";")
+
+
+def test_cmake_and_bazel_build_the_same_cuda_archs():
+    build = (XLA_FFI / "BUILD").read_text()
+    bazel = re.findall(r'"(\d+)"', re.search(r"archs = \[(.*?)\]", build).group(1))
+    assert tuple(bazel) == CUDA_ARCHS, f"xla_ffi/BUILD: archs must be {CUDA_ARCHS}."
+    cmake = [f"{a}-real" for a in CUDA_ARCHS[:-1]] + [CUDA_ARCHS[-1]]
+    assert _cmake_cuda_archs() == cmake, (
+        f"CMakeLists.txt: JAX_M2N_CUDA_ARCHITECTURES must be {';'.join(cmake)} "
+        "(SASS for each, PTX for the newest, as xla_ffi/BUILD).")
