@@ -8,21 +8,29 @@ the eager per-device programs (eager.py) outside jit, the shard_map lowering
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Sharding
 
+from jax_m2n._src import eager
+from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
-from jax_m2n._src.checks import (_API, _broadcast_prefix, _check_holds, _check_route,
-                                 _chunk_bytes, _dst_sharding_of, _leaf_names, _timeout_ms)
-from jax_m2n._src.eager import _reshard_eager
+from jax_m2n._src import traced
+from jax_m2n._src import transforms
+from jax_m2n._src.checks import (_API, _broadcast_prefix, _check_dtype, _check_holds,
+                                 _check_mesh, _check_reduction, _check_route,
+                                 _check_topology, _chunk_bytes, _donate_flags,
+                                 _dst_sharding_of, _leaf_names, _map_native_error,
+                                 _normalize_dst, _timeout_ms)
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import DEFAULT_CHUNK_BYTES, Plan, plan_reshard
 from jax_m2n._src.topology import Topology, as_topology
-from jax_m2n._src.traced import _reshard_traced
+
+logger = logging.getLogger("jax_m2n")
 
 # ---------------------------------------------------------------------------------------
 # Public API
@@ -100,6 +108,7 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   """
   _check_route(_API, route)
   timeout_ms = _timeout_ms(_API, timeout_s)
+  topology = _check_topology(_API, topology)
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
   name_cache: list[list[str]] = []
@@ -112,18 +121,125 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   dsts = _broadcast_prefix(_API, "dst_sharding", dst_sharding, x, treedef, n, names)
   srcs = ([None] * n if src_sharding is None else
           _broadcast_prefix(_API, "src_sharding", src_sharding, x, treedef, n, names))
+  flags = _donate_flags(_API, donate, x, treedef, n)
   if not n:
     return jax.tree_util.tree_unflatten(treedef, [])
+  dsts = [_normalize_dst(_API, names()[i], d) for i, d in enumerate(dsts)]
+  for i, d in enumerate(dsts):  # before anything asks these shardings for devices
+    d = d.sharding if isinstance(d, jax.ShapeDtypeStruct) else d
+    _check_mesh(_API, names()[i], d, "destination")
+    _check_reduction(_API, names()[i], d, "destination")
+    _check_reduction(_API, names()[i], srcs[i], "source")
+    if isinstance(leaves[i], jax.Array) and not isinstance(leaves[i], jax.core.Tracer):
+      _check_reduction(_API, names()[i], leaves[i].sharding, "source")
+  chunk = _chunk_bytes(_API, chunk_bytes, dsts)
   traced = (not jax_compat.trace_state_clean()) or any(
       isinstance(v, jax.core.Tracer) for v in leaves)
   if traced:
-    outs = _reshard_traced(leaves, dsts, srcs, route, topology, timeout_ms,
-                           _chunk_bytes(_API, chunk_bytes, dsts), names)
+    outs = _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk, names)
   else:
-    outs = _reshard_eager(x, leaves, treedef, dsts, srcs, route, topology, bool(donate),
-                          timeout_ms, _chunk_bytes(_API, chunk_bytes, dsts), names)
+    outs = eager.reshard_leaves(leaves, treedef, dsts, srcs, flags, route, topology,
+                                timeout_ms, chunk, names)
   return jax.tree_util.tree_unflatten(treedef, outs)
 
+
+def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes,
+                     names) -> list[Any]:
+  """Traced leaves (jit, grad, vmap): checks what the types tell, then one primitive."""
+  context = jax.sharding.get_abstract_mesh()
+  if not context.empty and getattr(context, "manual_axes", ()):
+    raise ReshardValueError(
+        f"{_API}: reshard must be called outside shard_map (it lowers to its own SPMD "
+        f"program over whole arrays); got a call under manual mesh axes "
+        f"{tuple(context.manual_axes)}. Hint: call it on the global arrays, inside jit "
+        "or eagerly.")
+  outs: list[Any] = list(leaves)
+  staged = []
+  for i, (leaf, dst) in enumerate(zip(leaves, dsts)):
+    name = names()[i]
+    if dst is None:  # keep the layout: jax.device_put(x, None) is the identity
+      continue
+    try:
+      aval = jax.typeof(leaf)
+    except TypeError:
+      aval = None
+    if aval is None or not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
+      raise ReshardTypeError(
+          f"{_API}: every leaf of x must be an array; got {type(leaf).__name__} at "
+          f"{name}.")
+    shape, dtype = tuple(aval.shape), aval.dtype
+    if (not isinstance(leaf, jax.core.Tracer) and not isinstance(leaf, jax.Array)) or (
+        jax.dtypes.issubdtype(dtype, jax.dtypes.extended)):
+      outs[i] = jax.device_put(leaf, _dst_sharding_of(_API, name, dst, shape, dtype)
+                               if not isinstance(dst, jax.ShapeDtypeStruct)
+                               else dst.sharding)
+      logger.debug("reshard: %s delegated to jax.device_put (host data or extended "
+                   "dtype)", name)
+      continue
+    _check_dtype(_API, name, dtype)
+    dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype)
+    _check_mesh(_API, name, dst_sharding, "destination")
+    _check_reduction(_API, name, dst_sharding, "destination")
+    _check_holds(_API, name, dst_sharding, shape, "destination")
+    if srcs[i] is not None:
+      if not isinstance(srcs[i], jax.sharding.Sharding):
+        raise ReshardTypeError(
+            f"{_API}: src_sharding of {name} must be a jax.sharding.Sharding; got "
+            f"{type(srcs[i]).__name__}.")
+      _check_reduction(_API, name, srcs[i], "source")
+    typed = getattr(aval, "sharding", None)
+    _check_reduction(_API, name, typed, "source")
+    if (isinstance(typed, jax.sharding.NamedSharding) and not typed.mesh.empty and any(
+        t == jax.sharding.AxisType.Explicit for t in typed.mesh.axis_types)
+        and isinstance(dst_sharding, jax.sharding.NamedSharding) and not any(
+            t == jax.sharding.AxisType.Explicit for t in dst_sharding.mesh.axis_types)):
+      raise ReshardValueError(
+          f"{_API}: inside jit, {name} typed on Explicit mesh axes must go to a "
+          f"destination on Explicit axes (JAX keeps the layout in the type there); got "
+          f"destination mesh axis types {dst_sharding.mesh.axis_types}. Hint: build the "
+          "destination mesh with axis_types=(AxisType.Explicit, ...), or call reshard "
+          "outside jit.")
+    if jax_compat.is_staged(leaf):
+      traced.check_staged_devices(name, aval, srcs[i], dst_sharding)
+    if (jax_compat.trace_state_clean() and not isinstance(leaf, jax.core.Tracer)
+        and isinstance(leaf, jax.Array) and eager.delegated_because(leaf, dst_sharding)):
+      outs[i] = jax.device_put(leaf, dst_sharding)  # a constant under a transformation
+      continue
+    staged.append((i, dst_sharding))
+  if staged:
+    ys = transforms.bind([leaves[i] for i, _ in staged], [d for _, d in staged],
+                         [srcs[i] for i, _ in staged], route, topology, timeout_ms,
+                         chunk_bytes)
+    for (i, dst), y in zip(staged, ys):
+      if isinstance(y, jax.core.Tracer) and not transforms._is_explicit(dst):
+        # The layout the jit's outputs report comes from the jaxpr, not from inside the
+        # lowering: state it here too (a no-op for XLA, the value is already there).
+        y = jax.lax.with_sharding_constraint(y, dst)
+      outs[i] = y
+  return outs
+
+
+def check_errors() -> None:
+  """Raises the error of an in-jit reshard that failed after returning, if any.
+
+  Inside jit, the CUDA transport detects a timeout or an NCCL failure after the custom
+  call has returned to XLA (a watchdog): that step's outputs are invalid and nothing
+  raises until jax_m2n is called again. A training loop calls this (cheap: no device
+  work) after a step to ask. Every later reshard raises the same error until the
+  transport is re-initialized. The CPU transport fails inside the call, so on CPU this
+  never raises.
+
+  Raises:
+    ReshardTimeoutError: a peer did not arrive within `timeout_s` (also TimeoutError).
+    ReshardRuntimeError: the transport failed (also RuntimeError).
+
+  Example:
+    >>> jax_m2n.check_errors()  # nothing failed
+  """
+  for platform in ("cuda", "gpu", "cpu"):
+    sticky = m2n_ffi.sticky_error(platform)
+    if sticky is not None:
+      raise _map_native_error(RuntimeError(sticky))
 
 
 def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
