@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -438,6 +439,7 @@ def _reshard_eager(x, leaves, treedef, dsts, src_shardings, route, topology, don
 _HOST_TYPES = (np.ndarray, np.generic, int, float, complex, bool)
 
 
+@functools.lru_cache(maxsize=1024)
 def _default_memory(sharding: Sharding) -> bool:
   kind = getattr(sharding, "memory_kind", None)
   if kind is None:
@@ -512,8 +514,9 @@ def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
   for the rest (see `delegated_because`). Every check runs before anything moves; a
   donated source is deleted only after every leaf has moved."""
   n = len(leaves)
-  moved = [i for i in range(n) if delegated_because(leaves[i], dsts[i]) is None]
-  delegated = [i for i in range(n) if i not in set(moved)]
+  moved, delegated = [], []
+  for i in range(n):
+    (moved if delegated_because(leaves[i], dsts[i]) is None else delegated).append(i)
   delegated_dsts = {i: _check_delegated(names()[i], leaves[i], dsts[i]) for i in delegated}
   outs: list[Any] = [None] * n
   if moved:
