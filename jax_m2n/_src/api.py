@@ -40,18 +40,40 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
             topology: Topology | int | Sequence[Sequence[int]] | None = None,
             donate: bool = False, src_sharding: Any = None,
             timeout_s: float | None = None, chunk_bytes: int | None = None) -> Any:
-  """Moves arrays into new layouts, possibly on other devices, with one transfer plan.
+  """Moves arrays into new layouts, possibly on other devices: a drop-in for
+  `jax.device_put(x, dst)` and `jax.sharding.reshard(x, dst)`.
 
-  The result is bitwise equal to `jax.device_put(x, dst_sharding)` and its leaves'
-  `.sharding` is `dst_sharding` (same devices, same order), but only the bytes each
-  destination device needs move, each source byte crosses the slow links once per
-  destination domain, and replicas are filled by fan-out inside a domain.
+  The result equals `jax.device_put(x, dst_sharding)`: the same values, shards,
+  sharding (same devices, same order), committedness, weak_type and memory kind. Where
+  it moves device arrays between device layouts, only the bytes each destination device
+  needs move, each source byte crosses the slow links once per destination domain, and
+  replicas are filled by fan-out inside a domain.
 
-  Outside jit, source and destination device sets may be disjoint (trainer ->
-  generator), overlapping or identical: one small compiled program runs per
-  participating device (cached). Inside `jax.jit`, both must be on the jit's devices; the
-  reshard lowers to the `jax_m2n_reshard` custom call on every device, with no XLA
-  collective.
+  What runs where (a `logging.getLogger("jax_m2n")` debug line names the path):
+    * Outside jit, committed device arrays: jax_m2n's eager path, one small compiled
+      program per participating device (cached). Source and destination device sets may
+      be disjoint (trainer -> generator), overlapping or identical.
+    * Inside `jax.jit`: jax_m2n's `jax_m2n_reshard` custom call in one `shard_map` over
+      the jit's devices (no XLA collective), when the source layout is known: from the
+      type (meshes with `AxisType.Explicit` axes) or from `src_sharding=`. Without
+      either, only XLA's partitioner knows where the operand lives, so the leaf is handed
+      to it (`with_sharding_constraint`; XLA moves the data).
+    * Delegated to `jax.device_put`, honestly, where jax_m2n adds nothing (no
+      device-to-device layout change of plain bytes): numpy arrays and Python scalars
+      (host -> devices), uncommitted arrays, typed PRNG key arrays, sub-byte dtypes
+      (int4), host memory kinds (`pinned_host`, `unpinned_host`) as source or
+      destination, and `None` destinations (the source layout is kept, as device_put
+      does).
+
+  Transformations: `jax.grad` / `vjp` / `jvp` (the cotangent is resharded back to the
+  source layout, eagerly by jax_m2n and in jit by the custom call), `jax.vmap` (each
+  example lands in the destination layout; the batch dimension is left unsharded, as
+  `with_sharding_constraint` and `jax.sharding.reshard` do under vmap), `jax.jit`.
+
+  Not supported (a `ReshardValueError` naming the feature): unreduced / reduced
+  shardings (`P(..., unreduced={...})`; jax_m2n moves bytes and does not sum partial
+  values: reduce first), inside jit a source and a destination on different devices
+  or device orders, or an Explicit-axes source with an Auto-axes destination.
 
   Collective contract: a reshard is collective over every participating device (a
   device holding a source or a destination shard of any leaf). Every process that owns
@@ -60,22 +82,24 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   `timeout_s` with `ReshardTimeoutError` on every waiting device, never hangs.
 
   Args:
-    x: a `jax.Array` or a pytree of them (committed, not deleted). Inside jit: traced
-      arrays.
-    dst_sharding: a `jax.sharding.Sharding`, or a pytree prefix of `x` of them (as for
-      `jax.device_put`); a `jax.ShapeDtypeStruct` with a sharding is accepted too
-      (its shape and dtype must equal the leaf's).
+    x: a pytree of arrays: `jax.Array`s (committed or not), numpy arrays, Python
+      scalars. Inside jit or a transformation: traced arrays.
+    dst_sharding: for each leaf a `jax.sharding.Sharding`, a `jax.Device`, a bare
+      `PartitionSpec` (on the mesh of `jax.set_mesh`), a `jax.ShapeDtypeStruct` with a
+      sharding (same shape and dtype as the leaf) or `None` (keep); one of them, or a
+      pytree prefix of `x` of them (as for `jax.device_put`).
     route: `"hierarchical"` (default), `"flat"` (direct sends to every replica) or
       `"gather_bcast"` (the legacy refit baseline).
     topology: NVLink domains: a `jax_m2n.Topology`, a domain size (int) or lists of
       device ids. Default: the devices of one process form one domain.
-    donate: outside jit, free the source arrays once the call has completed (they are
-      deleted; the caller must not use them again). Without it, sources are never
-      modified. Ignored inside jit (use jit's `donate_argnums`).
-    src_sharding: the source layout (a Sharding or a pytree prefix of them). Needed
-      inside jit when the type of `x` carries no sharding (non-explicit meshes);
-      outside jit optional, and checked against `x.sharding`.
-    timeout_s: how long a device waits for its peers (default 300 s).
+    donate: a bool, or a pytree prefix of `x` of bools (as for `jax.device_put`): the
+      sources marked True are deleted once every leaf has moved; an unmarked leaf is
+      never touched. Ignored inside jit (use jit's `donate_argnums`).
+    src_sharding: the source layout (a Sharding or a pytree prefix of them). Inside jit
+      it lets jax_m2n (not XLA) move a leaf whose type carries no layout; under vmap it
+      is the per-example layout. Outside jit optional, and checked against `x.sharding`.
+    timeout_s: how long a device waits for its peers: a number of seconds in
+      [0.001, 2**40/1000] (default 300 s).
     chunk_bytes: bound on one pipelined chunk of a transfer (a leader forwards chunk c
       while chunk c+1 arrives). Default: 16 MiB on CPU, 64 MiB on GPU (measured on
       H200: fewer, larger NCCL groups win; docs/cuda_transport.md).
@@ -84,17 +108,24 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     A pytree like `x` of arrays with the destination shardings.
 
   Raises:
-    ReshardTypeError: a leaf is not an array, a destination is not a Sharding.
-    ReshardValueError: structures do not match, shapes or dtypes would change, a
-      sharding cannot hold the shape, devices are on another platform, arrays are
-      uncommitted or deleted, an unknown route, devices of another process on CPU, or a
-      layout inside jit that needs the eager path. Raised before any data moves; the
-      message names the leaf.
-    ReshardTimeoutError: a peer did not arrive within `timeout_s`.
-    ReshardError: the native handler failed (its message included). No partial
-      outputs are returned.
+    ReshardTypeError (also TypeError): an argument of the wrong type (a leaf that is no
+      array, a destination that is no Sharding/Device/PartitionSpec, a non-number
+      timeout_s, a malformed topology, a donate that is not bools).
+    ReshardValueError (also ValueError): structures do not match, shapes or dtypes would
+      change, a sharding cannot hold the shape, a mesh lists a device twice or is an
+      AbstractMesh, unreduced shardings, devices on another platform, an unknown route,
+      a timeout_s below 1 ms, devices of another process on CPU, or a layout inside jit
+      that needs the eager path. Raised before any data moves; the message names the
+      leaf.
+    ReshardTimeoutError (also ReshardRuntimeError, TimeoutError): a peer did not arrive
+      within `timeout_s`.
+    ReshardRuntimeError (also RuntimeError): the native handler failed (its message
+      included). No partial outputs are returned. Inside jit on GPU a failure can surface
+      after the step: see `jax_m2n.check_errors`.
 
-  Example:
+  Examples:
+    Trainer -> generator, across device sets (eager):
+
     >>> import jax, numpy as np
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> devs = np.array(jax.devices()[:8])
@@ -104,6 +135,33 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     ...                    NamedSharding(trainer, P("tp", None)))
     >>> w2 = jax_m2n.reshard(w, NamedSharding(generator, P("tp", None)))
     >>> w2.sharding == NamedSharding(generator, P("tp", None))
+    True
+    >>> bool((w2 == jax.device_put(w, w2.sharding)).all())
+    True
+
+    A pytree with a prefix of destinations, a None leaf (kept) and donation:
+
+    >>> params = {"w": w, "b": jax.device_put(np.ones(4), devs[0]), "step": 3}
+    >>> out = jax_m2n.reshard(params, {"w": NamedSharding(generator, P()),
+    ...                                "b": devs[5], "step": None},
+    ...                       donate={"w": True, "b": False, "step": False})
+    >>> w.is_deleted(), params["b"].is_deleted(), int(out["step"])
+    (True, False, 3)
+
+    Gradients flow through; the cotangent comes back in the source layout:
+
+    >>> x = jax.device_put(np.arange(8.0), NamedSharding(trainer, P("tp")))
+    >>> g = jax.grad(lambda v: jax_m2n.reshard(v, devs[6]).sum())(x)
+    >>> g.sharding == x.sharding
+    True
+
+    Inside jit, with the source layout given (or known from Explicit-axes types):
+
+    >>> mesh = jax.sharding.Mesh(devs, ("x",))
+    >>> y = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x")))
+    >>> f = jax.jit(lambda v: jax_m2n.reshard(v, NamedSharding(mesh, P(None, "x")),
+    ...                                        src_sharding=y.sharding))
+    >>> f(y).sharding == NamedSharding(mesh, P(None, "x"))
     True
   """
   _check_route(_API, route)
@@ -258,6 +316,13 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     The `Plan` (transfers, chunks, bytes per link, cost estimates, workspace).
 
   Example:
+    >>> import jax, numpy as np
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> devs = np.array(jax.devices()[:8])
+    >>> trainer = jax.sharding.Mesh(devs[:4].reshape(1, 4), ("dp", "tp"))
+    >>> generator = jax.sharding.Mesh(devs[4:].reshape(2, 2), ("dp", "tp"))
+    >>> w = jax.ShapeDtypeStruct((4, 8), np.float32,
+    ...                          sharding=NamedSharding(trainer, P("tp", None)))
     >>> p = jax_m2n.plan(w, NamedSharding(generator, P("tp", None)))
     >>> p.bytes_by_link  # 128 bytes injected, 128 fanned out to the dp replicas
     {'local': 0, 'nvlink': 256, 'network': 0}
