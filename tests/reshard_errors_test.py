@@ -305,3 +305,16 @@ def test_inside_shard_map(devs):
                     in_specs=P("x"), out_specs=P("x"))
   with pytest.raises(jax_m2n.ReshardValueError, match="outside shard_map"):
     jax.jit(f)(x)
+
+
+def test_eager_grad_errors_do_not_say_inside_jit(devs):
+  x = sharded(devs)
+  bad = jax.ShapeDtypeStruct((4, 8), np.float32, sharding=gen(devs))
+  with pytest.raises(jax_m2n.ReshardValueError) as e:
+    jax.grad(lambda v: jax_m2n.reshard(v, bad).sum())(x)
+  assert "inside jit" not in str(e.value)
+  # Across device sets under eager grad: allowed (no jit device assignment applies).
+  mesh = Mesh(devs[:4], ("x",), axis_types=(AxisType.Explicit,))
+  xe = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("x")))
+  g = jax.grad(lambda v: jax_m2n.reshard(v, gen(devs)).sum())(xe)
+  assert g.sharding.is_equivalent_to(xe.sharding, 2)

@@ -247,7 +247,8 @@ def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_byte
       _check_reduction(_API, name, srcs[i], "source")
     typed = getattr(aval, "sharding", None)
     _check_reduction(_API, name, typed, "source")
-    if (isinstance(typed, jax.sharding.NamedSharding) and not typed.mesh.empty and any(
+    in_jit = jax_compat.is_staged(leaf)
+    if in_jit and (isinstance(typed, jax.sharding.NamedSharding) and not typed.mesh.empty and any(
         t == jax.sharding.AxisType.Explicit for t in typed.mesh.axis_types)
         and isinstance(dst_sharding, jax.sharding.NamedSharding) and not any(
             t == jax.sharding.AxisType.Explicit for t in dst_sharding.mesh.axis_types)):
@@ -257,7 +258,7 @@ def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_byte
           f"destination mesh axis types {dst_sharding.mesh.axis_types}. Hint: build the "
           "destination mesh with axis_types=(AxisType.Explicit, ...), or call reshard "
           "outside jit.")
-    if jax_compat.is_staged(leaf):
+    if in_jit:
       traced.check_staged_devices(name, aval, srcs[i], dst_sharding)
     if (jax_compat.trace_state_clean() and not isinstance(leaf, jax.core.Tracer)
         and isinstance(leaf, jax.Array) and eager.delegated_because(leaf, dst_sharding)):

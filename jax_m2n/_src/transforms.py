@@ -64,6 +64,9 @@ def _abstract_eval(*avals, dsts, srcs, route, topology, timeout_ms, chunk_bytes)
       spec = tuple(dst.spec) + (None,) * (aval.ndim - len(dst.spec))
       aval = aval.update(sharding=NamedSharding(dst.mesh.abstract_mesh,
                                                 PartitionSpec(*spec)))
+    elif dst is not None and _is_explicit(getattr(aval, "sharding", None)):
+      # An Auto (or single-device) destination carries no layout in the type.
+      aval = jax.core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
     outs.append(aval)
   return outs
 
