@@ -183,13 +183,20 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   if not n:
     return jax.tree_util.tree_unflatten(treedef, [])
   dsts = [_normalize_dst(_API, names()[i], d) for i, d in enumerate(dsts)]
+  seen: set[int] = set()  # a prefix repeats one sharding object: check it once
   for i, d in enumerate(dsts):  # before anything asks these shardings for devices
     d = d.sharding if isinstance(d, jax.ShapeDtypeStruct) else d
-    _check_mesh(_API, names()[i], d, "destination")
-    _check_reduction(_API, names()[i], d, "destination")
-    _check_reduction(_API, names()[i], srcs[i], "source")
+    if id(d) not in seen:
+      seen.add(id(d))
+      _check_mesh(_API, names()[i], d, "destination")
+      _check_reduction(_API, names()[i], d, "destination")
+    if srcs[i] is not None:
+      _check_reduction(_API, names()[i], srcs[i], "source")
     if isinstance(leaves[i], jax.Array) and not isinstance(leaves[i], jax.core.Tracer):
-      _check_reduction(_API, names()[i], leaves[i].sharding, "source")
+      s = leaves[i].sharding
+      if id(s) not in seen:
+        seen.add(id(s))
+        _check_reduction(_API, names()[i], s, "source")
   chunk = _chunk_bytes(_API, chunk_bytes, dsts)
   traced = (not jax_compat.trace_state_clean()) or any(
       isinstance(v, jax.core.Tracer) for v in leaves)
