@@ -209,6 +209,19 @@ def test_jit_matches_device_put(name, src, dst, give_src):
   assert_same(y, ref)
 
 
+@pytest.mark.parametrize("direction", ["to host", "from host"])
+def test_jit_host_memory_kinds_match_device_put(direction):
+  if "pinned_host" not in _kinds_available():
+    pytest.skip("no pinned_host memory on this backend")
+  s = ns(range(4), (4,), ("x",), "x")
+  host = s.with_memory_kind("pinned_host")
+  src, dst = (s, host) if direction == "to host" else (host, s)
+  x = jax.device_put(data((8, 4)), src)
+  ref = jax.jit(lambda v: jax.device_put(v, dst))(x)
+  y = jax.jit(lambda v: jax_m2n.reshard(v, dst))(x)
+  assert_same(y, ref)
+
+
 def test_jit_paths_are_logged(caplog):
   src = ns(range(8), (8,), ("x",), "x")
   dst = ns(range(8), (8,), ("x",), None, "x")
