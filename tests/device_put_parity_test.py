@@ -236,6 +236,7 @@ def test_jit_paths_are_logged(caplog):
   assert "delegated 1 leaves to XLA's partitioner" in text
   assert "eager per-device path" in text
   assert "delegated 1 of 1 leaves to jax.device_put" in text
+  assert "planned 1 leaves" in text and "in-jit custom call" in text
 
 
 def test_check_errors_is_quiet_when_nothing_failed():

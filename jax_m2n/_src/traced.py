@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 from typing import Sequence
 
@@ -27,6 +28,8 @@ from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import plan_reshard
 from jax_m2n._src.topology import as_topology
+
+logger = logging.getLogger("jax_m2n")
 
 # ---------------------------------------------------------------------------------------
 # Inside jit: one SPMD program, shard_map over a common refinement of the meshes
@@ -331,6 +334,10 @@ def _spmd_body(srcs: Sequence[Sharding], dsts: Sequence[Sharding], shapes, dtype
   dst_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(dsts, shapes)]
   itemsizes = [np.dtype(dt).itemsize for dt in dtypes]
   plan = plan_reshard(src_layouts, dst_layouts, itemsizes, topo, route, chunk_bytes)
+  if logger.isEnabledFor(logging.DEBUG):  # the traffic summary costs a pass over the plan
+    logger.debug("reshard: planned %d leaves, route %s, %d payload bytes, bytes by link "
+                 "%s (in-jit custom call)", len(shapes), route, plan.payload_bytes,
+                 plan.bytes_by_link)
   sched = schedule.encode(plan, None, staging)
   site = _site(tag, sched, next(_jit_sites))
   workspace = max(1, schedule.workspace_bytes(plan, None, staging))
