@@ -33,7 +33,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_m2n  # noqa: E402
-from jax_m2n._src import ops as m2n_ops  # noqa: E402
+from jax_m2n._src import checks as m2n_checks  # noqa: E402
+from jax_m2n._src import eager as m2n_eager  # noqa: E402
 
 GBPS = 391.0  # measured copy-engine bandwidth per direction (notes/gpu-machine.md)
 
@@ -109,7 +110,7 @@ def main():
           f"mean {t[1]:8.2f} ms  bound {bound:6.2f} ms  x{t[0] / bound:5.2f}  ok={ok}",
           flush=True)
 
-  default_chunk = m2n_ops.GPU_CHUNK_BYTES
+  default_chunk = m2n_checks.GPU_CHUNK_BYTES
   cuda = __import__("jax_m2n._ffi_cuda", fromlist=["_"])
   engines = [e for e in a.engines.split(",") if e]
   for case, (si, ss, di, ds, bound) in cases.items():
@@ -163,7 +164,7 @@ def main():
     record("4.5KiB 0->1", f"m2n-{engine}", None,
            timed(lambda: jax_m2n.reshard(small, d1), 200, 20), 1e-3, ok)
     spans = []
-    inner = m2n_ops._run_device
+    inner = m2n_eager._run_device
 
     def run_device(prog, args, inner=inner):
       t0 = time.perf_counter()
@@ -171,7 +172,7 @@ def main():
       spans.append((time.perf_counter() - t0) * 1e3)
       return out
 
-    m2n_ops._run_device = run_device
+    m2n_eager._run_device = run_device
     try:
       total = []
       for _ in range(200):
@@ -180,7 +181,7 @@ def main():
         jax.block_until_ready(jax_m2n.reshard(small, d1))
         total.append(((time.perf_counter() - t0) * 1e3, max(spans)))
     finally:
-      m2n_ops._run_device = inner
+      m2n_eager._run_device = inner
     total.sort()
     med = total[len(total) // 2]
     print(f"4.5KiB breakdown ({engine}): median total {med[0]:.3f} ms, of which the slowest "
