@@ -5,6 +5,7 @@
 
 #include "xla_ffi/cpu_transport.h"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -18,6 +19,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/box_copy.h"
+#include "xla_ffi/nic_emulator.h"
 #include "xla_ffi/schedule.h"
 
 namespace jax_m2n {
@@ -191,12 +193,18 @@ class Participant {
       // Copy this step's ops, without the lock: peers copy concurrently.
       lock.unlock();
       ffi::Error error = ffi::Error::Success();
+      Clock::time_point arrival = Clock::time_point::min();
       for (; cursor < mine.size() && schedule_.ops[mine[cursor]].step == step;
            ++cursor) {
-        error = Copy(mine[cursor]);
+        error = Copy(mine[cursor], &arrival);
         if (error.failure()) break;
       }
       lock.lock();
+      if (error.success() && arrival > Clock::now()) {
+        // Emulated network: the bytes are here, the modelled NIC is not done.
+        // Sleep (no CPU) until it is, or until the generation is aborted.
+        g_->cv.wait_until(lock, arrival, [this] { return g_->aborted; });
+      }
       if (error.failure()) {
         StopCopying();
         g_->AbortLocked(ffi::Error(
@@ -318,9 +326,17 @@ class Participant {
                       BufferShape{view->dims, view->elem_bytes});
   }
 
-  ffi::Error Copy(int32_t op_index) const {
+  // Copies one op; with an emulated network, a cross-domain op also reserves
+  // the NIC queues and raises `*arrival` to the time its last byte arrives.
+  ffi::Error Copy(int32_t op_index, Clock::time_point* arrival) const {
     const Op& op = schedule_.ops[op_index];
     if (op.bytes == 0) return ffi::Error::Success();
+    if (call_.network != nullptr &&
+        call_.network->Crosses(op.src.participant, op.dst.participant)) {
+      *arrival = std::max(*arrival, NicEmulator::Global().Reserve(
+                                        op.src.device, op.dst.device, op.bytes,
+                                        *call_.network));
+    }
     CpuBuffer src, dst;
     if (ffi::Error e = Resolve(op_index, /*src_side=*/true,
                                *g_->published[op.src.participant], &src);

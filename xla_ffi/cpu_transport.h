@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/nic_emulator.h"
 #include "xla_ffi/schedule.h"
 
 namespace jax_m2n {
@@ -39,6 +40,11 @@ struct CpuCall {
   int64_t site = 0;                    // the `site` attribute
   int64_t timeout_ms = 0;              // the `timeout_ms` attribute, > 0
   int32_t participant = 0;             // index of this device in devices
+  // The emulated network (nic_emulator.h), or nullptr: then every copy runs at
+  // memory speed. With it, an op whose ends lie in different domains reserves
+  // the source's egress and this device's ingress NIC queue, and this device
+  // leaves the step only when its last such transfer has arrived.
+  const EmulatedNetwork* network = nullptr;
 };
 
 // Runs one device's part of a reshard. The device joins generation k of
