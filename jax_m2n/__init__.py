@@ -12,8 +12,8 @@ from jax_m2n._src.errors import (
     ReshardValueError as ReshardValueError,
 )
 from jax_m2n._src.layout import Layout as Layout
-from jax_m2n._src.ops import plan as plan
-from jax_m2n._src.ops import reshard as reshard
+from jax_m2n._src.api import plan as plan
+from jax_m2n._src.api import reshard as reshard
 from jax_m2n._src.topology import Topology as Topology
 
 __version__ = "0.1.0"

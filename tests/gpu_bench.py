@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_m2n  # noqa: E402
-from jax_m2n._src import ops as m2n_ops  # noqa: E402
+from jax_m2n._src import checks as m2n_checks  # noqa: E402
 
 GBPS = 391.0  # measured copy-engine bandwidth per direction (notes/gpu-machine.md)
 
@@ -105,7 +105,7 @@ def main():
           f"mean {t[1]:8.2f} ms  bound {bound:6.2f} ms  x{t[0] / bound:5.2f}  ok={ok}",
           flush=True)
 
-  default_chunk = m2n_ops.GPU_CHUNK_BYTES
+  default_chunk = m2n_checks.GPU_CHUNK_BYTES
   for case, (si, ss, di, ds, bound) in cases.items():
     src, dst = sharding(si, ss), sharding(di, ds)
     x = jax.device_put(host, src)

@@ -18,7 +18,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
 from jax_m2n._src import ffi as m2n_ffi
-from jax_m2n._src import ops
+from jax_m2n._src import checks, eager
 
 
 @pytest.fixture
@@ -32,8 +32,8 @@ def no_data_moves(monkeypatch):
   """Fails the test if reshard builds or runs anything (errors come first)."""
   def forbidden(*args, **kwargs):
     raise AssertionError("reshard built a program before rejecting its input")
-  monkeypatch.setattr(ops, "_build_eager", forbidden)
-  monkeypatch.setattr(ops._EagerReshard, "__call__", forbidden)
+  monkeypatch.setattr(eager, "_build_eager", forbidden)
+  monkeypatch.setattr(eager._EagerReshard, "__call__", forbidden)
 
 
 def sharded(devs, shape=(8, 4), dtype=np.float32, spec=P("x"), ids=slice(0, 4)):
@@ -198,11 +198,11 @@ def test_donating_one_array_twice(devs, no_data_moves):
 
 def test_errors_are_raised_before_data_moves(devs):
   """A bad leaf anywhere in the tree: nothing is built, the sources are untouched."""
-  n = len(ops._eager_cache)
+  n = len(eager._eager_cache)
   x = {"a": sharded(devs), "b": sharded(devs, shape=(5,), spec=P())}
   with pytest.raises(jax_m2n.ReshardValueError, match=r"x\['b'\]"):
     jax_m2n.reshard(x, gen(devs, P("y")), donate=True)
-  assert len(ops._eager_cache) == n
+  assert len(eager._eager_cache) == n
   assert not x["a"].is_deleted()
 
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
-from jax_m2n._src import ops
+from jax_m2n._src import checks, eager
 
 DTYPES = (np.float32, jnp.bfloat16, np.int8, np.bool_, np.complex64, np.uint32)
 ROUTES = ("hierarchical", "flat", "gather_bcast")
@@ -395,8 +395,8 @@ def test_pytree_one_plan_one_program_per_device():
   for yl, xl, d in zip(jax.tree.leaves(y), jax.tree.leaves(x), jax.tree.leaves(full)):
     assert_same_as_device_put(yl, xl, d)
   # One plan for the whole tree, one compiled program per participating device.
-  key = next(k for k in ops._eager_cache if k[0] == jax.tree.structure(x))
-  entry = ops._eager_cache[key]
+  key = next(k for k in eager._eager_cache if k[0] == jax.tree.structure(x))
+  entry = eager._eager_cache[key]
   assert len(entry.plan.tensors) == 4
   assert sorted(p.device.id for p in entry.programs) == list(range(8))
 
@@ -432,10 +432,10 @@ def test_cached_second_call_builds_nothing():
   dst = NamedSharding(Mesh(devs[2:5], ("y",)), P())
   x = jax.device_put(random_data((10,), np.float32, 11), src)
   jax_m2n.reshard(x, dst)
-  n = len(ops._eager_cache)
+  n = len(eager._eager_cache)
   x2 = jax.device_put(random_data((10,), np.float32, 12), src)
   y = jax_m2n.reshard(x2, dst)
-  assert len(ops._eager_cache) == n
+  assert len(eager._eager_cache) == n
   assert_same_as_device_put(y, x2, dst)
 
 
@@ -483,9 +483,9 @@ def test_timeout_when_a_peer_never_arrives():
   x = jax.device_put(random_data((13, 4), np.float32, 15)[:, :3], src)
   assert x.shape == shape
   jax_m2n.reshard(x, dst, timeout_s=2)  # builds and caches the programs
-  key = ops._eager_key(jax.tree.structure(x), [x], [dst], [None], "hierarchical", None,
-                       2000, ops.DEFAULT_CHUNK_BYTES)
-  entry = ops._eager_cache[key]
+  key = eager._eager_key(jax.tree.structure(x), [x], [dst], [None], "hierarchical", None,
+                       2000, checks.DEFAULT_CHUNK_BYTES)
+  entry = eager._eager_cache[key]
   start = time.monotonic()
   with pytest.raises(jax_m2n.ReshardTimeoutError, match="did not arrive") as e:
     entry([x], False, devices=[0, 1, 5])  # device 6 never runs its program
@@ -497,10 +497,10 @@ def test_timeout_when_a_peer_never_arrives():
 
 
 def test_native_errors_map_to_the_family():
-  timeout = ops._map_native_error(RuntimeError("DEADLINE_EXCEEDED: peer 3 missing"))
+  timeout = checks._map_native_error(RuntimeError("DEADLINE_EXCEEDED: peer 3 missing"))
   assert isinstance(timeout, jax_m2n.ReshardTimeoutError)
   assert "peer 3 missing" in str(timeout)
-  other = ops._map_native_error(RuntimeError("INVALID_ARGUMENT: bad schedule"))
+  other = checks._map_native_error(RuntimeError("INVALID_ARGUMENT: bad schedule"))
   assert type(other) is jax_m2n.ReshardError and "bad schedule" in str(other)
 
 

@@ -1,0 +1,418 @@
+"""The eager path: one small compiled program per participating device, any device sets.
+
+Owns building (and caching) the per-device programs of a reshard outside jit,
+dispatching them concurrently (one thread per device), and assembling their outputs
+into global arrays. Argument rules live in checks.py; it never decides what moves.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import threading
+from typing import Any, Callable, Hashable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Sharding, SingleDeviceSharding
+
+from jax_m2n._src import ffi as m2n_ffi
+from jax_m2n._src import jax_compat
+from jax_m2n._src import schedule
+from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_in_process,
+                                 _check_memory_kind, _check_topology, _dst_sharding_of,
+                                 _map_native_error, _platform_of, _same_layout, _site,
+                                 _topology_key)
+from jax_m2n._src.errors import (ReshardError, ReshardTimeoutError, ReshardTypeError,
+                                 ReshardValueError)
+from jax_m2n._src.layout import Layout
+from jax_m2n._src.planner import Plan, plan_reshard
+from jax_m2n._src.topology import as_topology
+
+# ---------------------------------------------------------------------------------------
+# Eager: one small program per participating device, dispatched from per-device threads
+# ---------------------------------------------------------------------------------------
+
+def _executor(device_id: int) -> concurrent.futures.ThreadPoolExecutor:
+  """The single thread that dispatches the programs of one device, made on first use.
+
+  The CPU handler waits for its peers, so the programs of one reshard must run
+  concurrently: dispatched one after another from one Python thread they run one after
+  another and the first waits forever (DESIGN.md, "Dispatch"). One thread per device,
+  reused by every call (starting threads per call would cost more than a 1 KiB reshard).
+  """
+  ex = _executors.get(device_id)
+  if ex is None:
+    with _executors_lock:
+      ex = _executors.get(device_id)
+      if ex is None:
+        ex = _executors[device_id] = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"jax_m2n-dev{device_id}")
+  return ex
+
+
+_executors: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_executors_lock = threading.Lock()
+
+
+def _outcomes(futures: Sequence[concurrent.futures.Future]
+              ) -> tuple[list[Any], list[BaseException | None]]:
+  """Waits for every future; returns (results, errors), None where there is none."""
+  concurrent.futures.wait(futures)
+  errors = [f.exception() for f in futures]
+  results = [f.result() if e is None else None for f, e in zip(futures, errors)]
+  return results, errors
+
+
+# One eager reshard at a time per process: interleaving two calls' per-device programs
+# from several user threads could order them differently on different devices.
+_dispatch_lock = threading.Lock()
+
+
+@dataclasses.dataclass
+class _DeviceProgram:
+  device: Any                                  # jax.Device
+  call: Callable[..., Any]                     # the compiled per-device program
+  operands: tuple[tuple[int, int], ...]        # (leaf, index into leaf's shards)
+  results: tuple[int, ...]                     # leaves this device holds a dst shard of
+  schedule: np.ndarray
+
+
+def _compile(jitted, in_types) -> Callable[..., Any]:
+  return jitted.lower(*in_types).compile()
+
+
+def _run_device(prog: _DeviceProgram, args: list) -> list:
+  outs = prog.call(*args)
+  jax.block_until_ready(outs)  # handler errors surface here
+  return outs
+
+
+@dataclasses.dataclass
+class _EagerReshard:
+  """Everything one (shapes, dtypes, shardings, route, topology) needs, built once."""
+
+  plan: Plan
+  programs: list[_DeviceProgram]
+  out_avals: list[tuple[tuple[int, ...], Any, Sharding]]  # shape, dtype, dst sharding
+  # Per leaf: for each of dst's addressable devices (in its order): (program, result).
+  out_slots: list[list[tuple[int, int]]]
+  src_shard_index: list[dict[int, int]]      # per leaf: device id -> index in _arrays
+  platform: str
+  site: int
+  avals: list[Any] = dataclasses.field(default_factory=list)  # per leaf, after call 1
+
+  def __post_init__(self):
+    self.avals = [None] * len(self.out_avals)
+
+  def __call__(self, leaves: Sequence[jax.Array], donate: bool,
+               devices: Sequence[int] | None = None) -> list[jax.Array]:
+    """Runs the reshard; `devices` (tests only) dispatches a subset, abandoning the rest.
+
+    Raises the handler's error as a ReshardError (no partial outputs).
+    """
+    results = self._dispatch(leaves, devices)
+    if devices is not None:
+      return []
+    _donate(leaves, donate)
+    return self._assemble(results)
+
+  # -- dispatch, waiting and failure handling -------------------------------------------
+
+  def _dispatch(self, leaves: Sequence[jax.Array],
+                devices: Sequence[int] | None) -> list[Any]:
+    """Runs every program (concurrently) and returns each one's outputs, or raises."""
+    shards = [jax_compat.single_device_arrays(x) for x in leaves]
+    programs = self.programs
+    if devices is not None:
+      programs = [p for p in programs if p.device.id in devices]
+    n = len(programs)
+    with _dispatch_lock:
+      # Programs 1.. go to their devices' threads; this thread runs program 0 itself.
+      arguments = [[shards[t][k] for t, k in p.operands] for p in programs]
+      futures = [_executor(programs[i].device.id).submit(_run_device, programs[i],
+                                                         arguments[i])
+                 for i in range(1, n)]
+      first: concurrent.futures.Future = concurrent.futures.Future()
+      if n:
+        try:
+          first.set_result(_run_device(programs[0], arguments[0]))
+        except Exception as e:  # noqa: BLE001 - re-raised below as a ReshardError
+          first.set_exception(e)
+        futures.insert(0, first)
+      del shards
+      results, failed = _outcomes(futures)
+      # A program that never reached the handler (not dispatched, or refused by JAX
+      # for a deleted input) leaves its peers waiting: consume its generation so they
+      # fail now and later calls line up (CPU). Handler errors come back as several
+      # Python types, so the inputs tell, not the exception type. Under the lock: no
+      # other call of this site may start before.
+      self._abandon([p for p in self.programs if devices is not None
+                     and p.device.id not in devices] +
+                    [p for p, e, args in zip(programs, failed, arguments)
+                     if e is not None and any(a.is_deleted() for a in args)])
+    errors = [e for e in failed if e is not None]
+    sticky = m2n_ffi.sticky_error(self.platform)
+    if sticky is not None:
+      errors.append(ReshardError(sticky))
+    if errors:
+      for outs in results:  # no partial outputs: free what completed
+        for o in outs or ():
+          o.delete()
+      mapped = [_map_native_error(e) for e in errors]
+      k = next((i for i, m in enumerate(mapped) if isinstance(m, ReshardTimeoutError)), 0)
+      raise mapped[k] from errors[k]
+    return results
+
+  def _abandon(self, programs: Sequence[_DeviceProgram]) -> None:
+    if programs and self.platform == "cpu":
+      m2n_ffi.load(self.platform).abandon(self.site, [p.device.id for p in programs])
+
+  # -- outputs --------------------------------------------------------------------------
+
+  def _assemble(self, results: Sequence[Any]) -> list[jax.Array]:
+    """The global output arrays from the programs' per-device outputs."""
+    out = []
+    for t, ((shape, dtype, sharding), slots) in enumerate(zip(self.out_avals,
+                                                              self.out_slots)):
+      arrays = [results[p][r] for p, r in slots]
+      y = jax_compat.array_from_single_device_arrays(shape, sharding, arrays, dtype,
+                                                     self.avals[t])
+      if self.avals[t] is None:
+        self.avals[t] = jax_compat.reusable_aval(y)
+      out.append(y)
+    return out
+
+
+def _donate(leaves: Sequence[jax.Array], donate: bool) -> None:
+  """Frees the donated sources once the reshard has completed."""
+  if donate:
+    for x in leaves:
+      if not x.is_deleted():
+        x.delete()
+
+
+def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
+                 chunk_bytes) -> _EagerReshard:
+  devices = {}
+  for s in itertools.chain(srcs, dsts):
+    for d in jax_compat.device_assignment(s):
+      devices[d.id] = d
+  platform = _platform_of(devices.values())
+  _check_in_process(_API, platform, devices.values())
+  staging = platform != "cpu"
+  m2n_ffi.ensure_registered(platform, timeout_ms)
+  topo = as_topology(topology, devices.values())
+  src_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(srcs, shapes)]
+  dst_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(dsts, shapes)]
+  itemsizes = [np.dtype(dt).itemsize for dt in dtypes]
+  plan = plan_reshard(src_layouts, dst_layouts, itemsizes, topo, route, chunk_bytes)
+  site = _site(b"eager", schedule.encode(plan, None, staging))
+  bufs = schedule.buffers(plan)
+  timeout = np.int64(timeout_ms)
+
+  local = [d for d in plan.devices if devices[d].process_index == jax.process_index()]
+  src_shard_index = [
+      {d.id: i for i, d in enumerate(jax_compat.addressable_device_assignment(s))} for s in srcs]
+  programs: list[_DeviceProgram] = []
+  to_compile = []
+  result_index: dict[tuple[int, int], tuple[int, int]] = {}  # (leaf, dev) -> (prog, r)
+  for dev_id in local:
+    device = devices[dev_id]
+    ops = bufs.operands.get(dev_id, {})
+    res = bufs.results.get(dev_id, {})
+    operand_leaves = sorted(ops, key=ops.get)
+    result_leaves = sorted(res, key=res.get)
+    sharding = SingleDeviceSharding(device)
+    in_types = []
+    for t in operand_leaves:
+      box = src_layouts[t].box_of(dev_id)
+      in_types.append(jax.ShapeDtypeStruct(tuple(hi - lo for lo, hi in box), dtypes[t],
+                                           sharding=sharding))
+    out_types = []
+    for t in result_leaves:
+      box = dst_layouts[t].box_of(dev_id)
+      out_types.append(jax.ShapeDtypeStruct(tuple(hi - lo for lo, hi in box), dtypes[t]))
+    workspace = max(1, schedule.workspace_bytes(plan, dev_id, staging))
+    out_types.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
+    sched = schedule.encode(plan, dev_id, staging)
+    # The workspace is a returned output, so XLA keeps the call on every device, even
+    # on a source-only one. has_side_effect=True would do the same but costs 3-8x the
+    # dispatch time (JAX leaves its C++ fast path for programs with effects).
+    call = jax.ffi.ffi_call(m2n_ffi.TARGET_NAME, out_types, has_side_effect=False)
+
+    def body(*shards, call=call, sched=sched):
+      return tuple(call(*shards, schedule=sched, site=np.int64(site), timeout_ms=timeout))
+
+    jitted = jax.jit(body, in_shardings=(sharding,) * len(in_types),
+                     out_shardings=(sharding,) * len(out_types))
+    for r, t in enumerate(result_leaves):
+      result_index[(t, dev_id)] = (len(programs), r)
+    programs.append(_DeviceProgram(
+        device, None,
+        tuple((t, src_shard_index[t][dev_id]) for t in operand_leaves),
+        tuple(result_leaves), sched))
+    to_compile.append((jitted, in_types))
+
+  # Compile the per-device programs concurrently, on the devices' threads (XLA compiles
+  # without the GIL): the first call of a many-device reshard pays about one compile.
+  futures = [_executor(p.device.id).submit(_compile, jitted, in_types)
+             for p, (jitted, in_types) in zip(programs, to_compile)]
+  compiled, errors = _outcomes(futures)
+  for e in errors:
+    if e is not None:
+      raise e
+  for p, c in zip(programs, compiled):
+    p.call = c
+
+  out_avals, out_slots = [], []
+  for t, (shape, dtype, dst) in enumerate(zip(shapes, dtypes, dsts)):
+    out_avals.append((tuple(shape), dtype, dst))
+    out_slots.append([result_index[(t, d.id)] 
+                      for d in jax_compat.addressable_device_assignment(dst)])
+  return _EagerReshard(plan, programs, out_avals, out_slots, src_shard_index, platform,
+                       site)
+
+
+# Compiled per-device programs by (tree, shapes, dtypes, shardings, route, topology,
+# timeout, chunk size). A model's refit is one entry; the bound only stops growth when
+# layouts keep changing.
+class _LruCache:
+  """A bounded least-recently-used map, safe across threads (functools.lru_cache keys on
+  the function's arguments; here the key is formed before building, and tests look in)."""
+
+  def __init__(self, size: int):
+    self.size = size
+    self._data: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+    self.lock = threading.Lock()  # held while building a missing entry
+
+  def get(self, key: Hashable) -> Any:
+    value = self._data.get(key)
+    if value is not None:
+      try:
+        self._data.move_to_end(key)
+      except KeyError:  # evicted by another thread meanwhile
+        pass
+    return value
+
+  def put(self, key: Hashable, value: Any) -> None:
+    self._data[key] = value
+    self._data.move_to_end(key)
+    while len(self._data) > self.size:
+      self._data.popitem(last=False)
+
+  def __getitem__(self, key: Hashable) -> Any:
+    return self._data[key]
+
+  def __len__(self) -> int:
+    return len(self._data)
+
+  def __iter__(self):
+    return iter(list(self._data))
+
+  def clear(self) -> None:
+    self._data.clear()
+
+
+_EAGER_CACHE_SIZE = 256
+_eager_cache = _LruCache(_EAGER_CACHE_SIZE)
+
+
+def _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms,
+               chunk_bytes):
+  """The cache key (None when it cannot be formed: then validation says why).
+
+  A given src_sharding is part of the key: its agreement with x.sharding was checked
+  when the entry was built.
+  """
+  parts = []
+  for x, d, s in zip(leaves, dsts, src_shardings):
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+      return None
+    parts.append((x.shape, x.dtype, x.sharding, d, s))
+  try:
+    return (treedef, tuple(parts), route, _topology_key(topology), timeout_ms, chunk_bytes)
+  except TypeError:  # unhashable topology or destination
+    return None
+
+
+def _validate_eager(x, leaves, dsts, src_shardings, donate, topology,
+                    names) -> list[Sharding]:
+  """Every rule of the eager path; returns the destination shardings."""
+  _check_topology(_API, topology)
+  out = []
+  seen: dict[int, str] = {}
+  for i, (leaf, dst) in enumerate(zip(leaves, dsts)):
+    name = names()[i]
+    if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array):
+      hint = (" Hint: put host data on devices first with jax.device_put."
+              if isinstance(leaf, (np.ndarray, np.generic, int, float, complex, bool))
+              else "")
+      raise ReshardTypeError(
+          f"{_API}: every leaf of x must be a jax.Array; got {type(leaf).__name__} at "
+          f"{name}.{hint}")
+    if leaf.is_deleted():
+      raise ReshardValueError(
+          f"{_API}: {name} must be a live array; got a deleted (or donated) array.")
+    if not leaf.committed:
+      raise ReshardValueError(
+          f"{_API}: {name} must be committed to its devices (its sharding is then "
+          f"what the source layout is); got an uncommitted array on {leaf.sharding}. "
+          "Hint: jax.device_put(x, sharding) commits it.")
+    _check_dtype(_API, name, leaf.dtype)
+    dst_sharding = _dst_sharding_of(_API, name, dst, leaf.shape, leaf.dtype)
+    src = leaf.sharding
+    _check_holds(_API, name, dst_sharding, leaf.shape, "destination")
+    _check_memory_kind(_API, name, src, "source")
+    _check_memory_kind(_API, name, dst_sharding, "destination")
+    src_platform = _platform_of(src.device_set)
+    dst_platform = _platform_of(dst_sharding.device_set)
+    if src_platform != dst_platform or any(
+        d.platform != dst_platform for d in dst_sharding.device_set):
+      raise ReshardValueError(
+          f"{_API}: the destination devices of {name} must be on the source's platform "
+          f"({src_platform}); got platform {dst_platform} ({dst_sharding}). Hint: "
+          "jax.device_put moves data between platforms.")
+    given = src_shardings[i]
+    if given is not None and not _same_layout(given, src, leaf.shape):
+      raise ReshardValueError(
+          f"{_API}: src_sharding of {name} must describe the array's actual layout; got "
+          f"{given} for an array sharded as {src}. Hint: outside jit, src_sharding can "
+          "be left out.")
+    if donate:
+      if id(leaf) in seen:
+        raise ReshardValueError(
+            f"{_API}: with donate=True an array must appear once in x; got the same "
+            f"array at {seen[id(leaf)]} and {name}.")
+      seen[id(leaf)] = name
+    out.append(dst_sharding)
+  return out
+
+
+def _reshard_eager(x, leaves, treedef, dsts, src_shardings, route, topology, donate,
+                   timeout_ms, chunk_bytes, names) -> list[jax.Array]:
+  key = _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms,
+                   chunk_bytes)
+  fn = _eager_cache.get(key) if key is not None else None
+  if fn is not None:
+    for i, leaf in enumerate(leaves):  # what may change between calls of one key
+      if leaf.is_deleted() or not leaf.committed:
+        _validate_eager(x, leaves, dsts, src_shardings, donate, topology, names)
+    if donate and len({id(v) for v in leaves}) != len(leaves):
+      _validate_eager(x, leaves, dsts, src_shardings, donate, topology, names)
+    return fn(leaves, donate)
+  dst_shardings = _validate_eager(x, leaves, dsts, src_shardings, donate, topology, names)
+  shapes = [tuple(v.shape) for v in leaves]
+  dtypes = [v.dtype for v in leaves]
+  srcs = [v.sharding for v in leaves]
+  with _eager_cache.lock:
+    fn = _eager_cache.get(key) if key is not None else None
+    if fn is None:
+      fn = _build_eager(shapes, dtypes, srcs, dst_shardings, route, topology, timeout_ms,
+                        chunk_bytes)
+      if key is not None:
+        _eager_cache.put(key, fn)
+  return fn(leaves, donate)
+

@@ -1,0 +1,83 @@
+"""The one place jax_m2n touches private JAX names, behind a version guard.
+
+Every private attribute or module of JAX that jax_m2n uses is reached through a function
+here, so a JAX upgrade that renames one breaks this file (and tests/jax_compat_test.py,
+which calls each of them) rather than a reshard in the middle of a training run. Owns no
+logic beyond the access itself; where a public spelling exists it is used instead.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import Sharding
+
+# JAX releases this shim was written against and is tested with (CPU 0.10.x, GPU 0.11.x).
+SUPPORTED_JAX = ((0, 10), (0, 11))
+
+
+def jax_version() -> tuple[int, int, int]:
+  """jax.__version__ as (major, minor, patch); dev suffixes are dropped."""
+  parts = [int(re.match(r"\d*", p).group() or 0) for p in jax.__version__.split(".")[:3]]
+  return tuple(parts + [0] * (3 - len(parts)))  # type: ignore[return-value]
+
+
+def version_supported() -> bool:
+  return jax_version()[:2] in SUPPORTED_JAX
+
+
+def trace_state_clean() -> bool:
+  """False while JAX traces (inside jit, shard_map, grad...): reshard then stages."""
+  from jax._src import core  # no public spelling in jax 0.10-0.11
+  return core.trace_state_clean()
+
+
+def device_assignment(sharding: Sharding) -> tuple[Any, ...]:
+  """Every device of a sharding, in its order (the order shards are numbered in)."""
+  return sharding._device_assignment  # noqa: SLF001 - no public spelling
+
+
+def addressable_device_assignment(sharding: Sharding) -> tuple[Any, ...]:
+  """The devices of this process, in the sharding's order."""
+  return sharding._addressable_device_assignment  # noqa: SLF001
+
+
+def single_device_arrays(x: jax.Array) -> list[jax.Array]:
+  """x's single-device arrays in `addressable_device_assignment` order."""
+  arrays = getattr(x, "_arrays", None)
+  if arrays is not None:
+    return list(arrays)
+  order = {d: i for i, d in enumerate(addressable_device_assignment(x.sharding))}
+  out: list[Any] = [None] * len(order)
+  for s in x.addressable_shards:
+    out[order[s.device]] = s.data
+  return out
+
+
+try:  # the class behind jax.Array; checked construction is the public fallback
+  from jax._src.array import ArrayImpl as _ArrayImpl
+except ImportError:  # pragma: no cover - a JAX without it takes the public path
+  _ArrayImpl = None
+
+
+def array_from_single_device_arrays(shape: Sequence[int], sharding: Sharding,
+                                    arrays: Sequence[jax.Array], dtype: Any,
+                                    aval: Any = None) -> jax.Array:
+  """A committed global array from per-device arrays already known to fit.
+
+  With `aval` (from an earlier, checked construction of the same layout) this skips
+  JAX's checks, which cost about half the per-leaf time of a small reshard.
+  """
+  if aval is not None and _ArrayImpl is not None:
+    return _ArrayImpl(aval, sharding, list(arrays), committed=True, _skip_checks=True)
+  return jax.make_array_from_single_device_arrays(tuple(shape), sharding, list(arrays),
+                                                  dtype=dtype)
+
+
+def reusable_aval(y: jax.Array) -> Any:
+  """y's abstract value if `array_from_single_device_arrays` may reuse it, else None."""
+  if _ArrayImpl is not None and type(y) is _ArrayImpl:
+    return y.aval
+  return None

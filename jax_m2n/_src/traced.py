@@ -1,0 +1,316 @@
+"""The in-jit path: one SPMD program, a shard_map over a common refinement of the meshes.
+
+Owns lowering a reshard traced inside jit: finding each leaf's source layout (its type,
+src_sharding= or the context mesh), refining source and destination meshes into one
+mesh, and emitting one `jax_m2n_reshard` custom call per device inside `shard_map`.
+Never dispatches eagerly and never decides what moves (the planner does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+
+from jax_m2n._src import ffi as m2n_ffi
+from jax_m2n._src import jax_compat
+from jax_m2n._src import schedule
+from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_in_process,
+                                 _check_topology, _dst_sharding_of, _platform_of, _site)
+from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
+from jax_m2n._src.layout import Layout
+from jax_m2n._src.planner import plan_reshard
+from jax_m2n._src.topology import as_topology
+
+# ---------------------------------------------------------------------------------------
+# Inside jit: one SPMD program, shard_map over a common refinement of the meshes
+# ---------------------------------------------------------------------------------------
+
+_jit_sites = itertools.count(1)
+
+
+def _outside_jit_hint() -> str:
+  return " Hint: call jax_m2n.reshard outside jit (it accepts any layouts there)."
+
+
+def _typed_sharding(aval) -> NamedSharding | None:
+  """The sharding JAX's type system knows for an abstract value (explicit axes), if any."""
+  s = getattr(aval, "sharding", None)
+  if not isinstance(s, NamedSharding) or s.mesh.empty:
+    return None
+  types = getattr(s.mesh, "axis_types", ())
+  if not types or not all(t == jax.sharding.AxisType.Explicit for t in types):
+    return None
+  return s
+
+
+def _spec_entries(spec: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]:
+  """A PartitionSpec as one tuple of mesh axis names per dim (None -> ())."""
+  out = []
+  for e in tuple(spec) + (None,) * (ndim - len(spec)):
+    out.append(() if e is None else (e,) if isinstance(e, str) else tuple(e))
+  return tuple(out)
+
+
+def _has_type(v, abstract_mesh, spec: PartitionSpec) -> bool:
+  s = jax.typeof(v).sharding
+  return (s.mesh == abstract_mesh and
+          _spec_entries(s.spec, v.ndim) == _spec_entries(spec, v.ndim))
+
+
+def _concrete_mesh_for(abstract_mesh, candidates: Sequence[Sharding]):
+  for s in candidates:
+    if isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh) and (
+        s.mesh.abstract_mesh == abstract_mesh):
+      return s.mesh
+  try:  # the context mesh of jax.set_mesh; JAX refuses get_mesh inside jit
+    mesh = jax.sharding.get_mesh()
+  except Exception:  # noqa: BLE001
+    mesh = None
+  if isinstance(mesh, Mesh) and not mesh.empty and mesh.abstract_mesh == abstract_mesh:
+    return mesh
+  return None
+
+
+def _as_named(api: str, name: str, s: Sharding, what: str) -> NamedSharding:
+  if isinstance(s, NamedSharding):
+    if not isinstance(s.mesh, Mesh):
+      raise ReshardValueError(
+          f"{api}: inside jit the {what} sharding of {name} must be on a concrete Mesh; "
+          f"got {s}.{_outside_jit_hint()}")
+    return s
+  if isinstance(s, SingleDeviceSharding):
+    (d,) = s.device_set
+    return NamedSharding(Mesh(np.array([d]), ("m2n_single",)), PartitionSpec())
+  raise ReshardValueError(
+      f"{api}: inside jit the {what} sharding of {name} must be a NamedSharding (or "
+      f"SingleDeviceSharding); got {type(s).__name__} {s}.{_outside_jit_hint()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refinement:
+  mesh: Mesh
+  axes: dict[tuple[int, str], tuple[str, ...]]  # (id(mesh), axis) -> refined axes
+
+  def spec(self, s: NamedSharding, ndim: int) -> PartitionSpec:
+    entries = []
+    for names in _spec_entries(s.spec, ndim):
+      refined = tuple(a for n in names for a in self.axes[(id(s.mesh), n)])
+      entries.append(None if not refined else refined[0] if len(refined) == 1
+                     else refined)
+    return PartitionSpec(*entries)
+
+
+def _refine(api: str, name: str, shardings: Sequence[NamedSharding],
+            explicit: bool) -> _Refinement:
+  """A mesh over the same devices whose axes refine every given mesh's axes.
+
+  Both meshes must flatten to the same device order and their prefix products (major
+  axis first) must form a divisor chain, e.g. (4,) and (2, 2), or (2, 4) and (4, 2).
+  """
+  meshes: list[Mesh] = []
+  for s in shardings:
+    if not any(s.mesh is m for m in meshes):
+      meshes.append(s.mesh)
+  first = meshes[0]
+  types = (jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto)
+  if all(m == first for m in meshes) and all(
+      t == types for t in first.axis_types):
+    return _Refinement(first, {(id(m), a): (a,) for m in meshes for a in m.axis_names})
+  order = tuple(d.id for d in first.devices.flat)
+  cuts = {1}
+  for m in meshes:
+    if tuple(d.id for d in m.devices.flat) != order:
+      raise ReshardValueError(
+          f"{api}: inside jit the meshes of {name} must list the same devices in the "
+          f"same order; got {tuple(d.id for d in m.devices.flat)} and {order}."
+          f"{_outside_jit_hint()}")
+    p = 1
+    for size in m.devices.shape:
+      p *= size
+      cuts.add(p)
+  chain = sorted(cuts)
+  for a, b in zip(chain, chain[1:]):
+    if b % a:
+      raise ReshardValueError(
+          f"{api}: inside jit the meshes of {name} must refine a common mesh (their "
+          f"axis-size prefix products must divide one another); got mesh shapes "
+          f"{[tuple(m.devices.shape) for m in meshes]}.{_outside_jit_hint()}")
+  sizes = [b // a for a, b in zip(chain, chain[1:])] or [1]
+  names = tuple(f"m2n_r{i}" for i in range(len(sizes)))  # no leading "_": Shardy drops such axes
+  mesh = Mesh(np.array(first.devices.flat, dtype=object).reshape(sizes), names,
+              axis_types=(types,) * len(names))
+  axes: dict[tuple[int, str], tuple[str, ...]] = {}
+  for m in meshes:
+    p = 1
+    for axis, size in zip(m.axis_names, m.devices.shape):
+      lo, hi = p, p * size
+      axes[(id(m), axis)] = tuple(
+          names[i] for i in range(len(chain) - 1) if chain[i] >= lo and chain[i + 1] <= hi)
+      p = hi
+  return _Refinement(mesh, axes)
+
+
+def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
+                    chunk_bytes, names) -> list:
+  _check_topology(_API, topology)
+  context = jax.sharding.get_abstract_mesh()
+  if not context.empty and getattr(context, "manual_axes", ()):
+    raise ReshardValueError(
+        f"{_API}: reshard must be called outside shard_map (it lowers to its own SPMD "
+        f"program over whole arrays); got a call under manual mesh axes "
+        f"{tuple(context.manual_axes)}. Hint: call it on the global arrays, inside jit "
+        "or eagerly.")
+  shapes, dtypes, srcs, dst_named, typed_any = [], [], [], [], False
+  for i, (leaf, dst) in enumerate(zip(leaves, dsts)):
+    name = names()[i]
+    try:
+      aval = jax.typeof(leaf)
+    except TypeError:
+      aval = None
+    if aval is None or not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
+      raise ReshardTypeError(
+          f"{_API}: every leaf of x must be an array; got {type(leaf).__name__} at "
+          f"{name}.")
+    shape, dtype = tuple(aval.shape), aval.dtype
+    _check_dtype(_API, name, dtype)
+    dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype)
+    _check_holds(_API, name, dst_sharding, shape, "destination")
+    typed = _typed_sharding(aval)
+    given = src_shardings[i]
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+      given = given if given is not None else leaf.sharding
+    if typed is not None:
+      typed_any = True
+      concrete = _concrete_mesh_for(typed.mesh, [given, dst_sharding])
+      if given is not None:
+        g = _as_named(_API, name, given, "source")
+        if (g.mesh.abstract_mesh != typed.mesh or
+            _spec_entries(g.spec, len(shape)) != _spec_entries(typed.spec, len(shape))):
+          raise ReshardValueError(
+              f"{_API}: src_sharding of {name} must match the sharding in its type; got "
+              f"{given} for a value typed {typed}.")
+        src = g
+      elif concrete is None:
+        raise ReshardValueError(
+            f"{_API}: inside jit the devices of {name}'s mesh must be known; got a value "
+            f"typed {typed} and no concrete mesh for it. Hint: pass src_sharding=, or "
+            "use jax.set_mesh(mesh).")
+      else:
+        src = NamedSharding(concrete, typed.spec)
+    elif given is not None:
+      if not isinstance(given, Sharding):
+        raise ReshardTypeError(
+            f"{_API}: src_sharding of {name} must be a jax.sharding.Sharding; got "
+            f"{type(given).__name__}.")
+      src = given
+    else:
+      raise ReshardValueError(
+          f"{_API}: inside jit the source sharding of {name} must be known; got a value "
+          f"whose type carries no sharding ({aval.str_short() if hasattr(aval, 'str_short') else aval}). "
+          "Hint: pass src_sharding= (the layout x has inside the jit), or use "
+          "explicit-sharding meshes (jax.make_mesh(..., axis_types=Explicit)) so JAX "
+          "knows it.")
+    _check_holds(_API, name, src, shape, "source")
+    src = _as_named(_API, name, src, "source")
+    dnamed = _as_named(_API, name, dst_sharding, "destination")
+    if jax_compat.device_assignment(src) != jax_compat.device_assignment(dnamed):
+      raise ReshardValueError(
+          f"{_API}: inside jit the source and destination of {name} must be on the same "
+          f"devices in the same order (jit's device assignment); got source devices "
+          f"{[d.id for d in jax_compat.device_assignment(src)]} and destination devices "
+          f"{[d.id for d in jax_compat.device_assignment(dnamed)]}. Hint: call jax_m2n.reshard "
+          "outside jit to move arrays between device sets.")
+    if srcs and jax_compat.device_assignment(src) != jax_compat.device_assignment(srcs[0]):
+      raise ReshardValueError(
+          f"{_API}: inside jit every leaf must be on the same devices; got "
+          f"{[d.id for d in jax_compat.device_assignment(src)]} for {name} and "
+          f"{[d.id for d in jax_compat.device_assignment(srcs[0])]} for {names()[0]}."
+          f"{_outside_jit_hint()}")
+    shapes.append(shape)
+    dtypes.append(dtype)
+    srcs.append(src)
+    dst_named.append(dnamed)
+  if not leaves:
+    return []
+
+  refinement = _refine(_API, names()[0] if len(leaves) == 1 else "x",
+                       srcs + dst_named, typed_any)
+  src_specs = [refinement.spec(s, len(shape)) for s, shape in zip(srcs, shapes)]
+  dst_specs = [refinement.spec(s, len(shape)) for s, shape in zip(dst_named, shapes)]
+
+  # Zero-size leaves move no bytes: they stay out of the call and are made empty in
+  # place (XLA 0.11.2 crashes compiling a shard_map over empty and non-empty arrays).
+  empty = [math.prod(shape) == 0 for shape in shapes]
+  if any(empty):
+    live = [i for i, e in enumerate(empty) if not e]
+    live_outs = iter(_reshard_traced(
+        [leaves[i] for i in live], [dsts[i] for i in live], [srcs[i] for i in live],
+        route, topology, timeout_ms, chunk_bytes,
+        lambda: [names()[i] for i in live]) if live else [])
+    result = []
+    for i, e in enumerate(empty):
+      if not e:
+        result.append(next(live_outs))
+        continue
+      y = jnp.zeros(shapes[i], dtypes[i])
+      dst = dst_named[i]
+      if any(t == jax.sharding.AxisType.Explicit for t in dst.mesh.axis_types):
+        y = jax.sharding.reshard(y, dst)
+      else:
+        y = jax.lax.with_sharding_constraint(y, dst)
+      result.append(y)
+    return result
+
+  devices = jax_compat.device_assignment(srcs[0])
+  platform = _platform_of(devices)
+  _check_in_process(_API, platform, devices)
+  staging = platform != "cpu"
+  m2n_ffi.ensure_registered(platform, timeout_ms)
+  topo = as_topology(topology, devices)
+  src_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(srcs, shapes)]
+  dst_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(dst_named, shapes)]
+  itemsizes = [np.dtype(dt).itemsize for dt in dtypes]
+  plan = plan_reshard(src_layouts, dst_layouts, itemsizes, topo, route, chunk_bytes)
+  sched = schedule.encode(plan, None, staging)
+  site = _site(b"jit", sched, next(_jit_sites))
+  workspace = max(1, schedule.workspace_bytes(plan, None, staging))
+  out_types = [jax.ShapeDtypeStruct(s.shard_shape(shape), dt)
+               for s, shape, dt in zip(dst_named, shapes, dtypes)]
+  out_types.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
+  call = jax.ffi.ffi_call(m2n_ffi.TARGET_NAME, out_types)
+
+  def body(*shards):
+    outs = call(*shards, schedule=sched, site=np.int64(site),
+                timeout_ms=np.int64(timeout_ms))
+    return tuple(outs[:-1])
+
+  mesh = refinement.mesh
+  if typed_any:  # a type-level cast onto the refined mesh: the same bytes, no copy
+    leaves = [v if _has_type(v, mesh.abstract_mesh, sp)
+              else jax.sharding.reshard(v, NamedSharding(mesh, sp))
+              for v, sp in zip(leaves, src_specs)]
+  smap = jax.shard_map(body, mesh=mesh, in_specs=tuple(src_specs),
+                       out_specs=tuple(dst_specs), check_vma=False)
+  context = jax.sharding.get_abstract_mesh()
+  if not context.empty and context != mesh.abstract_mesh:
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      outs = smap(*leaves)
+  else:
+    outs = smap(*leaves)
+  result = []
+  for y, dst in zip(outs, dst_named):
+    if any(t == jax.sharding.AxisType.Explicit for t in dst.mesh.axis_types) or typed_any:
+      if not _has_type(y, dst.mesh.abstract_mesh, dst.spec):
+        y = jax.sharding.reshard(y, dst)
+    else:
+      y = jax.lax.with_sharding_constraint(y, dst)
+    result.append(y)
+  return result
+

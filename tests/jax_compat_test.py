@@ -1,0 +1,52 @@
+"""Fails loudly when JAX renames a private name jax_m2n uses (jax_m2n/_src/jax_compat.py).
+
+Each shim function is called on a real array, so an upgrade that moves one shows up here
+by name rather than as a failing reshard.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from jax_m2n._src import jax_compat  # noqa: E402
+
+
+def test_jax_version_is_one_the_shim_was_written_for():
+  assert jax_compat.version_supported(), (
+      f"jax {jax.__version__} is not in {jax_compat.SUPPORTED_JAX}: re-check every "
+      "function of jax_m2n/_src/jax_compat.py and extend SUPPORTED_JAX.")
+
+
+def test_trace_state_clean_tells_eager_from_traced():
+  assert jax_compat.trace_state_clean() is True
+  seen = []
+  jax.jit(lambda a: seen.append(jax_compat.trace_state_clean()) or a)(1.0)
+  assert seen == [False]
+
+
+def test_device_assignments_and_single_device_arrays():
+  devs = np.array(jax.devices()[:4])
+  s = NamedSharding(Mesh(devs[::-1].reshape(2, 2), ("a", "b")), P("a"))
+  assert [d.id for d in jax_compat.device_assignment(s)] == [3, 2, 1, 0]
+  assert [d.id for d in jax_compat.addressable_device_assignment(s)] == [3, 2, 1, 0]
+  x = jax.device_put(np.arange(8.0).reshape(4, 2), s)
+  arrays = jax_compat.single_device_arrays(x)
+  assert [next(iter(a.devices())).id for a in arrays] == [3, 2, 1, 0]
+  np.testing.assert_array_equal(np.asarray(arrays[0]), np.arange(4.0).reshape(2, 2))
+
+
+def test_fast_array_construction_matches_the_checked_one():
+  devs = jax.devices()[:2]
+  s = NamedSharding(Mesh(np.array(devs), ("x",)), P("x"))
+  x = jax.device_put(np.arange(6.0, dtype=np.float32).reshape(2, 3), s)
+  arrays = jax_compat.single_device_arrays(x)
+  y = jax_compat.array_from_single_device_arrays((2, 3), s, arrays, np.float32)
+  aval = jax_compat.reusable_aval(y)
+  assert aval is not None, "jax.Array is no longer jax._src.array.ArrayImpl"
+  z = jax_compat.array_from_single_device_arrays((2, 3), s, arrays, np.float32, aval)
+  assert type(z) is type(y) and z.sharding == s and z.committed
+  np.testing.assert_array_equal(np.asarray(z), np.asarray(x))
