@@ -212,6 +212,7 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
   site = _site(b"eager", schedule.encode(plan, None, staging))
   bufs = schedule.buffers(plan)
   timeout = np.int64(timeout_ms)
+  extra = m2n_ffi.transport_attrs(platform, topo, plan.devices)
 
   local = [d for d in plan.devices if devices[d].process_index == jax.process_index()]
   src_shard_index = [
@@ -244,7 +245,8 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
     call = jax.ffi.ffi_call(m2n_ffi.TARGET_NAME, out_types, has_side_effect=False)
 
     def body(*shards, call=call, sched=sched):
-      return tuple(call(*shards, schedule=sched, site=np.int64(site), timeout_ms=timeout))
+      return tuple(call(*shards, schedule=sched, site=np.int64(site), timeout_ms=timeout,
+                        **extra))
 
     jitted = jax.jit(body, in_shardings=(sharding,) * len(in_types),
                      out_shardings=(sharding,) * len(out_types))

@@ -10,7 +10,8 @@ Usage:
 Suites: smoke, refit (cross-device-set refits: 2 -> 2 replicated, 1 -> 3, dim0 -> dim1, a
 64-leaf pytree), colocated (layout changes on 4 devices, inside jit too), model (Llama- and
 MoE-shaped pytrees, FSDP/EP -> TP x DP on other devices), emulated (8 CPU devices in
-emulated NVLink domains of 2), planner (planning a DeepSeek-V3-sized refit, no devices).
+emulated NVLink domains of 2), planner (planning a DeepSeek-V3-sized refit, no devices),
+fig4 (the paper's Figure 4 in miniature on the emulated network: bench/fig4.py).
 Engines: m2n_{hierarchical,flat,gather_bcast} (eager), m2n_jit_{...} (inside jit),
 jit_identity (XLA), device_put, numpy_copy (CPU), torch_gather_bcast (GPUs, torch).
 
@@ -128,6 +129,16 @@ def main(argv) -> int:
   console, progress_display = _ui()
   out_dir = _OUT_DIR.value
   os.makedirs(out_dir, exist_ok=True)
+  if "fig4" in chosen_suites:  # its own table, plot and fig4.json (bench/fig4.py)
+    import jax
+    from jax_m2n.bench import fig4
+    fig4_size = int((_SIZE_MIB.value or fig4.DEFAULT_SIZE_MIB) * suites.MIB)
+    rc = fig4.main(jax, out_dir, fig4_size, _ITERS.value, _WARMUP.value,
+                   lambda text: console.print(text, highlight=False, markup=False),
+                   _PLOTS.value)
+    chosen_suites.remove("fig4")
+    if not chosen_suites or rc:
+      return rc
   json_path = os.path.join(out_dir, "results.json")
   move_suites = [s for s in chosen_suites if s != "planner"]
   use_torch = any(isinstance(e, bench_engines.TorchGatherBcast) for e in engines) and \

@@ -9,7 +9,7 @@ for the same bandwidths, measured / estimate, flat / hierarchical, gather_bcast 
 hierarchical. Never asserts on timing (the caller decides what a run means).
 
 Usage:
-  python -m jax_m2n.bench --suite fig4 [--size_mib 256] [--iters 10] [--out_dir DIR]
+  python -m jax_m2n.bench --suite fig4 [--size_mib 128] [--iters 10] [--out_dir DIR]
   python -m jax_m2n.bench --suite fig4 --size_mib 0.25   # the CI smoke form
 """
 
@@ -25,7 +25,13 @@ import numpy as np
 
 ROUTES = ("hierarchical", "flat", "gather_bcast")
 DOMAIN_SIZE = 2
-DEFAULT_NIC_GBPS = 1.0
+# 1 Gbit/s Ethernet: slow enough that the emulated network term dominates the transfer
+# on a 2-core machine (the memory-speed copies and per-step barriers of 8 device threads
+# then add ~15%), fast enough for a run of a few minutes at the default payload.
+DEFAULT_NIC_GBPS = 0.125
+DEFAULT_SIZE_MIB = 128
+# 32 chunks per source: a pipeline of r_d forwarding hops fills in r_d - 1 extra steps.
+CHUNK_BYTES = 2 << 20
 SCHEMA = 1
 
 
@@ -88,20 +94,21 @@ def run(jax, size_bytes: int, iters: int, warmup: int, nic_gbps: float = DEFAULT
     dst = NamedSharding(dst_mesh, P("tp", None))
     x = jax.device_put(host, src)
     for route in ROUTES:
-      plan = jax_m2n.plan(x, dst, route=route, topology=topo)
+      plan = jax_m2n.plan(x, dst, route=route, topology=topo, chunk_bytes=CHUNK_BYTES)
       estimate_ms = plan.route_estimate_ms()
       row = {"case": case.name, "title": case.title, "r_d": case.r_d, "route": route,
              "payload_bytes": int(host.nbytes), "estimate_ms": estimate_ms,
              "network_bytes": plan.bytes_by_link["network"]}
       try:
-        y = jax_m2n.reshard(x, dst, route=route, topology=topo)
+        y = jax_m2n.reshard(x, dst, route=route, topology=topo, chunk_bytes=CHUNK_BYTES)
         ok = all(np.array_equal(np.asarray(s.data), host[s.index])
                  for s in y.addressable_shards)
         y.delete()
         if not ok:
           raise AssertionError("result is not bitwise equal to the source")
         times = timing.time_calls(
-            lambda: jax_m2n.reshard(x, dst, route=route, topology=topo),
+            lambda: jax_m2n.reshard(x, dst, route=route, topology=topo,
+                                    chunk_bytes=CHUNK_BYTES),
             jax.block_until_ready, warmup, iters, release=lambda y: y.delete())
         row.update(status="ok", times_s=times.times_s, **timing.stats_ms(times.times_s))
         row["measured_over_estimate"] = row["median_ms"] / estimate_ms
@@ -113,6 +120,7 @@ def run(jax, size_bytes: int, iters: int, warmup: int, nic_gbps: float = DEFAULT
     x.delete()
   _add_ratios(rows)
   return {"schema": SCHEMA, "suite": "fig4", "nic_gbps": nic_gbps,
+          "chunk_bytes": CHUNK_BYTES,
           "nvlink_gbps": nvlink_gbps, "domain_size": DOMAIN_SIZE,
           "shape": list(shape), "dtype": np.dtype(dtype).name, "iters": iters,
           "memcpy": memcpy, "results": rows}
@@ -136,7 +144,7 @@ def markdown(doc: dict) -> str:
       f"NIC {doc['nic_gbps']:g} GB/s per device and direction (emulated), intra-domain "
       f"copies at memory speed (estimate uses {doc['nvlink_gbps']:.3g} GB/s), domains of "
       f"{doc['domain_size']}; tensor {doc['dtype']}{doc['shape']} "
-      f"({doc['results'][0]['payload_bytes'] / 2**20:.0f} MiB); median of {doc['iters']}.",
+      f"({doc['results'][0]['payload_bytes'] / 2**20:.4g} MiB, chunks of {doc.get('chunk_bytes', 0) / 2**20:.3g} MiB); median of {doc['iters']}.",
       "",
       "| case | r_d | route | measured ms | estimate ms | measured / estimate | "
       "route / hier (measured) | route / hier (estimate) |",
