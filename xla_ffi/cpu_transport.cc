@@ -9,6 +9,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -84,17 +85,56 @@ class Rendezvous {
     std::lock_guard<std::mutex> lock(mu_);
     Site& s = sites_[site];
     const int64_t index = s.next[device_id]++;
-    Entry& entry = s.pending[index];
-    if (!entry.generation) {
-      entry.generation = std::make_shared<Generation>();
-      entry.generation->site = site;
-      entry.generation->index = index;
-    }
+    Entry& entry = EntryLocked(s, site, index);
     std::shared_ptr<Generation> generation = entry.generation;
     ++entry.joined;
     if (n_participants > 0) entry.n = n_participants;
     if (entry.n > 0 && entry.joined >= entry.n) s.pending.erase(index);
     return generation;
+  }
+
+  // Per device: how many generations of `site` it has joined (or abandoned).
+  std::vector<int64_t> Joined(int64_t site,
+                              const std::vector<int64_t>& device_ids) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<int64_t> out;
+    out.reserve(device_ids.size());
+    auto it = sites_.find(site);
+    for (int64_t d : device_ids) {
+      if (it == sites_.end()) {
+        out.push_back(0);
+        continue;
+      }
+      auto n = it->second.next.find(d);
+      out.push_back(n == it->second.next.end() ? 0 : n->second);
+    }
+    return out;
+  }
+
+  // Aborts generation `index` of `site` whatever its state: in progress (its
+  // participants fail now), partly joined, or not joined by anyone yet among
+  // `device_ids` (then whoever joins it later fails at once). A generation that
+  // every participant has joined and left is gone: nothing to do.
+  void Abort(int64_t site, int64_t index,
+             const std::vector<int64_t>& device_ids, const ffi::Error& reason) {
+    std::shared_ptr<Generation> g;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Site& s = sites_[site];
+      auto live = s.live.find(index);
+      if (live != s.live.end()) g = live->second.lock();
+      if (!g) {
+        bool someone_to_come = false;
+        for (int64_t d : device_ids) {
+          auto n = s.next.find(d);
+          if (n == s.next.end() || n->second <= index) someone_to_come = true;
+        }
+        if (!someone_to_come) return;
+        g = EntryLocked(s, site, index).generation;
+      }
+    }
+    std::lock_guard<std::mutex> lock(g->mu);
+    g->AbortLocked(reason);
   }
 
   int64_t Pending() {
@@ -113,7 +153,25 @@ class Rendezvous {
   struct Site {
     std::unordered_map<int64_t, int64_t> next;  // device id -> next index
     std::map<int64_t, Entry> pending;           // index -> generation
+    // Every generation some participant may still be in (for Abort); expired
+    // entries are dropped as new generations are made.
+    std::map<int64_t, std::weak_ptr<Generation>> live;
   };
+
+  // The pending entry of generation `index`, made (with its generation) if new.
+  Entry& EntryLocked(Site& s, int64_t site, int64_t index) {
+    Entry& entry = s.pending[index];
+    if (!entry.generation) {
+      entry.generation = std::make_shared<Generation>();
+      entry.generation->site = site;
+      entry.generation->index = index;
+      for (auto it = s.live.begin(); it != s.live.end();) {
+        it = it->second.expired() ? s.live.erase(it) : std::next(it);
+      }
+      s.live[index] = entry.generation;
+    }
+    return entry;
+  }
 
   std::mutex mu_;
   std::unordered_map<int64_t, Site> sites_;
@@ -390,6 +448,17 @@ void AbortNextCpuGeneration(int64_t site, int64_t device_id,
       reason.errc().value_or(ffi::ErrorCode::kAborted),
       "device " + std::to_string(device_id) +
           " did not take part in this generation: " + reason.message()));
+}
+
+std::vector<int64_t> JoinedCpuGenerations(
+    int64_t site, const std::vector<int64_t>& device_ids) {
+  return Rendezvous::Global().Joined(site, device_ids);
+}
+
+void AbortCpuGeneration(int64_t site, int64_t index,
+                        const std::vector<int64_t>& device_ids,
+                        const ffi::Error& reason) {
+  Rendezvous::Global().Abort(site, index, device_ids, reason);
 }
 
 int64_t PendingCpuGenerations() { return Rendezvous::Global().Pending(); }

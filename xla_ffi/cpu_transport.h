@@ -87,6 +87,21 @@ void AbortNextCpuGeneration(int64_t site, int64_t device_id,
                             int64_t n_participants,
                             const ::xla::ffi::Error& reason);
 
+// Per device of `device_ids`: how many generations of `site` it has joined or
+// abandoned (its next generation index). Devices of one site are in step when
+// these are equal; the eager caller reads them before and after a call to find
+// a device whose program never reached the handler.
+std::vector<int64_t> JoinedCpuGenerations(int64_t site,
+                                          const std::vector<int64_t>& device_ids);
+
+// Aborts generation `index` of `site` with `reason`: participants waiting in it
+// fail at once, and any of `device_ids` that joins it later fails at once
+// (copying nothing). Used when the caller is interrupted (KeyboardInterrupt)
+// while the generation runs. No effect on a generation everyone has left.
+void AbortCpuGeneration(int64_t site, int64_t index,
+                        const std::vector<int64_t>& device_ids,
+                        const ::xla::ffi::Error& reason);
+
 // For tests: the number of generations not yet joined by all participants
 // (entries that a completed or fully drained generation leaves behind: 0).
 int64_t PendingCpuGenerations();
