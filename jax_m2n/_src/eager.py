@@ -231,6 +231,8 @@ class _EagerReshard:
                      [p.device.id for p in self.programs])
       arguments = [[shards[t][k] for t, k in p.operands] for p in programs]
       del shards
+      for p, args in zip(programs, arguments):  # before anything is dispatched
+        _check_live(p, args)
       futures = [_executor(p.device.id).submit(_run_guarded, p, args, turn)
                  for p, args in zip(programs, arguments)]
       del arguments
