@@ -49,6 +49,9 @@ struct Generation {
 
   std::vector<int64_t> reached;  // per participant: last barrier, -1: none
   std::vector<int32_t> count;    // per barrier: participants that reached it
+  // Per barrier: when its last participant reached it. With an emulated
+  // network, the transfers of step b are posted at released[b] (below).
+  std::vector<std::chrono::steady_clock::time_point> released;
   std::vector<char> copying;     // per participant: between barriers
   int32_t copying_count = 0;
   std::vector<const CpuDeviceBuffers*> published;
@@ -248,13 +251,17 @@ class Participant {
         return error;
       }
       if (step == schedule_.n_steps) return ffi::Error::Success();
+      // The emulated NICs see this step's transfers posted when its barrier
+      // released, not when this thread got a core: waking 8 device threads on
+      // 2 cores is the emulator's cost, not the network's.
+      const Clock::time_point posted = g_->released[step];
       // Copy this step's ops, without the lock: peers copy concurrently.
       lock.unlock();
       ffi::Error error = ffi::Error::Success();
       Clock::time_point arrival = Clock::time_point::min();
       for (; cursor < mine.size() && schedule_.ops[mine[cursor]].step == step;
            ++cursor) {
-        error = Copy(mine[cursor], &arrival);
+        error = Copy(mine[cursor], posted, &arrival);
         if (error.failure()) break;
       }
       lock.lock();
@@ -285,6 +292,7 @@ class Participant {
     g_->devices = schedule_.devices;
     g_->reached.assign(n, -1);
     g_->count.assign(schedule_.n_steps + 1, 0);
+    g_->released.assign(schedule_.n_steps + 1, Clock::time_point::min());
     g_->copying.assign(n, 0);
     g_->published.assign(n, nullptr);
   }
@@ -310,7 +318,10 @@ class Participant {
     StopCopying();
     if (g_->aborted) return Fail(lock);
     g_->reached[p_] = b;
-    if (++g_->count[b] == g_->n) g_->cv.notify_all();
+    if (++g_->count[b] == g_->n) {
+      g_->released[b] = Clock::now();
+      g_->cv.notify_all();
+    }
     const auto deadline =
         Clock::now() + std::chrono::milliseconds(call_.timeout_ms);
     while (true) {
@@ -386,14 +397,15 @@ class Participant {
 
   // Copies one op; with an emulated network, a cross-domain op also reserves
   // the NIC queues and raises `*arrival` to the time its last byte arrives.
-  ffi::Error Copy(int32_t op_index, Clock::time_point* arrival) const {
+  ffi::Error Copy(int32_t op_index, Clock::time_point posted,
+                  Clock::time_point* arrival) const {
     const Op& op = schedule_.ops[op_index];
     if (op.bytes == 0) return ffi::Error::Success();
     if (call_.network != nullptr &&
         call_.network->Crosses(op.src.participant, op.dst.participant)) {
       *arrival = std::max(*arrival, NicEmulator::Global().Reserve(
                                         op.src.device, op.dst.device, op.bytes,
-                                        *call_.network));
+                                        posted, *call_.network));
     }
     CpuBuffer src, dst;
     if (ffi::Error e = Resolve(op_index, /*src_side=*/true,

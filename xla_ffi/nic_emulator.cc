@@ -71,11 +71,14 @@ NicEmulator& NicEmulator::Global() {
 }
 
 Clock::time_point NicEmulator::Reserve(int64_t src, int64_t dst, int64_t bytes,
+                                       Clock::time_point posted,
                                        const EmulatedNetwork& network) {
   const auto busy = std::chrono::nanoseconds(static_cast<int64_t>(
       static_cast<double>(bytes) * 1e9 /
       static_cast<double>(network.bytes_per_s)));
-  const Clock::time_point now = Clock::now();
+  const Clock::time_point now =
+      posted == Clock::time_point::min() ? Clock::now()
+                                         : std::min(posted, Clock::now());
   std::lock_guard<std::mutex> lock(Mu());
   Clock::time_point& egress = Egress()[src];
   Clock::time_point& ingress = Ingress()[dst];

@@ -42,13 +42,14 @@ class NicEmulator {
 
   static NicEmulator& Global();
 
-  // Reserves a transfer of `bytes` from device `src` to device `dst`: it starts
-  // when both src's egress queue and dst's ingress queue are free (not before
-  // `now`), occupies both for bytes / bytes_per_s, and its last byte arrives
+  // Reserves a transfer of `bytes` from device `src` to device `dst`, posted at
+  // `posted` (not after now): it starts when both src's egress queue and dst's
+  // ingress queue are free (not before `posted`), occupies both for bytes / bytes_per_s, and its last byte arrives
   // latency_ns after that. Returns the arrival time; the caller waits until
   // then (transfers already reserved on a queue delay later ones: the NIC is
   // shared by all of a device's cross-domain transfers, across calls).
   Clock::time_point Reserve(int64_t src, int64_t dst, int64_t bytes,
+                            Clock::time_point posted,
                             const EmulatedNetwork& network);
 
   // For tests: how many queues have been used.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import threading
 from typing import Any, Callable, Hashable, Sequence
@@ -301,10 +302,6 @@ class _EagerReshard:
     mapped[k].__cause__ = errors[k]
     return mapped[k]
 
-  def _abandon(self, programs: Sequence[_DeviceProgram]) -> None:
-    if programs and self.platform == "cpu":
-      m2n_ffi.load(self.platform).abandon(self.site, [p.device.id for p in programs])
-
   # -- outputs --------------------------------------------------------------------------
 
   def _assemble(self, results: Sequence[Any]) -> list[jax.Array]:
@@ -327,6 +324,14 @@ def _donate(leaves: Sequence[jax.Array], donate: bool) -> None:
     for x in leaves:
       if not x.is_deleted():
         x.delete()
+
+
+@functools.lru_cache(maxsize=None)  # one per device: bounded by the device count
+def _single_device_sharding(device) -> SingleDeviceSharding:
+  """One SingleDeviceSharding per device, shared by every build: JAX's compile caches
+  keep the shardings of the programs they hold, so fresh ones per build piled up
+  (26k of them after 8,000 layouts, issue 14)."""
+  return SingleDeviceSharding(device)
 
 
 def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
@@ -361,7 +366,7 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
     res = bufs.results.get(dev_id, {})
     operand_leaves = sorted(ops, key=ops.get)
     result_leaves = sorted(res, key=res.get)
-    sharding = SingleDeviceSharding(device)
+    sharding = _single_device_sharding(device)
     in_types = []
     for t in operand_leaves:
       box = src_layouts[t].box_of(dev_id)

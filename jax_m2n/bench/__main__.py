@@ -11,7 +11,8 @@ Suites: smoke, refit (cross-device-set refits: 2 -> 2 replicated, 1 -> 3, dim0 -
 64-leaf pytree), colocated (layout changes on 4 devices, inside jit too), model (Llama- and
 MoE-shaped pytrees, FSDP/EP -> TP x DP on other devices), emulated (8 CPU devices in
 emulated NVLink domains of 2), planner (planning a DeepSeek-V3-sized refit, no devices),
-fig4 (the paper's Figure 4 in miniature on the emulated network: bench/fig4.py).
+fig4 (the paper's Figure 4 in miniature on the emulated network: bench/fig4.py), memory
+(RSS over distinct eager layouts against a plain-JAX control: bench/memory.py).
 Engines: m2n_{hierarchical,flat,gather_bcast} (eager), m2n_jit_{...} (inside jit),
 jit_identity (XLA), device_put, numpy_copy (CPU), torch_gather_bcast (GPUs, torch).
 
@@ -88,6 +89,9 @@ _TORCH_DEVICE = flags.DEFINE_enum(
     "auto: the torch engine runs on GPUs (NCCL) when there are any; cpu: on host "
     "processes with gloo (tests the torch engine without GPUs).")
 _PLOTS = flags.DEFINE_boolean("plots", True, "Write PNG plots.")
+_MEMORY_LAYOUTS = flags.DEFINE_list(
+    "memory_layouts", ["1000", "8000"], "memory suite: RSS checkpoints, in distinct "
+    "layouts (the growth between the first and the last is reported).")
 
 
 def _check_choices(name: str, values, choices) -> None:
@@ -139,6 +143,13 @@ def main(argv) -> int:
     chosen_suites.remove("fig4")
     if not chosen_suites or rc:
       return rc
+  if "memory" in chosen_suites:  # RSS over distinct layouts vs plain JAX (bench/memory.py)
+    from jax_m2n.bench import memory
+    memory.main(out_dir, [int(v) for v in _MEMORY_LAYOUTS.value],
+                lambda text: console.print(text, highlight=False, markup=False))
+    chosen_suites.remove("memory")
+    if not chosen_suites:
+      return 0
   json_path = os.path.join(out_dir, "results.json")
   move_suites = [s for s in chosen_suites if s != "planner"]
   use_torch = any(isinstance(e, bench_engines.TorchGatherBcast) for e in engines) and \

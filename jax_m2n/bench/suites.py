@@ -22,7 +22,7 @@ from jax_m2n.bench import data as bench_data
 MIB = 1 << 20
 
 # The suites `--suite` accepts, in run order.
-SUITES = ("smoke", "refit", "colocated", "model", "emulated", "planner", "fig4")
+SUITES = ("smoke", "refit", "colocated", "model", "emulated", "planner", "fig4", "memory")
 
 
 @dataclasses.dataclass(frozen=True)
