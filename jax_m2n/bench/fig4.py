@@ -173,7 +173,7 @@ def plot(doc: dict, path: str) -> None:
   colors = {"hierarchical": "tab:green", "flat": "tab:blue", "gather_bcast": "tab:red"}
   labels = {"hierarchical": "Hierarchical", "flat": "Flat direct sends",
             "gather_bcast": "Gather + bcast"}
-  fig, ax = plt.subplots(figsize=(7.5, 4.8))
+  fig, ax = plt.subplots(figsize=(7.5, 5.6))
   for route in ROUTES:
     rs = sorted((r for r in rows if r["route"] == route), key=lambda r: r["r_d"])
     xs = [r["r_d"] for r in rs]
@@ -194,7 +194,7 @@ def plot(doc: dict, path: str) -> None:
                f"{doc['nic_gbps']:g} GB/s\n(8 CPU devices, domains of 2; r_d = 4: "
                "generator replica 0 shares the sources' domain)", fontsize=9)
   ax.grid(True, alpha=0.3)
-  ax.legend(fontsize=7, ncol=2)
+  ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.13))
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
