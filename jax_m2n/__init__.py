@@ -2,16 +2,19 @@
 
 The public surface: `reshard` (move a pytree of arrays into new layouts, eagerly across
 device sets or inside jit), `plan` (the transfer plan without moving anything),
-`Topology`, `Layout` and the `ReshardError` family. Internals live in `jax_m2n._src`.
+`check_errors` (did an in-jit reshard fail?), `Topology`, `Layout` and the
+`ReshardError` family. Internals live in `jax_m2n._src`.
 """
 
 from jax_m2n._src.errors import (
     ReshardError as ReshardError,
+    ReshardRuntimeError as ReshardRuntimeError,
     ReshardTimeoutError as ReshardTimeoutError,
     ReshardTypeError as ReshardTypeError,
     ReshardValueError as ReshardValueError,
 )
 from jax_m2n._src.layout import Layout as Layout
+from jax_m2n._src.api import check_errors as check_errors
 from jax_m2n._src.api import plan as plan
 from jax_m2n._src.api import reshard as reshard
 from jax_m2n._src.topology import Topology as Topology
@@ -21,11 +24,13 @@ __version__ = "0.1.0"
 __all__ = [
     "Layout",
     "ReshardError",
+    "ReshardRuntimeError",
     "ReshardTimeoutError",
     "ReshardTypeError",
     "ReshardValueError",
     "Topology",
     "__version__",
+    "check_errors",
     "plan",
     "reshard",
 ]

@@ -3,6 +3,7 @@ collective, the SPMD schedule encoding, under both partitioners (Shardy and GSPM
 with JAX's Auto and Explicit mesh axis types.
 """
 
+import functools
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -17,6 +18,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
 from jax_m2n._src import schedule
+from jax_m2n._src import transforms
 
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce",
                "reduce-scatter")
@@ -105,11 +107,16 @@ def test_custom_call_operands_are_per_device_shards():
 
 
 def _ffi_params(jaxpr):
-  """Every ffi_call equation's params, recursively."""
+  """Every ffi_call equation's params, recursively; a staged jax_m2n_reshard primitive
+  is expanded into what its lowering traces (transforms._lowered)."""
   out = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "ffi_call":
       out.append(eqn.params)
+    if eqn.primitive.name == "jax_m2n_reshard":
+      structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+      inner = jax.make_jaxpr(functools.partial(transforms._lowered, **eqn.params))(*structs)
+      out.extend(_ffi_params(inner.jaxpr))
     for v in eqn.params.values():
       for sub in (v if isinstance(v, (list, tuple)) else [v]):
         inner = getattr(sub, "jaxpr", sub)

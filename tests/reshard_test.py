@@ -501,7 +501,13 @@ def test_native_errors_map_to_the_family():
   assert isinstance(timeout, jax_m2n.ReshardTimeoutError)
   assert "peer 3 missing" in str(timeout)
   other = checks._map_native_error(RuntimeError("INVALID_ARGUMENT: bad schedule"))
-  assert type(other) is jax_m2n.ReshardError and "bad schedule" in str(other)
+  assert type(other) is jax_m2n.ReshardRuntimeError and "bad schedule" in str(other)
+  assert isinstance(other, RuntimeError) and isinstance(timeout, RuntimeError)
+  assert isinstance(timeout, TimeoutError)
+  # Recognised by the status code, not by a word anywhere in the message.
+  mentions = checks._map_native_error(RuntimeError("INTERNAL: the timeout_s field is bad"))
+  assert not isinstance(mentions, jax_m2n.ReshardTimeoutError)
+  assert isinstance(checks._map_native_error(TimeoutError("x")), jax_m2n.ReshardTimeoutError)
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 64, 4096])

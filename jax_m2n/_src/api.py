@@ -8,21 +8,29 @@ the eager per-device programs (eager.py) outside jit, the shard_map lowering
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Sharding
 
+from jax_m2n._src import eager
+from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
-from jax_m2n._src.checks import (_API, _broadcast_prefix, _check_holds, _check_route,
-                                 _chunk_bytes, _dst_sharding_of, _leaf_names, _timeout_ms)
-from jax_m2n._src.eager import _reshard_eager
+from jax_m2n._src import traced
+from jax_m2n._src import transforms
+from jax_m2n._src.checks import (_API, _broadcast_prefix, _check_dtype, _check_holds,
+                                 _check_mesh, _check_reduction, _check_route,
+                                 _check_topology, _chunk_bytes, _donate_flags,
+                                 _dst_sharding_of, _leaf_names, _map_native_error,
+                                 _normalize_dst, _timeout_ms)
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import DEFAULT_CHUNK_BYTES, Plan, plan_reshard
 from jax_m2n._src.topology import Topology, as_topology
-from jax_m2n._src.traced import _reshard_traced
+
+logger = logging.getLogger("jax_m2n")
 
 # ---------------------------------------------------------------------------------------
 # Public API
@@ -32,18 +40,40 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
             topology: Topology | int | Sequence[Sequence[int]] | None = None,
             donate: bool = False, src_sharding: Any = None,
             timeout_s: float | None = None, chunk_bytes: int | None = None) -> Any:
-  """Moves arrays into new layouts, possibly on other devices, with one transfer plan.
+  """Moves arrays into new layouts, possibly on other devices: a drop-in for
+  `jax.device_put(x, dst)` and `jax.sharding.reshard(x, dst)`.
 
-  The result is bitwise equal to `jax.device_put(x, dst_sharding)` and its leaves'
-  `.sharding` is `dst_sharding` (same devices, same order), but only the bytes each
-  destination device needs move, each source byte crosses the slow links once per
-  destination domain, and replicas are filled by fan-out inside a domain.
+  The result equals `jax.device_put(x, dst_sharding)`: the same values, shards,
+  sharding (same devices, same order), committedness, weak_type and memory kind. Where
+  it moves device arrays between device layouts, only the bytes each destination device
+  needs move, each source byte crosses the slow links once per destination domain, and
+  replicas are filled by fan-out inside a domain.
 
-  Outside jit, source and destination device sets may be disjoint (trainer ->
-  generator), overlapping or identical: one small compiled program runs per
-  participating device (cached). Inside `jax.jit`, both must be on the jit's devices; the
-  reshard lowers to the `jax_m2n_reshard` custom call on every device, with no XLA
-  collective.
+  What runs where (a `logging.getLogger("jax_m2n")` debug line names the path):
+    * Outside jit, committed device arrays: jax_m2n's eager path, one small compiled
+      program per participating device (cached). Source and destination device sets may
+      be disjoint (trainer -> generator), overlapping or identical.
+    * Inside `jax.jit`: jax_m2n's `jax_m2n_reshard` custom call in one `shard_map` over
+      the jit's devices (no XLA collective), when the source layout is known: from the
+      type (meshes with `AxisType.Explicit` axes) or from `src_sharding=`. Without
+      either, only XLA's partitioner knows where the operand lives, so the leaf is handed
+      to it (`with_sharding_constraint`; XLA moves the data).
+    * Delegated to `jax.device_put`, honestly, where jax_m2n adds nothing (no
+      device-to-device layout change of plain bytes): numpy arrays and Python scalars
+      (host -> devices), uncommitted arrays, typed PRNG key arrays, sub-byte dtypes
+      (int4), host memory kinds (`pinned_host`, `unpinned_host`) as source or
+      destination, and `None` destinations (the source layout is kept, as device_put
+      does).
+
+  Transformations: `jax.grad` / `vjp` / `jvp` (the cotangent is resharded back to the
+  source layout, eagerly by jax_m2n and in jit by the custom call), `jax.vmap` (each
+  example lands in the destination layout; the batch dimension is left unsharded, as
+  `with_sharding_constraint` and `jax.sharding.reshard` do under vmap), `jax.jit`.
+
+  Not supported (a `ReshardValueError` naming the feature): unreduced / reduced
+  shardings (`P(..., unreduced={...})`; jax_m2n moves bytes and does not sum partial
+  values: reduce first), inside jit a source and a destination on different devices
+  or device orders, or an Explicit-axes source with an Auto-axes destination.
 
   Collective contract: a reshard is collective over every participating device (a
   device holding a source or a destination shard of any leaf). Every process that owns
@@ -52,22 +82,24 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   `timeout_s` with `ReshardTimeoutError` on every waiting device, never hangs.
 
   Args:
-    x: a `jax.Array` or a pytree of them (committed, not deleted). Inside jit: traced
-      arrays.
-    dst_sharding: a `jax.sharding.Sharding`, or a pytree prefix of `x` of them (as for
-      `jax.device_put`); a `jax.ShapeDtypeStruct` with a sharding is accepted too
-      (its shape and dtype must equal the leaf's).
+    x: a pytree of arrays: `jax.Array`s (committed or not), numpy arrays, Python
+      scalars. Inside jit or a transformation: traced arrays.
+    dst_sharding: for each leaf a `jax.sharding.Sharding`, a `jax.Device`, a bare
+      `PartitionSpec` (on the mesh of `jax.set_mesh`), a `jax.ShapeDtypeStruct` with a
+      sharding (same shape and dtype as the leaf) or `None` (keep); one of them, or a
+      pytree prefix of `x` of them (as for `jax.device_put`).
     route: `"hierarchical"` (default), `"flat"` (direct sends to every replica) or
       `"gather_bcast"` (the legacy refit baseline).
     topology: NVLink domains: a `jax_m2n.Topology`, a domain size (int) or lists of
       device ids. Default: the devices of one process form one domain.
-    donate: outside jit, free the source arrays once the call has completed (they are
-      deleted; the caller must not use them again). Without it, sources are never
-      modified. Ignored inside jit (use jit's `donate_argnums`).
-    src_sharding: the source layout (a Sharding or a pytree prefix of them). Needed
-      inside jit when the type of `x` carries no sharding (non-explicit meshes);
-      outside jit optional, and checked against `x.sharding`.
-    timeout_s: how long a device waits for its peers (default 300 s).
+    donate: a bool, or a pytree prefix of `x` of bools (as for `jax.device_put`): the
+      sources marked True are deleted once every leaf has moved; an unmarked leaf is
+      never touched. Ignored inside jit (use jit's `donate_argnums`).
+    src_sharding: the source layout (a Sharding or a pytree prefix of them). Inside jit
+      it lets jax_m2n (not XLA) move a leaf whose type carries no layout; under vmap it
+      is the per-example layout. Outside jit optional, and checked against `x.sharding`.
+    timeout_s: how long a device waits for its peers: a number of seconds in
+      [0.001, 2**40/1000] (default 300 s).
     chunk_bytes: bound on one pipelined chunk of a transfer (a leader forwards chunk c
       while chunk c+1 arrives). Default: 16 MiB on CPU, 64 MiB on GPU (measured on
       H200: fewer, larger NCCL groups win; docs/cuda_transport.md).
@@ -76,17 +108,24 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     A pytree like `x` of arrays with the destination shardings.
 
   Raises:
-    ReshardTypeError: a leaf is not an array, a destination is not a Sharding.
-    ReshardValueError: structures do not match, shapes or dtypes would change, a
-      sharding cannot hold the shape, devices are on another platform, arrays are
-      uncommitted or deleted, an unknown route, devices of another process on CPU, or a
-      layout inside jit that needs the eager path. Raised before any data moves; the
-      message names the leaf.
-    ReshardTimeoutError: a peer did not arrive within `timeout_s`.
-    ReshardError: the native handler failed (its message included). No partial
-      outputs are returned.
+    ReshardTypeError (also TypeError): an argument of the wrong type (a leaf that is no
+      array, a destination that is no Sharding/Device/PartitionSpec, a non-number
+      timeout_s, a malformed topology, a donate that is not bools).
+    ReshardValueError (also ValueError): structures do not match, shapes or dtypes would
+      change, a sharding cannot hold the shape, a mesh lists a device twice or is an
+      AbstractMesh, unreduced shardings, devices on another platform, an unknown route,
+      a timeout_s below 1 ms, devices of another process on CPU, or a layout inside jit
+      that needs the eager path. Raised before any data moves; the message names the
+      leaf.
+    ReshardTimeoutError (also ReshardRuntimeError, TimeoutError): a peer did not arrive
+      within `timeout_s`.
+    ReshardRuntimeError (also RuntimeError): the native handler failed (its message
+      included). No partial outputs are returned. Inside jit on GPU a failure can surface
+      after the step: see `jax_m2n.check_errors`.
 
-  Example:
+  Examples:
+    Trainer -> generator, across device sets (eager):
+
     >>> import jax, numpy as np
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> devs = np.array(jax.devices()[:8])
@@ -97,9 +136,37 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     >>> w2 = jax_m2n.reshard(w, NamedSharding(generator, P("tp", None)))
     >>> w2.sharding == NamedSharding(generator, P("tp", None))
     True
+    >>> bool((w2 == jax.device_put(w, w2.sharding)).all())
+    True
+
+    A pytree with a prefix of destinations, a None leaf (kept) and donation:
+
+    >>> params = {"w": w, "b": jax.device_put(np.ones(4), devs[0]), "step": 3}
+    >>> out = jax_m2n.reshard(params, {"w": NamedSharding(generator, P()),
+    ...                                "b": devs[5], "step": None},
+    ...                       donate={"w": True, "b": False, "step": False})
+    >>> w.is_deleted(), params["b"].is_deleted(), int(out["step"])
+    (True, False, 3)
+
+    Gradients flow through; the cotangent comes back in the source layout:
+
+    >>> x = jax.device_put(np.arange(8.0), NamedSharding(trainer, P("tp")))
+    >>> g = jax.grad(lambda v: jax_m2n.reshard(v, devs[6]).sum())(x)
+    >>> g.sharding == x.sharding
+    True
+
+    Inside jit, with the source layout given (or known from Explicit-axes types):
+
+    >>> mesh = jax.sharding.Mesh(devs, ("x",))
+    >>> y = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x")))
+    >>> f = jax.jit(lambda v: jax_m2n.reshard(v, NamedSharding(mesh, P(None, "x")),
+    ...                                        src_sharding=y.sharding))
+    >>> f(y).sharding == NamedSharding(mesh, P(None, "x"))
+    True
   """
   _check_route(_API, route)
   timeout_ms = _timeout_ms(_API, timeout_s)
+  topology = _check_topology(_API, topology)
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
   name_cache: list[list[str]] = []
@@ -112,18 +179,133 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   dsts = _broadcast_prefix(_API, "dst_sharding", dst_sharding, x, treedef, n, names)
   srcs = ([None] * n if src_sharding is None else
           _broadcast_prefix(_API, "src_sharding", src_sharding, x, treedef, n, names))
+  flags = _donate_flags(_API, donate, x, treedef, n)
   if not n:
     return jax.tree_util.tree_unflatten(treedef, [])
+  dsts = [_normalize_dst(_API, names()[i], d) for i, d in enumerate(dsts)]
+  seen: set[int] = set()  # a prefix repeats one sharding object: check it once
+  for i, d in enumerate(dsts):  # before anything asks these shardings for devices
+    d = d.sharding if isinstance(d, jax.ShapeDtypeStruct) else d
+    if id(d) not in seen:
+      seen.add(id(d))
+      _check_mesh(_API, names()[i], d, "destination")
+      _check_reduction(_API, names()[i], d, "destination")
+    if srcs[i] is not None:
+      _check_reduction(_API, names()[i], srcs[i], "source")
+    if isinstance(leaves[i], jax.Array) and not isinstance(leaves[i], jax.core.Tracer):
+      s = leaves[i].sharding
+      if id(s) not in seen:
+        seen.add(id(s))
+        _check_reduction(_API, names()[i], s, "source")
+  chunk = _chunk_bytes(_API, chunk_bytes, dsts)
   traced = (not jax_compat.trace_state_clean()) or any(
       isinstance(v, jax.core.Tracer) for v in leaves)
   if traced:
-    outs = _reshard_traced(leaves, dsts, srcs, route, topology, timeout_ms,
-                           _chunk_bytes(_API, chunk_bytes, dsts), names)
+    outs = _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk, names)
   else:
-    outs = _reshard_eager(x, leaves, treedef, dsts, srcs, route, topology, bool(donate),
-                          timeout_ms, _chunk_bytes(_API, chunk_bytes, dsts), names)
+    outs = eager.reshard_leaves(leaves, treedef, dsts, srcs, flags, route, topology,
+                                timeout_ms, chunk, names)
   return jax.tree_util.tree_unflatten(treedef, outs)
 
+
+def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes,
+                     names) -> list[Any]:
+  """Traced leaves (jit, grad, vmap): checks what the types tell, then one primitive."""
+  context = jax.sharding.get_abstract_mesh()
+  if not context.empty and getattr(context, "manual_axes", ()):
+    raise ReshardValueError(
+        f"{_API}: reshard must be called outside shard_map (it lowers to its own SPMD "
+        f"program over whole arrays); got a call under manual mesh axes "
+        f"{tuple(context.manual_axes)}. Hint: call it on the global arrays, inside jit "
+        "or eagerly.")
+  outs: list[Any] = list(leaves)
+  staged = []
+  for i, (leaf, dst) in enumerate(zip(leaves, dsts)):
+    name = names()[i]
+    if dst is None:  # keep the layout: jax.device_put(x, None) is the identity
+      continue
+    try:
+      aval = jax.typeof(leaf)
+    except TypeError:
+      aval = None
+    if aval is None or not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
+      raise ReshardTypeError(
+          f"{_API}: every leaf of x must be an array; got {type(leaf).__name__} at "
+          f"{name}.")
+    shape, dtype = tuple(aval.shape), aval.dtype
+    if (not isinstance(leaf, jax.core.Tracer) and not isinstance(leaf, jax.Array)) or (
+        jax.dtypes.issubdtype(dtype, jax.dtypes.extended)):
+      outs[i] = jax.device_put(leaf, _dst_sharding_of(_API, name, dst, shape, dtype)
+                               if not isinstance(dst, jax.ShapeDtypeStruct)
+                               else dst.sharding)
+      logger.debug("reshard: %s delegated to jax.device_put (host data or extended "
+                   "dtype)", name)
+      continue
+    _check_dtype(_API, name, dtype)
+    dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype)
+    _check_mesh(_API, name, dst_sharding, "destination")
+    _check_reduction(_API, name, dst_sharding, "destination")
+    _check_holds(_API, name, dst_sharding, shape, "destination")
+    if srcs[i] is not None:
+      if not isinstance(srcs[i], jax.sharding.Sharding):
+        raise ReshardTypeError(
+            f"{_API}: src_sharding of {name} must be a jax.sharding.Sharding; got "
+            f"{type(srcs[i]).__name__}.")
+      _check_reduction(_API, name, srcs[i], "source")
+    typed = getattr(aval, "sharding", None)
+    _check_reduction(_API, name, typed, "source")
+    in_jit = jax_compat.is_staged(leaf)
+    if in_jit and (isinstance(typed, jax.sharding.NamedSharding) and not typed.mesh.empty and any(
+        t == jax.sharding.AxisType.Explicit for t in typed.mesh.axis_types)
+        and isinstance(dst_sharding, jax.sharding.NamedSharding) and not any(
+            t == jax.sharding.AxisType.Explicit for t in dst_sharding.mesh.axis_types)):
+      raise ReshardValueError(
+          f"{_API}: inside jit, {name} typed on Explicit mesh axes must go to a "
+          f"destination on Explicit axes (JAX keeps the layout in the type there); got "
+          f"destination mesh axis types {dst_sharding.mesh.axis_types}. Hint: build the "
+          "destination mesh with axis_types=(AxisType.Explicit, ...), or call reshard "
+          "outside jit.")
+    if in_jit:
+      traced.check_staged_devices(name, aval, srcs[i], dst_sharding)
+    if (jax_compat.trace_state_clean() and not isinstance(leaf, jax.core.Tracer)
+        and isinstance(leaf, jax.Array) and eager.delegated_because(leaf, dst_sharding)):
+      outs[i] = jax.device_put(leaf, dst_sharding)  # a constant under a transformation
+      continue
+    staged.append((i, dst_sharding))
+  if staged:
+    ys = transforms.bind([leaves[i] for i, _ in staged], [d for _, d in staged],
+                         [srcs[i] for i, _ in staged], route, topology, timeout_ms,
+                         chunk_bytes)
+    for (i, dst), y in zip(staged, ys):
+      if isinstance(y, jax.core.Tracer) and not transforms._is_explicit(dst):
+        # The layout the jit's outputs report comes from the jaxpr, not from inside the
+        # lowering: state it here too (a no-op for XLA, the value is already there).
+        y = jax.lax.with_sharding_constraint(y, dst)
+      outs[i] = y
+  return outs
+
+
+def check_errors() -> None:
+  """Raises the error of an in-jit reshard that failed after returning, if any.
+
+  Inside jit, the CUDA transport detects a timeout or an NCCL failure after the custom
+  call has returned to XLA (a watchdog): that step's outputs are invalid and nothing
+  raises until jax_m2n is called again. A training loop calls this (cheap: no device
+  work) after a step to ask. Every later reshard raises the same error until the
+  transport is re-initialized. The CPU transport fails inside the call, so on CPU this
+  never raises.
+
+  Raises:
+    ReshardTimeoutError: a peer did not arrive within `timeout_s` (also TimeoutError).
+    ReshardRuntimeError: the transport failed (also RuntimeError).
+
+  Example:
+    >>> jax_m2n.check_errors()  # nothing failed
+  """
+  for platform in ("cuda", "gpu", "cpu"):
+    sticky = m2n_ffi.sticky_error(platform)
+    if sticky is not None:
+      raise _map_native_error(RuntimeError(sticky))
 
 
 def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
@@ -142,6 +324,13 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     The `Plan` (transfers, chunks, bytes per link, cost estimates, workspace).
 
   Example:
+    >>> import jax, numpy as np
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> devs = np.array(jax.devices()[:8])
+    >>> trainer = jax.sharding.Mesh(devs[:4].reshape(1, 4), ("dp", "tp"))
+    >>> generator = jax.sharding.Mesh(devs[4:].reshape(2, 2), ("dp", "tp"))
+    >>> w = jax.ShapeDtypeStruct((4, 8), np.float32,
+    ...                          sharding=NamedSharding(trainer, P("tp", None)))
     >>> p = jax_m2n.plan(w, NamedSharding(generator, P("tp", None)))
     >>> p.bytes_by_link  # 128 bytes injected, 128 fanned out to the dp replicas
     {'local': 0, 'nvlink': 256, 'network': 0}

@@ -8,21 +8,24 @@ any data moves. Never plans, compiles or dispatches.
 from __future__ import annotations
 
 import hashlib
+import re
 import numbers
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, Sharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from jax_m2n._src.errors import (ReshardError, ReshardTimeoutError, ReshardTypeError,
-                                 ReshardValueError)
+from jax_m2n._src import jax_compat
+from jax_m2n._src.errors import (ReshardError, ReshardRuntimeError, ReshardTimeoutError,
+                                 ReshardTypeError, ReshardValueError)
 from jax_m2n._src.layout import MAX_RANK, Layout
 from jax_m2n._src.planner import DEFAULT_CHUNK_BYTES, ROUTES
-from jax_m2n._src.topology import as_topology
+from jax_m2n._src.topology import Topology, as_topology
 
 DEFAULT_TIMEOUT_S = 300.0
 _MAX_TIMEOUT_S = float(2**40 // 1000)  # the handlers' bound on the timeout_ms attribute
+_MIN_TIMEOUT_S = 1e-3  # the handlers' resolution: one millisecond
 
 _API = "reshard"
 
@@ -30,8 +33,11 @@ _API = "reshard"
 # Pytree handling and validation (everything here runs before any data moves)
 # ---------------------------------------------------------------------------------------
 
+_DST_TYPES = (Sharding, jax.ShapeDtypeStruct, PartitionSpec, jax.Device)
+
+
 def _is_dst_leaf(v: Any) -> bool:
-  return v is None or isinstance(v, (Sharding, jax.ShapeDtypeStruct))
+  return v is None or isinstance(v, _DST_TYPES)
 
 
 def _leaf_names(x: Any) -> list[str]:
@@ -43,7 +49,7 @@ def _leaf_names(x: Any) -> list[str]:
 def _broadcast_prefix(api: str, what: str, prefix: Any, x: Any, treedef, n: int,
                       names: Callable[[], list[str]]) -> list[Any]:
   """The leaves of `prefix` broadcast onto x's leaves (like jax.device_put's argument)."""
-  if isinstance(prefix, (Sharding, jax.ShapeDtypeStruct)):
+  if prefix is None or isinstance(prefix, _DST_TYPES):
     return [prefix] * n
   flat, tree = jax.tree_util.tree_flatten(prefix, is_leaf=_is_dst_leaf)
   if tree == treedef:
@@ -63,6 +69,49 @@ def _broadcast_prefix(api: str, what: str, prefix: Any, x: Any, treedef, n: int,
   return full
 
 
+def _normalize_dst(api: str, name: str, dst: Any) -> Any:
+  """A jax.Device as its SingleDeviceSharding, a PartitionSpec on the context mesh (as
+  jax.device_put reads them); anything else unchanged (checked later)."""
+  if isinstance(dst, jax.Device):
+    return SingleDeviceSharding(dst)
+  if isinstance(dst, PartitionSpec):
+    mesh = jax_compat.context_mesh()
+    if mesh is None:
+      raise ReshardValueError(
+          f"{api}: a PartitionSpec destination of {name} must be used under a mesh "
+          f"context; got {dst} with none set. Hint: `with jax.set_mesh(mesh):`, or "
+          "NamedSharding(mesh, spec).")
+    return NamedSharding(mesh, dst)
+  return dst
+
+
+def _donate_flags(api: str, donate: Any, x: Any, treedef, n: int) -> list[bool]:
+  """One flag per leaf from a bool or a pytree prefix of x of bools (jax.device_put's
+  `donate`); anything else is refused, so no leaf is deleted by accident."""
+  if isinstance(donate, (bool, np.bool_)):
+    return [bool(donate)] * n
+  flat, tree = jax.tree_util.tree_flatten(donate)
+  bad = next((v for v in flat if not isinstance(v, (bool, np.bool_))), None)
+  if bad is not None or donate is None:
+    what = donate if bad is None else bad
+    raise ReshardTypeError(
+        f"{api}: donate must be a bool or a pytree prefix of x of bools (as for "
+        f"jax.device_put); got {type(what).__name__} {what!r}.")
+  if tree == treedef:
+    return [bool(v) for v in flat]
+  try:
+    full = jax.tree_util.tree_leaves(jax.tree.broadcast(donate, x))
+  except (ValueError, TypeError) as e:
+    raise ReshardValueError(
+        f"{api}: donate must be a bool or a pytree prefix of x; got structure {tree} "
+        f"for x of structure {treedef}. Detail: {e}") from None
+  if len(full) != n:
+    raise ReshardValueError(
+        f"{api}: donate must be a pytree prefix of x; got {len(full)} flags after "
+        f"broadcasting onto the {n} leaves of x.")
+  return [bool(v) for v in full]
+
+
 def _dst_sharding_of(api: str, name: str, dst: Any, shape, dtype) -> Sharding:
   """The destination sharding of one leaf; checks a ShapeDtypeStruct's shape/dtype."""
   if isinstance(dst, jax.ShapeDtypeStruct):
@@ -77,13 +126,11 @@ def _dst_sharding_of(api: str, name: str, dst: Any, shape, dtype) -> Sharding:
       raise ReshardTypeError(
           f"{api}: a ShapeDtypeStruct destination of {name} must carry a sharding; got "
           "sharding=None.")
-  if isinstance(dst, PartitionSpec):
-    raise ReshardTypeError(
-        f"{api}: the destination of {name} must be a jax.sharding.Sharding; got "
-        f"PartitionSpec {dst}. Hint: wrap it as NamedSharding(mesh, spec).")
+  dst = _normalize_dst(api, name, dst)
   if not isinstance(dst, Sharding):
     raise ReshardTypeError(
-        f"{api}: the destination of {name} must be a jax.sharding.Sharding; got "
+        f"{api}: the destination of {name} must be a jax.sharding.Sharding, a "
+        f"jax.Device, a PartitionSpec (under jax.set_mesh) or None; got "
         f"{type(dst).__name__} {dst!r}.")
   return dst
 
@@ -148,13 +195,17 @@ def _check_route(api: str, route: Any) -> None:
 
 
 def _timeout_ms(api: str, timeout_s: Any) -> int:
+  """timeout_s in whole milliseconds (the handlers' resolution); refuses what rounds away."""
   if timeout_s is None:
     timeout_s = DEFAULT_TIMEOUT_S
-  if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not (
-      0 < timeout_s <= _MAX_TIMEOUT_S):
-    raise ReshardValueError(
-        f"{api}: timeout_s must be a number of seconds in (0, {_MAX_TIMEOUT_S:.0f}]; got "
+  if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
+    raise ReshardTypeError(
+        f"{api}: timeout_s must be a number of seconds; got {type(timeout_s).__name__} "
         f"{timeout_s!r}.")
+  if not (_MIN_TIMEOUT_S <= timeout_s <= _MAX_TIMEOUT_S):
+    raise ReshardValueError(
+        f"{api}: timeout_s must be in [{_MIN_TIMEOUT_S}, {_MAX_TIMEOUT_S:.0f}] seconds "
+        f"(the handlers wait in whole milliseconds); got {timeout_s!r}.")
   return max(1, int(round(float(timeout_s) * 1000)))
 
 
@@ -198,22 +249,79 @@ def _site(tag: bytes, sched: np.ndarray, salt: int = 0) -> int:
   return int.from_bytes(h.digest(), "little") >> 1  # a non-negative int64
 
 
-def _map_native_error(e: Exception) -> ReshardError:
-  """A native handler error as the jax_m2n exception (the native message kept)."""
+def _status_code(msg: str) -> str | None:
+  """The absl status code XLA puts before a failed custom call's message, if any."""
+  m = re.match(r"\s*([A-Z][A-Z_]+):", msg)
+  return m.group(1) if m else None
+
+
+# The CUDA transport's watchdog says this when a step outlived timeout_ms (its sticky
+# error carries no status code).
+_CUDA_WATCHDOG_TIMEOUT = "did not complete within timeout_ms="
+
+
+def _map_native_error(e: BaseException) -> ReshardError:
+  """A native handler error as the jax_m2n exception (the native message kept).
+
+  Timeouts are told by their status code (DEADLINE_EXCEEDED, what the CPU handler
+  returns) or type (TimeoutError), and by the CUDA watchdog's fixed phrase.
+  """
+  if isinstance(e, ReshardError):
+    return e
   msg = str(e)
-  if ("DEADLINE_EXCEEDED" in msg or "timed out" in msg.lower()
-      or "timeout" in msg.lower()):
+  if (isinstance(e, TimeoutError) or _status_code(msg) == "DEADLINE_EXCEEDED"
+      or _CUDA_WATCHDOG_TIMEOUT in msg):
     return ReshardTimeoutError(
         f"{_API}: a participating device did not arrive in time; the handler says: "
         f"{msg}. Hint: every participating device must call reshard with identical "
         "layouts in the same order (the collective contract); raise timeout_s if a "
         "peer is merely slow.")
-  return ReshardError(f"{_API}: the native handler failed: {msg}")
+  return ReshardRuntimeError(f"{_API}: the native handler failed: {msg}")
 
 
-def _check_topology(api: str, topology: Any) -> None:
-  """Raises ReshardTypeError / ReshardValueError (as_topology's) for a bad topology=."""
+def _check_topology(api: str, topology: Any) -> Any:
+  """Raises as_topology's ReshardTypeError (a wrong kind: a bool, a dict, a flat list, a
+  device id that is not an int...) or ReshardValueError (a rule: a domain size below 1, a
+  device in two domains...), each naming the rule and the value.
+
+  Returns the topology with plain ints (hashable: part of cache keys).
+  """
   as_topology(topology, (), api)
+  if isinstance(topology, numbers.Integral):
+    return int(topology)
+  if isinstance(topology, (list, tuple)):
+    return tuple(tuple(int(d) for d in g) for g in topology)
+  return topology
+
+
+def _check_reduction(api: str, name: str, sharding: Any, what: str) -> None:
+  """Unreduced / reduced specs (partial sums) are refused, by name, before data moves."""
+  spec = getattr(sharding, "spec", None)
+  for kind in ("unreduced", "reduced"):
+    axes = getattr(spec, kind, None)
+    if axes:
+      raise ReshardValueError(
+          f"{api}: the {what} sharding of {name} must not be {kind} (jax_m2n moves "
+          f"bytes; it does not sum partial values); got {kind}={set(axes)} in {spec}. "
+          "Hint: reduce first (jax.sharding.reshard to a spec without "
+          f"{kind}=, or a psum), then reshard.")
+
+
+def _check_mesh(api: str, name: str, sharding: Any, what: str) -> None:
+  """A concrete device set with no device listed twice."""
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is not None and isinstance(mesh, jax.sharding.AbstractMesh):
+    raise ReshardValueError(
+        f"{api}: the {what} sharding of {name} must be on a concrete Mesh (devices "
+        f"known); got an AbstractMesh {mesh}. Hint: NamedSharding(jax.make_mesh(...), "
+        "spec), or a PartitionSpec under jax.set_mesh(mesh).")
+  if mesh is not None:
+    ids = [d.id for d in mesh.devices.flat]
+    if len(set(ids)) != len(ids):
+      dup = sorted({i for i in ids if ids.count(i) > 1})
+      raise ReshardValueError(
+          f"{api}: the {what} mesh of {name} must list each device once; got devices "
+          f"{dup} more than once in {ids}.")
 
 
 # Measured defaults (docs/cuda_transport.md: each NCCL step costs ~13 us on H200, and

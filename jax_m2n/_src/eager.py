@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import logging
 import threading
 from typing import Any, Callable, Hashable, Sequence
 
@@ -23,7 +24,8 @@ from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
 from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_in_process,
-                                 _check_memory_kind, _check_topology, _dst_sharding_of,
+                                 _check_memory_kind, _check_mesh, _check_reduction,
+                                 _check_topology, _dst_sharding_of,
                                  _map_native_error, _platform_of, _same_layout, _site,
                                  _topology_key)
 from jax_m2n._src.errors import (ReshardError, ReshardTimeoutError, ReshardTypeError,
@@ -31,6 +33,8 @@ from jax_m2n._src.errors import (ReshardError, ReshardTimeoutError, ReshardTypeE
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import Plan, plan_reshard
 from jax_m2n._src.topology import as_topology
+
+logger = logging.getLogger("jax_m2n")
 
 # ---------------------------------------------------------------------------------------
 # Eager: one small program per participating device, dispatched from per-device threads
@@ -198,7 +202,7 @@ class _EagerReshard:
   def __post_init__(self):
     self.avals = [None] * len(self.out_avals)
 
-  def __call__(self, leaves: Sequence[jax.Array], donate: bool,
+  def __call__(self, leaves: Sequence[jax.Array], donate: bool | Sequence[bool],
                devices: Sequence[int] | None = None) -> list[jax.Array]:
     """Runs the reshard; `devices` (tests only) dispatches a subset, abandoning the rest.
 
@@ -318,12 +322,13 @@ class _EagerReshard:
     return out
 
 
-def _donate(leaves: Sequence[jax.Array], donate: bool) -> None:
-  """Frees the donated sources once the reshard has completed."""
-  if donate:
-    for x in leaves:
-      if not x.is_deleted():
-        x.delete()
+def _donate(leaves: Sequence[jax.Array], donate: bool | Sequence[bool]) -> None:
+  """Frees the sources marked for donation (one flag, or one per leaf) once the reshard
+  has completed; an unmarked leaf is never touched."""
+  flags = [donate] * len(leaves) if isinstance(donate, bool) else donate
+  for x, flag in zip(leaves, flags):
+    if flag is True and not x.is_deleted():
+      x.delete()
 
 
 @functools.lru_cache(maxsize=None)  # one per device: bounded by the device count
@@ -483,9 +488,10 @@ def _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms
   return key
 
 
-def _validate_eager(x, leaves, dsts, src_shardings, donate, topology,
+def _validate_eager(x, leaves, dsts, src_shardings, donate: Sequence[bool], topology,
                     names) -> list[Sharding]:
-  """Every rule of the eager path; returns the destination shardings."""
+  """Every rule of the eager path (`donate`: one flag per leaf); returns the destination
+  shardings."""
   _check_topology(_API, topology)
   out = []
   seen: dict[int, str] = {}
@@ -526,11 +532,14 @@ def _validate_eager(x, leaves, dsts, src_shardings, donate, topology,
           f"{_API}: src_sharding of {name} must describe the array's actual layout; got "
           f"{given} for an array sharded as {src}. Hint: outside jit, src_sharding can "
           "be left out.")
-    if donate:
+    _check_mesh(_API, name, dst_sharding, "destination")
+    _check_reduction(_API, name, src, "source")
+    _check_reduction(_API, name, dst_sharding, "destination")
+    if donate[i]:
       if id(leaf) in seen:
         raise ReshardValueError(
-            f"{_API}: with donate=True an array must appear once in x; got the same "
-            f"array at {seen[id(leaf)]} and {name}.")
+            f"{_API}: a donated array must appear once in x; got the same array at "
+            f"{seen[id(leaf)]} and {name}.")
       seen[id(leaf)] = name
     out.append(dst_sharding)
   return out
@@ -538,6 +547,10 @@ def _validate_eager(x, leaves, dsts, src_shardings, donate, topology,
 
 def _reshard_eager(x, leaves, treedef, dsts, src_shardings, route, topology, donate,
                    timeout_ms, chunk_bytes, names) -> list[jax.Array]:
+  """Runs (building and caching on first use) the per-device programs of one reshard.
+
+  `donate` (one flag per leaf) is checked here; the caller deletes donated sources.
+  """
   key = _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms,
                    chunk_bytes)
   fn = _eager_cache.get(key) if key is not None else None
@@ -545,9 +558,9 @@ def _reshard_eager(x, leaves, treedef, dsts, src_shardings, route, topology, don
     for i, leaf in enumerate(leaves):  # what may change between calls of one key
       if leaf.is_deleted() or not leaf.committed:
         _validate_eager(x, leaves, dsts, src_shardings, donate, topology, names)
-    if donate and len({id(v) for v in leaves}) != len(leaves):
+    if any(donate) and len({id(v) for v in leaves}) != len(leaves):
       _validate_eager(x, leaves, dsts, src_shardings, donate, topology, names)
-    return fn(leaves, donate)
+    return fn(leaves, False)
   dst_shardings = _validate_eager(x, leaves, dsts, src_shardings, donate, topology, names)
   shapes = [tuple(v.shape) for v in leaves]
   dtypes = [v.dtype for v in leaves]
@@ -559,5 +572,121 @@ def _reshard_eager(x, leaves, treedef, dsts, src_shardings, route, topology, don
                         chunk_bytes)
       if key is not None:
         _eager_cache.put(key, fn)
-  return fn(leaves, donate)
+  return fn(leaves, False)
 
+
+
+# ---------------------------------------------------------------------------------------
+# Which leaves jax_m2n moves and which it hands to jax.device_put
+# ---------------------------------------------------------------------------------------
+
+_HOST_TYPES = (np.ndarray, np.generic, int, float, complex, bool)
+
+
+@functools.lru_cache(maxsize=1024)
+def _default_memory(sharding: Sharding) -> bool:
+  kind = getattr(sharding, "memory_kind", None)
+  if kind is None:
+    return True
+  try:
+    return kind == next(iter(sharding.device_set)).default_memory().kind
+  except Exception:  # noqa: BLE001 - some backends expose no memories
+    return True
+
+
+def delegated_because(leaf: Any, dst: Any) -> str | None:
+  """Why jax.device_put, not jax_m2n, moves this leaf (None: jax_m2n moves it).
+
+  jax_m2n adds nothing where no device-to-device layout change happens: host data,
+  uncommitted arrays (a default placement, not a layout), `None` destinations (keep),
+  typed PRNG keys, sub-byte dtypes (int4: the handlers copy whole bytes), and host
+  memory kinds (a device <-> host copy).
+  """
+  if dst is None:
+    return "destination None (keep the layout)"
+  if not isinstance(leaf, jax.Array):
+    return "host data"
+  if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+    return f"extended dtype {leaf.dtype}"
+  if jax.dtypes.itemsize_bits(leaf.dtype) % 8:
+    return f"sub-byte dtype {leaf.dtype}"
+  if isinstance(leaf, jax.core.Tracer):
+    return None
+  if not leaf.committed:
+    return "uncommitted array"
+  dst_sharding = dst.sharding if isinstance(dst, jax.ShapeDtypeStruct) else dst
+  if not _default_memory(leaf.sharding) or (
+      isinstance(dst_sharding, Sharding) and not _default_memory(dst_sharding)):
+    return "host memory kind"
+  return None
+
+
+def _check_delegated(name: str, leaf: Any, dst: Any) -> Any:
+  """The rules a delegated leaf must meet before anything moves; its destination."""
+  if dst is None:
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+      raise ReshardValueError(
+          f"{_API}: {name} must be a live array; got a deleted (or donated) array.")
+    return None
+  if not isinstance(leaf, jax.Array) and not isinstance(leaf, _HOST_TYPES) and not hasattr(
+      leaf, "__jax_array__"):
+    raise ReshardTypeError(
+        f"{_API}: every leaf of x must be an array (a jax.Array, a numpy array or a "
+        f"Python/numpy scalar); got {type(leaf).__name__} at {name}.")
+  if isinstance(leaf, jax.Array) and leaf.is_deleted():
+    raise ReshardValueError(
+        f"{_API}: {name} must be a live array; got a deleted (or donated) array.")
+  shape = np.shape(leaf)
+  dtype = getattr(leaf, "dtype", None)
+  if dtype is None:
+    dtype = jax.numpy.asarray(leaf).dtype  # a Python scalar: its default dtype
+  dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype) if not (
+      jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+      and isinstance(dst, jax.ShapeDtypeStruct)) else dst.sharding
+  _check_mesh(_API, name, dst_sharding, "destination")
+  _check_reduction(_API, name, dst_sharding, "destination")
+  if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    _check_holds(_API, name, dst_sharding, shape, "destination")
+  return dst_sharding
+
+
+def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
+                   srcs: Sequence[Any], donate: Sequence[bool], route: str, topology: Any,
+                   timeout_ms: int, chunk_bytes: int, names: Callable[[], list[str]]
+                   ) -> list[Any]:
+  """Eagerly reshards concrete leaves: jax_m2n's programs for device layouts, jax.device_put
+  for the rest (see `delegated_because`). Every check runs before anything moves; a
+  donated source is deleted only after every leaf has moved."""
+  n = len(leaves)
+  moved, delegated = [], []
+  for i in range(n):
+    (moved if delegated_because(leaves[i], dsts[i]) is None else delegated).append(i)
+  delegated_dsts = {i: _check_delegated(names()[i], leaves[i], dsts[i]) for i in delegated}
+  outs: list[Any] = [None] * n
+  if moved:
+    sub = len(moved) != n
+    sub_names = (lambda: [names()[i] for i in moved]) if sub else names
+    m_leaves = [leaves[i] for i in moved]
+    ys = _reshard_eager(
+        None, m_leaves, jax.tree.structure([0] * len(moved)) if sub else treedef,
+        [dsts[i] for i in moved], [srcs[i] for i in moved], route, topology,
+        [donate[i] for i in moved], timeout_ms, chunk_bytes, sub_names)
+    for i, y in zip(moved, ys):
+      outs[i] = jax_compat.with_weak_type(y) if leaves[i].weak_type else y
+    logger.debug("reshard: eager per-device path moved %d of %d leaves", len(moved), n)
+  for i in delegated:
+    given = srcs[i]
+    if given is not None and isinstance(leaves[i], jax.Array) and not _same_layout(
+        given, leaves[i].sharding, leaves[i].shape):
+      raise ReshardValueError(
+          f"{_API}: src_sharding of {names()[i]} must describe the array's actual "
+          f"layout; got {given} for an array sharded as {leaves[i].sharding}.")
+  for i in delegated:
+    outs[i] = jax.device_put(leaves[i], delegated_dsts[i])
+  if delegated:
+    logger.debug("reshard: delegated %d of %d leaves to jax.device_put (%s)",
+                 len(delegated), n,
+                 sorted({delegated_because(leaves[i], dsts[i]) for i in delegated}))
+  _donate([leaves[i] for i in range(n) if outs[i] is not leaves[i]],
+          [donate[i] for i in range(n) if outs[i] is not leaves[i]])
+  return outs

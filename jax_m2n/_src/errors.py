@@ -2,6 +2,8 @@
 
 Owns the error types every layer raises. Messages follow one rule:
 "<api>: <what> must <rule>; got <value>." plus a hint. Nothing here moves data.
+Argument errors are raised before data moves and are also ValueError / TypeError (JAX's
+convention); failures while data moves are also RuntimeError, timeouts TimeoutError.
 """
 
 
@@ -14,8 +16,12 @@ class ReshardValueError(ReshardError, ValueError):
 
 
 class ReshardTypeError(ReshardError, TypeError):
-  """An argument has the wrong type (not a jax.Array, not a Sharding...)."""
+  """An argument has the wrong type (not an array, not a Sharding, not a number...)."""
 
 
-class ReshardTimeoutError(ReshardError, TimeoutError):
+class ReshardRuntimeError(ReshardError, RuntimeError):
+  """The native handler (or a transport) failed while moving data; no outputs exist."""
+
+
+class ReshardTimeoutError(ReshardRuntimeError, TimeoutError):
   """A participating device did not arrive within the configured timeout."""

@@ -81,3 +81,58 @@ def reusable_aval(y: jax.Array) -> Any:
   if _ArrayImpl is not None and type(y) is _ArrayImpl:
     return y.aval
   return None
+
+
+def context_mesh() -> Any:
+  """The concrete mesh of jax.set_mesh / jax.sharding.use_mesh, also while tracing;
+  None when none is set (jax.sharding.get_mesh refuses to answer inside jit)."""
+  from jax._src import mesh as mesh_lib  # no public spelling usable inside jit
+  mesh = mesh_lib.get_concrete_mesh()
+  if mesh is None or mesh.empty:
+    return None
+  return mesh
+
+
+def with_weak_type(y: jax.Array) -> jax.Array:
+  """y, weakly typed (as jax.device_put keeps a weak input's type); no copy."""
+  if _ArrayImpl is None or type(y) is not _ArrayImpl:
+    return y
+  return _ArrayImpl(y.aval.update(weak_type=True), y.sharding, list(y._arrays),
+                    committed=y.committed, _skip_checks=True)
+
+
+def primitive_machinery() -> Any:
+  """(Primitive, ad, batching, mlir): what defining a JAX primitive takes."""
+  from jax._src.interpreters import batching  # not_mapped/moveaxis are not re-exported
+  from jax.extend.core import Primitive
+  from jax.interpreters import ad, mlir
+  return Primitive, ad, batching, mlir
+
+
+def is_staged(v: Any) -> bool:
+  """Whether a traced value is (or wraps) a value being staged into a jaxpr (jit), as
+  opposed to a JVP/batch tracer over concrete arrays (eager grad or vmap)."""
+  from jax._src.interpreters import partial_eval as pe  # no public spelling
+  seen = 0
+  while isinstance(v, jax.core.Tracer) and seen < 64:
+    if isinstance(v, (pe.DynamicJaxprTracer, pe.JaxprTracer)):
+      return True
+    nxt = None
+    for attr in ("primal", "val"):
+      nxt = getattr(v, attr, None)
+      if nxt is not None:
+        break
+    if nxt is None:
+      return True  # an unknown tracer: treat as staged (the stricter rules)
+    v, seen = nxt, seen + 1
+  return False
+
+
+def tangent_zero(primal: Any) -> Any:
+  """The symbolic zero tangent of a primal value (spelled differently across JAX)."""
+  from jax.interpreters import ad
+  zero = ad.Zero
+  if hasattr(zero, "from_primal_value"):
+    return zero.from_primal_value(primal)
+  from jax._src import ad_util  # jax 0.10: p2tz
+  return ad_util.p2tz(primal)

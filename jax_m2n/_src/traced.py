@@ -315,3 +315,24 @@ def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
     result.append(y)
   return result
 
+
+
+def check_staged_devices(name: str, aval, given: Sharding | None, dst: Sharding) -> None:
+  """At trace time, what lowering would refuse later (after JAX's own device checks
+  had raised a less clear error): source and destination on the jit's devices."""
+  typed = _typed_sharding(aval)
+  src = given
+  if src is None and typed is not None:
+    mesh = _concrete_mesh_for(typed.mesh, [dst])
+    src = NamedSharding(mesh, typed.spec) if mesh is not None else None
+  if src is None or not isinstance(src, (NamedSharding, SingleDeviceSharding)):
+    return
+  src = _as_named(_API, name, src, "source")
+  dnamed = _as_named(_API, name, dst, "destination")
+  if jax_compat.device_assignment(src) != jax_compat.device_assignment(dnamed):
+    raise ReshardValueError(
+        f"{_API}: inside jit the source and destination of {name} must be on the same "
+        f"devices in the same order (jit's device assignment); got source devices "
+        f"{[d.id for d in jax_compat.device_assignment(src)]} and destination devices "
+        f"{[d.id for d in jax_compat.device_assignment(dnamed)]}. Hint: call "
+        "jax_m2n.reshard outside jit to move arrays between device sets.")

@@ -1,0 +1,173 @@
+"""The `jax_m2n_reshard` JAX primitive: how reshard behaves under jit, grad and vmap.
+
+Owns the rules JAX needs for a traced reshard: its abstract value (shape, dtype,
+weak_type kept; the destination sharding in the type on Explicit axes), its eager
+implementation (eager.py's per-device programs), its lowering inside jit (traced.py's
+shard_map), its JVP and transpose (a reshard is linear: the cotangent is resharded back
+to the source layout) and its batching rule (the batch dimension is not sharded).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from jax_m2n._src import jax_compat
+from jax_m2n._src import eager
+from jax_m2n._src import traced
+from jax_m2n._src.checks import _API
+from jax_m2n._src.errors import ReshardValueError
+
+logger = logging.getLogger("jax_m2n")
+
+Primitive, ad, batching, mlir = jax_compat.primitive_machinery()
+
+reshard_p = Primitive("jax_m2n_reshard")
+reshard_p.multiple_results = True
+
+
+def bind(leaves: Sequence[Any], dsts: Sequence[Any], srcs: Sequence[Any], route: str,
+         topology: Any, timeout_ms: int, chunk_bytes: int) -> list[Any]:
+  """Stages (or, on concrete values, runs) one reshard of `leaves`."""
+  return reshard_p.bind(*leaves, dsts=tuple(dsts), srcs=tuple(srcs), route=route,
+                        topology=topology, timeout_ms=timeout_ms,
+                        chunk_bytes=chunk_bytes)
+
+
+def _names(n: int):
+  return lambda: [f"x[{i}]" for i in range(n)]
+
+
+def _impl(*leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes):
+  # Concrete values (a JVP's primal, a transpose's cotangent, a vmapped batch): the
+  # eager path, from the arrays' actual layouts (a cotangent's layout is whatever the
+  # backward pass produced, not necessarily the forward destination).
+  n = len(leaves)
+  return eager.reshard_leaves(list(leaves), jax.tree.structure([0] * n), list(dsts),
+                              [None] * n, [False] * n, route, topology, timeout_ms,
+                              chunk_bytes, _names(n))
+
+
+def _is_explicit(sharding: Any) -> bool:
+  return isinstance(sharding, NamedSharding) and any(
+      t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
+
+
+def _abstract_eval(*avals, dsts, srcs, route, topology, timeout_ms, chunk_bytes):
+  del srcs, route, topology, timeout_ms, chunk_bytes
+  outs = []
+  for aval, dst in zip(avals, dsts):
+    if _is_explicit(dst):
+      spec = tuple(dst.spec) + (None,) * (aval.ndim - len(dst.spec))
+      aval = aval.update(sharding=NamedSharding(dst.mesh.abstract_mesh,
+                                                PartitionSpec(*spec)))
+    elif dst is not None and _is_explicit(getattr(aval, "sharding", None)):
+      # An Auto (or single-device) destination carries no layout in the type.
+      aval = jax.core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
+    outs.append(aval)
+  return outs
+
+
+def _lowered(*leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes):
+  """Inside jit: jax_m2n's shard_map where the source layout is known (its type on
+  Explicit axes, or src_sharding=); XLA's partitioner (a sharding constraint) where it is
+  not, since only XLA knows then where the operand lives."""
+  leaves = list(leaves)
+  outs = list(leaves)
+  known, unknown = [], []
+  for i, (leaf, dst, src) in enumerate(zip(leaves, dsts, srcs)):
+    if dst is None:
+      continue
+    if src is not None or traced._typed_sharding(jax.typeof(leaf)) is not None:
+      known.append(i)
+    else:
+      unknown.append(i)
+  if known:
+    ys = traced._reshard_traced([leaves[i] for i in known], [dsts[i] for i in known],
+                                [srcs[i] for i in known], route, topology, timeout_ms,
+                                chunk_bytes, lambda: [f"x[{i}]" for i in known])
+    for i, y in zip(known, ys):
+      outs[i] = y
+    logger.debug("reshard: traced shard_map path (in jit) for %d leaves", len(known))
+  for i in unknown:
+    dst = dsts[i]
+    dst = dst.sharding if isinstance(dst, jax.ShapeDtypeStruct) else dst
+    outs[i] = jax.lax.with_sharding_constraint(leaves[i], dst)
+  if unknown:
+    logger.debug("reshard: delegated %d leaves to XLA's partitioner (in jit, source "
+                 "layout not in the type and no src_sharding=)", len(unknown))
+  return outs
+
+
+def _concrete_sharding(v: Any) -> Any:
+  if isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer):
+    return v.sharding
+  return None
+
+
+def _jvp(primals, tangents, *, dsts, srcs, **params):
+  # Source layouts of concrete primals are known now; the transpose needs them.
+  srcs = tuple(s if s is not None else _concrete_sharding(p)
+               for s, p in zip(srcs, primals))
+  outs = reshard_p.bind(*primals, dsts=dsts, srcs=srcs, **params)
+  live = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
+  t_outs: list[Any] = [jax_compat.tangent_zero(y) for y in outs]
+  if live:
+    ys = reshard_p.bind(*[tangents[i] for i in live],
+                        dsts=tuple(dsts[i] for i in live),
+                        srcs=tuple(srcs[i] for i in live), **params)
+    for i, y in zip(live, ys):
+      t_outs[i] = y
+  return outs, t_outs
+
+
+def _transpose(cts, *args, dsts, srcs, **params):
+  # The cotangent goes back to the source layout (None, where unknown: left as XLA
+  # placed it, which is value-equal).
+  live = [i for i, ct in enumerate(cts) if type(ct) is not ad.Zero]
+  out: list[Any] = [ad.Zero(a.aval) if ad.is_undefined_primal(a) else None for a in args]
+  if live:
+    ys = reshard_p.bind(*[ad.instantiate_zeros(cts[i]) for i in live],
+                        dsts=tuple(srcs[i] for i in live),
+                        srcs=tuple(dsts[i] for i in live), **params)
+    for i, y in zip(live, ys):
+      out[i] = y
+  return out
+
+
+def _batched(sharding: Any, what: str) -> Any:
+  """A sharding for the same layout with an unsharded leading batch dimension."""
+  if sharding is None or isinstance(sharding, SingleDeviceSharding):
+    return sharding
+  if isinstance(sharding, jax.ShapeDtypeStruct):
+    sharding = sharding.sharding
+  if isinstance(sharding, NamedSharding):
+    return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec),
+                         memory_kind=sharding.memory_kind)
+  raise ReshardValueError(
+      f"{_API}: under jax.vmap the {what} sharding must be a NamedSharding or a "
+      f"SingleDeviceSharding (the batch dimension is added to its spec); got "
+      f"{type(sharding).__name__} {sharding}.")
+
+
+def _batch(args, dims, *, dsts, srcs, **params):
+  # An unmapped operand's dim is None (batching.not_mapped in some JAX versions).
+  mapped = [d is not None and d is not getattr(batching, "not_mapped", None)
+            for d in dims]
+  args = [jax.numpy.moveaxis(a, d, 0) if m and d != 0 else a
+          for a, d, m in zip(args, dims, mapped)]
+  dsts = tuple(_batched(s, "destination") if m else s for s, m in zip(dsts, mapped))
+  srcs = tuple(_batched(s, "source") if m else s for s, m in zip(srcs, mapped))
+  outs = reshard_p.bind(*args, dsts=dsts, srcs=srcs, **params)
+  return outs, [0 if m else None for m in mapped]
+
+
+reshard_p.def_impl(_impl)
+reshard_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(reshard_p, mlir.lower_fun(_lowered, multiple_results=True))
+ad.primitive_jvps[reshard_p] = _jvp
+ad.primitive_transposes[reshard_p] = _transpose
+batching.primitive_batchers[reshard_p] = _batch
