@@ -90,3 +90,21 @@ def test_network_attribute_lists_the_domain_of_each_participant():
 def test_bad_topology_fields(kwargs, error):
   with pytest.raises(error, match="Topology: "):
     jax_m2n.Topology(**kwargs)
+
+
+def test_inside_jit_the_emulated_network_paces_too(devs, topo):
+  """The traced path passes the `network` attribute as well (colocated: all-gather)."""
+  host = np.arange(1024 * 1024, dtype=np.float32).reshape(1024, 1024)  # 4 MiB
+  mesh = Mesh(devs, ("x",))
+  x = jax.device_put(host, NamedSharding(mesh, P("x", None)))
+  dst = NamedSharding(mesh, P(None, None))
+  f = jax.jit(lambda v: jax_m2n.reshard(v, dst, topology=topo, chunk_bytes=CHUNK,
+                                        src_sharding=x.sharding))
+  jax.block_until_ready(f(x))
+  t = time.perf_counter()
+  y = jax.block_until_ready(f(x))
+  ms = (time.perf_counter() - t) * 1e3
+  for s in y.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(s.data), host)
+  estimate = jax_m2n.plan(x, dst, topology=topo, chunk_bytes=CHUNK).route_estimate_ms()
+  assert estimate > 10 and ms >= 0.9 * estimate, (ms, estimate)
