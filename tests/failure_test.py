@@ -216,3 +216,19 @@ def test_output_allocation_failure_on_one_device_then_heals():
             if line.startswith("HEALED_S")]
   assert len(healed) == 3, out
   report("output allocation failure (OOM) on device 7", fail_s, healed[0])
+
+
+def test_a_site_out_of_step_is_brought_level_by_the_next_call(devs):
+  """Whatever left a site's devices out of step (here: one device abandoned twice by
+  hand), the next call first brings the others level, then runs."""
+  host, x = source(devs)
+  dst = dest(devs)
+  heals(x, host, dst, times=1)
+  fn = next(eager._eager_cache[k] for k in eager._eager_cache
+            if eager._eager_cache[k].out_avals[0][2] == dst and k[4] == TIMEOUT_S * 1000)
+  m2n_ffi.load("cpu").abandon(fn.site, [5, 5], "test: put device 5 ahead")
+  assert not in_step(x, dst)[0]
+  t = time.perf_counter()
+  heals(x, host, dst)
+  assert time.perf_counter() - t < FAST_S
+  assert in_step(x, dst)[0], in_step(x, dst)
