@@ -91,7 +91,7 @@ def test_worker_failure_fails_fast_with_cause_then_heals(devs, hook, kind):
       raise injected
   hook(fail_on_6)
   t = time.perf_counter()
-  with pytest.raises(jax_m2n.ReshardError) as info:
+  with pytest.raises(jax_m2n.ReshardRuntimeError) as info:
     jax_m2n.reshard(x, dst, timeout_s=TIMEOUT_S)
   fail_s = time.perf_counter() - t
   hook(None)

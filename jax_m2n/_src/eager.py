@@ -28,8 +28,8 @@ from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_in_pro
                                  _check_topology, _dst_sharding_of,
                                  _map_native_error, _platform_of, _same_layout, _site,
                                  _topology_key)
-from jax_m2n._src.errors import (ReshardError, ReshardTimeoutError, ReshardTypeError,
-                                 ReshardValueError)
+from jax_m2n._src.errors import (ReshardError, ReshardRuntimeError, ReshardTimeoutError,
+                                 ReshardTypeError, ReshardValueError)
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import Plan, plan_reshard
 from jax_m2n._src.topology import as_topology
@@ -289,14 +289,14 @@ class _EagerReshard:
              failed: Sequence[BaseException | None],
              errors: Sequence[BaseException]) -> BaseException:
     """The error to raise: the root cause first (a device that failed before its
-    handler: its own exception, named and chained), else the handler's (a timeout
-    first), as a ReshardError."""
+    handler: its own exception, named and chained, as a ReshardRuntimeError unless it
+    is a ReshardError already), else the handler's (a timeout first)."""
     for p, e in zip(programs, failed):
       if e is None or _reached_handler(e):
         continue
       if isinstance(e, ReshardError):
         return e
-      error = ReshardError(
+      error = ReshardRuntimeError(
           f"{_API}: device {p.device.id} failed before the transfer started, so the "
           f"call failed on every device: {_failure_text(e)}")
       error.__cause__ = e
