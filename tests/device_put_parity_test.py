@@ -209,6 +209,19 @@ def test_jit_matches_device_put(name, src, dst, give_src):
   assert_same(y, ref)
 
 
+@pytest.mark.parametrize("direction", ["to host", "from host"])
+def test_jit_host_memory_kinds_match_device_put(direction):
+  if "pinned_host" not in _kinds_available():
+    pytest.skip("no pinned_host memory on this backend")
+  s = ns(range(4), (4,), ("x",), "x")
+  host = s.with_memory_kind("pinned_host")
+  src, dst = (s, host) if direction == "to host" else (host, s)
+  x = jax.device_put(data((8, 4)), src)
+  ref = jax.jit(lambda v: jax.device_put(v, dst))(x)
+  y = jax.jit(lambda v: jax_m2n.reshard(v, dst))(x)
+  assert_same(y, ref)
+
+
 def test_jit_paths_are_logged(caplog):
   src = ns(range(8), (8,), ("x",), "x")
   dst = ns(range(8), (8,), ("x",), None, "x")
@@ -223,6 +236,7 @@ def test_jit_paths_are_logged(caplog):
   assert "delegated 1 leaves to XLA's partitioner" in text
   assert "eager per-device path" in text
   assert "delegated 1 of 1 leaves to jax.device_put" in text
+  assert "planned 1 leaves" in text and "in-jit custom call" in text
 
 
 def test_check_errors_is_quiet_when_nothing_failed():
@@ -306,3 +320,50 @@ def test_vmap_equals_device_put(case, axis):
       v, same, src_sharding=NamedSharding(src.mesh, P(*src.spec)))))(x)
   np.testing.assert_array_equal(np.asarray(yj), np.asarray(x))
   assert yj.sharding.is_equivalent_to(NamedSharding(src.mesh, P(None, *dst.spec)), 3)
+
+
+@st.composite
+def mixed_trees(draw):
+  """A pytree mixing leaf kinds (committed arrays in random layouts, uncommitted, numpy,
+  scalars) with per-leaf destinations (NamedSharding, Device, None) and donate flags."""
+  n = draw(st.integers(1, 5))
+  leaves, dsts, donate = [], [], []
+  for i in range(n):
+    kind = draw(st.sampled_from(["committed", "committed", "uncommitted", "numpy", "scalar"]))
+    k = draw(st.sampled_from([1, 2, 4]))
+    first = draw(st.sampled_from([0, 4]))
+    src = ns(range(first, first + k), (k,), ("x",), *draw(st.sampled_from(SPECS_2D)))
+    dtype = draw(st.sampled_from([np.float32, np.int8, np.uint16, np.bool_]))
+    value = data((4, 8), dtype, seed=i)
+    leaves.append({"committed": lambda v=value, s=src: jax.device_put(v, s),
+                   "uncommitted": lambda v=value: jnp.asarray(v),
+                   "numpy": lambda v=value: v,
+                   "scalar": lambda: 1.5}[kind])
+    dk = draw(st.sampled_from([1, 2, 4]))
+    dfirst = draw(st.sampled_from([0, 2, 4]))
+    dst = draw(st.sampled_from(["named", "named", "device", "none"]))
+    dsts.append({"named": ns(range(dfirst, dfirst + dk), (dk,), ("x",),
+                             *(draw(st.sampled_from(SPECS_2D)) if kind != "scalar" else ())),
+                 "device": D[dfirst], "none": None}[dst])
+    donate.append(kind == "committed" and draw(st.booleans()))
+  return leaves, dsts, donate
+
+
+@SETTINGS
+@hypothesis.given(mixed_trees())
+def test_random_mixed_pytrees_match_device_put(case):
+  makers, dsts, donate = case
+  xr = [m() for m in makers]
+  xm = [m() for m in makers]
+  ref = jax.device_put(xr, dsts, donate=donate)
+  y = jax_m2n.reshard(xm, dsts, donate=donate)
+  for i, (a, b) in enumerate(zip(y, ref)):
+    if isinstance(b, jax.Array):
+      assert_same(a, b)
+    else:  # device_put(host value, None) keeps the host value
+      assert a is xm[i] or np.array_equal(np.asarray(a), np.asarray(b))
+  for leaf, flag in zip(xm, donate):
+    if isinstance(leaf, jax.Array) and not flag:
+      assert not leaf.is_deleted()
+    if flag:
+      assert leaf.is_deleted()

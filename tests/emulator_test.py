@@ -16,7 +16,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_m2n
 from jax_m2n._src import topology as topology_lib
 
-NIC_GBPS = 0.05  # 8 MiB over 2 sources: 80 ms per source at this rate
+NIC_GBPS = 0.025  # 8 MiB over 2 sources: 168 ms per source at this rate (CPU work is
+# then small beside it, even on a loaded 2-core machine)
 CHUNK = 256 << 10  # 16 chunks per source: pipeline fill adds (r_d - 1) / 16
 
 

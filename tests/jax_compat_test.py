@@ -50,3 +50,29 @@ def test_fast_array_construction_matches_the_checked_one():
   z = jax_compat.array_from_single_device_arrays((2, 3), s, arrays, np.float32, aval)
   assert type(z) is type(y) and z.sharding == s and z.committed
   np.testing.assert_array_equal(np.asarray(z), np.asarray(x))
+
+
+def test_context_mesh_plain_aval_tangent_zero_and_staging():
+  from jax.sharding import AxisType
+  assert jax_compat.context_mesh() is None
+  m = Mesh(np.array(jax.devices()[:2]), ("x",))
+  with jax.set_mesh(m):
+    assert jax_compat.context_mesh() == m
+    seen = []
+    jax.jit(lambda a: seen.append(jax_compat.context_mesh()) or a)(1.0)
+    assert seen == [m]
+  em = Mesh(np.array(jax.devices()[:2]), ("x",), axis_types=(AxisType.Explicit,))
+  x = jax.device_put(np.zeros((4, 2), np.float32), NamedSharding(em, P("x")))
+  plain = jax_compat.plain_aval(jax.typeof(x))
+  assert plain.shape == (4, 2) and not plain.sharding.spec or all(
+      e is None for e in plain.sharding.spec)
+  zero = jax_compat.tangent_zero(x)
+  assert zero.aval.shape == (4, 2)
+  xa = jax.device_put(np.zeros((4, 2), np.float32), NamedSharding(m, P("x")))
+  flags = []
+  jax.jit(lambda a: flags.append(jax_compat.is_staged(a)) or a)(xa)
+  jax.grad(lambda a: flags.append(jax_compat.is_staged(a)) or a.sum())(xa)
+  assert flags == [True, False]
+  Primitive, ad, batching, mlir = jax_compat.primitive_machinery()
+  assert hasattr(batching, "primitive_batchers") and hasattr(ad, "primitive_jvps")
+  assert hasattr(mlir, "lower_fun") and callable(Primitive)

@@ -169,6 +169,8 @@ def test_keys_and_sub_byte_dtypes_go_through_device_put(devs, no_data_moves):
 def test_unknown_route(devs, no_data_moves):
   with pytest.raises(jax_m2n.ReshardValueError, match="route must be one of"):
     jax_m2n.reshard(sharded(devs), gen(devs), route="ring")
+  with pytest.raises(jax_m2n.ReshardTypeError, match="route must be a str"):
+    jax_m2n.reshard(sharded(devs), gen(devs), route=3)
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), 1e-9, 0.0004])

@@ -524,12 +524,15 @@ def test_chunk_bytes_tunable_many_steps(chunk_bytes):
     np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(x)[shard.index])
 
 
-@pytest.mark.parametrize("bad", [0, -4, 1.5, True])
-def test_chunk_bytes_must_be_positive_int(bad):
+@pytest.mark.parametrize("bad,error", [(0, ValueError), (-4, ValueError),
+                                       (1.5, TypeError), (True, TypeError),
+                                       ("64", TypeError)])
+def test_chunk_bytes_must_be_positive_int(bad, error):
   devs = jax.devices()
   x = jax.device_put(np.ones((4, 4), np.float32), devs[0])
-  with pytest.raises(jax_m2n.ReshardValueError, match="chunk_bytes must be a positive int"):
+  with pytest.raises(error, match="chunk_bytes must be a positive int") as e:
     jax_m2n.reshard(x, jax.sharding.SingleDeviceSharding(devs[1]), chunk_bytes=bad)
+  assert isinstance(e.value, jax_m2n.ReshardError)
 
 
 def test_jit_pytree_with_zero_size_leaves():

@@ -243,6 +243,13 @@ def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_byte
       continue
     _check_dtype(_API, name, dtype)
     dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype)
+    space = getattr(aval, "memory_space", None)
+    host_source = space is not None and "host" in str(space).lower()
+    if host_source or not eager._default_memory(dst_sharding):  # device <-> host: JAX's
+      outs[i] = jax.device_put(leaf, dst_sharding)
+      logger.debug("reshard: %s delegated to jax.device_put (memory kind %s)", name,
+                   dst_sharding.memory_kind)
+      continue
     _check_mesh(_API, name, dst_sharding, "destination")
     _check_reduction(_API, name, dst_sharding, "destination")
     _check_holds(_API, name, dst_sharding, shape, "destination")

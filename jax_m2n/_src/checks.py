@@ -188,6 +188,10 @@ def _check_memory_kind(api: str, name: str, sharding: Sharding, what: str) -> No
 
 
 def _check_route(api: str, route: Any) -> None:
+  if not isinstance(route, str):
+    raise ReshardTypeError(
+        f"{api}: route must be a str, one of {ROUTES}; got {type(route).__name__} "
+        f"{route!r}.")
   if route not in ROUTES:
     raise ReshardValueError(
         f"{api}: route must be one of {ROUTES}; got {route!r}. Hint: 'hierarchical' is "
@@ -333,10 +337,14 @@ GPU_CHUNK_BYTES = 64 << 20
 def _chunk_bytes(api: str, chunk_bytes: int | None, dsts: Sequence[Any]) -> int:
   """The chunk size: the caller's, else the measured default of the platform."""
   if chunk_bytes is not None:
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral):
+      raise ReshardTypeError(
+          f"{api}: chunk_bytes must be a positive int; got {type(chunk_bytes).__name__} "
+          f"{chunk_bytes!r}.")
+    if chunk_bytes < 1:
       raise ReshardValueError(
           f"{api}: chunk_bytes must be a positive int; got {chunk_bytes!r}.")
-    return chunk_bytes
+    return int(chunk_bytes)
   for d in dsts:
     device_set = getattr(d, "device_set", None)
     if device_set:

@@ -354,6 +354,10 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
   dst_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(dsts, shapes)]
   itemsizes = [np.dtype(dt).itemsize for dt in dtypes]
   plan = plan_reshard(src_layouts, dst_layouts, itemsizes, topo, route, chunk_bytes)
+  if logger.isEnabledFor(logging.DEBUG):  # the traffic summary costs a pass over the plan
+    logger.debug("reshard: planned %d leaves, route %s, %d payload bytes, bytes by link "
+                 "%s, devices %s (eager per-device programs)", len(shapes), route,
+                 plan.payload_bytes, plan.bytes_by_link, list(plan.devices))
   site = _site(b"eager", schedule.encode(plan, None, staging))
   bufs = schedule.buffers(plan)
   timeout = np.int64(timeout_ms)

@@ -87,10 +87,20 @@ def context_mesh() -> Any:
   """The concrete mesh of jax.set_mesh / jax.sharding.use_mesh, also while tracing;
   None when none is set (jax.sharding.get_mesh refuses to answer inside jit)."""
   from jax._src import mesh as mesh_lib  # no public spelling usable inside jit
-  mesh = mesh_lib.get_concrete_mesh()
-  if mesh is None or mesh.empty:
+  getter = getattr(mesh_lib, "get_concrete_mesh", None)
+  try:
+    mesh = getter() if getter is not None else jax.sharding.get_mesh()
+  except ValueError:  # jax.sharding.get_mesh inside jit
+    return None
+  if mesh is None or getattr(mesh, "empty", True):
     return None
   return mesh
+
+
+def plain_aval(aval: Any) -> Any:
+  """aval without a layout in its type (what an Auto-axes destination gives)."""
+  from jax._src import core  # ShapedArray's home; jax.core re-exports vary by version
+  return core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def with_weak_type(y: jax.Array) -> jax.Array:

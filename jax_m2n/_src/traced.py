@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 from typing import Sequence
 
@@ -27,6 +28,8 @@ from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import plan_reshard
 from jax_m2n._src.topology import as_topology
+
+logger = logging.getLogger("jax_m2n")
 
 # ---------------------------------------------------------------------------------------
 # Inside jit: one SPMD program, shard_map over a common refinement of the meshes
@@ -268,29 +271,8 @@ def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
       result.append(y)
     return result
 
-  devices = jax_compat.device_assignment(srcs[0])
-  platform = _platform_of(devices)
-  _check_in_process(_API, platform, devices)
-  staging = platform != "cpu"
-  m2n_ffi.ensure_registered(platform, timeout_ms)
-  topo = as_topology(topology, devices)
-  src_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(srcs, shapes)]
-  dst_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(dst_named, shapes)]
-  itemsizes = [np.dtype(dt).itemsize for dt in dtypes]
-  plan = plan_reshard(src_layouts, dst_layouts, itemsizes, topo, route, chunk_bytes)
-  sched = schedule.encode(plan, None, staging)
-  site = _site(b"jit", sched, next(_jit_sites))
-  workspace = max(1, schedule.workspace_bytes(plan, None, staging))
-  out_types = [jax.ShapeDtypeStruct(s.shard_shape(shape), dt)
-               for s, shape, dt in zip(dst_named, shapes, dtypes)]
-  out_types.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
-  call = jax.ffi.ffi_call(m2n_ffi.TARGET_NAME, out_types)
-  extra = m2n_ffi.transport_attrs(platform, topo, plan.devices)
-
-  def body(*shards):
-    outs = call(*shards, schedule=sched, site=np.int64(site),
-                timeout_ms=np.int64(timeout_ms), **extra)
-    return tuple(outs[:-1])
+  body = _spmd_body(srcs, dst_named, shapes, dtypes, route, topology, timeout_ms,
+                    chunk_bytes, b"jit")
 
   mesh = refinement.mesh
   if typed_any:  # a type-level cast onto the refined mesh: the same bytes, no copy
@@ -336,3 +318,39 @@ def check_staged_devices(name: str, aval, given: Sharding | None, dst: Sharding)
         f"{[d.id for d in jax_compat.device_assignment(src)]} and destination devices "
         f"{[d.id for d in jax_compat.device_assignment(dnamed)]}. Hint: call "
         "jax_m2n.reshard outside jit to move arrays between device sets.")
+
+
+def _spmd_body(srcs: Sequence[Sharding], dsts: Sequence[Sharding], shapes, dtypes,
+               route, topology, timeout_ms: int, chunk_bytes: int, tag: bytes):
+  """The per-device body of an in-jit reshard: one custom call over local shards, run
+  by every device of the SPMD program (the schedule names each device's ops)."""
+  devices = jax_compat.device_assignment(srcs[0])
+  platform = _platform_of(devices)
+  _check_in_process(_API, platform, devices)
+  staging = platform != "cpu"
+  m2n_ffi.ensure_registered(platform, timeout_ms)
+  topo = as_topology(topology, devices)
+  src_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(srcs, shapes)]
+  dst_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(dsts, shapes)]
+  itemsizes = [np.dtype(dt).itemsize for dt in dtypes]
+  plan = plan_reshard(src_layouts, dst_layouts, itemsizes, topo, route, chunk_bytes)
+  if logger.isEnabledFor(logging.DEBUG):  # the traffic summary costs a pass over the plan
+    logger.debug("reshard: planned %d leaves, route %s, %d payload bytes, bytes by link "
+                 "%s (in-jit custom call)", len(shapes), route, plan.payload_bytes,
+                 plan.bytes_by_link)
+  sched = schedule.encode(plan, None, staging)
+  site = _site(tag, sched, next(_jit_sites))
+  workspace = max(1, schedule.workspace_bytes(plan, None, staging))
+  out_types = [jax.ShapeDtypeStruct(s.shard_shape(shape), dt)
+               for s, shape, dt in zip(dsts, shapes, dtypes)]
+  out_types.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
+  call = jax.ffi.ffi_call(m2n_ffi.TARGET_NAME, out_types)
+  extra = m2n_ffi.transport_attrs(platform, topo, plan.devices)
+
+  def body(*shards):
+    outs = call(*shards, schedule=sched, site=np.int64(site),
+                timeout_ms=np.int64(timeout_ms), **extra)
+    return tuple(outs[:-1])
+
+  return body
+

@@ -66,7 +66,7 @@ def _abstract_eval(*avals, dsts, srcs, route, topology, timeout_ms, chunk_bytes)
                                                 PartitionSpec(*spec)))
     elif dst is not None and _is_explicit(getattr(aval, "sharding", None)):
       # An Auto (or single-device) destination carries no layout in the type.
-      aval = jax.core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
+      aval = jax_compat.plain_aval(aval)
     outs.append(aval)
   return outs
 
