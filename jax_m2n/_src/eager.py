@@ -250,14 +250,14 @@ class _EagerReshard:
         if turn is not None:
           turn.abort(f"the calling thread was interrupted ({_failure_text(interrupt)})")
         concurrent.futures.wait(futures)
-        self._heal(turn, programs, futures, devices)
+        self._heal(turn, programs, futures)
         for f in futures:
           if not f.exception():
             for o in f.result() or ():
               o.delete()
         raise
       results, failed = _outcomes(futures)
-      self._heal(turn, programs, futures, devices)
+      self._heal(turn, programs, futures)
     errors = [e for e in failed if e is not None]
     sticky = m2n_ffi.sticky_error(self.platform)
     if sticky is not None:
@@ -270,8 +270,7 @@ class _EagerReshard:
     return results
 
   def _heal(self, turn: "_Turn | None", programs: Sequence[_DeviceProgram],
-            futures: Sequence[concurrent.futures.Future],
-            devices: Sequence[int] | None) -> None:
+            futures: Sequence[concurrent.futures.Future]) -> None:
     """After the programs have finished: every device that did not join this call's
     generation (not dispatched, or failed before its handler) gives it up now."""
     if turn is None:
