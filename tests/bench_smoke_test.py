@@ -133,3 +133,27 @@ def test_cpu_requirement_ratios():
   r = req[0]
   assert r["vs_numpy"] == 1.5 and r["meets_numpy"] and r["meets_device_put"]
   assert r["best_route"] == "flat"
+
+
+def test_fig4_smoke(tmp_path):
+  """`--suite fig4` in its CI form: tiny payload, every case and route validated, the
+  table, JSON and plot written. No timing assertions."""
+  proc = subprocess.run(
+      [sys.executable, "-m", "jax_m2n.bench", "--suite", "fig4", "--size_mib", "0.25",
+       "--out_dir", str(tmp_path)], capture_output=True, text=True, env=_env(),
+      timeout=600, check=False)
+  assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+  with open(tmp_path / "fig4.json") as f:
+    doc = json.load(f)
+  assert doc["schema"] == 1 and doc["suite"] == "fig4"
+  rows = doc["results"]
+  assert {(r["case"], r["route"]) for r in rows} == {
+      (c, r) for c in ("rd1", "rd2", "rd3", "rd4_colocated")
+      for r in ("hierarchical", "flat", "gather_bcast")}
+  for r in rows:
+    assert r["status"] == "ok", r
+    assert r["estimate_ms"] > 0 and r["median_ms"] > 0 and len(r["times_s"]) >= 10
+    assert "measured_over_hier" in r and "estimate_over_hier" in r
+  assert "| rd3 | 3 | flat |" in (tmp_path / "fig4.md").read_text()
+  if (tmp_path / "fig4.png").exists():
+    assert (tmp_path / "fig4.png").stat().st_size > 10_000

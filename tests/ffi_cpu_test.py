@@ -739,3 +739,80 @@ def test_no_generation_left_behind():
   tensors, ops = _simple()
   _run_simple(_encode(tensors, DEVICES, ops), _new_site())
   assert _ffi.pending_generations() == before
+
+
+def test_joined_counts_generations_per_device():
+  site = _new_site()
+  p0, p1, x = _pair_programs(site)
+  assert list(_ffi.joined(site, [0, 1, 5])) == [0, 0, 0]
+  _expect_success(run_eager([p0, p1]), x)
+  _expect_success(run_eager([p0, p1]), x)
+  assert list(_ffi.joined(site, [0, 1, 5])) == [2, 2, 0]
+  _ffi.abandon(site, [1], "a reason")  # abandoning counts as a join
+  assert list(_ffi.joined(site, [0, 1])) == [2, 3]
+  _ffi.abandon(site, [0], "catching up")
+  _expect_success(run_eager([p0, p1]), x)
+
+
+def test_abort_releases_a_generation_in_progress_and_one_not_yet_joined():
+  site = _new_site()
+  p0, p1, x = _pair_programs(site, timeout_ms=60000)
+  result = {}
+  waiter = threading.Thread(target=lambda: result.update({0: run_eager([p0])[0]}))
+  waiter.start()
+  time.sleep(0.5)  # device 0 waits in generation 0 for device 1
+  t0 = time.monotonic()
+  _ffi.abort(site, 0, [0, 1], "the caller was interrupted")
+  waiter.join(60)
+  assert time.monotonic() - t0 < 10
+  err, _ = result[0]
+  assert isinstance(err, jax.errors.JaxRuntimeError), err
+  assert "the caller was interrupted" in str(err), err
+  # Device 1 joins the aborted generation 0 later: it fails at once, copying nothing.
+  err, seconds = run_eager([p1])[0]
+  assert "arrived after the generation was aborted" in str(err), err
+  assert seconds < 10
+  # Generation 1: abort before anyone joined; both fail at once; generation 2 works.
+  _ffi.abort(site, 1, [0, 1], "aborted up front")
+  for err, seconds in run_eager([p0, p1]):
+    assert "aborted up front" in str(err) and seconds < 10, err
+  _expect_success(run_eager([p0, p1]), x)
+  # A generation everyone has left: abort is a no-op (nothing pending is created).
+  pending = _ffi.pending_generations()
+  _ffi.abort(site, 2, [0, 1], "too late")
+  assert _ffi.pending_generations() == pending
+  _expect_success(run_eager([p0, p1]), x)
+
+
+@pytest.mark.parametrize("network,words", [
+    (np.array([1000, 0, 0], np.int64), "2 + n_devices = 4 entries"),
+    (np.array([0, 0, 0, 1], np.int64), "bytes_per_s >= 1"),
+    (np.array([1000, -1, 0, 1], np.int64), "latency_ns >= 0"),
+])
+def test_bad_network_attribute_fails_at_instantiate(network, words):
+  t = Tensor(np.int32, (2, 3))
+  ops = [Op(0, "inject", 0, (0, OPERAND, 0), (1, RESULT, 0), (2, 3), (0, 0), (0, 0))]
+  call = jax.ffi.ffi_call(TARGET, [jax.ShapeDtypeStruct((1,), jnp.uint8)],
+                          has_side_effect=True)
+  f = jax.jit(lambda v: call(v, schedule=_encode([t], [0, 1], ops, device=0),
+                             site=np.int64(_new_site()), timeout_ms=np.int64(1000),
+                             network=network),
+              out_shardings=SingleDeviceSharding(jax.devices()[0]))
+  x = jax.device_put(np.zeros((2, 3), np.int32), jax.devices()[0])
+  with pytest.raises(Exception, match="attribute network must have") as info:
+    jax.block_until_ready(f(x))
+  assert words in str(info.value), info.value
+
+
+def test_unknown_attribute_fails_at_instantiate():
+  t = Tensor(np.int32, (2, 3))
+  ops = [Op(0, "inject", 0, (0, OPERAND, 0), (1, RESULT, 0), (2, 3), (0, 0), (0, 0))]
+  call = jax.ffi.ffi_call(TARGET, [jax.ShapeDtypeStruct((1,), jnp.uint8)],
+                          has_side_effect=True)
+  f = jax.jit(lambda v: call(v, schedule=_encode([t], [0, 1], ops, device=0),
+                             site=np.int64(_new_site()), timeout_ms=np.int64(1000),
+                             nic=np.int64(1)),
+              out_shardings=SingleDeviceSharding(jax.devices()[0]))
+  x = jax.device_put(np.zeros((2, 3), np.int32), jax.devices()[0])
+  with pytest.raises(Exception, match="optionally network; got nic"):
+    jax.block_until_ready(f(x))

@@ -6,6 +6,7 @@ routes, source shardings, and what jit cannot express.
 """
 
 import os
+import re
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -13,6 +14,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -177,21 +179,41 @@ def test_bad_timeout(devs, no_data_moves, timeout):
     jax_m2n.reshard(sharded(devs), gen(devs), timeout_s=timeout)
 
 
+# Every bad `topology=` of issue 14: (value, error class, words of the message).
+BAD_TOPOLOGIES = [
+    ("nvlink", jax_m2n.ReshardTypeError, "got str 'nvlink'"),
+    ([[0, "a"]], jax_m2n.ReshardTypeError, "a device id must be an int; got 'a'"),
+    ({"a": 1}, jax_m2n.ReshardTypeError, "got dict"),
+    ([0, 1], jax_m2n.ReshardTypeError, "every domain must be a list of device ids"),
+    (True, jax_m2n.ReshardTypeError, "got the bool True"),
+    (0, jax_m2n.ReshardValueError, "domain_size must be a positive int64"),
+    (-1, jax_m2n.ReshardValueError, "domain_size must be a positive int64"),
+    (2**70, jax_m2n.ReshardValueError, "domain_size must be a positive int64"),
+    ([[0, 1], [1, 2]], jax_m2n.ReshardValueError, "device 1 is in domains 0 and 1"),
+    ([[0, -1]], jax_m2n.ReshardValueError, "a device id must be in [0, 2^63)"),
+    ([[0, 2**64]], jax_m2n.ReshardValueError, "a device id must be in [0, 2^63)"),
+    ([[]], jax_m2n.ReshardValueError, "domain 0 is empty"),
+    (1.5, jax_m2n.ReshardTypeError, "got float 1.5"),
+]
+
+
+@pytest.mark.parametrize("topology,error,words", BAD_TOPOLOGIES,
+                         ids=[repr(t) for t, _, _ in BAD_TOPOLOGIES])
+def test_bad_topology(devs, no_data_moves, topology, error, words):
+  with pytest.raises(error, match=re.escape(words)) as info:
+    jax_m2n.reshard(sharded(devs), gen(devs), topology=topology)
+  assert str(info.value).startswith("reshard: topology"), info.value
+  # Also inside jit.
+  x = sharded(devs)
+  with pytest.raises(error, match=re.escape(words)):
+    jax.jit(lambda v: jax_m2n.reshard(v, x.sharding, topology=topology,
+                                      src_sharding=x.sharding))(x)
+
+
 @pytest.mark.parametrize("timeout", ["10", True, None.__class__, [1]])
 def test_timeout_of_the_wrong_type(devs, no_data_moves, timeout):
   with pytest.raises(jax_m2n.ReshardTypeError, match="timeout_s must be a number"):
     jax_m2n.reshard(sharded(devs), gen(devs), timeout_s=timeout)
-
-
-@pytest.mark.parametrize("topology", ["nvlink", True, [[0, "a"]], {"a": 1}, [0, 1], 2.5])
-def test_topology_of_the_wrong_type(devs, no_data_moves, topology):
-  with pytest.raises(jax_m2n.ReshardTypeError, match="topology must be"):
-    jax_m2n.reshard(sharded(devs), gen(devs), topology=topology)
-
-
-def test_bad_topology_value(devs, no_data_moves):
-  with pytest.raises(jax_m2n.ReshardValueError, match="domain_size must be a positive"):
-    jax_m2n.reshard(sharded(devs), gen(devs), topology=-1)
 
 
 @pytest.mark.parametrize("donate", ["no", 1, None, {"w": "yes"}])

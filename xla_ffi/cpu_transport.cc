@@ -5,9 +5,11 @@
 
 #include "xla_ffi/cpu_transport.h"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -18,6 +20,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/box_copy.h"
+#include "xla_ffi/nic_emulator.h"
 #include "xla_ffi/schedule.h"
 
 namespace jax_m2n {
@@ -46,6 +49,9 @@ struct Generation {
 
   std::vector<int64_t> reached;  // per participant: last barrier, -1: none
   std::vector<int32_t> count;    // per barrier: participants that reached it
+  // Per barrier: when its last participant reached it. With an emulated
+  // network, the transfers of step b are posted at released[b] (below).
+  std::vector<std::chrono::steady_clock::time_point> released;
   std::vector<char> copying;     // per participant: between barriers
   int32_t copying_count = 0;
   std::vector<const CpuDeviceBuffers*> published;
@@ -82,17 +88,56 @@ class Rendezvous {
     std::lock_guard<std::mutex> lock(mu_);
     Site& s = sites_[site];
     const int64_t index = s.next[device_id]++;
-    Entry& entry = s.pending[index];
-    if (!entry.generation) {
-      entry.generation = std::make_shared<Generation>();
-      entry.generation->site = site;
-      entry.generation->index = index;
-    }
+    Entry& entry = EntryLocked(s, site, index);
     std::shared_ptr<Generation> generation = entry.generation;
     ++entry.joined;
     if (n_participants > 0) entry.n = n_participants;
     if (entry.n > 0 && entry.joined >= entry.n) s.pending.erase(index);
     return generation;
+  }
+
+  // Per device: how many generations of `site` it has joined (or abandoned).
+  std::vector<int64_t> Joined(int64_t site,
+                              const std::vector<int64_t>& device_ids) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<int64_t> out;
+    out.reserve(device_ids.size());
+    auto it = sites_.find(site);
+    for (int64_t d : device_ids) {
+      if (it == sites_.end()) {
+        out.push_back(0);
+        continue;
+      }
+      auto n = it->second.next.find(d);
+      out.push_back(n == it->second.next.end() ? 0 : n->second);
+    }
+    return out;
+  }
+
+  // Aborts generation `index` of `site` whatever its state: in progress (its
+  // participants fail now), partly joined, or not joined by anyone yet among
+  // `device_ids` (then whoever joins it later fails at once). A generation that
+  // every participant has joined and left is gone: nothing to do.
+  void Abort(int64_t site, int64_t index,
+             const std::vector<int64_t>& device_ids, const ffi::Error& reason) {
+    std::shared_ptr<Generation> g;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Site& s = sites_[site];
+      auto live = s.live.find(index);
+      if (live != s.live.end()) g = live->second.lock();
+      if (!g) {
+        bool someone_to_come = false;
+        for (int64_t d : device_ids) {
+          auto n = s.next.find(d);
+          if (n == s.next.end() || n->second <= index) someone_to_come = true;
+        }
+        if (!someone_to_come) return;
+        g = EntryLocked(s, site, index).generation;
+      }
+    }
+    std::lock_guard<std::mutex> lock(g->mu);
+    g->AbortLocked(reason);
   }
 
   int64_t Pending() {
@@ -111,7 +156,25 @@ class Rendezvous {
   struct Site {
     std::unordered_map<int64_t, int64_t> next;  // device id -> next index
     std::map<int64_t, Entry> pending;           // index -> generation
+    // Every generation some participant may still be in (for Abort); expired
+    // entries are dropped as new generations are made.
+    std::map<int64_t, std::weak_ptr<Generation>> live;
   };
+
+  // The pending entry of generation `index`, made (with its generation) if new.
+  Entry& EntryLocked(Site& s, int64_t site, int64_t index) {
+    Entry& entry = s.pending[index];
+    if (!entry.generation) {
+      entry.generation = std::make_shared<Generation>();
+      entry.generation->site = site;
+      entry.generation->index = index;
+      for (auto it = s.live.begin(); it != s.live.end();) {
+        it = it->second.expired() ? s.live.erase(it) : std::next(it);
+      }
+      s.live[index] = entry.generation;
+    }
+    return entry;
+  }
 
   std::mutex mu_;
   std::unordered_map<int64_t, Site> sites_;
@@ -188,15 +251,25 @@ class Participant {
         return error;
       }
       if (step == schedule_.n_steps) return ffi::Error::Success();
+      // The emulated NICs see this step's transfers posted when its barrier
+      // released, not when this thread got a core: waking 8 device threads on
+      // 2 cores is the emulator's cost, not the network's.
+      const Clock::time_point posted = g_->released[step];
       // Copy this step's ops, without the lock: peers copy concurrently.
       lock.unlock();
       ffi::Error error = ffi::Error::Success();
+      Clock::time_point arrival = Clock::time_point::min();
       for (; cursor < mine.size() && schedule_.ops[mine[cursor]].step == step;
            ++cursor) {
-        error = Copy(mine[cursor]);
+        error = Copy(mine[cursor], posted, &arrival);
         if (error.failure()) break;
       }
       lock.lock();
+      if (error.success() && arrival > Clock::now()) {
+        // Emulated network: the bytes are here, the modelled NIC is not done.
+        // Sleep (no CPU) until it is, or until the generation is aborted.
+        g_->cv.wait_until(lock, arrival, [this] { return g_->aborted; });
+      }
       if (error.failure()) {
         StopCopying();
         g_->AbortLocked(ffi::Error(
@@ -219,6 +292,7 @@ class Participant {
     g_->devices = schedule_.devices;
     g_->reached.assign(n, -1);
     g_->count.assign(schedule_.n_steps + 1, 0);
+    g_->released.assign(schedule_.n_steps + 1, Clock::time_point::min());
     g_->copying.assign(n, 0);
     g_->published.assign(n, nullptr);
   }
@@ -244,7 +318,10 @@ class Participant {
     StopCopying();
     if (g_->aborted) return Fail(lock);
     g_->reached[p_] = b;
-    if (++g_->count[b] == g_->n) g_->cv.notify_all();
+    if (++g_->count[b] == g_->n) {
+      g_->released[b] = Clock::now();
+      g_->cv.notify_all();
+    }
     const auto deadline =
         Clock::now() + std::chrono::milliseconds(call_.timeout_ms);
     while (true) {
@@ -318,9 +395,18 @@ class Participant {
                       BufferShape{view->dims, view->elem_bytes});
   }
 
-  ffi::Error Copy(int32_t op_index) const {
+  // Copies one op; with an emulated network, a cross-domain op also reserves
+  // the NIC queues and raises `*arrival` to the time its last byte arrives.
+  ffi::Error Copy(int32_t op_index, Clock::time_point posted,
+                  Clock::time_point* arrival) const {
     const Op& op = schedule_.ops[op_index];
     if (op.bytes == 0) return ffi::Error::Success();
+    if (call_.network != nullptr &&
+        call_.network->Crosses(op.src.participant, op.dst.participant)) {
+      *arrival = std::max(*arrival, NicEmulator::Global().Reserve(
+                                        op.src.device, op.dst.device, op.bytes,
+                                        posted, *call_.network));
+    }
     CpuBuffer src, dst;
     if (ffi::Error e = Resolve(op_index, /*src_side=*/true,
                                *g_->published[op.src.participant], &src);
@@ -374,6 +460,17 @@ void AbortNextCpuGeneration(int64_t site, int64_t device_id,
       reason.errc().value_or(ffi::ErrorCode::kAborted),
       "device " + std::to_string(device_id) +
           " did not take part in this generation: " + reason.message()));
+}
+
+std::vector<int64_t> JoinedCpuGenerations(
+    int64_t site, const std::vector<int64_t>& device_ids) {
+  return Rendezvous::Global().Joined(site, device_ids);
+}
+
+void AbortCpuGeneration(int64_t site, int64_t index,
+                        const std::vector<int64_t>& device_ids,
+                        const ffi::Error& reason) {
+  Rendezvous::Global().Abort(site, index, device_ids, reason);
 }
 
 int64_t PendingCpuGenerations() { return Rendezvous::Global().Pending(); }

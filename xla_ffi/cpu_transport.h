@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/nic_emulator.h"
 #include "xla_ffi/schedule.h"
 
 namespace jax_m2n {
@@ -39,6 +40,11 @@ struct CpuCall {
   int64_t site = 0;                    // the `site` attribute
   int64_t timeout_ms = 0;              // the `timeout_ms` attribute, > 0
   int32_t participant = 0;             // index of this device in devices
+  // The emulated network (nic_emulator.h), or nullptr: then every copy runs at
+  // memory speed. With it, an op whose ends lie in different domains reserves
+  // the source's egress and this device's ingress NIC queue, and this device
+  // leaves the step only when its last such transfer has arrived.
+  const EmulatedNetwork* network = nullptr;
 };
 
 // Runs one device's part of a reshard. The device joins generation k of
@@ -80,6 +86,21 @@ struct CpuCall {
 void AbortNextCpuGeneration(int64_t site, int64_t device_id,
                             int64_t n_participants,
                             const ::xla::ffi::Error& reason);
+
+// Per device of `device_ids`: how many generations of `site` it has joined or
+// abandoned (its next generation index). Devices of one site are in step when
+// these are equal; the eager caller reads them before and after a call to find
+// a device whose program never reached the handler.
+std::vector<int64_t> JoinedCpuGenerations(int64_t site,
+                                          const std::vector<int64_t>& device_ids);
+
+// Aborts generation `index` of `site` with `reason`: participants waiting in it
+// fail at once, and any of `device_ids` that joins it later fails at once
+// (copying nothing). Used when the caller is interrupted (KeyboardInterrupt)
+// while the generation runs. No effect on a generation everyone has left.
+void AbortCpuGeneration(int64_t site, int64_t index,
+                        const std::vector<int64_t>& device_ids,
+                        const ::xla::ffi::Error& reason);
 
 // For tests: the number of generations not yet joined by all participants
 // (entries that a completed or fully drained generation leaves behind: 0).

@@ -9,6 +9,7 @@
 
 #include "nanobind/nanobind.h"
 #include "nanobind/ndarray.h"
+#include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cpu_transport.h"
@@ -100,21 +101,43 @@ NB_MODULE(_ffi, m) {
 
   m.def(
       "abandon",
-      [](int64_t site, std::vector<int64_t> device_ids) {
+      [](int64_t site, std::vector<int64_t> device_ids, std::string reason) {
         for (int64_t device : device_ids) {
           jax_m2n::AbortNextCpuGeneration(
               site, device, /*n_participants=*/-1,
-              JAX_M2N_ERROR(
-                  kAborted,
-                  "its program was not dispatched (abandoned by the caller)"));
+              JAX_M2N_ERROR(kAborted, reason));
         }
       },
       nb::arg("site"), nb::arg("device_ids"),
+      nb::arg("reason") =
+          "its program was not dispatched (abandoned by the caller)",
       "For the eager path: consumes the next generation of `site` on each of "
-      "`device_ids` whose program the caller could not dispatch. Peers waiting "
-      "in that generation fail at once (instead of after timeout_ms) and the "
-      "devices' next calls line up with their peers again. Call it once per "
-      "undispatched program, in dispatch order.");
+      "`device_ids` whose program will not reach the handler, with `reason` "
+      "(the cause, e.g. the program's own error). Peers waiting in that "
+      "generation fail at once with the reason (instead of after timeout_ms) "
+      "and the devices' next calls line up with their peers again.");
+
+  m.def(
+      "joined",
+      [](int64_t site, std::vector<int64_t> device_ids) {
+        return jax_m2n::JoinedCpuGenerations(site, device_ids);
+      },
+      nb::arg("site"), nb::arg("device_ids"),
+      "Per device: how many generations of `site` it has joined or abandoned. "
+      "Equal for every device of a site when they are in step.");
+
+  m.def(
+      "abort",
+      [](int64_t site, int64_t index, std::vector<int64_t> device_ids,
+         std::string reason) {
+        jax_m2n::AbortCpuGeneration(site, index, device_ids,
+                                    JAX_M2N_ERROR(kAborted, reason));
+      },
+      nb::arg("site"), nb::arg("index"), nb::arg("device_ids"),
+      nb::arg("reason"),
+      "Aborts generation `index` of `site` (0-based: the value joined() had "
+      "before the call): its participants fail at once with `reason`, and any "
+      "of `device_ids` that joins it later fails at once.");
 
   m.def(
       "pending_generations", []() { return jax_m2n::PendingCpuGenerations(); },

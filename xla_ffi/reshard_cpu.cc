@@ -9,12 +9,14 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cpu_transport.h"
+#include "xla_ffi/nic_emulator.h"
 #include "xla_ffi/schedule.h"
 
 namespace jax_m2n {
@@ -44,26 +46,76 @@ std::string CallName(int64_t site, int64_t device) {
          ", site " + std::to_string(site);
 }
 
+// Reads a required int64 (array) attribute out of the instantiate stage's
+// attributes (bound as a dictionary so that `network` may be absent).
+template <typename T>
+ffi::Error GetAttr(const ffi::Dictionary& attrs, const char* name, T* value) {
+  if (!attrs.contains(name)) {
+    return JAX_M2N_ERROR(kInvalidArgument,
+                         std::string("attribute ") + name + " is missing");
+  }
+  ffi::ErrorOr<T> got = attrs.get<T>(name);
+  if (got.has_error()) {
+    return JAX_M2N_ERROR(kInvalidArgument, std::string("attribute ") + name +
+                                               " has the wrong type: " +
+                                               got.error().message());
+  }
+  *value = got.value();
+  return ffi::Error::Success();
+}
+
 ffi::ErrorOr<std::unique_ptr<ReshardCpuState>> Instantiate(
-    ffi::Span<const int64_t> schedule, int64_t site, int64_t timeout_ms) {
+    ffi::Dictionary attrs) {
   using Result = ffi::ErrorOr<std::unique_ptr<ReshardCpuState>>;
+  auto fail = [](const ffi::Error& error, const std::string& context) {
+    return Result(ffi::Unexpected<ffi::Error>(AddContext(error, context)));
+  };
+  int64_t site = 0;
+  if (ffi::Error e = GetAttr(attrs, "site", &site); e.failure()) {
+    return fail(e, CallName(site) + ", instantiate");
+  }
   const std::string context = CallName(site) + ", instantiate";
+  ffi::Span<const int64_t> schedule;
+  int64_t timeout_ms = 0;
+  if (ffi::Error e = GetAttr(attrs, "schedule", &schedule); e.failure()) {
+    return fail(e, context);
+  }
+  if (ffi::Error e = GetAttr(attrs, "timeout_ms", &timeout_ms); e.failure()) {
+    return fail(e, context);
+  }
   if (timeout_ms < 1 || timeout_ms > kMaxTimeoutMs) {
-    return Result(ffi::Unexpected<ffi::Error>(AddContext(
-        JAX_M2N_ERROR(kInvalidArgument,
-                      "attribute timeout_ms must be in [1, 2^40] ms; got " +
-                          std::to_string(timeout_ms)),
-        context)));
+    return fail(JAX_M2N_ERROR(kInvalidArgument,
+                              "attribute timeout_ms must be in [1, 2^40] ms; got " +
+                                  std::to_string(timeout_ms)),
+                context);
   }
   ffi::ErrorOr<Schedule> decoded = DecodeSchedule(schedule);
-  if (decoded.has_error()) {
-    return Result(
-        ffi::Unexpected<ffi::Error>(AddContext(decoded.error(), context)));
-  }
+  if (decoded.has_error()) return fail(decoded.error(), context);
   auto state = std::make_unique<ReshardCpuState>();
   state->schedule = std::move(decoded.value());
   state->site = site;
   state->timeout_ms = timeout_ms;
+  if (attrs.contains("network")) {
+    ffi::Span<const int64_t> network;
+    if (ffi::Error e = GetAttr(attrs, "network", &network); e.failure()) {
+      return fail(e, context);
+    }
+    ffi::ErrorOr<EmulatedNetwork> emulated = DecodeEmulatedNetwork(
+        network, static_cast<int64_t>(state->schedule.devices.size()));
+    if (emulated.has_error()) return fail(emulated.error(), context);
+    state->network = std::move(emulated.value());
+    state->has_network = true;
+  }
+  for (std::string_view name : attrs) {
+    if (name != "schedule" && name != "site" && name != "timeout_ms" &&
+        name != "network") {
+      return fail(JAX_M2N_ERROR(kInvalidArgument,
+                                "attributes must be schedule, site, timeout_ms "
+                                "and optionally network; got " +
+                                    std::string(name)),
+                  context);
+    }
+  }
   return Result(std::move(state));
 }
 
@@ -153,14 +205,16 @@ ffi::Error Execute(int32_t device_ordinal, ReshardCpuState* state,
     return AddContext(error, CallName(state->site, device_ordinal));
   }
   return RunCpuTransport(
-      CpuCall{&schedule, state->site, state->timeout_ms, participant}, buffers);
+      CpuCall{&schedule, state->site, state->timeout_ms, participant,
+              state->has_network ? &state->network : nullptr},
+      buffers);
 }
 
 XLA_FFI_DEFINE_HANDLER(kInstantiate, Instantiate,
                        ffi::Ffi::BindInstantiate()
-                           .Attr<ffi::Span<const int64_t>>("schedule")
-                           .Attr<int64_t>("site")
-                           .Attr<int64_t>("timeout_ms"));
+                           // schedule (int64[]), site (int64), timeout_ms
+                           // (int64), optional network (int64[])
+                           .Attrs<ffi::Dictionary>());
 
 // The execute stage binds no attributes: everything it needs is in the state
 // (XLA checks attribute counts only for handlers that bind attributes).

@@ -4,7 +4,9 @@
 // in-process transport). The nanobind module (module_cpu.cc) exposes them.
 //
 // Binding (docs/schedule_format.md, "The custom call"):
-//   instantiate: attrs schedule (int64[]), site (int64), timeout_ms (int64)
+//   instantiate: attrs schedule (int64[]), site (int64), timeout_ms (int64),
+//                optional network (int64[], the emulated inter-domain
+//                network: nic_emulator.h)
 //   execute:     ctx DeviceOrdinal (the global device id on CPU), ctx State;
 //                operands: variadic source shards; results: variadic
 //                destination shards, then the workspace uint8[W] last.
@@ -16,6 +18,7 @@
 
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/nic_emulator.h"
 #include "xla_ffi/schedule.h"
 
 namespace jax_m2n {
@@ -27,6 +30,8 @@ struct ReshardCpuState {
   Schedule schedule;
   int64_t site = 0;
   int64_t timeout_ms = 0;
+  bool has_network = false;  // the `network` attribute was given
+  EmulatedNetwork network;
 };
 
 // The name under which ReshardCpuState is registered with XLA FFI.

@@ -284,28 +284,17 @@ def _map_native_error(e: BaseException) -> ReshardError:
 
 
 def _check_topology(api: str, topology: Any) -> Any:
-  """Types first (TypeError), then the rules as_topology enforces (ValueError).
+  """Raises as_topology's ReshardTypeError (a wrong kind: a bool, a dict, a flat list, a
+  device id that is not an int...) or ReshardValueError (a rule: a domain size below 1, a
+  device in two domains...), each naming the rule and the value.
 
   Returns the topology with plain ints (hashable: part of cache keys).
   """
-  ok = topology is None or isinstance(topology, Topology) or (
-      isinstance(topology, numbers.Integral) and not isinstance(topology, bool))
-  if not ok and isinstance(topology, (list, tuple)):
-    ok = all(isinstance(g, (list, tuple)) and all(
-        isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in g)
-        for g in topology)
-  if not ok:
-    raise ReshardTypeError(
-        f"{api}: topology must be a jax_m2n.Topology, a domain size (int) or a list of "
-        f"lists of device ids (ints); got {type(topology).__name__} {topology!r}.")
+  as_topology(topology, (), api)
   if isinstance(topology, numbers.Integral):
-    topology = int(topology)
-  elif isinstance(topology, (list, tuple)):
-    topology = tuple(tuple(int(d) for d in g) for g in topology)
-  try:
-    as_topology(topology, ())
-  except ReshardError as e:
-    raise ReshardValueError(f"{api}: {e}") from None
+    return int(topology)
+  if isinstance(topology, (list, tuple)):
+    return tuple(tuple(int(d) for d in g) for g in topology)
   return topology
 
 

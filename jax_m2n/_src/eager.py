@@ -28,8 +28,8 @@ from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_in_pro
                                  _check_topology, _dst_sharding_of,
                                  _map_native_error, _platform_of, _same_layout, _site,
                                  _topology_key)
-from jax_m2n._src.errors import (ReshardError, ReshardTimeoutError, ReshardTypeError,
-                                 ReshardValueError)
+from jax_m2n._src.errors import (ReshardError, ReshardRuntimeError, ReshardTimeoutError,
+                                 ReshardTypeError, ReshardValueError)
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import Plan, plan_reshard
 from jax_m2n._src.topology import as_topology
@@ -71,6 +71,24 @@ def _outcomes(futures: Sequence[concurrent.futures.Future]
   return results, errors
 
 
+# How often the calling thread wakes while waiting for the devices' programs: the wait
+# is in Python (not in a native call), so Ctrl-C reaches it at once; the period only
+# bounds how late a signal handler that does not raise is noticed.
+_WAIT_PERIOD_S = 0.25
+
+
+def _wait_interruptibly(futures: Sequence[concurrent.futures.Future]) -> None:
+  pending = set(futures)
+  while pending:
+    _, pending = concurrent.futures.wait(pending, timeout=_WAIT_PERIOD_S)
+
+
+# Fault injection for tests (tests/failure_test.py): called on a device's worker thread
+# with (device id, phase) where phase is "dispatch" (before its program is dispatched);
+# whatever it raises is that device's failure. None in normal use.
+_fault_hook: Callable[[int, str], None] | None = None
+
+
 # One eager reshard at a time per process: interleaving two calls' per-device programs
 # from several user threads could order them differently on different devices.
 _dispatch_lock = threading.Lock()
@@ -90,9 +108,81 @@ def _compile(jitted, in_types) -> Callable[..., Any]:
 
 
 def _run_device(prog: _DeviceProgram, args: list) -> list:
+  if _fault_hook is not None:
+    _fault_hook(prog.device.id, "dispatch")
+  _check_live(prog, args)
   outs = prog.call(*args)
   jax.block_until_ready(outs)  # handler errors surface here
   return outs
+
+
+def _check_live(prog: _DeviceProgram, args: list) -> None:
+  """Every input buffer of a device's program must be alive: a shard deleted behind the
+  global array's back (its buffer donated to another jit; `x.is_deleted()` is then still
+  False) would otherwise fail inside JAX, before the handler."""
+  for (leaf, _), a in zip(prog.operands, args):
+    if a.is_deleted():
+      raise ReshardValueError(
+          f"{_API}: every source shard must be alive; got a deleted buffer for leaf "
+          f"{leaf} on device {prog.device.id} (deleted or donated behind the array's "
+          "back, e.g. by another jit's donate_argnums).")
+
+
+def _reached_handler(e: BaseException) -> bool:
+  """Whether a program's error came from the jax_m2n handler (its messages name it)."""
+  return "jax_m2n_reshard" in str(e)
+
+
+def _failure_text(e: BaseException) -> str:
+  text = f"{type(e).__name__}: {e}".strip()
+  return text if len(text) <= 2000 else text[:2000] + "..."
+
+
+class _Turn:
+  """One call's place in its site on CPU: generation `index` of every device.
+
+  The CPU transport counts, per device and site, the generations a device has joined
+  (xla_ffi/cpu_transport.h). Before a call they are equal (`index`); a device whose
+  program failed before its handler ran has not joined, and is abandoned with the
+  cause, at once, so that its peers fail in milliseconds and later calls line up.
+  """
+
+  def __init__(self, module: Any, site: int, device_ids: Sequence[int]):
+    self.module = module
+    self.site = site
+    self.device_ids = list(device_ids)
+    self._lock = threading.Lock()
+    counts = module.joined(site, self.device_ids)
+    self.index = max(counts, default=0)
+    behind = [d for d, c in zip(self.device_ids, counts) for _ in range(self.index - c)]
+    if behind:  # heal a site left out of step by an earlier failure
+      module.abandon(site, behind, "the device was behind its peers after an earlier "
+                     "failed call (healed)")
+
+  def abandon_if_absent(self, device_id: int, cause: str) -> bool:
+    """Abandons `device_id`'s generation if it never joined it; True if it did so."""
+    with self._lock:
+      (count,) = self.module.joined(self.site, [device_id])
+      if count > self.index:
+        return False
+      self.module.abandon(self.site, [device_id],
+                          f"its program failed before the handler ran: {cause}")
+      return True
+
+  def abort(self, cause: str) -> None:
+    """Aborts this call's generation on every device (e.g. the caller was interrupted)."""
+    self.module.abort(self.site, self.index, self.device_ids, cause)
+
+
+def _run_guarded(prog: _DeviceProgram, args: list, turn: _Turn | None) -> list:
+  """A device's program on its worker thread; on a failure before the handler, the
+  device's turn is given up at once (peers fail now, naming this device and cause)."""
+  try:
+    return _run_device(prog, args)
+  except BaseException as e:
+    if turn is not None:
+      turn.abandon_if_absent(prog.device.id, _failure_text(e))
+    raise
 
 
 @dataclasses.dataclass
@@ -128,36 +218,46 @@ class _EagerReshard:
 
   def _dispatch(self, leaves: Sequence[jax.Array],
                 devices: Sequence[int] | None) -> list[Any]:
-    """Runs every program (concurrently) and returns each one's outputs, or raises."""
+    """Runs every program (concurrently) and returns each one's outputs, or raises.
+
+    Every program runs on its device's worker thread; this thread waits in Python, so
+    Ctrl-C interrupts the wait: the call's generation is then aborted (the programs
+    fail at once), every device is brought back in step and KeyboardInterrupt is
+    raised. After any failure the next call of the same layout works.
+    """
     shards = [jax_compat.single_device_arrays(x) for x in leaves]
     programs = self.programs
     if devices is not None:
       programs = [p for p in programs if p.device.id in devices]
-    n = len(programs)
     with _dispatch_lock:
-      # Programs 1.. go to their devices' threads; this thread runs program 0 itself.
+      turn = None
+      if self.platform == "cpu":
+        turn = _Turn(m2n_ffi.load(self.platform), self.site,
+                     [p.device.id for p in self.programs])
       arguments = [[shards[t][k] for t, k in p.operands] for p in programs]
-      futures = [_executor(programs[i].device.id).submit(_run_device, programs[i],
-                                                         arguments[i])
-                 for i in range(1, n)]
-      first: concurrent.futures.Future = concurrent.futures.Future()
-      if n:
-        try:
-          first.set_result(_run_device(programs[0], arguments[0]))
-        except Exception as e:  # noqa: BLE001 - re-raised below as a ReshardError
-          first.set_exception(e)
-        futures.insert(0, first)
       del shards
+      for p, args in zip(programs, arguments):  # before anything is dispatched
+        _check_live(p, args)
+      futures = [_executor(p.device.id).submit(_run_guarded, p, args, turn)
+                 for p, args in zip(programs, arguments)]
+      del arguments
+      try:
+        _wait_interruptibly(futures)
+      except BaseException as interrupt:
+        # Interrupted while the programs run: stop them, wait until they have
+        # stopped (milliseconds: an aborted generation copies nothing more) and put
+        # every device back in step before the caller sees the interrupt.
+        if turn is not None:
+          turn.abort(f"the calling thread was interrupted ({_failure_text(interrupt)})")
+        concurrent.futures.wait(futures)
+        self._heal(turn, programs, futures)
+        for f in futures:
+          if not f.exception():
+            for o in f.result() or ():
+              o.delete()
+        raise
       results, failed = _outcomes(futures)
-      # A program that never reached the handler (not dispatched, or refused by JAX
-      # for a deleted input) leaves its peers waiting: consume its generation so they
-      # fail now and later calls line up (CPU). Handler errors come back as several
-      # Python types, so the inputs tell, not the exception type. Under the lock: no
-      # other call of this site may start before.
-      self._abandon([p for p in self.programs if devices is not None
-                     and p.device.id not in devices] +
-                    [p for p, e, args in zip(programs, failed, arguments)
-                     if e is not None and any(a.is_deleted() for a in args)])
+      self._heal(turn, programs, futures)
     errors = [e for e in failed if e is not None]
     sticky = m2n_ffi.sticky_error(self.platform)
     if sticky is not None:
@@ -166,14 +266,44 @@ class _EagerReshard:
       for outs in results:  # no partial outputs: free what completed
         for o in outs or ():
           o.delete()
-      mapped = [_map_native_error(e) for e in errors]
-      k = next((i for i, m in enumerate(mapped) if isinstance(m, ReshardTimeoutError)), 0)
-      raise mapped[k] from errors[k]
+      raise self._error(programs, failed, errors)
     return results
 
-  def _abandon(self, programs: Sequence[_DeviceProgram]) -> None:
-    if programs and self.platform == "cpu":
-      m2n_ffi.load(self.platform).abandon(self.site, [p.device.id for p in programs])
+  def _heal(self, turn: "_Turn | None", programs: Sequence[_DeviceProgram],
+            futures: Sequence[concurrent.futures.Future]) -> None:
+    """After the programs have finished: every device that did not join this call's
+    generation (not dispatched, or failed before its handler) gives it up now."""
+    if turn is None:
+      return
+    ran = {p.device.id for p in programs}
+    for p in self.programs:
+      if p.device.id not in ran:
+        turn.abandon_if_absent(p.device.id, "its program was not dispatched")
+    for p, f in zip(programs, futures):
+      e = f.exception()
+      if e is not None:
+        turn.abandon_if_absent(p.device.id, _failure_text(e))
+
+  def _error(self, programs: Sequence[_DeviceProgram],
+             failed: Sequence[BaseException | None],
+             errors: Sequence[BaseException]) -> BaseException:
+    """The error to raise: the root cause first (a device that failed before its
+    handler: its own exception, named and chained, as a ReshardRuntimeError unless it
+    is a ReshardError already), else the handler's (a timeout first)."""
+    for p, e in zip(programs, failed):
+      if e is None or _reached_handler(e):
+        continue
+      if isinstance(e, ReshardError):
+        return e
+      error = ReshardRuntimeError(
+          f"{_API}: device {p.device.id} failed before the transfer started, so the "
+          f"call failed on every device: {_failure_text(e)}")
+      error.__cause__ = e
+      return error
+    mapped = [_map_native_error(e) for e in errors]
+    k = next((i for i, m in enumerate(mapped) if isinstance(m, ReshardTimeoutError)), 0)
+    mapped[k].__cause__ = errors[k]
+    return mapped[k]
 
   # -- outputs --------------------------------------------------------------------------
 
@@ -200,6 +330,14 @@ def _donate(leaves: Sequence[jax.Array], donate: bool | Sequence[bool]) -> None:
       x.delete()
 
 
+@functools.lru_cache(maxsize=None)  # one per device: bounded by the device count
+def _single_device_sharding(device) -> SingleDeviceSharding:
+  """One SingleDeviceSharding per device, shared by every build: JAX's compile caches
+  keep the shardings of the programs they hold, so fresh ones per build piled up
+  (26k of them after 8,000 layouts, issue 14)."""
+  return SingleDeviceSharding(device)
+
+
 def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
                  chunk_bytes) -> _EagerReshard:
   devices = {}
@@ -222,6 +360,7 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
   site = _site(b"eager", schedule.encode(plan, None, staging))
   bufs = schedule.buffers(plan)
   timeout = np.int64(timeout_ms)
+  extra = m2n_ffi.transport_attrs(platform, topo, plan.devices)
 
   local = [d for d in plan.devices if devices[d].process_index == jax.process_index()]
   src_shard_index = [
@@ -235,7 +374,7 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
     res = bufs.results.get(dev_id, {})
     operand_leaves = sorted(ops, key=ops.get)
     result_leaves = sorted(res, key=res.get)
-    sharding = SingleDeviceSharding(device)
+    sharding = _single_device_sharding(device)
     in_types = []
     for t in operand_leaves:
       box = src_layouts[t].box_of(dev_id)
@@ -254,7 +393,8 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
     call = jax.ffi.ffi_call(m2n_ffi.TARGET_NAME, out_types, has_side_effect=False)
 
     def body(*shards, call=call, sched=sched):
-      return tuple(call(*shards, schedule=sched, site=np.int64(site), timeout_ms=timeout))
+      return tuple(call(*shards, schedule=sched, site=np.int64(site), timeout_ms=timeout,
+                        **extra))
 
     jitted = jax.jit(body, in_shardings=(sharding,) * len(in_types),
                      out_shardings=(sharding,) * len(out_types))
@@ -343,9 +483,12 @@ def _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms
       return None
     parts.append((x.shape, x.dtype, x.sharding, d, s))
   try:
-    return (treedef, tuple(parts), route, _topology_key(topology), timeout_ms, chunk_bytes)
-  except TypeError:  # unhashable topology or destination
+    key = (treedef, tuple(parts), route, _topology_key(topology), timeout_ms,
+           chunk_bytes)
+    hash(key)
+  except TypeError:  # unhashable topology or destination: validation says why
     return None
+  return key
 
 
 def _validate_eager(x, leaves, dsts, src_shardings, donate: Sequence[bool], topology,

@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 import jax
+import numpy as np
 
 from jax_m2n._src.errors import ReshardError, ReshardValueError
 
@@ -63,6 +64,20 @@ def _init_cuda(module: Any, timeout_ms: int) -> None:
   module.initialize(uid, [d.id for d in jax.devices()],
                     [(d.local_hardware_id, d.id) for d in jax.local_devices()],
                     timeout_ms=timeout_ms)
+
+
+def transport_attrs(platform: str, topology: Any, devices: Any) -> dict[str, Any]:
+  """Extra attributes of the custom call for a platform's transport: on CPU with
+  `topology.emulate_network`, `network` (the NIC emulator's parameters and the domain of
+  each of `devices`, the schedule's participants, ascending; xla_ffi/nic_emulator.h).
+  Empty otherwise: the CUDA handler binds no such attribute (its links are real)."""
+  if platform != "cpu":
+    return {}
+  from jax_m2n._src.topology import emulated_network
+  network = emulated_network(topology, devices)
+  if network is None:
+    return {}
+  return {"network": np.asarray(network, dtype=np.int64)}
 
 
 def sticky_error(platform: str) -> str | None:

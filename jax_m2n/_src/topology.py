@@ -8,15 +8,23 @@ from jax devices by `Topology.for_devices`).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Iterable, Sequence
 
-from jax_m2n._src.errors import ReshardValueError
+from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 
 # Per device, one direction, in GB/s (1 GB = 1e9 bytes). The defaults of the `plan`
 # command: the paper's 50 GB/s NIC; an NVLink figure between H100/H200 (~391 measured)
 # and GB200 (900).
 DEFAULT_NIC_GBPS = 50.0
 DEFAULT_NVLINK_GBPS = 450.0
+
+_MAX_DEVICE_ID = 2**63 - 1  # device ids travel as int64 in schedules
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,20 +42,38 @@ class Topology:
     domains: explicit domains (tuples of global device ids).
     nvlink_gbps: usable one-way NVLink bandwidth per device, GB/s.
     nic_gbps: usable one-way network bandwidth per device (between domains), GB/s.
+    emulate_network: on CPU devices, pass bytes between devices of different domains
+      through the CPU transport's NIC emulator: per device an egress and an ingress
+      queue, each at `nic_gbps` and shared by all of that device's cross-domain
+      transfers (docs/design.md, "The emulated network"). Copies inside a domain run
+      at memory speed. Ignored on CUDA, where the links are real.
+    nic_latency_us: with `emulate_network`, the latency the emulator adds to each
+      cross-domain transfer (microseconds, >= 0).
+
+  Example:
+    >>> topo = jax_m2n.Topology(domain_size=2, nic_gbps=1.0, emulate_network=True)
+    >>> topo.link_class(0, 2)
+    'network'
   """
 
   domain_size: int | None = None
   domains: tuple[tuple[int, ...], ...] | None = None
   nvlink_gbps: float = DEFAULT_NVLINK_GBPS
   nic_gbps: float = DEFAULT_NIC_GBPS
+  emulate_network: bool = False
+  nic_latency_us: float = 0.0
 
   def __post_init__(self):
     if self.domain_size is not None:
-      if not isinstance(self.domain_size, int) or self.domain_size < 1:
-        raise ReshardValueError(
+      if not _is_int(self.domain_size):
+        raise ReshardTypeError(
             f"Topology: domain_size must be a positive int; got {self.domain_size!r}.")
+      if not 1 <= self.domain_size <= _MAX_DEVICE_ID:
+        raise ReshardValueError(
+            f"Topology: domain_size must be a positive int64; got {self.domain_size!r}.")
+      object.__setattr__(self, "domain_size", int(self.domain_size))
     if self.domains is not None:
-      domains = tuple(tuple(int(d) for d in group) for group in self.domains)
+      domains = _domain_groups("Topology", self.domains)
       seen: dict[int, int] = {}
       for k, group in enumerate(domains):
         if not group:
@@ -63,10 +89,25 @@ class Topology:
       object.__setattr__(self, "_domain_index", seen)
     for name in ("nvlink_gbps", "nic_gbps"):
       value = getattr(self, name)
-      if not value > 0:
-        raise ReshardValueError(
+      if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ReshardTypeError(
             f"Topology: {name} must be a positive number of GB/s; got {value!r}.")
+      # Below 1e-9 GB/s (1 byte/s) times overflow; above 1e9 GB/s nothing is real.
+      if not 1e-9 <= value <= 1e9:
+        raise ReshardValueError(
+            f"Topology: {name} must be a number of GB/s in [1e-9, 1e9]; got {value!r}.")
       object.__setattr__(self, name, float(value))
+    if not isinstance(self.emulate_network, bool):
+      raise ReshardTypeError(
+          f"Topology: emulate_network must be a bool; got {self.emulate_network!r}.")
+    latency = self.nic_latency_us
+    if isinstance(latency, bool) or not isinstance(latency, numbers.Real):
+      raise ReshardTypeError(
+          f"Topology: nic_latency_us must be a number of microseconds; got {latency!r}.")
+    if not 0 <= latency <= 1e9:
+      raise ReshardValueError(
+          f"Topology: nic_latency_us must be in [0, 1e9] microseconds; got {latency!r}.")
+    object.__setattr__(self, "nic_latency_us", float(latency))
 
   def domain_of(self, device: int) -> int:
     """The domain index of a global device id."""
@@ -104,17 +145,68 @@ class Topology:
     return cls(domains=groups, **bandwidths)
 
 
+def _domain_groups(api: str, groups) -> tuple[tuple[int, ...], ...]:
+  """Explicit domains as tuples of ints; refuses anything else with a clear error."""
+  if isinstance(groups, (str, bytes)) or not isinstance(groups, (list, tuple)):
+    raise ReshardTypeError(
+        f"{api}: domains must be a list of device-id lists, e.g. [[0, 1], [2, 3]]; got "
+        f"{groups!r}.")
+  out = []
+  for k, group in enumerate(groups):
+    if isinstance(group, (str, bytes)) or not isinstance(group, (list, tuple)):
+      raise ReshardTypeError(
+          f"{api}: every domain must be a list of device ids, e.g. [[0, 1], [2, 3]]; got "
+          f"{group!r} at position {k} of {groups!r}.")
+    for d in group:
+      if not _is_int(d):
+        raise ReshardTypeError(
+            f"{api}: a device id must be an int; got {d!r} in domain {k} of {groups!r}.")
+      if not 0 <= d <= _MAX_DEVICE_ID:
+        raise ReshardValueError(
+            f"{api}: a device id must be in [0, 2^63); got {d!r} in domain {k}.")
+    out.append(tuple(int(d) for d in group))
+  return tuple(out)
+
+
 def as_topology(topology: "Topology | int | Sequence[Sequence[int]] | None",
-                devices: Iterable | None = None) -> Topology:
-  """Normalizes the `topology=` argument of the public API."""
+                devices: Iterable | None = None, api: str = "reshard") -> Topology:
+  """Normalizes the `topology=` argument of the public API.
+
+  Raises:
+    ReshardTypeError: `topology` is none of the accepted kinds (a bool, a dict, a flat
+      list of ints, a device id that is not an int...).
+    ReshardValueError: a domain size below 1, a device in two domains...
+  """
   if topology is None:
     return Topology.for_devices(devices) if devices is not None else Topology()
   if isinstance(topology, Topology):
     return topology
-  if isinstance(topology, int):
-    return Topology(domain_size=topology)
-  if isinstance(topology, (list, tuple)):
-    return Topology(domains=tuple(tuple(g) for g in topology))
-  raise ReshardValueError(
-      "topology must be a jax_m2n.Topology, a domain size (int) or a list of device-id "
-      f"lists; got {topology!r}.")
+  if isinstance(topology, bool):
+    raise ReshardTypeError(
+        f"{api}: topology must be a jax_m2n.Topology, a domain size (int) or a list of "
+        f"device-id lists; got the bool {topology!r}.")
+  try:
+    if _is_int(topology):
+      return Topology(domain_size=topology)
+    if isinstance(topology, (list, tuple)):
+      return Topology(domains=_domain_groups(f"{api}: topology", topology))
+  except (ReshardTypeError, ReshardValueError) as e:
+    message = str(e)
+    if message.startswith("Topology: "):
+      message = f"{api}: topology: " + message[len("Topology: "):]
+    raise type(e)(message) from None
+  raise ReshardTypeError(
+      f"{api}: topology must be a jax_m2n.Topology, a domain size (int) or a list of "
+      f"device-id lists; got {type(topology).__name__} {topology!r}.")
+
+
+def emulated_network(topology: Topology, devices: Sequence[int]) -> "list[int] | None":
+  """The CPU handler's `network` attribute for `devices` (a schedule's participants,
+  ascending), or None when `topology` does not emulate the network.
+
+  Layout (xla_ffi/nic_emulator.h): [bytes_per_s, latency_ns, domain of each device].
+  """
+  if not topology.emulate_network:
+    return None
+  return ([max(1, round(topology.nic_gbps * 1e9)), round(topology.nic_latency_us * 1e3)]
+          + [topology.domain_of(d) for d in devices])

@@ -345,10 +345,11 @@ def _spmd_body(srcs: Sequence[Sharding], dsts: Sequence[Sharding], shapes, dtype
                for s, shape, dt in zip(dsts, shapes, dtypes)]
   out_types.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
   call = jax.ffi.ffi_call(m2n_ffi.TARGET_NAME, out_types)
+  extra = m2n_ffi.transport_attrs(platform, topo, plan.devices)
 
   def body(*shards):
     outs = call(*shards, schedule=sched, site=np.int64(site),
-                timeout_ms=np.int64(timeout_ms))
+                timeout_ms=np.int64(timeout_ms), **extra)
     return tuple(outs[:-1])
 
   return body

@@ -12,7 +12,9 @@ Suites: smoke, refit (cross-device-set refits: 2 -> 2 replicated, 1 -> 3, dim0 -
 MoE-shaped pytrees, FSDP/EP -> TP x DP on other devices), emulated (8 CPU devices in
 emulated NVLink domains of 2), planner (planning a DeepSeek-V3-sized refit, no devices),
 multiprocess (2-4 processes x 1 GPU under jax.distributed, spawned by the bench, beside
-torch.distributed, and over NCCL's socket transport: jax_m2n/bench/multiprocess.py).
+torch.distributed, and over NCCL's socket transport: jax_m2n/bench/multiprocess.py),
+fig4 (the paper's Figure 4 in miniature on the emulated network: bench/fig4.py), memory
+(RSS over distinct eager layouts against a plain-JAX control: bench/memory.py).
 Engines: m2n_{hierarchical,flat,gather_bcast} (eager), m2n_jit_{...} (inside jit),
 jit_identity (XLA), device_put, numpy_copy (CPU), torch_gather_bcast (GPUs, torch).
 
@@ -89,6 +91,9 @@ _TORCH_DEVICE = flags.DEFINE_enum(
     "auto: the torch engine runs on GPUs (NCCL) when there are any; cpu: on host "
     "processes with gloo (tests the torch engine without GPUs).")
 _PLOTS = flags.DEFINE_boolean("plots", True, "Write PNG plots.")
+_MEMORY_LAYOUTS = flags.DEFINE_list(
+    "memory_layouts", ["1000", "8000"], "memory suite: RSS checkpoints, in distinct "
+    "layouts (the growth between the first and the last is reported).")
 
 
 def _check_choices(name: str, values, choices) -> None:
@@ -136,6 +141,23 @@ def main(argv) -> int:
     mp_rc = multiprocess.run_suite(out_dir, _SIZE_MIB.value or 1024, _ITERS.value,
                                    _WARMUP.value, echo=console.print)
     chosen_suites.remove("multiprocess")
+    if not chosen_suites:
+      return mp_rc
+  if "fig4" in chosen_suites:  # its own table, plot and fig4.json (bench/fig4.py)
+    import jax
+    from jax_m2n.bench import fig4
+    fig4_size = int((_SIZE_MIB.value or fig4.DEFAULT_SIZE_MIB) * suites.MIB)
+    rc = fig4.main(jax, out_dir, fig4_size, _ITERS.value, _WARMUP.value,
+                   lambda text: console.print(text, highlight=False, markup=False),
+                   _PLOTS.value)
+    chosen_suites.remove("fig4")
+    if not chosen_suites or rc:
+      return rc or mp_rc
+  if "memory" in chosen_suites:  # RSS over distinct layouts vs plain JAX (bench/memory.py)
+    from jax_m2n.bench import memory
+    memory.main(out_dir, [int(v) for v in _MEMORY_LAYOUTS.value],
+                lambda text: console.print(text, highlight=False, markup=False))
+    chosen_suites.remove("memory")
     if not chosen_suites:
       return mp_rc
   json_path = os.path.join(out_dir, "results.json")

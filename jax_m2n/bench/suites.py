@@ -22,8 +22,9 @@ from jax_m2n.bench import data as bench_data
 MIB = 1 << 20
 
 # The suites `--suite` accepts, in run order ("multiprocess" runs first, in processes of
-# its own: jax_m2n/bench/multiprocess.py).
-SUITES = ("smoke", "refit", "colocated", "model", "emulated", "planner", "multiprocess")
+# its own: jax_m2n/bench/multiprocess.py; then fig4 and memory, each with its own report).
+SUITES = ("smoke", "refit", "colocated", "model", "emulated", "planner", "multiprocess",
+          "fig4", "memory")
 
 
 @dataclasses.dataclass(frozen=True)
