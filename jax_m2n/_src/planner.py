@@ -215,7 +215,10 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     # then forwarded leader to leader.
     region_holders: dict[Box, tuple[int, ...]] = {}
     fanout_targets: dict[int, list[int]] = {}  # local copy -> replicas it serves
-    network_regions: dict[int, list[int]] = {}  # contribution index -> domains (ring)
+    # contribution index -> domain -> positions in led[domain] of its slabs there (the
+    # ring); indexed, not searched: a 1,000-way replicated shard has 125 domains x 1,000
+    # contributions.
+    network_regions: dict[int, dict[int, list[int]]] = {}
     led: dict[int, list[tuple[Box, int, int]]] = {}  # domain -> (box, leader, transfer)
     for dom, reps in by_domain.items():
       led[dom] = []
@@ -244,9 +247,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
           led[dom].append((sub, leader, add(owners.pick(local, box_size(sub) * itemsize),
                                              leader, "inject", sub, SRC_SHARD, DST_SHARD)))
         else:
-          doms = network_regions.setdefault(ci, [])
-          if dom not in doms:
-            doms.append(dom)
+          network_regions.setdefault(ci, {}).setdefault(dom, []).append(len(led[dom]))
           led[dom].append((sub, leader, -1 - ci))  # filled in by the ring below
 
     # Ring: each network-bound contribution enters the ring at the domain after its
@@ -258,8 +259,8 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
       home = topo.domain_of(owner)
       ring = sorted(doms, key=lambda dm: ((dm - home - 1) % (1 << 30), dm))
       previous = None  # list of (box, leader, transfer index) in the previous domain
-      for hop, dom in enumerate(ring):
-        slabs = [(i, b, l) for i, (b, l, x) in enumerate(led[dom]) if x == -1 - ci]
+      for dom in ring:
+        slabs = [(i,) + led[dom][i][:2] for i in doms[dom]]
         current = []
         for i, sub, leader in slabs:
           if previous is None:
