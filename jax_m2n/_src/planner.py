@@ -682,9 +682,19 @@ class Plan:
                  f"{self.topology.nic_gbps:g} GB/s per device")
     for route, ms in self.estimate_ms.items():
       mark = " <-" if route == self.route else ""
-      lines.append(f"estimate {route:>12}: {ms:12.6g} ms{mark}")
-    lines.append(f"bound (sol)         : {self.sol_ms:12.6g} ms")
+      lines.append(f"estimate {route:>12}: {fmt_time(ms):>10}{mark}")
+    lines.append(f"bound (sol)         : {fmt_time(self.sol_ms):>10}")
     return "\n".join(lines)
+
+
+def fmt_time(ms: float) -> str:
+  """A duration given in ms, in the unit that reads best: `142 ns`, `3.5 us`, `12 ms`."""
+  if not math.isfinite(ms):
+    return f"{ms} ms"
+  for unit, scale in (("s", 1e3), ("ms", 1.0), ("us", 1e-3)):
+    if abs(ms) >= scale:
+      return f"{ms / scale:.4g} {unit}"
+  return f"{ms * 1e6:.4g} ns"
 
 
 def _fmt_bytes(n: int) -> str:
