@@ -99,7 +99,7 @@ def test_help_exits_0(tmp_path):
 
 def test_quick_look_iters_1_warmup_0(tmp_path):
   proc = _bench(["--suite", "planner", "--iters", "1", "--warmup", "0",
-                 "--planner_cold_reps", "1", "--noplots"], tmp_path)
+                 "--planner_cold_reps", "1", "--noplanner_scale", "--noplots"], tmp_path)
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
   doc = json.loads((tmp_path / "results.json").read_text())
   assert doc["settings"]["iters"] == 1 and doc["settings"]["warmup"] == 0

@@ -467,15 +467,22 @@ class Traffic:
     by_link = {k: 0 for k in LINKS}
     egress: dict[int, dict[str, int]] = {}
     ingress: dict[int, dict[str, int]] = {}
+    domain: dict[int, int] = {}  # one domain_of per device, not two per transfer
     for x in transfers:
       n = box_size(x.box) * itemsizes[x.tensor]
-      link = topo.link_class(x.src, x.dst)
+      if x.src == x.dst:
+        by_link["local"] += n
+        continue
+      s = domain.get(x.src)
+      if s is None:
+        s = domain[x.src] = topo.domain_of(x.src)
+      t = domain.get(x.dst)
+      if t is None:
+        t = domain[x.dst] = topo.domain_of(x.dst)
+      link = "nvlink" if s == t else "network"
       by_link[link] += n
-      if link != "local":
-        e = egress.setdefault(x.src, {"nvlink": 0, "network": 0})
-        e[link] += n
-        i = ingress.setdefault(x.dst, {"nvlink": 0, "network": 0})
-        i[link] += n
+      egress.setdefault(x.src, {"nvlink": 0, "network": 0})[link] += n
+      ingress.setdefault(x.dst, {"nvlink": 0, "network": 0})[link] += n
     return Traffic(by_link, egress, ingress)
 
   @staticmethod
@@ -593,9 +600,12 @@ class Plan:
   @functools.cached_property
   def transfers(self) -> tuple[Transfer, ...]:
     """Every transfer of every tensor, before chunking, `tensor` set to the leaf index."""
+    if len(self.tensors) == 1:
+      return self.tensors[0].transfers  # planned with tensor index 0 already
     out = []
+    new = tuple.__new__
     for i, tp in enumerate(self.tensors):
-      out.extend(x._replace(tensor=i) for x in tp.transfers)
+      out.extend(new(Transfer, (i,) + x[1:]) for x in tp.transfers)
     return tuple(out)
 
   @property
