@@ -171,6 +171,21 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
   if not dst_shards:
     return ()
   owners = _Balance()
+  domains: dict[int, int] = {}
+
+  def domain_of(device: int) -> int:  # one topology lookup per device
+    d = domains.get(device)
+    if d is None:
+      d = domains[device] = topo.domain_of(device)
+    return d
+
+  holder_sets = {holders: frozenset(holders) for _, holders in src_shards}
+  # holders -> domain -> the holders in that domain, in holder order.
+  holders_in: dict[tuple[int, ...], dict[int, list[int]]] = {}
+  for _, holders in src_shards:
+    by_dom = holders_in.setdefault(holders, {})
+    for h in holders:
+      by_dom.setdefault(domain_of(h), []).append(h)
 
   if route == "gather_bcast":
     # Legacy refit: gather the whole tensor on the first source device, then broadcast
@@ -207,7 +222,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
         contributions.append((region, holders))
     by_domain: dict[int, list[int]] = {}
     for t in replicas:
-      by_domain.setdefault(topo.domain_of(t), []).append(t)
+      by_domain.setdefault(domain_of(t), []).append(t)
 
     if route == "flat":
       for region, holders in contributions:
@@ -216,7 +231,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
           if t in holders:
             add(t, t, "local", region, SRC_SHARD, DST_SHARD)
           else:
-            local = [h for h in holders if topo.domain_of(h) == topo.domain_of(t)]
+            local = [h for h in holders if domain_of(h) == domain_of(t)]
             add(owners.pick(local or holders, nbytes), t, "inject", region,
                 SRC_SHARD, DST_SHARD)
       continue
@@ -225,7 +240,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     # that replica leads them; regions some source in the domain holds are injected over
     # NVLink; the rest must cross the network: once, into the first domain of a ring,
     # then forwarded leader to leader.
-    region_holders: dict[Box, tuple[int, ...]] = {}
+    region_holders: dict[Box, frozenset[int]] = {}
     fanout_targets: dict[int, list[int]] = {}  # local copy -> replicas it serves
     # contribution index -> domain -> positions in led[domain] of its slabs there (the
     # ring); indexed, not searched: a 1,000-way replicated shard has 125 domains x 1,000
@@ -235,12 +250,17 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     for dom, reps in by_domain.items():
       led[dom] = []
       remote = []  # contribution indices this domain must receive from a device
+      rep_set = frozenset(reps)
       for ci, (region, holders) in enumerate(contributions):
-        own = [t for t in reps if t in holders]
-        region_holders[region] = holders
+        hset = holder_sets[holders]
+        region_holders[region] = hset
+        if rep_set.isdisjoint(hset):  # the common case: no replica holds it
+          remote.append(ci)
+          continue
+        own = [t for t in reps if t in hset]
         # Replicas that hold the region copy it locally; the others get it from one of
         # them, spread round-robin.
-        others = [t for t in reps if t not in holders]
+        others = [t for t in reps if t not in hset]
         for k, t in enumerate(own):
           x = add(t, t, "local", region, SRC_SHARD, DST_SHARD)
           fanout_targets[x] = others[k::len(own)]
@@ -253,8 +273,8 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
       for sub, leader, k in split:
         ci = remote[k]
         holders = contributions[ci][1]
-        region_holders[sub] = holders
-        local = [h for h in holders if topo.domain_of(h) == dom]
+        region_holders[sub] = holder_sets[holders]
+        local = holders_in[holders].get(dom)
         if local:
           led[dom].append((sub, leader, add(owners.pick(local, box_size(sub) * itemsize),
                                              leader, "inject", sub, SRC_SHARD, DST_SHARD)))
@@ -268,7 +288,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     for ci, doms in network_regions.items():
       region, holders = contributions[ci]
       owner = owners.pick(holders, box_size(region) * itemsize)
-      home = topo.domain_of(owner)
+      home = domain_of(owner)
       ring = sorted(doms, key=lambda dm: ((dm - home - 1) % (1 << 30), dm))
       previous = None  # list of (box, leader, transfer index) in the previous domain
       for dom in ring:
@@ -283,7 +303,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
             for pbox, pleader, px in previous:
               piece = intersect(pbox, sub)
               if piece is not None:
-                region_holders[piece] = holders
+                region_holders[piece] = holder_sets[holders]
                 parts.append(add(pleader, leader, "forward", piece, DST_SHARD, DST_SHARD,
                                  (px,), transfers[px].depth + 1))
             current.append((sub, leader, parts))
