@@ -131,7 +131,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--route", choices=ROUTES, default="hierarchical")
   p.add_argument("--chunk-bytes", type=_number("--chunk-bytes", int, 1),
                  default=DEFAULT_CHUNK_BYTES, help="bound on one pipelined chunk")
-  p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+  p.add_argument("--json", action="store_true",
+                 help="one strict JSON object on stdout (a non-finite number is null)")
   p.add_argument("-v", "--verbose", action="store_true",
                  help="debug log of the logger 'jax_m2n' on stderr (what was planned)")
   return parser
@@ -147,7 +148,8 @@ def _finite(value):
 
 
 def plan_json(plan, dtype: np.dtype) -> dict:
-  """The `plan --json` object (the contract outside checks use)."""
+  """The `plan --json` object (the contract outside checks use). Strict JSON: a
+  non-finite estimate (none within the CLI's bandwidth range) would be null."""
   itemsize = plan.itemsizes
   traffic = plan.traffic
   return {

@@ -129,14 +129,20 @@ def _split_for_leaders(regions: Sequence[Box], itemsize: int,
   total = sum(sizes)
   ends = [((k + 1) * total + rho // 2) // rho for k in range(rho)]  # leader k's share ends
 
-  def leader_at(position: float) -> int:
-    return next((k for k, e in enumerate(ends) if position < e), rho - 1)
+  def leader_at(position: float) -> int:  # the first leader whose share ends after it
+    return min(bisect.bisect_right(ends, position), rho - 1)
 
   out = []
   pos = 0
   for i, (region, size) in enumerate(zip(regions, sizes)):
+    k = bisect.bisect_right(ends, pos, 0, rho - 1)  # first share end after pos
+    if k == rho - 1 or ends[k] >= pos + size or size == 0:
+      # No share ends inside the region: one leader takes it whole (the common case).
+      out.append((region, leaders[leader_at(pos + size / 2)], i))
+      pos += size
+      continue
     d = _split_dim(region)
-    if d is None or size == 0:
+    if d is None:
       out.append((region, leaders[leader_at(pos + size / 2)], i))
       pos += size
       continue
