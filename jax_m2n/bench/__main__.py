@@ -10,7 +10,8 @@ Usage:
 Suites: smoke, refit (cross-device-set refits: 2 -> 2 replicated, 1 -> 3, dim0 -> dim1, a
 64-leaf pytree), colocated (layout changes on 4 devices, inside jit too), model (Llama- and
 MoE-shaped pytrees, FSDP/EP -> TP x DP on other devices), emulated (8 CPU devices in
-emulated NVLink domains of 2), planner (planning a DeepSeek-V3-sized refit, no devices).
+emulated NVLink domains of 2), planner (planning a DeepSeek-V3-sized refit, no devices;
+with --planner_scale, the default, also the 4,096-device one in a fresh process).
 Engines: m2n_{hierarchical,flat,gather_bcast} (eager), m2n_jit_{...} (inside jit),
 jit_identity (XLA), device_put, numpy_copy (CPU), torch_gather_bcast (GPUs, torch).
 
