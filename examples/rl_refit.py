@@ -7,7 +7,7 @@ where jitted sampling answers a batch of prompts. Owns the demo loop only: weigh
 reach the generator through `jax_m2n.reshard` alone (`jax.device_put` runs only at the
 end, as the baseline it is timed against).
 
-Usage (from the repository root; without a GPU it runs on 8 forced CPU devices):
+Usage (from the repository root; without a GPU it runs on 8 CPU devices):
   python -m examples.rl_refit                                   # fsdp2xtp2->tp2xdp2
   python -m examples.rl_refit --layouts='fsdp4->tp2xdp2@same' --route=flat
   python -m examples.rl_refit --generator_mesh=data=2,model=2 \
@@ -18,14 +18,14 @@ import os
 
 
 def _default_to_cpu_devices():
-  """Without a GPU, runs on 8 forced host devices (must happen before jax starts)."""
+  """Without a GPU, runs on 8 host devices (before jax starts its backend; an explicit
+  --xla_force_host_platform_device_count in XLA_FLAGS wins)."""
   if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidiactl"):
     os.environ["JAX_PLATFORMS"] = "cpu"
-  xla_flags = os.environ.get("XLA_FLAGS", "")
   if (os.environ.get("JAX_PLATFORMS") == "cpu"
-      and "xla_force_host_platform_device_count" not in xla_flags):
-    os.environ["XLA_FLAGS"] = (
-        xla_flags + " --xla_force_host_platform_device_count=8").strip()
+      and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")):
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.config.update("jax_num_cpu_devices", 8)
 
 
 _default_to_cpu_devices()

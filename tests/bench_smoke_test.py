@@ -1,6 +1,6 @@
 """The benchmark harness (jax_m2n/bench): the smoke suite end to end, and its pure parts.
 
-Runs `python -m jax_m2n.bench --suite smoke` in a subprocess on 8 forced CPU devices and
+Runs `python -m jax_m2n.bench --suite smoke` in a subprocess on 8 CPU devices and
 checks that every case validated bitwise and that results.json (schema 1) and results.md
 were written. Never asserts anything about timing: benchmarks do not fail on a slow machine.
 """
@@ -23,8 +23,9 @@ def _env() -> dict:
   env = dict(os.environ)
   root = os.path.dirname(os.path.dirname(os.path.abspath(jax_m2n.__file__)))
   env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in sys.path if p])
-  env["JAX_PLATFORMS"] = "cpu"
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  env["JAX_PLATFORMS"] = "cpu"  # the bench sets 8 host devices itself
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if "xla_force_host_platform_device_count" not in f)
   return env
 
 
@@ -72,17 +73,37 @@ def test_smoke_plots(smoke_run):
   assert (out / "smoke.png").stat().st_size > 10_000
 
 
-def test_bad_flags_exit_2(tmp_path):
-  proc = subprocess.run(
-      [sys.executable, "-m", "jax_m2n.bench", "--suite", "nope", "--out_dir",
-       str(tmp_path)], capture_output=True, text=True, env=_env(), timeout=300,
-      check=False)
-  assert proc.returncode != 0
-  assert "--suite must be a comma list" in proc.stderr
-  proc = subprocess.run(
-      [sys.executable, "-m", "jax_m2n.bench", "--iters", "3", "--out_dir", str(tmp_path)],
-      capture_output=True, text=True, env=_env(), timeout=300, check=False)
-  assert proc.returncode != 0 and "iters" in proc.stderr
+def _bench(args, tmp_path):
+  return subprocess.run([sys.executable, "-m", "jax_m2n.bench", *args, "--out_dir",
+                         str(tmp_path)], capture_output=True, text=True, env=_env(),
+                        timeout=300, check=False)
+
+
+@pytest.mark.parametrize("args, word", [
+    (["--suite", "nope"], "--suite must be a comma list"),
+    (["--bogus"], "Unknown command line flag 'bogus'"),
+    (["--iters", "0"], "--iters=0"),
+    (["--warmup", "-1"], "--warmup=-1"),
+    (["extra"], "unexpected arguments: extra"),
+])
+def test_bad_flags_one_line_exit_2(args, word, tmp_path):
+  proc = _bench(args, tmp_path)
+  assert proc.returncode == 2 and not proc.stdout, proc.stdout + proc.stderr
+  assert len(proc.stderr.strip().splitlines()) == 1 and word in proc.stderr, proc.stderr
+
+
+def test_help_exits_0(tmp_path):
+  proc = _bench(["--help"], tmp_path)
+  assert proc.returncode == 0 and "--iters" in proc.stdout and "Usage:" in proc.stdout
+
+
+def test_quick_look_iters_1_warmup_0(tmp_path):
+  proc = _bench(["--suite", "planner", "--iters", "1", "--warmup", "0",
+                 "--planner_cold_reps", "1", "--noplanner_scale", "--noplots"], tmp_path)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  doc = json.loads((tmp_path / "results.json").read_text())
+  assert doc["settings"]["iters"] == 1 and doc["settings"]["warmup"] == 0
+  assert doc["environment"]["device_count"] == 8  # jax_num_cpu_devices, no XLA_FLAGS
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64", "int8"])

@@ -98,3 +98,84 @@ def test_module_entry_point():
                         "--src", "mesh(tp=4) P(q, None)", "--dst", "mesh(tp=4) P(tp, None)"],
                        capture_output=True, text=True, env=env, cwd=root, timeout=120)
   assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_bare_command_prints_usage_and_grammar(capsys):
+  for argv in ([], ["plan"]):
+    rc, out, err = _run(argv, capsys)
+    assert rc == 2 and not out
+    assert err.startswith("usage: python -m jax_m2n plan") and "mesh(NAME=SIZE, ...)" in err
+
+
+def test_help_documents_the_layout_grammar(capsys):
+  with pytest.raises(SystemExit) as e:
+    main(["plan", "--help"])
+  out = capsys.readouterr().out
+  assert e.value.code == 0
+  assert "mesh(NAME=SIZE, ...) P(ENTRY, ...) [@FIRST]" in out and "P()" in out
+  assert "MAX_PLAN_TRANSFERS" in out
+
+
+def test_times_in_readable_units(capsys):
+  rc, out, _ = _run(EXAMPLE_A, capsys)
+  assert rc == 0
+  assert "e-0" not in out  # not `1.42e-07 ms`
+  estimate = next(l for l in out.splitlines() if l.startswith("estimate hierarchical"))
+  assert estimate.split(":")[1].split()[1] == "ns", estimate
+  from jax_m2n._src.planner import fmt_time
+  assert [fmt_time(v) for v in (1.42e-7, 0.0035, 12.0, 2500.0)] == [
+      "0.142 ns", "3.5 us", "12 ms", "2.5 s"]
+
+
+def test_short_partition_specs_as_jax(capsys):
+  short = ["plan", "--shape", "4,8", "--src", "mesh(tp=4) P(tp) @0",
+           "--dst", "mesh(dp=2, tp=2) P() @4", "--json"]
+  long = ["plan", "--shape", "4,8", "--src", "mesh(tp=4) P(tp, None) @0",
+          "--dst", "mesh(dp=2, tp=2) P(None, None) @4", "--json"]
+  rc, out, _ = _run(short, capsys)
+  rc2, out2, _ = _run(long, capsys)
+  assert rc == rc2 == 0 and json.loads(out) == json.loads(out2)
+
+
+@pytest.mark.parametrize("args, word", [
+    (["--shape", "100000", "--src", "mesh(a=100000) P(a)", "--dst", "mesh(a=100000) P(None)"],
+     "at most 8388608 transfers"),
+    (["--shape", "4", "--src", "mesh(a=" + "1" + "0" * 30 + ") P(a)", "--dst", "mesh(a=4) P(a)"],
+     "at most 1048576 devices"),
+    (["--shape", "4", "--src", "mesh(a=2) P(a) @4294967296", "--dst", "mesh(a=4) P(a)"],
+     "at most 2147483647"),
+    (["--shape", "99999999999999999999", "--src", "mesh(a=1) P()", "--dst", "mesh(a=1) P()"],
+     "dims must lie in"),
+    (["--shape", "67108864", "--src", "mesh(a=2) P(a)", "--dst", "mesh(a=2) P(None)",
+      "--chunk-bytes", "1"], "larger chunk_bytes"),
+    (["--shape", "4", "--src", "mesh(a=2) P(a)", "--dst", "mesh(a=2) P(a)",
+      "--nic-gbps", "1e-320"], "--nic-gbps must lie in"),
+    (["--shape", "4", "--src", "mesh(a=2) P(a)", "--dst", "mesh(a=2) P(a)",
+      "--nvlink-gbps", "inf"], "--nvlink-gbps must lie in"),
+])
+def test_limits_refused_in_one_line(args, word, capsys):
+  rc, out, err = _run(["plan", *args, "--json"], capsys)
+  assert rc == 2 and not out
+  assert len(err.strip().splitlines()) == 1 and word in err, err
+
+
+def test_json_is_strict_json_at_the_bandwidth_limits(capsys):
+  rc, out, _ = _run(EXAMPLE_A + ["--json", "--nic-gbps", "1e-3", "--nvlink-gbps", "1e6"],
+                    capsys)
+  assert rc == 0
+  json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+
+def test_verbose_logs_what_was_planned(capsys):
+  import logging
+  from jax_m2n._src import planner
+  planner._plan_cached.cache_clear()  # a cached plan is not planned (nor logged) again
+  log = logging.getLogger("jax_m2n")
+  handlers, level = list(log.handlers), log.level
+  try:
+    rc, _, err = _run(EXAMPLE_A + ["-v", "--route", "flat"], capsys)
+  finally:
+    log.handlers[:], log.level = handlers, level
+  assert rc == 0
+  line = next(l for l in err.splitlines() if "planned route flat" in l)
+  assert "transfers inject 8" in line and "nvlink 256 B" in line

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import strategies as st
 
 from jax_m2n._src.layout import Layout, box_size, parse_layout
-from jax_m2n._src.planner import ROUTES, plan_reshard, plan_tensor
+from jax_m2n._src.errors import ReshardValueError
+from jax_m2n._src.planner import ROUTES, plan_reshard, plan_size, plan_tensor
 from jax_m2n._src.topology import Topology
 from jax_m2n._src import schedule as schedule_lib
 import plan_sim
@@ -154,6 +155,12 @@ def test_random_layouts_deliver_exactly(case):
   dtype = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize]
   arrays = [np.arange(math.prod(shape), dtype=np.int64).astype(dtype).reshape(shape)]
   _check_delivery(plan, arrays, staging=(chunk == 64))
+  # The size computed from the layouts alone bounds the plan from below (exact for flat).
+  size = plan_size([src], [dst], [itemsize], route, chunk)
+  assert size.transfers <= len(plan.transfers)
+  assert size.chunks <= len(plan.chunks)
+  if route == "flat":
+    assert size.transfers == len(plan.transfers)
   if route == "hierarchical":
     flat = plan.with_route("flat")
     assert plan.bytes_by_link["network"] <= flat.bytes_by_link["network"]
@@ -223,3 +230,43 @@ def test_bad_plans():
     plan_reshard([src], [src], [4], route="bogus")
   with pytest.raises(ValueError, match="chunk_bytes"):
     plan_reshard([src], [src], [4], chunk_bytes=0)
+
+
+def test_plan_size_of_shared_and_jax_layouts():
+  src = parse_layout("mesh(a=4) P(a, None) @0", (8, 8))
+  dst = parse_layout("mesh(b=2, c=2) P(c, b) @4", (8, 8))
+  # Each destination box [4, 4] meets 2 source rows of 2: 4 devices x 2 pieces.
+  assert plan_size([src], [dst], [4], "flat") == (8, 8)
+  # A second equal tensor adds chunks, not transfers (its route is shared).
+  assert plan_size([src, src], [dst, dst], [4, 4], "flat") == (8, 16)
+  # 4 x 64 B into destinations, leaf chunks of at most 4 x 1 B: at least 64 chunks
+  # (exactly: one 4-byte element each).
+  assert plan_size([src], [dst], [4], "flat", chunk_bytes=1).chunks == 64
+  assert len(plan_reshard([src], [dst], [4], route="flat", chunk_bytes=1).chunks) == 64
+
+
+def test_oversized_plans_refused_from_the_layouts():
+  # A 100,000-way replication would be 10**10 transfers: refused before planning.
+  src = parse_layout("mesh(a=100000) P(a)", (100000,))
+  dst = parse_layout("mesh(a=100000) P(None)", (100000,))
+  with pytest.raises(ReshardValueError, match="at most 8388608 transfers") as e:
+    plan_reshard([src], [dst], [4])
+  assert "10000000000" in str(e.value) and "\n" not in str(e.value)
+  # Chunks are checked when a schedule is needed: 1-byte chunks of a 128 MiB tensor.
+  small = parse_layout("mesh(a=2) P(a)", (1 << 25,))
+  plan = plan_reshard([small], [small], [4], chunk_bytes=1)
+  with pytest.raises(ReshardValueError, match="chunks .* larger chunk_bytes"):
+    plan.chunks
+
+
+def test_mesh_and_device_limits():
+  with pytest.raises(ReshardValueError, match="at most 1048576 devices"):
+    parse_layout("mesh(a=" + "1" + "0" * 30 + ") P(a)", (4,))
+  with pytest.raises(ReshardValueError, match="at most 1048576 devices"):
+    parse_layout("mesh(a=2048, b=1024) P(a)", (4096,))
+  with pytest.raises(ReshardValueError, match="at most 2147483647"):
+    parse_layout("mesh(a=2) P(a) @2147483647", (4,))
+  with pytest.raises(ReshardValueError, match="device ids must lie in"):
+    Layout((4,), (2**40,), (((0, 4),),))
+  with pytest.raises(ReshardValueError, match=r"dims must lie in \[0, 2\*\*62\)"):
+    parse_layout("mesh(a=2) P()", (2**63,))

@@ -18,6 +18,13 @@ from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 Box = tuple[tuple[int, int], ...]
 
 MAX_RANK = 8
+# Bounds on what a layout may name (the schedule stores ids and sizes as int64; planning
+# work grows with devices, see planner.MAX_PLAN_TRANSFERS): device ids in
+# [0, MAX_DEVICE_ID] (XLA's ids are int32), at most MAX_MESH_DEVICES devices per mesh,
+# tensor dims below MAX_DIM and tensors below 2**63 bytes.
+MAX_DEVICE_ID = 2**31 - 1
+MAX_MESH_DEVICES = 1 << 20
+MAX_DIM = 2**62
 
 
 def box_size(box: Box) -> int:
@@ -41,6 +48,16 @@ def intersect(a: Box, b: Box) -> Box | None:
       return None
     out.append((lo, hi))
   return tuple(out)
+
+
+def check_shape(shape: Sequence[int], where: str) -> None:
+  """Raises unless `shape` has rank <= MAX_RANK and dims in [0, MAX_DIM)."""
+  if len(shape) > MAX_RANK:
+    raise ReshardValueError(
+        f"{where}: tensor rank must be at most {MAX_RANK}; got shape {tuple(shape)}.")
+  if any(not 0 <= s < MAX_DIM for s in shape):
+    raise ReshardValueError(
+        f"{where}: tensor dims must lie in [0, 2**62); got shape {tuple(shape)}.")
 
 
 def full_box(shape: Sequence[int]) -> Box:
@@ -88,6 +105,11 @@ class Layout:
     if len(set(self.devices)) != len(self.devices):
       raise ReshardValueError(
           f"Layout: a device must appear once; got devices {self.devices}.")
+    if self.devices and not (0 <= min(self.devices)
+                             and max(self.devices) <= MAX_DEVICE_ID):
+      bad = min(self.devices) if min(self.devices) < 0 else max(self.devices)
+      raise ReshardValueError(
+          f"Layout: device ids must lie in [0, {MAX_DEVICE_ID}]; got {bad}.")
 
   @property
   def ndim(self) -> int:
@@ -171,6 +193,14 @@ class MeshSpec:
       if not isinstance(size, int) or size < 1:
         raise ReshardValueError(
             f"layout: mesh axis sizes must be positive ints; got {name}={size!r}.")
+      if size > MAX_MESH_DEVICES:
+        raise ReshardValueError(
+            f"layout: a mesh must have at most {MAX_MESH_DEVICES} devices; got "
+            f"{name}={size}.")
+    if math.prod(s for _, s in self.axes) > MAX_MESH_DEVICES:
+      raise ReshardValueError(
+          f"layout: a mesh must have at most {MAX_MESH_DEVICES} devices; got "
+          f"mesh{self._mesh_text()} ({math.prod(s for _, s in self.axes)} devices).")
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
       raise ReshardValueError(
@@ -191,6 +221,10 @@ class MeshSpec:
     if self.first < 0:
       raise ReshardValueError(
           f"layout: the first device id must be >= 0; got @{self.first}.")
+    if self.first + self.size - 1 > MAX_DEVICE_ID:
+      raise ReshardValueError(
+          f"layout: device ids must be at most {MAX_DEVICE_ID}; got @{self.first} with "
+          f"{self.size} devices (last id {self.first + self.size - 1}).")
 
   @property
   def size(self) -> int:
@@ -214,18 +248,21 @@ class MeshSpec:
     return f"mesh{self._mesh_text()} {self.spec_text()} @{self.first}"
 
   def layout(self, shape: Sequence[int]) -> Layout:
-    """Per-device boxes, exactly as `NamedSharding(mesh, spec).devices_indices_map`."""
+    """Per-device boxes, exactly as `NamedSharding(mesh, spec).devices_indices_map`.
+
+    As in JAX, a PartitionSpec shorter than the rank leaves the trailing dims
+    replicated: `P()` replicates every dim, `P(x)` of a rank-2 tensor is `P(x, None)`.
+    """
     shape = tuple(int(s) for s in shape)
-    if len(self.spec) != len(shape):
+    check_shape(shape, "layout")
+    if len(self.spec) > len(shape):
       raise ReshardValueError(
-          f"layout: the PartitionSpec must have one entry per tensor dim; got "
+          f"layout: the PartitionSpec must have at most one entry per tensor dim; got "
           f"{self.spec_text()} ({len(self.spec)} entries) for shape {shape} "
           f"(rank {len(shape)}).")
-    if len(shape) > MAX_RANK:
-      raise ReshardValueError(
-          f"layout: tensor rank must be at most {MAX_RANK}; got shape {shape}.")
+    spec = self.spec + ((),) * (len(shape) - len(self.spec))
     sizes = dict(self.axes)
-    for d, entry in enumerate(self.spec):
+    for d, entry in enumerate(spec):
       n = math.prod(sizes[a] for a in entry)
       if shape[d] % n:
         raise ReshardValueError(
@@ -237,19 +274,21 @@ class MeshSpec:
     for name, size in reversed(self.axes):
       strides[name] = stride
       stride *= size
-    boxes = []
-    for flat in range(self.size):
-      coord = {n: (flat // strides[n]) % sizes[n] for n in names}
-      box = []
-      for d, entry in enumerate(self.spec):
-        index, count = 0, 1
-        for a in entry:
-          index = index * sizes[a] + coord[a]
-          count *= sizes[a]
-        chunk = shape[d] // count
-        box.append((index * chunk, (index + 1) * chunk))
-      boxes.append(tuple(box))
-    return Layout(shape, self.devices, tuple(boxes))
+    # Per dim, the interval of every device (one pass per dim, shared tuples), then the
+    # boxes zipped from them: linear in devices x rank.
+    per_dim = []
+    for d, entry in enumerate(spec):
+      index = [0] * self.size
+      count = 1
+      for a in entry:
+        size, stride = sizes[a], strides[a]
+        index = [i * size + (flat // stride) % size for flat, i in enumerate(index)]
+        count *= size
+      chunk = shape[d] // count
+      intervals = [(k * chunk, (k + 1) * chunk) for k in range(count)]
+      per_dim.append([intervals[i] for i in index])
+    boxes = tuple(zip(*per_dim)) if per_dim else ((),) * self.size
+    return Layout(shape, self.devices, boxes)
 
   def jax_spec(self):
     """The equivalent `jax.sharding.PartitionSpec`."""

@@ -10,9 +10,11 @@ by `jax_m2n._src.chunks`, only when a schedule is needed.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import gc
+import logging
 import math
 from typing import NamedTuple, Sequence
 
@@ -28,6 +30,16 @@ LINKS = ("local", "nvlink", "network")
 SRC_SHARD, DST_SHARD, FULL_TMP = 0, 1, 2
 
 DEFAULT_CHUNK_BYTES = 16 << 20
+
+# Bounds on one plan, checked from the layouts alone before any route is built
+# (`check_plan_size`). A transfer costs ~1 us and ~0.3 KB to plan, a chunk ~0.3 KB of
+# schedule: 8M transfers are ~10 s and a few GB, beyond which a plan is refused rather
+# than left to run for minutes into a MemoryError (a 100,000-way replication would be
+# 10**10 transfers). A DeepSeek-V3-sized refit over 4,096 devices is ~3M per stage.
+MAX_PLAN_TRANSFERS = 1 << 23
+MAX_PLAN_CHUNKS = 1 << 24
+
+logger = logging.getLogger("jax_m2n")
 
 
 class Transfer(NamedTuple):
@@ -117,14 +129,20 @@ def _split_for_leaders(regions: Sequence[Box], itemsize: int,
   total = sum(sizes)
   ends = [((k + 1) * total + rho // 2) // rho for k in range(rho)]  # leader k's share ends
 
-  def leader_at(position: float) -> int:
-    return next((k for k, e in enumerate(ends) if position < e), rho - 1)
+  def leader_at(position: float) -> int:  # the first leader whose share ends after it
+    return min(bisect.bisect_right(ends, position), rho - 1)
 
   out = []
   pos = 0
   for i, (region, size) in enumerate(zip(regions, sizes)):
+    k = bisect.bisect_right(ends, pos, 0, rho - 1)  # first share end after pos
+    if k == rho - 1 or ends[k] >= pos + size or size == 0:
+      # No share ends inside the region: one leader takes it whole (the common case).
+      out.append((region, leaders[leader_at(pos + size / 2)], i))
+      pos += size
+      continue
     d = _split_dim(region)
-    if d is None or size == 0:
+    if d is None:
       out.append((region, leaders[leader_at(pos + size / 2)], i))
       pos += size
       continue
@@ -148,7 +166,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
   transfers: list[Transfer] = []
 
   # tuple.__new__ directly: a DeepSeek-V3-sized plan makes ~500k of these (fan-out).
-  new, append = tuple.__new__, transfers.append
+  new, append, extend = tuple.__new__, transfers.append, transfers.extend
 
   def add(s, t, stage, box, skind, dkind, parents=(), depth=0) -> int:
     append(new(Transfer, (0, s, t, stage, box, skind, dkind, tuple(parents), depth)))
@@ -159,6 +177,21 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
   if not dst_shards:
     return ()
   owners = _Balance()
+  domains: dict[int, int] = {}
+
+  def domain_of(device: int) -> int:  # one topology lookup per device
+    d = domains.get(device)
+    if d is None:
+      d = domains[device] = topo.domain_of(device)
+    return d
+
+  holder_sets = {holders: frozenset(holders) for _, holders in src_shards}
+  # holders -> domain -> the holders in that domain, in holder order.
+  holders_in: dict[tuple[int, ...], dict[int, list[int]]] = {}
+  for _, holders in src_shards:
+    by_dom = holders_in.setdefault(holders, {})
+    for h in holders:
+      by_dom.setdefault(domain_of(h), []).append(h)
 
   if route == "gather_bcast":
     # Legacy refit: gather the whole tensor on the first source device, then broadcast
@@ -195,7 +228,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
         contributions.append((region, holders))
     by_domain: dict[int, list[int]] = {}
     for t in replicas:
-      by_domain.setdefault(topo.domain_of(t), []).append(t)
+      by_domain.setdefault(domain_of(t), []).append(t)
 
     if route == "flat":
       for region, holders in contributions:
@@ -204,7 +237,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
           if t in holders:
             add(t, t, "local", region, SRC_SHARD, DST_SHARD)
           else:
-            local = [h for h in holders if topo.domain_of(h) == topo.domain_of(t)]
+            local = [h for h in holders if domain_of(h) == domain_of(t)]
             add(owners.pick(local or holders, nbytes), t, "inject", region,
                 SRC_SHARD, DST_SHARD)
       continue
@@ -213,19 +246,27 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     # that replica leads them; regions some source in the domain holds are injected over
     # NVLink; the rest must cross the network: once, into the first domain of a ring,
     # then forwarded leader to leader.
-    region_holders: dict[Box, tuple[int, ...]] = {}
+    region_holders: dict[Box, frozenset[int]] = {}
     fanout_targets: dict[int, list[int]] = {}  # local copy -> replicas it serves
-    network_regions: dict[int, list[int]] = {}  # contribution index -> domains (ring)
+    # contribution index -> domain -> positions in led[domain] of its slabs there (the
+    # ring); indexed, not searched: a 1,000-way replicated shard has 125 domains x 1,000
+    # contributions.
+    network_regions: dict[int, dict[int, list[int]]] = {}
     led: dict[int, list[tuple[Box, int, int]]] = {}  # domain -> (box, leader, transfer)
     for dom, reps in by_domain.items():
       led[dom] = []
       remote = []  # contribution indices this domain must receive from a device
+      rep_set = frozenset(reps)
       for ci, (region, holders) in enumerate(contributions):
-        own = [t for t in reps if t in holders]
-        region_holders[region] = holders
+        hset = holder_sets[holders]
+        region_holders[region] = hset
+        if rep_set.isdisjoint(hset):  # the common case: no replica holds it
+          remote.append(ci)
+          continue
+        own = [t for t in reps if t in hset]
         # Replicas that hold the region copy it locally; the others get it from one of
         # them, spread round-robin.
-        others = [t for t in reps if t not in holders]
+        others = [t for t in reps if t not in hset]
         for k, t in enumerate(own):
           x = add(t, t, "local", region, SRC_SHARD, DST_SHARD)
           fanout_targets[x] = others[k::len(own)]
@@ -238,15 +279,13 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
       for sub, leader, k in split:
         ci = remote[k]
         holders = contributions[ci][1]
-        region_holders[sub] = holders
-        local = [h for h in holders if topo.domain_of(h) == dom]
+        region_holders[sub] = holder_sets[holders]
+        local = holders_in[holders].get(dom)
         if local:
           led[dom].append((sub, leader, add(owners.pick(local, box_size(sub) * itemsize),
                                              leader, "inject", sub, SRC_SHARD, DST_SHARD)))
         else:
-          doms = network_regions.setdefault(ci, [])
-          if dom not in doms:
-            doms.append(dom)
+          network_regions.setdefault(ci, {}).setdefault(dom, []).append(len(led[dom]))
           led[dom].append((sub, leader, -1 - ci))  # filled in by the ring below
 
     # Ring: each network-bound contribution enters the ring at the domain after its
@@ -255,11 +294,11 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     for ci, doms in network_regions.items():
       region, holders = contributions[ci]
       owner = owners.pick(holders, box_size(region) * itemsize)
-      home = topo.domain_of(owner)
+      home = domain_of(owner)
       ring = sorted(doms, key=lambda dm: ((dm - home - 1) % (1 << 30), dm))
       previous = None  # list of (box, leader, transfer index) in the previous domain
-      for hop, dom in enumerate(ring):
-        slabs = [(i, b, l) for i, (b, l, x) in enumerate(led[dom]) if x == -1 - ci]
+      for dom in ring:
+        slabs = [(i,) + led[dom][i][:2] for i in doms[dom]]
         current = []
         for i, sub, leader in slabs:
           if previous is None:
@@ -270,7 +309,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
             for pbox, pleader, px in previous:
               piece = intersect(pbox, sub)
               if piece is not None:
-                region_holders[piece] = holders
+                region_holders[piece] = holder_sets[holders]
                 parts.append(add(pleader, leader, "forward", piece, DST_SHARD, DST_SHARD,
                                  (px,), transfers[px].depth + 1))
             current.append((sub, leader, parts))
@@ -293,11 +332,126 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
             # instead of waiting for its own local copy.
             parents, depth, skind = (), 0, SRC_SHARD
           holders = region_holders.get(piece, ())
-          for t in fanout_targets.get(xi, reps):
-            if t != leader and t not in holders:
-              append(new(Transfer, (0, leader, t, "fanout", piece, skind, DST_SHARD,
-                                    parents, depth)))
+          # One comprehension per arrival: this loop makes most transfers of a wide
+          # replication (4,032 of the 4,096 per region of a 64-device domain).
+          extend([new(Transfer, (0, leader, t, "fanout", piece, skind, DST_SHARD, parents,
+                                 depth))
+                  for t in fanout_targets.get(xi, reps)
+                  if t != leader and t not in holders])
   return tuple(transfers)
+
+
+# ---------------------------------------------------------------------------------------
+# Plan size, from the layouts alone (linear in devices)
+# ---------------------------------------------------------------------------------------
+
+class PlanSize(NamedTuple):
+  """Lower bounds on the size of a plan (exact for `flat` on JAX's grid layouts).
+
+  transfers: transfers of the distinct tensor routes (what the planner builds).
+  chunks: chunks of the schedule of every tensor (what `Plan.chunks` and the schedule
+    encoding build), for the plan's chunk_bytes.
+  """
+
+  transfers: int
+  chunks: int
+
+
+def _overlap_counter(shards, ndim: int):
+  """Per dim, a function counting the source intervals that overlap [lo, hi); None
+  where a dim's distinct intervals overlap each other (not a grid: count 1)."""
+  counters = []
+  for k in range(ndim):
+    intervals = sorted({b[k] for b, _ in shards})
+    starts = [lo for lo, _ in intervals]
+    ends = [hi for _, hi in intervals]
+    if any(ends[i] > starts[i + 1] for i in range(len(intervals) - 1)):
+      counters.append(None)
+    else:
+      counters.append((starts, ends))
+  return counters
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_size(src: Layout, dst: Layout, itemsize: int, route: str) -> tuple[int, int]:
+  """(transfers, bytes written into destination buffers) of one tensor's route, at
+  least. Every destination replica receives each source piece of its box by at least
+  one transfer (a local copy if it holds it), so transfers >= sum over destination
+  shards of replicas x intersecting source shards; on a grid the latter is the product
+  over dims of overlapping source intervals (two binary searches per dim)."""
+  src_shards = src.shards()
+  dst_shards = dst.shards()
+  if route == "gather_bcast":
+    devices = {t for _, ts in dst_shards for t in ts}
+    chain = len(devices - {src.devices[0]}) if src.devices else len(devices)
+    nbytes = math.prod(src.shape) * itemsize
+    return (len(src_shards) + chain + len(devices),
+            chain * nbytes + sum(len(ts) * box_size(b) for b, ts in dst_shards) * itemsize)
+  counters = _overlap_counter(src_shards, src.ndim)
+  transfers = received = 0
+  for dbox, replicas in dst_shards:
+    pieces = 1
+    for (lo, hi), counter in zip(dbox, counters):
+      if counter is not None:
+        starts, ends = counter
+        pieces *= bisect.bisect_left(starts, hi) - bisect.bisect_right(ends, lo)
+    transfers += len(replicas) * max(pieces, 1)
+    received += len(replicas) * box_size(dbox) * itemsize
+  return transfers, received
+
+
+def plan_size(src_layouts: Sequence[Layout], dst_layouts: Sequence[Layout],
+              itemsizes: Sequence[int], route: str = "hierarchical",
+              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> PlanSize:
+  """Lower bounds on the transfers and chunks of a plan, without building it.
+
+  Time linear in the devices of the layouts (times rank and log of the shard count),
+  cached per distinct (layouts, itemsize, route). Transfers count each distinct tensor
+  route once (equal layouts share one); chunks count every tensor.
+  """
+  from jax_m2n._src.chunks import LEAF_CHUNK_FACTOR
+  seen = set()
+  transfers = chunks = 0
+  for s, d, i in zip(src_layouts, dst_layouts, itemsizes):
+    n, received = _tensor_size(s, d, int(i), route)
+    if (s, d, i) not in seen:
+      seen.add((s, d, i))
+      transfers += n
+    chunks += max(n, -(-received // (LEAF_CHUNK_FACTOR * chunk_bytes)))
+  return PlanSize(transfers, chunks)
+
+
+def check_plan_size(src_layouts: Sequence[Layout], dst_layouts: Sequence[Layout],
+                    itemsizes: Sequence[int], route: str = "hierarchical",
+                    chunk_bytes: int | None = None) -> PlanSize:
+  """Refuses, before any planning, a plan over `MAX_PLAN_TRANSFERS` transfers (or, with
+  `chunk_bytes`, over `MAX_PLAN_CHUNKS` chunks).
+
+  Called by `plan_reshard` (transfers) and `Plan.chunks` (chunks) on a cache miss;
+  callers that want to fail before other work (the CLI, the public API's argument
+  checks) may call it first. Takes well under a second for a million devices.
+
+  Returns:
+    The `PlanSize` (lower bounds) when within the limits.
+
+  Raises:
+    ReshardValueError: one line naming the size, the limit and what to change.
+  """
+  size = plan_size(src_layouts, dst_layouts, itemsizes, route,
+                   chunk_bytes or DEFAULT_CHUNK_BYTES)
+  if size.transfers > MAX_PLAN_TRANSFERS:
+    devices = len({d for l in dst_layouts for d in l.devices})
+    raise ReshardValueError(
+        f"plan: a plan must have at most {MAX_PLAN_TRANSFERS} transfers "
+        f"(MAX_PLAN_TRANSFERS); got at least {size.transfers} for route {route!r} "
+        f"({len(src_layouts)} tensor(s), {devices} destination devices). Use fewer "
+        f"destination replicas or fewer source shards per destination shard.")
+  if chunk_bytes is not None and size.chunks > MAX_PLAN_CHUNKS:
+    raise ReshardValueError(
+        f"plan: a plan must have at most {MAX_PLAN_CHUNKS} chunks (MAX_PLAN_CHUNKS); got "
+        f"at least {size.chunks} with chunk_bytes={chunk_bytes}. Use a larger "
+        f"chunk_bytes.")
+  return size
 
 
 @functools.lru_cache(maxsize=4096)
@@ -341,15 +495,22 @@ class Traffic:
     by_link = {k: 0 for k in LINKS}
     egress: dict[int, dict[str, int]] = {}
     ingress: dict[int, dict[str, int]] = {}
+    domain: dict[int, int] = {}  # one domain_of per device, not two per transfer
     for x in transfers:
       n = box_size(x.box) * itemsizes[x.tensor]
-      link = topo.link_class(x.src, x.dst)
+      if x.src == x.dst:
+        by_link["local"] += n
+        continue
+      s = domain.get(x.src)
+      if s is None:
+        s = domain[x.src] = topo.domain_of(x.src)
+      t = domain.get(x.dst)
+      if t is None:
+        t = domain[x.dst] = topo.domain_of(x.dst)
+      link = "nvlink" if s == t else "network"
       by_link[link] += n
-      if link != "local":
-        e = egress.setdefault(x.src, {"nvlink": 0, "network": 0})
-        e[link] += n
-        i = ingress.setdefault(x.dst, {"nvlink": 0, "network": 0})
-        i[link] += n
+      egress.setdefault(x.src, {"nvlink": 0, "network": 0})[link] += n
+      ingress.setdefault(x.dst, {"nvlink": 0, "network": 0})[link] += n
     return Traffic(by_link, egress, ingress)
 
   @staticmethod
@@ -467,9 +628,12 @@ class Plan:
   @functools.cached_property
   def transfers(self) -> tuple[Transfer, ...]:
     """Every transfer of every tensor, before chunking, `tensor` set to the leaf index."""
+    if len(self.tensors) == 1:
+      return self.tensors[0].transfers  # planned with tensor index 0 already
     out = []
+    new = tuple.__new__
     for i, tp in enumerate(self.tensors):
-      out.extend(x._replace(tensor=i) for x in tp.transfers)
+      out.extend(new(Transfer, (i,) + x[1:]) for x in tp.transfers)
     return tuple(out)
 
   @property
@@ -520,9 +684,27 @@ class Plan:
 
   @functools.cached_property
   def chunks(self):
-    """The chunked, step-assigned schedule (a `jax_m2n._src.chunks.Chunks`)."""
+    """The chunked, step-assigned schedule (a `jax_m2n._src.chunks.Chunks`).
+
+    Raises ReshardValueError, before building anything, over MAX_PLAN_CHUNKS chunks.
+    """
     from jax_m2n._src import chunks
+    check_plan_size([tp.src for tp in self.tensors], [tp.dst for tp in self.tensors],
+                    self.itemsizes, self.route, self.chunk_bytes)
     return chunks.schedule_chunks(self)
+
+  def describe(self, size: PlanSize | None = None) -> str:
+    """One line: route, tensors, devices, transfers by stage, bytes by link."""
+    from collections import Counter
+    stages: Counter = Counter()
+    for tp in self.tensors:
+      stages.update(x.stage for x in tp.transfers)
+    links = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.bytes_by_link.items())
+    return (f"route {self.route}: {len(self.tensors)} tensor(s), "
+            f"{_fmt_bytes(self.payload_bytes)}, {len(self.devices)} devices; transfers "
+            + (", ".join(f"{s} {stages[s]}" for s in STAGES if stages[s]) or "none")
+            + f"; bytes by link: {links}"
+            + (f"; size bound {size.transfers} transfers" if size is not None else ""))
 
   def summary(self) -> str:
     """A readable summary (the `plan` command without --json)."""
@@ -538,9 +720,19 @@ class Plan:
                  f"{self.topology.nic_gbps:g} GB/s per device")
     for route, ms in self.estimate_ms.items():
       mark = " <-" if route == self.route else ""
-      lines.append(f"estimate {route:>12}: {ms:12.6g} ms{mark}")
-    lines.append(f"bound (sol)         : {self.sol_ms:12.6g} ms")
+      lines.append(f"estimate {route:>12}: {fmt_time(ms):>10}{mark}")
+    lines.append(f"bound (sol)         : {fmt_time(self.sol_ms):>10}")
     return "\n".join(lines)
+
+
+def fmt_time(ms: float) -> str:
+  """A duration given in ms, in the unit that reads best: `142 ns`, `3.5 us`, `12 ms`."""
+  if not math.isfinite(ms):
+    return f"{ms} ms"
+  for unit, scale in (("s", 1e3), ("ms", 1.0), ("us", 1e-3)):
+    if abs(ms) >= scale:
+      return f"{ms / scale:.4g} {unit}"
+  return f"{ms * 1e6:.4g} ns"
 
 
 def _fmt_bytes(n: int) -> str:
@@ -554,9 +746,13 @@ def _fmt_bytes(n: int) -> str:
 def _plan_cached(src: tuple[Layout, ...], dst: tuple[Layout, ...],
                  itemsizes: tuple[int, ...], topology: Topology, route: str,
                  chunk_bytes: int) -> Plan:
+  size = check_plan_size(src, dst, itemsizes, route)
   tensors = tuple(plan_tensor(s, d, i, topology, route)
                   for s, d, i in zip(src, dst, itemsizes))
-  return Plan(route, topology, tensors, chunk_bytes)
+  plan = Plan(route, topology, tensors, chunk_bytes)
+  if logger.isEnabledFor(logging.DEBUG):
+    logger.debug("planned %s", plan.describe(size))
+  return plan
 
 
 def plan_reshard(src_layouts: Sequence[Layout], dst_layouts: Sequence[Layout],

@@ -10,7 +10,8 @@ Usage:
 Suites: smoke, refit (cross-device-set refits: 2 -> 2 replicated, 1 -> 3, dim0 -> dim1, a
 64-leaf pytree), colocated (layout changes on 4 devices, inside jit too), model (Llama- and
 MoE-shaped pytrees, FSDP/EP -> TP x DP on other devices), emulated (8 CPU devices in
-emulated NVLink domains of 2), planner (planning a DeepSeek-V3-sized refit, no devices),
+emulated NVLink domains of 2), planner (planning a DeepSeek-V3-sized refit, no devices;
+with --planner_scale, the default, also the 4,096-device one in a fresh process),
 multiprocess (2-4 processes x 1 GPU under jax.distributed, spawned by the bench, beside
 torch.distributed, and over NCCL's socket transport: jax_m2n/bench/multiprocess.py),
 fig4 (the paper's Figure 4 in miniature on the emulated network: bench/fig4.py), memory
@@ -22,11 +23,13 @@ Every case is validated bitwise against numpy before it is timed; then --warmup 
 and --iters timed calls; the table prints mean/min/median, the planner's data-movement
 bound and route estimate, and mean/bound. Writes OUT_DIR/results.json ("schema": 1, every
 raw time and the environment), OUT_DIR/results.md and OUT_DIR/<suite>.png.
-Exit status: 0 when every case validated and ran; 1 when a case failed or was wrong
-(never because of timing); 2 for bad flags.
+Exit status: 0 when every case validated and ran (and for --help); 1 when a case failed
+or was wrong (never because of timing); 2 for bad flags (one line on stderr).
+`--iters 1 --warmup 0` gives a quick look (a benchmark worth keeping uses the defaults).
 
-Without a GPU (no /dev/nvidiactl) and without JAX_PLATFORMS set, runs on CPU with
-XLA_FLAGS=--xla_force_host_platform_device_count=8 (set here, before JAX starts).
+Without a GPU (no /dev/nvidiactl) and without JAX_PLATFORMS set, runs on CPU with 8 host
+devices (`jax.config.update("jax_num_cpu_devices", 8)`, before JAX starts its backend;
+an explicit --xla_force_host_platform_device_count in XLA_FLAGS wins).
 """
 
 import glob
@@ -35,13 +38,16 @@ import signal
 import sys
 
 
+CPU_DEVICES = 8
+
+
 def _default_to_cpu_devices() -> None:
   if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidiactl"):
     os.environ["JAX_PLATFORMS"] = "cpu"
-  xla_flags = os.environ.get("XLA_FLAGS", "")
   if (os.environ.get("JAX_PLATFORMS") == "cpu"
-      and "xla_force_host_platform_device_count" not in xla_flags):
-    os.environ["XLA_FLAGS"] = (xla_flags + " --xla_force_host_platform_device_count=8").strip()
+      and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")):
+    import jax  # importing starts no backend; the first jax.devices() does
+    jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
 
 
 _default_to_cpu_devices()
@@ -70,9 +76,10 @@ _SIZE_MIB = flags.DEFINE_float(
 _MODEL_MIB = flags.DEFINE_float(
     "model_mib", None, "Bytes of each model-suite pytree, MiB (default: 4096 on GPU, 128 "
     "on CPU; a real Llama-3-8B is 15316).", lower_bound=1e-3)
-_ITERS = flags.DEFINE_integer("iters", 10, "Timed calls per (case, engine).", lower_bound=10)
+_ITERS = flags.DEFINE_integer("iters", 10, "Timed calls per (case, engine); fewer than 10 "
+                              "only for a quick look.", lower_bound=1)
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Warm-up calls per (case, engine), after the "
-                               "validating first call.", lower_bound=3)
+                               "validating first call.", lower_bound=0)
 _OUT_DIR = flags.DEFINE_string("out_dir", "bench_out", "Where results.json, results.md "
                                "and the PNG plots go (created).")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(bench_data.DTYPES),
@@ -83,6 +90,10 @@ _LINK_GBPS = flags.DEFINE_float(
 _PLANNER_COLD_REPS = flags.DEFINE_integer(
     "planner_cold_reps", 3, "Cold planning repetitions (caches cleared each time).",
     lower_bound=1)
+_PLANNER_SCALE = flags.DEFINE_boolean(
+    "planner_scale", True, "With the planner suite, also plan the 4,096-device refit "
+    "(suites.PLANNER_4096) once, cold, in a fresh process: time and peak memory (about "
+    "1.5 min and 10 GB on one CPU core).")
 _TORCH_TIMEOUT_S = flags.DEFINE_float(
     "torch_timeout_s", 600.0, "Bound on the whole torch.distributed launch, seconds.",
     lower_bound=10.0)
@@ -96,11 +107,15 @@ _MEMORY_LAYOUTS = flags.DEFINE_list(
     "layouts (the growth between the first and the last is reported).")
 
 
+class _BadFlags(Exception):
+  """A bad command line: one line on stderr, exit status 2."""
+
+
 def _check_choices(name: str, values, choices) -> None:
   bad = [v for v in values if v not in choices]
   if bad or not values:
-    raise app.UsageError(f"--{name} must be a comma list from {', '.join(choices)}; got "
-                         f"{','.join(values) or '(empty)'}.")
+    raise _BadFlags(f"--{name} must be a comma list from {', '.join(choices)}; got "
+                    f"{','.join(values) or '(empty)'}.")
 
 
 def _guess_gpu_count() -> int:
@@ -119,9 +134,21 @@ def _terminate(signum, frame):
 
 
 def main(argv) -> int:
+  try:
+    return _main(argv)
+  except _BadFlags as e:
+    _bad_flags(str(e))
+    return 2
+
+
+def _bad_flags(message: str) -> None:
+  print(f"jax_m2n.bench: error: {message} (--help for every flag)", file=sys.stderr)
+
+
+def _main(argv) -> int:
   signal.signal(signal.SIGTERM, _terminate)
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    raise _BadFlags(f"unexpected arguments: {' '.join(argv[1:])}")
   chosen_suites = list(dict.fromkeys(s.strip() for s in _SUITE.value))
   _check_choices("suite", chosen_suites, suites.SUITES)
   chosen_engines = list(dict.fromkeys(e.strip() for e in _ENGINES.value))
@@ -232,7 +259,9 @@ def main(argv) -> int:
   planner_models = [m for s, m in (("smoke", suites.SMOKE_PLANNER),
                                    ("planner", suites.PlannerModel()))
                     if s in chosen_suites]
-  total += len(planner_models)
+  scale_models = ([suites.PLANNER_4096] if "planner" in chosen_suites
+                  and _PLANNER_SCALE.value else [])
+  total += len(planner_models) + len(scale_models)
   console.print(f"jax_m2n bench: {len(devices)} x {devices[0].device_kind} ({platform}); "
                 f"suites {','.join(chosen_suites)}; link {link['gbps']:.4g} GB/s; "
                 f"out {out_dir}")
@@ -281,6 +310,27 @@ def main(argv) -> int:
                      "reason": runner._error_text(e)})  # noqa: SLF001
       progress.advance(task)
       save()
+      for big in scale_models if suite == "planner" else []:
+        on_step(f"{suite}/{big.name}: planning {big.devices} devices cold, fresh process")
+        try:
+          result = suites.run_planner_scale(big)
+          d = result["details"]
+          for row in runner.planner_rows(result, big):
+            row["suite"] = suite
+            row["details"] = d
+            rows.append(row)
+            progress.console.print(
+                f"  {suite}/{big.name} {row['engine']}: {row['mean_ms']:.4g} ms "
+                f"({d['transfers']} transfers, peak RSS {d['max_rss_bytes'] / 2**30:.2f} "
+                f"GiB, {d['rss_bytes_per_transfer']:.0f} B per transfer)",
+                highlight=False, markup=False)
+        except Exception as e:  # noqa: BLE001 - reported like any failed case
+          rows.append({"suite": suite, "kind": "planner", "case": big.name,
+                       "engine": "plan", "title": big.name, "engine_description": "plan",
+                       "payload_bytes": 0, "leaves": 0, "status": "failed",
+                       "reason": runner._error_text(e)})  # noqa: SLF001
+        progress.advance(task)
+        save()
 
   env["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
   doc = save()
@@ -360,5 +410,22 @@ def _run(argv) -> None:
   sys.exit(main(argv))
 
 
+_HELP = ("--help", "-help", "-h", "--helpshort", "--helpfull", "-?")
+
+
+def _parse_flags(argv):
+  """absl's parsing with the exit statuses this module documents: --help prints the
+  usage and every flag and exits 0; a bad flag is one line and exit status 2."""
+  if any(a in _HELP for a in argv[1:]):
+    print(__doc__)
+    print(flags.FLAGS.main_module_help())
+    sys.exit(0)
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _bad_flags(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    sys.exit(2)
+
+
 if __name__ == "__main__":
-  app.run(_run)
+  app.run(_run, flags_parser=_parse_flags)

@@ -157,6 +157,10 @@ def planner_table(rows: Sequence[dict], suite: str = "planner") -> list[list[str
   for r in rows:
     if r["suite"] != suite or r.get("kind") != "planner":
       continue
+    if r["status"] != "ok":
+      out.append([f"{r['case']} {r['engine']}", "-", "-", "-", "0", "-",
+                  f"{r['status']}: {r.get('reason')}"])
+      continue
     meets = r.get("meets_target")
     out.append([f"{r['case']} {r['engine']}", _fmt(r["mean_ms"]), _fmt(r["min_ms"]),
                 _fmt(r["median_ms"]), str(len(r["times_s"])), _fmt(r.get("target_ms")),
@@ -178,6 +182,21 @@ def planner_facts(planner: dict) -> list[str]:
       f"bound: max over stages {d['sol_ms_max_stage']:.4g} ms, sum over stages "
       f"{d['sol_ms_sum_stages']:.4g} ms; route estimates, sum over stages: {est}",
   ]
+
+
+def scale_facts(rows: Sequence[dict], suite: str = "planner") -> list[str]:
+  """One line per large planning case (rows with `details` of `run_planner_scale`)."""
+  out = []
+  for r in rows:
+    d = r.get("details")
+    if r["suite"] != suite or not d or r["engine"] != "plan_cold_fresh_process":
+      continue
+    out.append(
+        f"{r['case']}: {r['title']}; {d['transfers']} transfers (size bound from the "
+        f"layouts {d['size_bound_transfers']}, computed in {d['size_check_s']:.3g} s); "
+        f"peak RSS {d['max_rss_bytes'] / 2**30:.2f} GiB, "
+        f"{d['rss_bytes_per_transfer']:.0f} B per transfer")
+  return out
 
 
 def requirement_table(req: Sequence[dict]) -> list[list[str]]:
@@ -254,6 +273,7 @@ def markdown(doc: dict) -> str:
       if suite == "planner" and doc.get("planner"):
         parts.append("")
         parts += [f"- {line}" for line in planner_facts(doc["planner"])]
+      parts += [f"- {line}" for line in scale_facts(rows, suite)]
     notes = problems(rows, suite)
     if notes:
       parts.append("")
@@ -298,6 +318,8 @@ def print_tables(doc: dict, console) -> None:
       if suite == "planner" and doc.get("planner"):
         for line in planner_facts(doc["planner"]):
           console.print("  " + line, highlight=False)
+      for line in scale_facts(rows, suite):
+        console.print("  " + line, highlight=False)
     for n in problems(rows, suite):
       console.print("  " + n, highlight=False)
   req = doc.get("cpu_requirement") or []

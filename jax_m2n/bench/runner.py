@@ -382,7 +382,11 @@ def planner_rows(result: dict, model: suites.PlannerModel) -> list[dict]:
   for what, times in result["timings"].items():
     row = {"suite": "planner", "kind": "planner", "case": model.name, "engine": what,
            "title": (f"{d['tensors']} tensors, {model.pp} PP-stage plans, EP{model.ep}xPP"
-                     f"{model.pp} -> TP{model.tp}xDP{model.dp}"),
+                     f"{model.pp}" + (f"xDP{model.trainer_dp}" if model.trainer_dp > 1
+                                      else "")
+                     + f" -> TP{model.tp}xDP{model.dp}"
+                     + (" (colocated)" if model.colocated else "")
+                     + f", {model.devices} devices"),
            "engine_description": what, "payload_bytes": d["payload_bytes"],
            "leaves": d["tensors"], "status": "ok", "reason": None, "times_s": times,
            "validated": None}

@@ -337,8 +337,10 @@ def build_cases(suites: Sequence[str], size_bytes: int, model_bytes: int, dtype:
 class PlannerModel:
   """A DeepSeek-V3-shaped refit: trainer EP x PP (one plan per stage) -> generator TP x DP.
 
-  Stage s of the trainer holds its layers on devices [ep*s, ep*s + ep); the generator is
-  `mesh(dp, tp)` on the devices after the trainer's. Every layer is MoE (stacked routed
+  Stage s of the trainer holds its layers on `mesh(dp=trainer_dp, ep=ep)` (plain
+  `mesh(ep)` when trainer_dp is 1), devices [n*s, n*s + n) with n = trainer_dp * ep; the
+  generator is `mesh(dp, tp)` on the devices after the trainer's, or on the trainer's
+  own devices from 0 when `colocated`. Every layer is MoE (stacked routed
   experts [E, ffn, hidden] x2 and [E, hidden, ffn]), with MLA attention, a shared expert,
   router and norms (HF `[out, in]` weight shapes).
   """
@@ -357,6 +359,13 @@ class PlannerModel:
   nic_gbps: float = 50.0
   nvlink_gbps: float = 900.0
   dtype: str = "bfloat16"
+  trainer_dp: int = 1
+  colocated: bool = False
+
+  @property
+  def devices(self) -> int:
+    trainer = self.trainer_dp * self.ep * self.pp
+    return max(trainer, self.dp * self.tp) if self.colocated else trainer + self.dp * self.tp
 
   def stage_of(self, layer: int) -> int:
     return layer // -(-self.layers // self.pp)
@@ -364,11 +373,14 @@ class PlannerModel:
   def descriptors(self) -> list[list[tuple[str, tuple[int, ...], str, str]]]:
     """Per stage: (name, shape, trainer descriptor, generator descriptor)."""
     h, E, F, V = self.hidden, self.experts, self.moe_ffn, self.vocab
-    gen_first = self.ep * self.pp
+    per_stage = self.trainer_dp * self.ep
+    gen_first = 0 if self.colocated else per_stage * self.pp
     gmesh = f"mesh(dp={self.dp}, tp={self.tp})"
+    tmesh = (f"mesh(ep={self.ep})" if self.trainer_dp == 1 else
+             f"mesh(dp={self.trainer_dp}, ep={self.ep})")
 
     def t(stage, spec):
-      return f"mesh(ep={self.ep}) P({spec}) @{self.ep * stage}"
+      return f"{tmesh} P({spec}) @{per_stage * stage}"
 
     def g(spec):
       return f"{gmesh} P({spec}) @{gen_first}"
@@ -408,6 +420,12 @@ class PlannerModel:
     return Topology(domain_size=self.domain_size, nic_gbps=self.nic_gbps,
                     nvlink_gbps=self.nvlink_gbps)
 
+
+# The planner at scale: DeepSeek-V3 trained EP64 x PP8 x DP8 on 4,096 devices, refit into
+# TP16 x DP256 on the same devices (colocated), NVLink domains of 64. ~3M transfers per
+# stage plan; planned once, cold, in a fresh process (time and peak memory).
+PLANNER_4096 = PlannerModel(name="deepseek_v3_4096", ep=64, pp=8, trainer_dp=8, tp=16,
+                            dp=256, colocated=True)
 
 SMOKE_PLANNER = PlannerModel(name="deepseek_mini", layers=4, ep=4, pp=2, tp=4, dp=2,
                              hidden=512, experts=16, moe_ffn=256, vocab=4096, domain_size=4)
@@ -449,14 +467,29 @@ def planner_cold_once(model: PlannerModel) -> dict:
 
 
 def _fresh_process_main(model_json: str) -> None:
-  """Entry point of the fresh-process cold measurement (prints one JSON line)."""
+  """Entry point of the fresh-process cold measurement (prints one JSON line): seconds,
+  transfers (of the distinct tensor routes) and peak RSS before and after planning."""
+  import resource
+  from jax_m2n._src.planner import plan_size
   model = PlannerModel(**json.loads(model_json))
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   r = planner_cold_once(model)
-  print(json.dumps({"layouts_s": r["layouts_s"], "plan_s": r["plan_s"]}))
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  t0 = time.perf_counter()
+  bounds = [plan_size(src, dst, [1] * len(src)).transfers for src, dst in r["layouts"]]
+  size_s = time.perf_counter() - t0
+  transfers = sum(len(tp.transfers) for p in r["plans"]
+                  for tp in {id(tp): tp for tp in p.tensors}.values())
+  print(json.dumps({"layouts_s": r["layouts_s"], "plan_s": r["plan_s"],
+                    "transfers": transfers, "size_bound_transfers": sum(bounds),
+                    "size_s": size_s, "max_rss_before_bytes": before,
+                    "max_rss_bytes": peak}))
 
 
 def planner_fresh_process(model: PlannerModel, timeout_s: float = 300.0) -> dict:
-  """Cold planning measured in a new Python process (first plan after import)."""
+  """Cold planning measured in a new Python process (first plan after import):
+  {layouts_s, plan_s, transfers, size_bound_transfers, size_s, max_rss_before_bytes,
+  max_rss_bytes}."""
   import jax_m2n
   pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(jax_m2n.__file__)))
   env = dict(os.environ)
@@ -471,6 +504,33 @@ def planner_fresh_process(model: PlannerModel, timeout_s: float = 300.0) -> dict
     raise RuntimeError(f"fresh-process planner run failed ({proc.returncode}): "
                        f"{proc.stderr.strip()[-2000:]}")
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_planner_scale(model: PlannerModel, timeout_s: float = 1200.0) -> dict:
+  """Plans every stage of a large `model` once, cold, in a fresh process: the seconds,
+  the transfers and the peak memory (what `run_planner` reports, minus the repetitions,
+  the cached calls and the other routes' estimates, which would triple a minutes-long
+  run). Same result layout as `run_planner`."""
+  fresh = planner_fresh_process(model, timeout_s)
+  grown = fresh["max_rss_bytes"] - fresh["max_rss_before_bytes"]
+  stages = model.descriptors()
+  itemsize = bench_data.np_dtype(model.dtype).itemsize
+  details = {
+      "model": dataclasses.asdict(model), "devices": model.devices,
+      "tensors": sum(len(s) for s in stages),
+      "payload_bytes": sum(math.prod(shape) * itemsize for s in stages
+                           for _, shape, _, _ in s),
+      "transfers": fresh["transfers"],
+      "size_bound_transfers": fresh["size_bound_transfers"],
+      "size_check_s": fresh["size_s"],
+      "max_rss_bytes": fresh["max_rss_bytes"],
+      "rss_growth_bytes": grown,
+      "rss_bytes_per_transfer": grown / max(fresh["transfers"], 1),
+  }
+  return {"timings": {"plan_cold_fresh_process": [fresh["plan_s"]],
+                      "layouts_fresh_process": [fresh["layouts_s"]]},
+          "targets_ms": {"plan_cold_fresh_process": 10000.0},
+          "details": details}
 
 
 def run_planner(model: PlannerModel, iters: int, cold_reps: int = 3,
