@@ -32,8 +32,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q 
   fi
 fi
 if [ "$has_gpu" = 0 ]; then
-  export JAX_PLATFORMS=cpu
-  export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=${JAX_M2N_CPU_DEVICES:-8}"
+  export JAX_PLATFORMS=cpu  # the example sets 8 CPU devices (jax_num_cpu_devices) itself
 fi
 
 cd "$ROOT"
