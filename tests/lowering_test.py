@@ -327,3 +327,28 @@ def test_without_src_sharding_a_scalar_falls_back_to_xla(partitioner, caplog):
   y = f(xs)
   check_values(y[0], xs[0], dst[0])
   assert float(y[1]) == 3 and y[1].sharding.is_equivalent_to(dst[1], 0)
+
+
+def test_without_src_sharding_two_destination_meshes_and_nested_jit(partitioner):
+  """Leaves bound for two meshes of the jit's devices: one custom call per mesh; a
+  reshard in a jit nested in another lowers the same way."""
+  m8, m24 = mesh((8,), ("x",)), mesh((2, 4), ("a", "b"))
+  xs = (jax.device_put(data((8, 8)), NamedSharding(m8, P("x"))),
+        jax.device_put(data((16,), np.int8), NamedSharding(m8, P("x"))))
+  dst = (NamedSharding(m24, P("b", "a")), NamedSharding(m8, P()))
+  inner = jax.jit(lambda t: jax_m2n.reshard(t, dst))
+  f = jax.jit(lambda t: inner(t))
+  check_compiled(f, xs, n_calls=2)
+  check_like_constraint(f, xs, dst)
+  y = f(xs)
+  for a, x, d in zip(y, xs, dst):
+    check_values(a, x, d)
+
+
+def test_without_src_sharding_a_destination_in_another_device_order_is_refused():
+  """JAX refuses the program (a jit's shardings share one device order), so no data is
+  read in the wrong order."""
+  x = jax.device_put(data((8, 8)), NamedSharding(mesh((8,), ("x",)), P("x")))
+  dst = NamedSharding(mesh((8,), ("x",), ids=list(range(8))[::-1]), P(None, "x"))
+  with pytest.raises(ValueError, match="incompatible devices"):
+    jax.jit(lambda v: jax_m2n.reshard(v, dst))(x)
