@@ -320,7 +320,7 @@ def test_without_src_sharding_a_scalar_falls_back_to_xla(partitioner, caplog):
         jax.device_put(np.float32(3), NamedSharding(m, P())))
   dst = (NamedSharding(m, P("b")), NamedSharding(m, P()))
   f = jax.jit(lambda t: jax_m2n.reshard(t, dst))
-  with caplog.at_level("INFO", logger="jax_m2n"):
+  with caplog.at_level("DEBUG", logger="jax_m2n"):
     check_compiled(f, xs)
   assert "delegated 1 leaves to XLA's partitioner" in caplog.text
   check_like_constraint(f, xs, dst)

@@ -61,7 +61,7 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       placed by `jax.experimental.custom_partitioning`, whose partition step reads the
       layout XLA gives the operand (on any mesh of the jit's devices) and plans from it;
       other leaves (rank 0, zero size, an Explicit-axes destination) are handed to XLA
-      (`with_sharding_constraint`; XLA moves the data; logged at INFO).
+      (`with_sharding_constraint`; XLA moves the data).
     * Delegated to `jax.device_put`, honestly, where jax_m2n adds nothing (no
       device-to-device layout change of plain bytes): numpy arrays and Python scalars
       (host -> devices), uncommitted arrays, typed PRNG key arrays, sub-byte dtypes

@@ -98,10 +98,10 @@ def _lowered(*leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes):
     dst = dst.sharding if isinstance(dst, jax.ShapeDtypeStruct) else dst
     outs[i] = jax.lax.with_sharding_constraint(leaves[i], dst)
   if unknown:
-    logger.info("reshard: delegated %d leaves to XLA's partitioner (in jit, source "
-                "layout not in the type, no src_sharding=, and a destination that "
-                "custom_partitioning cannot place: %s)", len(unknown),
-                [dsts[i] for i in unknown])
+    logger.debug("reshard: delegated %d leaves to XLA's partitioner (in jit, source "
+                 "layout not in the type, no src_sharding=, and a destination that "
+                 "custom_partitioning cannot place: %s)", len(unknown),
+                 [dsts[i] for i in unknown])
   return outs
 
 
