@@ -184,8 +184,11 @@ def test_weak_type_promotion_matches_device_put():
 JIT_CASES = [
     ("auto, src given", ns(range(8), (8,), ("x",), "x"), ns(range(8), (2, 4), ("a", "b"), None, "b"),
      True),
-    ("auto, no src (XLA's layout)", ns(range(8), (8,), ("x",), "x"),
+    ("auto, no src, another mesh", ns(range(8), (8,), ("x",), "x"),
      ns(range(8), (2, 4), ("a", "b"), "b", "a"), False),
+    ("auto, no src, one mesh (XLA's layout, jax_m2n moves it)",
+     ns(range(8), (2, 4), ("a", "b"), "a", "b"), ns(range(8), (2, 4), ("a", "b"), "b", "a"),
+     False),
     ("explicit, src from the type", ns(range(8), (2, 4), ("a", "b"), "a", "b", explicit=True),
      ns(range(8), (2, 4), ("a", "b"), "b", None, explicit=True), False),
     ("single device", SingleDeviceSharding(D[0]), SingleDeviceSharding(D[0]), True),
@@ -229,10 +232,14 @@ def test_jit_paths_are_logged(caplog):
   with caplog.at_level(logging.DEBUG, logger="jax_m2n"):
     jax.jit(lambda v: jax_m2n.reshard(v, dst, src_sharding=src)).lower(x).compile()
     jax.jit(lambda v: jax_m2n.reshard(v, dst)).lower(x).compile()
+    scalar = jax.device_put(np.float32(1), ns(range(8), (8,), ("x",)))
+    jax.jit(lambda v: jax_m2n.reshard(v, ns(range(8), (8,), ("x",)))).lower(
+        scalar).compile()  # rank 0: XLA's partitioner
     jax_m2n.reshard(x, ns(range(4), (4,), ("x",)))
     jax_m2n.reshard(np.ones(3), D[0])
   text = caplog.text
   assert "traced shard_map path" in text
+  assert "custom_partitioning path (in jit) for 1 leaves" in text
   assert "delegated 1 leaves to XLA's partitioner" in text
   assert "eager per-device path" in text
   assert "delegated 1 of 1 leaves to jax.device_put" in text
@@ -367,3 +374,77 @@ def test_random_mixed_pytrees_match_device_put(case):
       assert not leaf.is_deleted()
     if flag:
       assert leaf.is_deleted()
+
+
+# Inside jit, no src_sharding=, Auto axes, source and destination on one mesh: jax_m2n's
+# custom call reads the layout XLA's partitioner gives the operand.
+ONE_MESHES = [((8,), ("x",)), ((2, 4), ("a", "b")), ((4, 2), ("a", "b")),
+              ((2, 2, 2), ("a", "b", "c"))]
+DTYPES = [np.int8, np.bool_, jnp.bfloat16, np.uint16, np.float32, np.int32, np.complex64]
+
+
+def _draw_spec(draw, names, ndim):
+  """A PartitionSpec: each mesh axis on at most one dim; unused axes replicate."""
+  axes = list(draw(st.permutations(names)))[:draw(st.integers(0, len(names)))]
+  dims = [[] for _ in range(ndim)]
+  for a in axes:
+    dims[draw(st.integers(0, ndim - 1))].append(a)
+  return P(*[None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims])
+
+
+@st.composite
+def two_mesh_layouts(draw, one_mesh=False):
+  """(src, dst, shape, dtype, seed): layouts on meshes of the same 8 devices (the same
+  mesh with one_mesh=True)."""
+  src_mesh = mesh(range(8), *draw(st.sampled_from(ONE_MESHES)))
+  dst_mesh = src_mesh if one_mesh else mesh(range(8), *draw(st.sampled_from(ONE_MESHES)))
+  ndim = draw(st.integers(1, 3))
+  shape = tuple(draw(st.sampled_from([8, 16, 24])) for _ in range(ndim))
+  return (NamedSharding(src_mesh, _draw_spec(draw, src_mesh.axis_names, ndim)),
+          NamedSharding(dst_mesh, _draw_spec(draw, dst_mesh.axis_names, ndim)), shape,
+          draw(st.sampled_from(DTYPES)), draw(st.integers(0, 100)))
+
+
+@SETTINGS
+@hypothesis.given(two_mesh_layouts(one_mesh=True))
+def test_jit_without_src_on_one_mesh_runs_jax_m2n_bitwise_like_the_constraint(case):
+  src, dst, shape, dtype, seed = case
+  x = jax.device_put(data(shape, dtype, seed=seed), src)
+  f = jax.jit(lambda v: jax_m2n.reshard(v, dst))
+  text = f.lower(x).compile().as_text()
+  assert text.count('custom_call_target="jax_m2n_reshard"') == 1, text
+  for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce",
+             "reduce-scatter"):
+    assert op not in text, (op, src, dst)
+  ref = jax.jit(lambda v: jax.lax.with_sharding_constraint(v, dst), out_shardings=dst)(x)
+  assert_same(f(x), ref)
+  assert_same(f(x), jax.device_put(x, dst))
+
+
+@SETTINGS
+@hypothesis.given(two_mesh_layouts())
+def test_jit_without_src_across_meshes_grad_and_vmap(case):
+  src, dst, shape, dtype, seed = case
+  x = jax.device_put(data(shape, dtype, seed=seed), src)
+  def like(move, v):  # JAX's own limit: an output layout it cannot name (Shardy)
+    try:
+      return move(v)
+    except Exception as e:  # noqa: BLE001
+      hypothesis.assume(type(e).__name__ != "IndivisibleError")
+      raise
+
+  constrain = lambda v: jax.lax.with_sharding_constraint(v, dst)  # noqa: E731
+  ref = like(jax.jit(constrain), x)
+  f = jax.jit(lambda v: jax_m2n.reshard(v, dst))
+  assert 'custom_call_target="jax_m2n_reshard"' in f.lower(x).compile().as_text()
+  assert_same(f(x), ref)
+  if dtype in (np.float32, jnp.bfloat16):
+    w = jax.device_put(data(shape, dtype, seed=seed + 1), dst)
+    g_ref = jax.jit(jax.grad(_loss(jax.device_put, dst)))(x, w)
+    g = jax.jit(jax.grad(_loss(jax_m2n.reshard, dst)))(x, w)
+    np.testing.assert_array_equal(bits(g), bits(g_ref))
+  xb = jax.device_put(data((2,) + shape, dtype, seed=seed),
+                      NamedSharding(src.mesh, P(None, *src.spec)))
+  # Under vmap in jit the result is what with_sharding_constraint gives there.
+  yb_ref = like(jax.jit(jax.vmap(constrain)), xb)
+  assert_same(jax.jit(jax.vmap(lambda v: jax_m2n.reshard(v, dst)))(xb), yb_ref)

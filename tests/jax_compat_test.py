@@ -76,3 +76,26 @@ def test_context_mesh_plain_aval_tangent_zero_and_staging():
   Primitive, ad, batching, mlir = jax_compat.primitive_machinery()
   assert hasattr(batching, "primitive_batchers") and hasattr(ad, "primitive_jvps")
   assert hasattr(mlir, "lower_fun") and callable(Primitive)
+
+
+def test_with_partitioner_mesh_gives_custom_partitioning_the_devices():
+  Primitive, _, _, mlir = jax_compat.primitive_machinery()
+  probe = Primitive("jax_m2n_compat_probe")
+  probe.def_abstract_eval(lambda a: a)
+  m = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+  seen = []
+
+  def rule(ctx, v):
+    sub = jax_compat.with_partitioner_mesh(ctx, m)
+    seen.append(sub.module_context.axis_context)
+    seen.append(jax_compat.with_partitioner_mesh(ctx, Mesh(np.array(jax.devices()[:2]),
+                                                           ("x",))))
+    return [v]
+
+  mlir.register_lowering(probe, rule)
+  x = jax.device_put(np.zeros((8, 8), np.float32), NamedSharding(m, P("a", "b")))
+  jax.jit(probe.bind).lower(x)
+  context, other = seen
+  assert [d.id for d in context.device_assignment] == [d.id for d in m.devices.flat]
+  assert context.abstract_mesh == m.abstract_mesh
+  assert other is None  # a mesh over another number of devices

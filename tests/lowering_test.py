@@ -224,3 +224,131 @@ def test_context_mesh_of_another_shape(explicit):
     check_compiled(f, x)
     y = f(x)
   check_values(y, x, dst)
+
+
+# ---------------------------------------------------------------------------------------
+# No src_sharding= on Auto axes: the layout XLA's partitioner gives the operand
+# ---------------------------------------------------------------------------------------
+
+def check_like_constraint(f, x, dst):
+  """f(x) holds, shard for shard and bit for bit, what with_sharding_constraint gives
+  (pinned as the output layout too: GSPMD may otherwise hand back another one)."""
+  ref = jax.jit(lambda v: jax.tree.map(
+      lambda a, d: jax.lax.with_sharding_constraint(a, d), v, dst), out_shardings=dst)(x)
+  y = f(x)
+  for a, b in zip(jax.tree.leaves(y), jax.tree.leaves(ref)):
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+    bs = {s.device: s for s in b.addressable_shards}
+    for s in a.addressable_shards:
+      assert s.index == bs[s.device].index
+      np.testing.assert_array_equal(np.atleast_1d(s.data).view(np.uint8),
+                                    np.atleast_1d(bs[s.device].data).view(np.uint8))
+
+
+# (name, mesh, src spec, dst spec, shape, dtype): source and destination on one mesh.
+ONE_MESH_CASES = [
+    ("fsdp_to_tp", ((8,), ("x",)), P("x", None), P(None, "x"), (16, 8), np.float32),
+    ("2x4_swap", ((2, 4), ("a", "b")), P("a", "b"), P("b", "a"), (8, 8), np.int8),
+    ("partial_replication", ((2, 2, 2), ("a", "b", "c")), P(None, "b"), P(("c", "a")),
+     (8, 4), np.uint16),
+    ("to_replicated", ((4, 2), ("p", "q")), P(("q", "p")), P(), (16,), np.complex64),
+    ("six_rows", ((2, 4), ("a", "b")), P("a", None), P(None, "b"), (6, 8), np.float32),
+]
+
+
+@pytest.mark.parametrize("case", ONE_MESH_CASES, ids=[c[0] for c in ONE_MESH_CASES])
+def test_without_src_sharding_the_partitioners_layout_feeds_the_custom_call(
+    case, partitioner):
+  _, (shape_m, names), s_spec, d_spec, shape, dtype = case
+  m = mesh(shape_m, names)
+  dst = NamedSharding(m, d_spec)
+  x = jax.device_put(data(shape, dtype), NamedSharding(m, s_spec))
+  f = jax.jit(lambda v: jax_m2n.reshard(v, dst))
+  check_compiled(f, x)
+  check_like_constraint(f, x, dst)
+  check_values(f(x), x, dst)
+
+
+def test_without_src_sharding_an_intermediate_and_a_pytree(partitioner):
+  """The operand's layout is whatever propagation gave an intermediate value; several
+  leaves share one custom call."""
+  m = mesh((2, 4), ("a", "b"))
+  xs = {"w": jax.device_put(data((8, 16)), NamedSharding(m, P("b", "a"))),
+        "b": jax.device_put(data((16,), np.int32), NamedSharding(m, P(("a", "b"))))}
+  dst = {"w": NamedSharding(m, P(None, ("a", "b"))), "b": NamedSharding(m, P())}
+  f = jax.jit(lambda t: jax_m2n.reshard(jax.tree.map(lambda v: v * 2, t), dst))
+  check_compiled(f, xs)
+  y = f(xs)
+  for k in xs:
+    check_values(y[k], jax.device_put(xs[k] * 2, xs[k].sharding), dst[k])
+
+
+def test_without_src_sharding_grad_and_vmap_run_the_custom_call():
+  m = mesh((2, 4), ("a", "b"))
+  src, dst = NamedSharding(m, P("a", "b")), NamedSharding(m, P("b", None))
+  x = jax.device_put(data((8, 8)), src)
+  loss = lambda mv: lambda v: (jax.numpy.sin(mv(v, dst)) * 3).sum()  # noqa: E731
+  g = jax.jit(jax.grad(loss(jax_m2n.reshard)))
+  assert CUSTOM_CALL in g.lower(x).compile().as_text()
+  np.testing.assert_array_equal(
+      np.asarray(g(x)), np.asarray(jax.jit(jax.grad(loss(jax.device_put)))(x)))
+  x3 = jax.device_put(data((4, 8, 8)), NamedSharding(m, P(None, "a", "b")))
+  v = jax.jit(jax.vmap(lambda a: jax_m2n.reshard(a, dst)))
+  check_compiled(v, x3)
+  check_values(v(x3), x3, NamedSharding(m, P(None, "b", None)))
+
+
+def test_without_src_sharding_another_mesh_of_the_same_devices(partitioner):
+  """The operand's mesh (the jit's input) and the destination's differ: the partition
+  callback reads the operand's layout as an HLO sharding over the jit's devices."""
+  x = jax.device_put(data((8, 8)), NamedSharding(mesh((8,), ("x",)), P("x")))
+  for dst in [NamedSharding(mesh((2, 4), ("a", "b")), P(None, ("b", "a"))),
+              NamedSharding(mesh((2, 4), ("a", "b")), P("a")),
+              NamedSharding(mesh((2, 2, 2), ("a", "b", "c")), P("c", ("a", "b")))]:
+    f = jax.jit(lambda v: jax_m2n.reshard(v, dst))
+    check_compiled(f, x)
+    check_like_constraint(f, x, dst)
+    check_values(f(x), x, dst)
+    assert f(x).sharding == dst
+
+
+def test_without_src_sharding_a_scalar_falls_back_to_xla(partitioner, caplog):
+  """A rank-0 leaf (nothing to partition) goes through a sharding constraint, logged;
+  the other leaf of the call still runs jax_m2n's custom call."""
+  m = mesh((2, 4), ("a", "b"))
+  xs = (jax.device_put(data((8, 8)), NamedSharding(m, P("a"))),
+        jax.device_put(np.float32(3), NamedSharding(m, P())))
+  dst = (NamedSharding(m, P("b")), NamedSharding(m, P()))
+  f = jax.jit(lambda t: jax_m2n.reshard(t, dst))
+  with caplog.at_level("DEBUG", logger="jax_m2n"):
+    check_compiled(f, xs)
+  assert "delegated 1 leaves to XLA's partitioner" in caplog.text
+  check_like_constraint(f, xs, dst)
+  y = f(xs)
+  check_values(y[0], xs[0], dst[0])
+  assert float(y[1]) == 3 and y[1].sharding.is_equivalent_to(dst[1], 0)
+
+
+def test_without_src_sharding_two_destination_meshes_and_nested_jit(partitioner):
+  """Leaves bound for two meshes of the jit's devices: one custom call per mesh; a
+  reshard in a jit nested in another lowers the same way."""
+  m8, m24 = mesh((8,), ("x",)), mesh((2, 4), ("a", "b"))
+  xs = (jax.device_put(data((8, 8)), NamedSharding(m8, P("x"))),
+        jax.device_put(data((16,), np.int8), NamedSharding(m8, P("x"))))
+  dst = (NamedSharding(m24, P("b", "a")), NamedSharding(m8, P()))
+  inner = jax.jit(lambda t: jax_m2n.reshard(t, dst))
+  f = jax.jit(lambda t: inner(t))
+  check_compiled(f, xs, n_calls=2)
+  check_like_constraint(f, xs, dst)
+  y = f(xs)
+  for a, x, d in zip(y, xs, dst):
+    check_values(a, x, d)
+
+
+def test_without_src_sharding_a_destination_in_another_device_order_is_refused():
+  """JAX refuses the program (a jit's shardings share one device order), so no data is
+  read in the wrong order."""
+  x = jax.device_put(data((8, 8)), NamedSharding(mesh((8,), ("x",)), P("x")))
+  dst = NamedSharding(mesh((8,), ("x",), ids=list(range(8))[::-1]), P(None, "x"))
+  with pytest.raises(ValueError, match="incompatible devices"):
+    jax.jit(lambda v: jax_m2n.reshard(v, dst))(x)

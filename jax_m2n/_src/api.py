@@ -53,11 +53,15 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     * Outside jit, committed device arrays: jax_m2n's eager path, one small compiled
       program per participating device (cached). Source and destination device sets may
       be disjoint (trainer -> generator), overlapping or identical.
-    * Inside `jax.jit`: jax_m2n's `jax_m2n_reshard` custom call in one `shard_map` over
-      the jit's devices (no XLA collective), when the source layout is known: from the
-      type (meshes with `AxisType.Explicit` axes) or from `src_sharding=`. Without
-      either, only XLA's partitioner knows where the operand lives, so the leaf is handed
-      to it (`with_sharding_constraint`; XLA moves the data).
+    * Inside `jax.jit`: jax_m2n's `jax_m2n_reshard` custom call on every device of the
+      jit (no XLA collective). Where the source layout is known (the type, on meshes
+      with `AxisType.Explicit` axes, or `src_sharding=`) it runs in one `shard_map`.
+      Without either, only XLA's partitioner knows where the operand lives: for a
+      destination that is a `NamedSharding` on Auto axes in device memory, the call is
+      placed by `jax.experimental.custom_partitioning`, whose partition step reads the
+      layout XLA gives the operand (on any mesh of the jit's devices) and plans from it;
+      other leaves (rank 0, zero size, an Explicit-axes destination) are handed to XLA
+      (`with_sharding_constraint`; XLA moves the data).
     * Delegated to `jax.device_put`, honestly, where jax_m2n adds nothing (no
       device-to-device layout change of plain bytes): numpy arrays and Python scalars
       (host -> devices), uncommitted arrays, typed PRNG key arrays, sub-byte dtypes
@@ -96,8 +100,10 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       sources marked True are deleted once every leaf has moved; an unmarked leaf is
       never touched. Ignored inside jit (use jit's `donate_argnums`).
     src_sharding: the source layout (a Sharding or a pytree prefix of them). Inside jit
-      it lets jax_m2n (not XLA) move a leaf whose type carries no layout; under vmap it
-      is the per-example layout. Outside jit optional, and checked against `x.sharding`.
+      optional: without it the layout XLA's partitioner gives the operand is used (see
+      above); with it the plan is made at trace time, and the source may be on another
+      mesh than the jit's inputs. Under vmap it is the per-example layout. Outside jit
+      optional, and checked against `x.sharding`.
     timeout_s: how long a device waits for its peers: a number of seconds in
       [0.001, 2**40/1000] (default 300 s).
     chunk_bytes: bound on one pipelined chunk of a transfer (a leader forwards chunk c
@@ -155,13 +161,15 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     >>> g.sharding == x.sharding
     True
 
-    Inside jit, with the source layout given (or known from Explicit-axes types):
+    Inside jit, as with `jax.device_put`: the source layout is the one XLA gives the
+    operand (or pass `src_sharding=`, or use Explicit-axes types):
 
     >>> mesh = jax.sharding.Mesh(devs, ("x",))
     >>> y = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x")))
-    >>> f = jax.jit(lambda v: jax_m2n.reshard(v, NamedSharding(mesh, P(None, "x")),
-    ...                                        src_sharding=y.sharding))
+    >>> f = jax.jit(lambda v: jax_m2n.reshard(v, NamedSharding(mesh, P(None, "x"))))
     >>> f(y).sharding == NamedSharding(mesh, P(None, "x"))
+    True
+    >>> "jax_m2n_reshard" in f.lower(y).compile().as_text()
     True
   """
   _check_route(_API, route)

@@ -8,6 +8,7 @@ logic beyond the access itself; where a public spelling exists it is used instea
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Sequence
 
@@ -146,3 +147,25 @@ def tangent_zero(primal: Any) -> Any:
     return zero.from_primal_value(primal)
   from jax._src import ad_util  # jax 0.10: p2tz
   return ad_util.p2tz(primal)
+
+
+
+def with_partitioner_mesh(ctx: Any, mesh: Any) -> Any:
+  """A lowering rule's context in which `mesh` (a concrete Mesh) is the partitioner's
+  mesh and its devices the jit's device assignment, as custom_partitioning's lowering
+  needs; None where `ctx` is not a whole-program jit lowering over mesh.size devices,
+  or names other devices. The caller must know the jit's device assignment is
+  `mesh`'s order (JAX refuses a program whose shardings order devices differently)."""
+  from jax._src import sharding_impls  # ShardingContext: no public spelling
+  axis_context = getattr(ctx.module_context, "axis_context", None)
+  if not isinstance(axis_context, sharding_impls.ShardingContext):
+    return None
+  devices = tuple(mesh.devices.flat)
+  if axis_context.num_devices != len(devices):
+    return None
+  if axis_context.device_assignment is not None and tuple(
+      d.id for d in axis_context.device_assignment) != tuple(d.id for d in devices):
+    return None
+  new = dataclasses.replace(axis_context, device_assignment=devices,
+                            abstract_mesh=mesh.abstract_mesh)
+  return ctx.replace(module_context=ctx.module_context.replace(axis_context=new))

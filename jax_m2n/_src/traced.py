@@ -2,8 +2,10 @@
 
 Owns lowering a reshard traced inside jit: finding each leaf's source layout (its type,
 src_sharding= or the context mesh), refining source and destination meshes into one
-mesh, and emitting one `jax_m2n_reshard` custom call per device inside `shard_map`.
-Never dispatches eagerly and never decides what moves (the planner does).
+mesh, and emitting one `jax_m2n_reshard` custom call per device inside `shard_map`; or,
+where only XLA's partitioner knows the source layout, the same per-device call placed by
+custom_partitioning. Never dispatches eagerly and never decides what moves (the planner
+does).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import dataclasses
 import itertools
 import logging
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -354,3 +356,79 @@ def _spmd_body(srcs: Sequence[Sharding], dsts: Sequence[Sharding], shapes, dtype
 
   return body
 
+
+# ---------------------------------------------------------------------------------------
+# Inside jit, source layout known only to XLA's partitioner: custom_partitioning
+# ---------------------------------------------------------------------------------------
+
+
+def partitionable(dst: Any) -> bool:
+  """Whether a leaf whose source layout only XLA's partitioner knows can go to `dst`
+  through `reshard_partitioned`: a NamedSharding on a concrete Mesh with Auto axes, in
+  device memory (host memory kinds and typed layouts take the other paths), on a
+  platform with a transport (CPU devices of this process, or GPUs)."""
+  if not (isinstance(dst, NamedSharding) and isinstance(dst.mesh, Mesh) and
+          all(t == jax.sharding.AxisType.Auto for t in dst.mesh.axis_types) and
+          dst.memory_kind in (None, "device")):
+    return False
+  platform = _platform_of(dst.mesh.devices.flat)
+  if platform == "cpu":
+    return dst.is_fully_addressable
+  return platform in ("gpu", "cuda")
+
+
+def _factor_rule(shapes: Sequence[tuple[int, ...]]) -> str:
+  """A Shardy sharding rule with one free factor per dimension: nothing links an
+  operand's dims to a result's, so each keeps its own layout (the operand's from XLA,
+  the result's from the destination constraint)."""
+  names = itertools.count()
+  ins = [" ".join(f"i{next(names)}" for _ in s) for s in shapes]
+  outs = [" ".join(f"o{next(names)}" for _ in s) for s in shapes]
+  return ", ".join(ins) + " -> " + ", ".join(outs)
+
+
+def reshard_partitioned(leaves, dsts: Sequence[NamedSharding], route, topology,
+                        timeout_ms, chunk_bytes) -> list:
+  """Inside jit, leaves whose source layout only XLA's partitioner knows, every
+  destination on one mesh (whose device order is the jit's): one custom_partitioning
+  op whose partition callback reads each operand's sharding (any layout over the jit's
+  devices, on whatever mesh) and emits jax_m2n's custom call over the local shards,
+  with the same plan and schedule as `_reshard_traced` with src_sharding=. To be
+  lowered with `jax_compat.with_partitioner_mesh(ctx, dsts[0].mesh)`."""
+  from jax.experimental.custom_partitioning import custom_partitioning
+
+  _check_topology(_API, topology)
+  shapes = [tuple(jax.typeof(v).shape) for v in leaves]
+  dtypes = [jax.typeof(v).dtype for v in leaves]
+  for i, (shape, dtype, dst) in enumerate(zip(shapes, dtypes, dsts)):
+    _check_dtype(_API, f"x[{i}]", dtype)
+    _check_holds(_API, f"x[{i}]", dst, shape, "destination")
+  mesh = dsts[0].mesh
+
+  def same(*xs):  # the reference (one device: the layout is the only difference)
+    return tuple(xs)
+
+  def partition(part_mesh, arg_shapes, result_shape):
+    del part_mesh, result_shape
+    # HLO shardings over the jit's device assignment, which is `mesh`'s device order:
+    # JAX refuses a jit whose shardings (here the constraint that api.reshard puts on
+    # each output) order its devices differently.
+    srcs = [a.sharding for a in arg_shapes]
+    body = _spmd_body(srcs, dsts, shapes, dtypes, route, topology, timeout_ms,
+                      chunk_bytes, b"jit")
+    logger.debug("reshard: custom_partitioning path (in jit) for %d leaves, source "
+                 "layouts from XLA's partitioner: %s", len(leaves), srcs)
+    return mesh, body, tuple(dsts), tuple(srcs)
+
+  def infer(part_mesh, arg_shapes, result_shape):  # GSPMD's propagation
+    del part_mesh, arg_shapes, result_shape
+    return tuple(dsts)
+
+  moved = custom_partitioning(same)
+  # decode_shardings=False: operand shardings arrive as HLO shardings over the jit's
+  # devices, so a source on another mesh than the destination's is read as it is.
+  moved.def_partition(partition, infer_sharding_from_operands=infer,
+                      decode_shardings=False,
+                      sharding_rule=lambda *_: _factor_rule(shapes))
+  outs = moved(*leaves)
+  return [jax.lax.with_sharding_constraint(y, d) for y, d in zip(outs, dsts)]

@@ -3,8 +3,9 @@
 Owns the rules JAX needs for a traced reshard: its abstract value (shape, dtype,
 weak_type kept; the destination sharding in the type on Explicit axes), its eager
 implementation (eager.py's per-device programs), its lowering inside jit (traced.py's
-shard_map), its JVP and transpose (a reshard is linear: the cotangent is resharded back
-to the source layout) and its batching rule (the batch dimension is not sharded).
+shard_map, or custom_partitioning where only XLA knows the source layout), its JVP and
+transpose (a reshard is linear: the cotangent is resharded back to the source layout)
+and its batching rule (the batch dimension is not sharded).
 """
 
 from __future__ import annotations
@@ -98,7 +99,53 @@ def _lowered(*leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes):
     outs[i] = jax.lax.with_sharding_constraint(leaves[i], dst)
   if unknown:
     logger.debug("reshard: delegated %d leaves to XLA's partitioner (in jit, source "
-                 "layout not in the type and no src_sharding=)", len(unknown))
+                 "layout not in the type, no src_sharding=, and a destination that "
+                 "custom_partitioning cannot place: %s)", len(unknown),
+                 [dsts[i] for i in unknown])
+  return outs
+
+
+def _sharding_of(dst: Any) -> Any:
+  return dst.sharding if isinstance(dst, jax.ShapeDtypeStruct) else dst
+
+
+def _lowering(ctx, *values, dsts, srcs, **params):
+  """Inside jit: leaves whose source layout only XLA's partitioner knows (no
+  src_sharding=, not in the type) and whose destination is a device-memory
+  NamedSharding on Auto axes go through custom_partitioning (traced.reshard_partitioned,
+  one op per destination mesh), which reads the layout XLA gives each operand and runs
+  jax_m2n's custom call; every other leaf through `_lowered`."""
+  groups: dict[Any, list[int]] = {}
+  rest = []
+  for i, (aval, dst, src) in enumerate(zip(ctx.avals_in, dsts, srcs)):
+    dst = _sharding_of(dst)
+    if (dst is not None and src is None and traced._typed_sharding(aval) is None and
+        aval.ndim and aval.size and traced.partitionable(dst)):
+      groups.setdefault(dst.mesh, []).append(i)
+    else:
+      rest.append(i)
+  outs: list[Any] = [None] * len(values)
+
+  def lower(fun, c, idx, **kw):
+    c = c.replace(avals_in=[ctx.avals_in[i] for i in idx],
+                  avals_out=[ctx.avals_out[i] for i in idx])
+    ys = mlir.lower_fun(fun, multiple_results=True)(c, *[values[i] for i in idx], **kw)
+    for i, y in zip(idx, ys):
+      outs[i] = y
+
+  for mesh, idx in groups.items():
+    sub = jax_compat.with_partitioner_mesh(ctx, mesh)
+    if sub is None:  # not a whole-program jit over the mesh's devices
+      rest.extend(idx)
+      continue
+    lower(lambda *xs, idx=idx: traced.reshard_partitioned(
+        list(xs), [_sharding_of(dsts[i]) for i in idx],
+        params["route"], params["topology"], params["timeout_ms"],
+        params["chunk_bytes"]), sub, idx)
+  if rest:
+    rest.sort()
+    lower(_lowered, ctx, rest, dsts=tuple(dsts[i] for i in rest),
+          srcs=tuple(srcs[i] for i in rest), **params)
   return outs
 
 
@@ -167,7 +214,7 @@ def _batch(args, dims, *, dsts, srcs, **params):
 
 reshard_p.def_impl(_impl)
 reshard_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(reshard_p, mlir.lower_fun(_lowered, multiple_results=True))
+mlir.register_lowering(reshard_p, _lowering)
 ad.primitive_jvps[reshard_p] = _jvp
 ad.primitive_transposes[reshard_p] = _transpose
 batching.primitive_batchers[reshard_p] = _batch
