@@ -117,6 +117,8 @@ BufferRef Staging(int64_t pack) {
   return r;
 }
 
+}  // namespace
+
 std::string OpLabel(const Schedule& s, int32_t index) {
   const Op& op = s.ops[index];
   return "op " + std::to_string(index) + " (step " + std::to_string(op.step) + ", " +
@@ -128,8 +130,6 @@ std::string OpLabel(const Schedule& s, int32_t index) {
 std::string CudaError(cudaError_t err) {
   return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
 }
-
-}  // namespace
 
 class DevicePlan {
  public:

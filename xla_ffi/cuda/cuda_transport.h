@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -64,6 +65,12 @@ struct DevicePlanStats {
   int64_t bytes_received = 0;
 };
 DevicePlanStats StatsOf(const DevicePlan& plan);
+
+// "op 12 (step 3, fanout, tensor 0, device 2 -> 5, 4096 bytes)": how errors name an op.
+std::string OpLabel(const Schedule& s, int32_t index);
+
+// "cudaErrorX (message)": how errors name a CUDA failure.
+std::string CudaError(cudaError_t err);
 
 }  // namespace jax_m2n
 

@@ -64,10 +64,6 @@ Counters& Stats() {
   return *c;
 }
 
-std::string CudaError(cudaError_t err) {
-  return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
-}
-
 class ScopedDevice {
  public:
   ScopedDevice() { had_ = cudaGetDevice(&saved_) == cudaSuccess; }
@@ -227,14 +223,6 @@ PeerRef RefOf(int32_t participant, const OpEnd& end, int64_t offset) {
   return r;
 }
 
-std::string Label(const Schedule& s, int32_t index) {
-  const Op& op = s.ops[index];
-  return "op " + std::to_string(index) + " (step " + std::to_string(op.step) + ", " +
-         StageName(op.stage) + ", tensor " + std::to_string(op.tensor) + ", device " +
-         std::to_string(op.src.device) + " -> " + std::to_string(op.dst.device) + ", " +
-         std::to_string(op.bytes) + " bytes)";
-}
-
 bool FitsDma3d(const Geometry& g) {
   if (g.n_outer < 1 || g.n_outer > 2 || g.row_bytes < kMinDmaRowBytes) return false;
   if (g.src_stride[0] > kMaxDmaPitch || g.dst_stride[0] > kMaxDmaPitch) return false;
@@ -285,7 +273,7 @@ ffi::ErrorOr<std::unique_ptr<PeerPlan>> BuildPeerPlan(const std::vector<const Pe
       if (op.bytes == 0) continue;
       const int32_t a = op.src.participant;
       if (a < 0 || a >= n) {
-        return ffi::Unexpected(JAX_M2N_ERROR(kInternal, Label(s, index) + ": bad participant"));
+        return ffi::Unexpected(JAX_M2N_ERROR(kInternal, OpLabel(s, index) + ": bad participant"));
       }
       const TensorSpec& t = s.tensors[op.tensor];
       ffi::Span<const int64_t> sd = DimsOfEnd(*calls[a], op, op.src);
@@ -297,7 +285,7 @@ ffi::ErrorOr<std::unique_ptr<PeerPlan>> BuildPeerPlan(const std::vector<const Pe
       o.dst = RefOf(p, op.dst, o.g.dst_offset);
       o.bytes = op.bytes;
       o.step = op.step;
-      o.label = Label(s, index);
+      o.label = OpLabel(s, index);
       if (o.g.n_outer == 0) {
         o.how = How::kMemcpy;
       } else if (a != p && FitsDma3d(o.g)) {
