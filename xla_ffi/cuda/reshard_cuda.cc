@@ -97,7 +97,11 @@ ffi::Error Execute(cudaStream_t stream, int32_t ordinal, CudaReshardState* state
   if (std::string sticky = comm.StickyError(); !sticky.empty()) {
     return JAX_M2N_ERROR(kAborted, "jax_m2n_reshard (CUDA) on device " +
                                        std::to_string(rank->device_id) +
-                                       ": an earlier reshard failed: " + sticky);
+                                       ": an earlier reshard failed: " + sticky +
+                                       " (its communicator was aborted; to recover, "
+                                       "restart the processes, or call finalize() then "
+                                       "initialize() of jax_m2n._ffi_cuda on every "
+                                       "process)");
   }
   const Schedule& s = state->schedule;
   const int32_t participant = s.ParticipantIndex(rank->device_id);
