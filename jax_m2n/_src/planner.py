@@ -192,6 +192,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     by_dom = holders_in.setdefault(holders, {})
     for h in holders:
       by_dom.setdefault(domain_of(h), []).append(h)
+  source_domains = {dom for by_dom in holders_in.values() for dom in by_dom}
 
   if route == "gather_bcast":
     # Legacy refit: gather the whole tensor on the first source device, then broadcast
@@ -257,11 +258,16 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     # same in every domain (most domains of a wide replication): computed once.
     splits: dict[tuple[tuple[int, ...], int], list[tuple[Box, int, int]]] = {}
     hsets = [holder_sets[holders] for _, holders in contributions]
+    every = list(range(len(contributions)))
     for dom, reps in by_domain.items():
-      led[dom] = []
-      remote = []  # contribution indices this domain must receive from a device
+      entries = led[dom] = []
+      has_sources = dom in source_domains
+      if not has_sources:  # every contribution comes over the network (most domains)
+        remote = every
+      else:
+        remote = []  # contribution indices this domain must receive from a device
       rep_set = frozenset(reps)
-      for ci, hset in enumerate(hsets):
+      for ci, hset in enumerate(hsets if has_sources else ()):
         if rep_set.isdisjoint(hset):  # the common case: no replica holds it
           remote.append(ci)
           continue
@@ -273,7 +279,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
         for k, t in enumerate(own):
           x = add(t, t, "local", region, SRC_SHARD, DST_SHARD)
           fanout_targets[x] = others[k::len(own)]
-          led[dom].append((region, t, x, ci))
+          entries.append((region, t, x, ci))
         if not own:
           remote.append(ci)
       if not remote:
@@ -286,14 +292,20 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
       for sub, position, k in split:
         ci = remote[k]
         leader = reps[position]
-        local = holders_in[contributions[ci][1]].get(dom)
+        local = holders_in[contributions[ci][1]].get(dom) if has_sources else None
         if local:
-          led[dom].append((sub, leader, add(owners.pick(local, box_size(sub) * itemsize),
-                                             leader, "inject", sub, SRC_SHARD, DST_SHARD),
-                           ci))
+          entries.append((sub, leader, add(owners.pick(local, box_size(sub) * itemsize),
+                                           leader, "inject", sub, SRC_SHARD, DST_SHARD),
+                          ci))
         else:
-          network_regions.setdefault(ci, {}).setdefault(dom, []).append(len(led[dom]))
-          led[dom].append((sub, leader, -1 - ci, ci))  # filled in by the ring below
+          per_domain = network_regions.get(ci)
+          if per_domain is None:
+            per_domain = network_regions[ci] = {}
+          slots = per_domain.get(dom)
+          if slots is None:
+            slots = per_domain[dom] = []
+          slots.append(len(entries))
+          entries.append((sub, leader, -1 - ci, ci))  # filled in by the ring below
 
     # Ring: each network-bound contribution enters the ring at the domain after its
     # owner's, then moves leader to leader; a later domain's slab may straddle two slabs
@@ -303,27 +315,27 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
       owner = owners.pick(holders, box_size(region) * itemsize)
       home = domain_of(owner)
       ring = sorted(doms, key=lambda dm: ((dm - home - 1) % (1 << 30), dm))
-      previous = None  # list of (box, leader, transfer index) in the previous domain
+      previous = None  # (box, leader, transfer, depth) that arrived in the previous domain
       for dom in ring:
-        slabs = [(i,) + led[dom][i][:2] for i in doms[dom]]
-        current = []
-        for i, sub, leader in slabs:
+        entries = led[dom]
+        arrived = []
+        for i in doms[dom]:
+          sub, leader = entries[i][:2]
           if previous is None:
             x = add(owner, leader, "inject", sub, SRC_SHARD, DST_SHARD)
-            current.append((sub, leader, x))
-          else:
-            parts = []
-            for pbox, pleader, px in previous:
-              piece = sub if pbox == sub else intersect(pbox, sub)
-              if piece is not None:
-                parts.append(add(pleader, leader, "forward", piece, DST_SHARD, DST_SHARD,
-                                 (px,), transfers[px].depth + 1))
-            current.append((sub, leader, parts))
-          led[dom][i] = (sub, leader, current[-1][2], ci)
-        previous = []
-        for sub, leader, x in current:
-          for xi in (x if isinstance(x, list) else [x]):
-            previous.append((transfers[xi].box, leader, xi))
+            arrived.append((sub, leader, x, 0))
+            entries[i] = (sub, leader, x, ci)
+            continue
+          parts = []
+          for pbox, pleader, px, pdepth in previous:
+            piece = sub if pbox == sub else intersect(pbox, sub)
+            if piece is not None:
+              x = add(pleader, leader, "forward", piece, DST_SHARD, DST_SHARD, (px,),
+                      pdepth + 1)
+              parts.append(x)
+              arrived.append((piece, leader, x, pdepth + 1))
+          entries[i] = (sub, leader, parts, ci)
+        previous = arrived
 
     # Fan-out inside each domain: every leader copies what it leads to the other
     # replicas of the shard there (skipping replicas that hold the region themselves).
@@ -332,10 +344,9 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
         # Every piece of contribution ci is held by the holders of its source shard.
         holders = hsets[ci]
         for xi in (x if isinstance(x, list) else (x,)):
-          arrival = transfers[xi]
-          piece, parents, depth = arrival.box, (xi,), arrival.depth + 1
-          skind = DST_SHARD
-          if arrival.stage == "local" and arrival.src_kind == SRC_SHARD:
+          _, _, _, stage, piece, src_kind, _, _, depth = transfers[xi]
+          parents, depth, skind = (xi,), depth + 1, DST_SHARD
+          if stage == "local" and src_kind == SRC_SHARD:
             # The leader holds the region in its source shard: send from there at once
             # instead of waiting for its own local copy.
             parents, depth, skind = (), 0, SRC_SHARD
