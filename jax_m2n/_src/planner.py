@@ -33,8 +33,8 @@ SRC_SHARD, DST_SHARD, FULL_TMP = 0, 1, 2
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 # Bounds on one plan, checked from the layouts alone before any route is built
-# (`check_plan_size`). A transfer costs ~1 us and ~0.3 KB to plan, a chunk ~0.3 KB of
-# schedule: 8M transfers are ~10 s and a few GB, beyond which a plan is refused rather
+# (`check_plan_size`). A transfer costs ~0.5 us and ~0.2 KB to plan, a chunk ~0.3 KB of
+# schedule: 8M transfers are ~5 s and ~1.5 GB, beyond which a plan is refused rather
 # than left to run for minutes into a MemoryError (a 100,000-way replication would be
 # 10**10 transfers). A DeepSeek-V3-sized refit over 4,096 devices is ~3M per stage.
 MAX_PLAN_TRANSFERS = 1 << 23
