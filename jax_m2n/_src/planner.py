@@ -350,12 +350,18 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
             # The leader holds the region in its source shard: send from there at once
             # instead of waiting for its own local copy.
             parents, depth, skind = (), 0, SRC_SHARD
-          # One comprehension per arrival: this loop makes most transfers of a wide
-          # replication (4,032 of the 4,096 per region of a 64-device domain).
-          extend([new(Transfer, (0, leader, t, "fanout", piece, skind, DST_SHARD, parents,
-                                 depth))
-                  for t in fanout_targets.get(xi, reps)
-                  if t != leader and t not in holders])
+          targets = fanout_targets.get(xi, reps)
+          if len(targets) > 8:
+            # One comprehension per arrival: this loop makes most transfers of a wide
+            # replication (4,032 of the 4,096 per region of a 64-device domain).
+            extend([new(Transfer, (0, leader, t, "fanout", piece, skind, DST_SHARD,
+                                   parents, depth))
+                    for t in targets if t != leader and t not in holders])
+            continue
+          for t in targets:  # a few replicas (TP-sharded tensors): no comprehension call
+            if t != leader and t not in holders:
+              append(new(Transfer, (0, leader, t, "fanout", piece, skind, DST_SHARD,
+                                    parents, depth)))
   return tuple(transfers)
 
 
