@@ -87,6 +87,13 @@ class TensorPlan:
     return _bound_loads(self)
 
 
+@functools.lru_cache(maxsize=256)
+def _shards(layout: Layout) -> tuple[tuple[Box, tuple[int, ...]], ...]:
+  """`layout.shards()`, once per distinct layout: the size check and the route both need
+  it, and a model's tensors repeat a few layouts (~3 ms each over 4,096 devices)."""
+  return tuple(layout.shards())
+
+
 def _check_pair(src: Layout, dst: Layout, where: str) -> None:
   if src.shape != dst.shape:
     raise ReshardValueError(
@@ -172,8 +179,8 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     append(new(Transfer, (0, s, t, stage, box, skind, dkind, tuple(parents), depth)))
     return len(transfers) - 1
 
-  src_shards = src.shards()
-  dst_shards = dst.shards()
+  src_shards = _shards(src)
+  dst_shards = _shards(dst)
   if not dst_shards:
     return ()
   owners = _Balance()
@@ -403,8 +410,8 @@ def _tensor_size(src: Layout, dst: Layout, itemsize: int, route: str) -> tuple[i
   one transfer (a local copy if it holds it), so transfers >= sum over destination
   shards of replicas x intersecting source shards; on a grid the latter is the product
   over dims of overlapping source intervals (two binary searches per dim)."""
-  src_shards = src.shards()
-  dst_shards = dst.shards()
+  src_shards = _shards(src)
+  dst_shards = _shards(dst)
   if route == "gather_bcast":
     devices = {t for _, ts in dst_shards for t in ts}
     chain = len(devices - {src.devices[0]}) if src.devices else len(devices)
