@@ -270,3 +270,29 @@ def test_mesh_and_device_limits():
     Layout((4,), (2**40,), (((0, 4),),))
   with pytest.raises(ReshardValueError, match=r"dims must lie in \[0, 2\*\*62\)"):
     parse_layout("mesh(a=2) P()", (2**63,))
+
+
+def test_planning_leaves_the_garbage_collector_as_it_was():
+  # The planner hands what it allocates to the oldest generation (gc.freeze/unfreeze);
+  # the GC's enabled state and an application's own frozen objects are kept.
+  import gc
+  src = parse_layout("mesh(a=8) P(a)", (64,))
+  dst = parse_layout("mesh(a=4, b=4) P(None) @8", (64,))
+  enabled = gc.isenabled()
+  try:
+    for state in (True, False):
+      (gc.enable if state else gc.disable)()
+      plan_tensor.cache_clear()
+      plan_reshard([src], [dst], [4], Topology(domain_size=4), "hierarchical")
+      assert gc.isenabled() == state and gc.get_freeze_count() == 0
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    plan_tensor.cache_clear()
+    plan = plan_reshard([src], [dst], [2], Topology(domain_size=4))
+    # Not unfrozen by the planner (that would leave 0; a few frozen objects may have been
+    # freed meanwhile).
+    assert gc.get_freeze_count() > frozen // 2
+    assert len(plan.transfers) == plan_size([src], [dst], [2]).transfers
+  finally:
+    gc.unfreeze()
+    (gc.enable if enabled else gc.disable)()

@@ -11,6 +11,7 @@ by `jax_m2n._src.chunks`, only when a schedule is needed.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -32,8 +33,8 @@ SRC_SHARD, DST_SHARD, FULL_TMP = 0, 1, 2
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 # Bounds on one plan, checked from the layouts alone before any route is built
-# (`check_plan_size`). A transfer costs ~1 us and ~0.3 KB to plan, a chunk ~0.3 KB of
-# schedule: 8M transfers are ~10 s and a few GB, beyond which a plan is refused rather
+# (`check_plan_size`). A transfer costs ~0.5 us and ~0.2 KB to plan, a chunk ~0.3 KB of
+# schedule: 8M transfers are ~5 s and ~1.5 GB, beyond which a plan is refused rather
 # than left to run for minutes into a MemoryError (a 100,000-way replication would be
 # 10**10 transfers). A DeepSeek-V3-sized refit over 4,096 devices is ~3M per stage.
 MAX_PLAN_TRANSFERS = 1 << 23
@@ -86,6 +87,13 @@ class TensorPlan:
     return _bound_loads(self)
 
 
+@functools.lru_cache(maxsize=256)
+def _shards(layout: Layout) -> tuple[tuple[Box, tuple[int, ...]], ...]:
+  """`layout.shards()`, once per distinct layout: the size check and the route both need
+  it, and a model's tensors repeat a few layouts (~3 ms each over 4,096 devices)."""
+  return tuple(layout.shards())
+
+
 def _check_pair(src: Layout, dst: Layout, where: str) -> None:
   if src.shape != dst.shape:
     raise ReshardValueError(
@@ -113,18 +121,17 @@ def _split_dim(box: Box) -> int | None:
 
 
 def _split_for_leaders(regions: Sequence[Box], itemsize: int,
-                       leaders: Sequence[int]) -> list[tuple[Box, int, int]]:
-  """Spreads regions over leaders so that led bytes are (nearly) equal.
+                       rho: int) -> list[tuple[Box, int, int]]:
+  """Spreads regions over `rho` leaders so that led bytes are (nearly) equal.
 
-  Returns (sub-region, leader, index of the region it came from). Regions are cut into
+  Returns (sub-region, leader position in [0, rho), index of the region it came from). Regions are cut into
   slabs along their outermost dim of extent > 1, at row granularity, only where a
   leader's share ends inside a region. With equal regions and q a multiple of the leader
   count this is exactly the paper's a_j / b_j rule; with fewer regions than leaders (one
   source feeding three replicas) every replica still leads an equal share.
   """
-  rho = len(leaders)
   if rho == 1:
-    return [(r, leaders[0], i) for i, r in enumerate(regions)]
+    return [(r, 0, i) for i, r in enumerate(regions)]
   sizes = [box_size(r) * itemsize for r in regions]
   total = sum(sizes)
   ends = [((k + 1) * total + rho // 2) // rho for k in range(rho)]  # leader k's share ends
@@ -138,12 +145,12 @@ def _split_for_leaders(regions: Sequence[Box], itemsize: int,
     k = bisect.bisect_right(ends, pos, 0, rho - 1)  # first share end after pos
     if k == rho - 1 or ends[k] >= pos + size or size == 0:
       # No share ends inside the region: one leader takes it whole (the common case).
-      out.append((region, leaders[leader_at(pos + size / 2)], i))
+      out.append((region, leader_at(pos + size / 2), i))
       pos += size
       continue
     d = _split_dim(region)
     if d is None:
-      out.append((region, leaders[leader_at(pos + size / 2)], i))
+      out.append((region, leader_at(pos + size / 2), i))
       pos += size
       continue
     lo, hi = region[d]
@@ -156,7 +163,7 @@ def _split_for_leaders(regions: Sequence[Box], itemsize: int,
     cuts = sorted(cuts)
     for a, b in zip(cuts, cuts[1:]):
       sub = region[:d] + ((lo + a, lo + b),) + region[d + 1:]
-      out.append((sub, leaders[leader_at(pos + (a + b) / 2 * row_bytes)], i))
+      out.append((sub, leader_at(pos + (a + b) / 2 * row_bytes), i))
     pos += size
   return out
 
@@ -172,8 +179,8 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     append(new(Transfer, (0, s, t, stage, box, skind, dkind, tuple(parents), depth)))
     return len(transfers) - 1
 
-  src_shards = src.shards()
-  dst_shards = dst.shards()
+  src_shards = _shards(src)
+  dst_shards = _shards(dst)
   if not dst_shards:
     return ()
   owners = _Balance()
@@ -192,6 +199,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     by_dom = holders_in.setdefault(holders, {})
     for h in holders:
       by_dom.setdefault(domain_of(h), []).append(h)
+  source_domains = {dom for by_dom in holders_in.values() for dom in by_dom}
 
   if route == "gather_bcast":
     # Legacy refit: gather the whole tensor on the first source device, then broadcast
@@ -246,23 +254,31 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     # that replica leads them; regions some source in the domain holds are injected over
     # NVLink; the rest must cross the network: once, into the first domain of a ring,
     # then forwarded leader to leader.
-    region_holders: dict[Box, frozenset[int]] = {}
     fanout_targets: dict[int, list[int]] = {}  # local copy -> replicas it serves
     # contribution index -> domain -> positions in led[domain] of its slabs there (the
     # ring); indexed, not searched: a 1,000-way replicated shard has 125 domains x 1,000
     # contributions.
     network_regions: dict[int, dict[int, list[int]]] = {}
-    led: dict[int, list[tuple[Box, int, int]]] = {}  # domain -> (box, leader, transfer)
+    # domain -> (box, leader, transfer(s), contribution index)
+    led: dict[int, list[tuple[Box, int, int | list[int], int]]] = {}
+    # The split of the same remote contributions over the same number of leaders is the
+    # same in every domain (most domains of a wide replication): computed once.
+    splits: dict[tuple[tuple[int, ...], int], list[tuple[Box, int, int]]] = {}
+    hsets = [holder_sets[holders] for _, holders in contributions]
+    every = list(range(len(contributions)))
     for dom, reps in by_domain.items():
-      led[dom] = []
-      remote = []  # contribution indices this domain must receive from a device
+      entries = led[dom] = []
+      has_sources = dom in source_domains
+      if not has_sources:  # every contribution comes over the network (most domains)
+        remote = every
+      else:
+        remote = []  # contribution indices this domain must receive from a device
       rep_set = frozenset(reps)
-      for ci, (region, holders) in enumerate(contributions):
-        hset = holder_sets[holders]
-        region_holders[region] = hset
+      for ci, hset in enumerate(hsets if has_sources else ()):
         if rep_set.isdisjoint(hset):  # the common case: no replica holds it
           remote.append(ci)
           continue
+        region = contributions[ci][0]
         own = [t for t in reps if t in hset]
         # Replicas that hold the region copy it locally; the others get it from one of
         # them, spread round-robin.
@@ -270,23 +286,33 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
         for k, t in enumerate(own):
           x = add(t, t, "local", region, SRC_SHARD, DST_SHARD)
           fanout_targets[x] = others[k::len(own)]
-          led[dom].append((region, t, x))
+          entries.append((region, t, x, ci))
         if not own:
           remote.append(ci)
       if not remote:
         continue
-      split = _split_for_leaders([contributions[ci][0] for ci in remote], itemsize, reps)
-      for sub, leader, k in split:
+      key = (tuple(remote), len(reps))
+      split = splits.get(key)
+      if split is None:
+        split = splits[key] = _split_for_leaders(
+            [contributions[ci][0] for ci in remote], itemsize, len(reps))
+      for sub, position, k in split:
         ci = remote[k]
-        holders = contributions[ci][1]
-        region_holders[sub] = holder_sets[holders]
-        local = holders_in[holders].get(dom)
+        leader = reps[position]
+        local = holders_in[contributions[ci][1]].get(dom) if has_sources else None
         if local:
-          led[dom].append((sub, leader, add(owners.pick(local, box_size(sub) * itemsize),
-                                             leader, "inject", sub, SRC_SHARD, DST_SHARD)))
+          entries.append((sub, leader, add(owners.pick(local, box_size(sub) * itemsize),
+                                           leader, "inject", sub, SRC_SHARD, DST_SHARD),
+                          ci))
         else:
-          network_regions.setdefault(ci, {}).setdefault(dom, []).append(len(led[dom]))
-          led[dom].append((sub, leader, -1 - ci))  # filled in by the ring below
+          per_domain = network_regions.get(ci)
+          if per_domain is None:
+            per_domain = network_regions[ci] = {}
+          slots = per_domain.get(dom)
+          if slots is None:
+            slots = per_domain[dom] = []
+          slots.append(len(entries))
+          entries.append((sub, leader, -1 - ci, ci))  # filled in by the ring below
 
     # Ring: each network-bound contribution enters the ring at the domain after its
     # owner's, then moves leader to leader; a later domain's slab may straddle two slabs
@@ -296,48 +322,53 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
       owner = owners.pick(holders, box_size(region) * itemsize)
       home = domain_of(owner)
       ring = sorted(doms, key=lambda dm: ((dm - home - 1) % (1 << 30), dm))
-      previous = None  # list of (box, leader, transfer index) in the previous domain
+      previous = None  # (box, leader, transfer, depth) that arrived in the previous domain
       for dom in ring:
-        slabs = [(i,) + led[dom][i][:2] for i in doms[dom]]
-        current = []
-        for i, sub, leader in slabs:
+        entries = led[dom]
+        arrived = []
+        for i in doms[dom]:
+          sub, leader = entries[i][:2]
           if previous is None:
             x = add(owner, leader, "inject", sub, SRC_SHARD, DST_SHARD)
-            current.append((sub, leader, x))
-          else:
-            parts = []
-            for pbox, pleader, px in previous:
-              piece = intersect(pbox, sub)
-              if piece is not None:
-                region_holders[piece] = holder_sets[holders]
-                parts.append(add(pleader, leader, "forward", piece, DST_SHARD, DST_SHARD,
-                                 (px,), transfers[px].depth + 1))
-            current.append((sub, leader, parts))
-          led[dom][i] = (sub, leader, current[-1][2])
-        previous = []
-        for sub, leader, x in current:
-          for xi in (x if isinstance(x, list) else [x]):
-            previous.append((transfers[xi].box, leader, xi))
+            arrived.append((sub, leader, x, 0))
+            entries[i] = (sub, leader, x, ci)
+            continue
+          parts = []
+          for pbox, pleader, px, pdepth in previous:
+            piece = sub if pbox == sub else intersect(pbox, sub)
+            if piece is not None:
+              x = add(pleader, leader, "forward", piece, DST_SHARD, DST_SHARD, (px,),
+                      pdepth + 1)
+              parts.append(x)
+              arrived.append((piece, leader, x, pdepth + 1))
+          entries[i] = (sub, leader, parts, ci)
+        previous = arrived
 
     # Fan-out inside each domain: every leader copies what it leads to the other
     # replicas of the shard there (skipping replicas that hold the region themselves).
     for dom, reps in by_domain.items():
-      for box, leader, x in led[dom]:
-        for xi in (x if isinstance(x, list) else [x]):
-          arrival = transfers[xi]
-          piece, parents, depth = arrival.box, (xi,), arrival.depth + 1
-          skind = DST_SHARD
-          if arrival.stage == "local" and arrival.src_kind == SRC_SHARD:
+      for box, leader, x, ci in led[dom]:
+        # Every piece of contribution ci is held by the holders of its source shard.
+        holders = hsets[ci]
+        for xi in (x if isinstance(x, list) else (x,)):
+          _, _, _, stage, piece, src_kind, _, _, depth = transfers[xi]
+          parents, depth, skind = (xi,), depth + 1, DST_SHARD
+          if stage == "local" and src_kind == SRC_SHARD:
             # The leader holds the region in its source shard: send from there at once
             # instead of waiting for its own local copy.
             parents, depth, skind = (), 0, SRC_SHARD
-          holders = region_holders.get(piece, ())
-          # One comprehension per arrival: this loop makes most transfers of a wide
-          # replication (4,032 of the 4,096 per region of a 64-device domain).
-          extend([new(Transfer, (0, leader, t, "fanout", piece, skind, DST_SHARD, parents,
-                                 depth))
-                  for t in fanout_targets.get(xi, reps)
-                  if t != leader and t not in holders])
+          targets = fanout_targets.get(xi, reps)
+          if len(targets) > 8:
+            # One comprehension per arrival: this loop makes most transfers of a wide
+            # replication (4,032 of the 4,096 per region of a 64-device domain).
+            extend([new(Transfer, (0, leader, t, "fanout", piece, skind, DST_SHARD,
+                                   parents, depth))
+                    for t in targets if t != leader and t not in holders])
+            continue
+          for t in targets:  # a few replicas (TP-sharded tensors): no comprehension call
+            if t != leader and t not in holders:
+              append(new(Transfer, (0, leader, t, "fanout", piece, skind, DST_SHARD,
+                                    parents, depth)))
   return tuple(transfers)
 
 
@@ -379,8 +410,8 @@ def _tensor_size(src: Layout, dst: Layout, itemsize: int, route: str) -> tuple[i
   one transfer (a local copy if it holds it), so transfers >= sum over destination
   shards of replicas x intersecting source shards; on a grid the latter is the product
   over dims of overlapping source intervals (two binary searches per dim)."""
-  src_shards = src.shards()
-  dst_shards = dst.shards()
+  src_shards = _shards(src)
+  dst_shards = _shards(dst)
   if route == "gather_bcast":
     devices = {t for _, ts in dst_shards for t in ts}
     chain = len(devices - {src.devices[0]}) if src.devices else len(devices)
@@ -461,16 +492,32 @@ def plan_tensor(src: Layout, dst: Layout, itemsize: int, topology: Topology,
   _check_pair(src, dst, "plan")
   if route not in ROUTES:
     raise ReshardValueError(f"plan: route must be one of {ROUTES}; got {route!r}.")
-  # The route allocates many small tuples and no cycles: collecting mid-way would only
-  # rescan them (a third of the planning time of a DeepSeek-V3-sized model).
+  with _no_young_collections():
+    transfers = _route_tensor(src, dst, itemsize, topology, route)
+  return TensorPlan(src, dst, itemsize, topology, transfers)
+
+
+@contextlib.contextmanager
+def _no_young_collections():
+  """Plans with the cyclic GC off and hands what it allocated to the oldest generation.
+
+  A route allocates millions of small tuples and no cycles. Left in the young generation
+  they are rescanned by the collections that follow (a third of the planning time of a
+  DeepSeek-V3-sized model even with the GC off while routing). `gc.freeze` then
+  `gc.unfreeze` moves every tracked object to the oldest generation in O(1), so only the
+  next full collection visits them, once. Skipped (plain disable) when the application
+  froze objects itself: unfreezing would undo its freeze.
+  """
   enabled = gc.isenabled()
   gc.disable()
   try:
-    transfers = _route_tensor(src, dst, itemsize, topology, route)
+    yield
   finally:
+    if gc.get_freeze_count() == 0:
+      gc.freeze()
+      gc.unfreeze()
     if enabled:
       gc.enable()
-  return TensorPlan(src, dst, itemsize, topology, transfers)
 
 
 # ---------------------------------------------------------------------------------------
