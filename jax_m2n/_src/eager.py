@@ -470,6 +470,23 @@ _EAGER_CACHE_SIZE = 256
 _eager_cache = _LruCache(_EAGER_CACHE_SIZE)
 
 
+class _Key(tuple):
+  """A cache key that hashes its parts once: the cache hashes a key several times per
+  call, and a sharding's hash is Python code (a 16-leaf key took 128 of them)."""
+
+  def __init__(self, parts: tuple):
+    self._hash = tuple.__hash__(self)  # TypeError when a part is unhashable
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other: Any) -> bool:
+    return self is other or tuple.__eq__(self, other)
+
+  def __ne__(self, other: Any) -> bool:
+    return not self.__eq__(other)
+
+
 def _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms,
                chunk_bytes):
   """The cache key (None when it cannot be formed: then validation says why).
@@ -483,9 +500,8 @@ def _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms
       return None
     parts.append((x.shape, x.dtype, x.sharding, d, s))
   try:
-    key = (treedef, tuple(parts), route, _topology_key(topology), timeout_ms,
-           chunk_bytes)
-    hash(key)
+    key = _Key((treedef, tuple(parts), route, _topology_key(topology), timeout_ms,
+                chunk_bytes))
   except TypeError:  # unhashable topology or destination: validation says why
     return None
   return key
@@ -597,6 +613,15 @@ def _default_memory(sharding: Sharding) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=256)  # bounded by the dtypes in use
+def _dtype_delegated_because(dtype: Any) -> str | None:
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return f"extended dtype {dtype}"
+  if jax.dtypes.itemsize_bits(dtype) % 8:
+    return f"sub-byte dtype {dtype}"
+  return None
+
+
 def delegated_because(leaf: Any, dst: Any) -> str | None:
   """Why jax.device_put, not jax_m2n, moves this leaf (None: jax_m2n moves it).
 
@@ -609,10 +634,9 @@ def delegated_because(leaf: Any, dst: Any) -> str | None:
     return "destination None (keep the layout)"
   if not isinstance(leaf, jax.Array):
     return "host data"
-  if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
-    return f"extended dtype {leaf.dtype}"
-  if jax.dtypes.itemsize_bits(leaf.dtype) % 8:
-    return f"sub-byte dtype {leaf.dtype}"
+  reason = _dtype_delegated_because(leaf.dtype)
+  if reason is not None:
+    return reason
   if isinstance(leaf, jax.core.Tracer):
     return None
   if not leaf.committed:
@@ -676,7 +700,8 @@ def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
         [donate[i] for i in moved], timeout_ms, chunk_bytes, sub_names)
     for i, y in zip(moved, ys):
       outs[i] = jax_compat.with_weak_type(y) if leaves[i].weak_type else y
-    logger.debug("reshard: eager per-device path moved %d of %d leaves", len(moved), n)
+    if logger.isEnabledFor(logging.DEBUG):
+      logger.debug("reshard: eager per-device path moved %d of %d leaves", len(moved), n)
   for i in delegated:
     given = srcs[i]
     if given is not None and isinstance(leaves[i], jax.Array) and not _same_layout(
