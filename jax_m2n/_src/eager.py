@@ -77,10 +77,32 @@ def _outcomes(futures: Sequence[concurrent.futures.Future]
 _WAIT_PERIOD_S = 0.25
 
 
-def _wait_interruptibly(futures: Sequence[concurrent.futures.Future]) -> None:
-  pending = set(futures)
-  while pending:
-    _, pending = concurrent.futures.wait(pending, timeout=_WAIT_PERIOD_S)
+class _Outcomes:
+  """The programs' results and errors of one call, filled in by the worker threads; the
+  last one to finish wakes the caller (one Event: cheaper than waiting on futures)."""
+
+  def __init__(self, n: int):
+    self.results: list[Any] = [None] * n
+    self.errors: list[BaseException | None] = [None] * n
+    self._left = n
+    self._lock = threading.Lock()
+    self._done = threading.Event()
+    if not n:
+      self._done.set()
+
+  def finished(self) -> None:
+    with self._lock:
+      self._left -= 1
+      if not self._left:
+        self._done.set()
+
+  def wait_interruptibly(self) -> None:
+    """Waits for every program in Python, waking every _WAIT_PERIOD_S (Ctrl-C raises)."""
+    while not self._done.wait(_WAIT_PERIOD_S):
+      pass
+
+  def wait(self) -> None:
+    self._done.wait()
 
 
 # Fault injection for tests (tests/failure_test.py): called on a device's worker thread
@@ -174,15 +196,22 @@ class _Turn:
     self.module.abort(self.site, self.index, self.device_ids, cause)
 
 
-def _run_guarded(prog: _DeviceProgram, args: list, turn: _Turn | None) -> list:
-  """A device's program on its worker thread; on a failure before the handler, the
-  device's turn is given up at once (peers fail now, naming this device and cause)."""
+def _run_guarded(prog: _DeviceProgram, args: list, turn: _Turn | None,
+                 outcomes: _Outcomes, i: int) -> None:
+  """Program i on its device's worker thread, its result or error into `outcomes`; on
+  a failure before the handler, the device's turn is given up at once (peers fail now,
+  naming this device and cause)."""
   try:
-    return _run_device(prog, args)
-  except BaseException as e:
+    outcomes.results[i] = _run_device(prog, args)
+  except BaseException as e:  # noqa: BLE001 - every failure is the call's to raise
+    outcomes.errors[i] = e
     if turn is not None:
-      turn.abandon_if_absent(prog.device.id, _failure_text(e))
-    raise
+      try:
+        turn.abandon_if_absent(prog.device.id, _failure_text(e))
+      except BaseException as abandon_error:  # noqa: BLE001 - raised in e's place
+        outcomes.errors[i] = abandon_error
+  finally:
+    outcomes.finished()
 
 
 @dataclasses.dataclass
@@ -238,26 +267,27 @@ class _EagerReshard:
       del shards
       for p, args in zip(programs, arguments):  # before anything is dispatched
         _check_live(p, args)
-      futures = [_executor(p.device.id).submit(_run_guarded, p, args, turn)
-                 for p, args in zip(programs, arguments)]
+      outcomes = _Outcomes(len(programs))
+      for i, (p, args) in enumerate(zip(programs, arguments)):
+        _executor(p.device.id).submit(_run_guarded, p, args, turn, outcomes, i)
       del arguments
       try:
-        _wait_interruptibly(futures)
+        outcomes.wait_interruptibly()
       except BaseException as interrupt:
         # Interrupted while the programs run: stop them, wait until they have
         # stopped (milliseconds: an aborted generation copies nothing more) and put
         # every device back in step before the caller sees the interrupt.
         if turn is not None:
           turn.abort(f"the calling thread was interrupted ({_failure_text(interrupt)})")
-        concurrent.futures.wait(futures)
-        self._heal(turn, programs, futures)
-        for f in futures:
-          if not f.exception():
-            for o in f.result() or ():
+        outcomes.wait()
+        self._heal(turn, programs, outcomes.errors)
+        for outs, e in zip(outcomes.results, outcomes.errors):
+          if e is None:
+            for o in outs or ():
               o.delete()
         raise
-      results, failed = _outcomes(futures)
-      self._heal(turn, programs, futures)
+      results, failed = outcomes.results, outcomes.errors
+      self._heal(turn, programs, failed)
     errors = [e for e in failed if e is not None]
     sticky = m2n_ffi.sticky_error(self.platform)
     if sticky is not None:
@@ -270,7 +300,7 @@ class _EagerReshard:
     return results
 
   def _heal(self, turn: "_Turn | None", programs: Sequence[_DeviceProgram],
-            futures: Sequence[concurrent.futures.Future]) -> None:
+            failed: Sequence[BaseException | None]) -> None:
     """After the programs have finished: every device that did not join this call's
     generation (not dispatched, or failed before its handler) gives it up now."""
     if turn is None:
@@ -279,8 +309,7 @@ class _EagerReshard:
     for p in self.programs:
       if p.device.id not in ran:
         turn.abandon_if_absent(p.device.id, "its program was not dispatched")
-    for p, f in zip(programs, futures):
-      e = f.exception()
+    for p, e in zip(programs, failed):
       if e is not None:
         turn.abandon_if_absent(p.device.id, _failure_text(e))
 
