@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import queue
 import threading
 from typing import Any, Callable, Hashable, Sequence
 
@@ -40,25 +41,63 @@ logger = logging.getLogger("jax_m2n")
 # Eager: one small program per participating device, dispatched from per-device threads
 # ---------------------------------------------------------------------------------------
 
-def _executor(device_id: int) -> concurrent.futures.ThreadPoolExecutor:
-  """The single thread that dispatches the programs of one device, made on first use.
+class _Worker:
+  """The single thread that runs the programs of one device (and its compiles).
 
   The CPU handler waits for its peers, so the programs of one reshard must run
   concurrently: dispatched one after another from one Python thread they run one after
   another and the first waits forever (DESIGN.md, "Dispatch"). One thread per device,
   reused by every call (starting threads per call would cost more than a 1 KiB reshard).
+  A bare queue, not a ThreadPoolExecutor: a call posts its programs without futures
+  (executor.submit and waiting on futures cost about 10 us per device per call).
   """
+
+  def __init__(self, device_id: int):
+    self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    self._thread = threading.Thread(target=self._loop, name=f"jax_m2n-dev{device_id}",
+                                    daemon=True)
+    self._thread.start()
+
+  def _loop(self) -> None:
+    while True:
+      fn, args = self._queue.get()
+      try:
+        fn(*args)  # fn reports its own outcome (post) or sets its future's (submit)
+      except BaseException:  # noqa: BLE001 - never reached by post/submit's callers;
+        logger.exception("reshard: a device worker's task raised")  # keep the thread
+      del fn, args
+
+  def post(self, fn: Callable[..., None], *args: Any) -> None:
+    """Runs fn(*args) on this thread; fn must not raise (it records its own errors)."""
+    self._queue.put((fn, args))
+
+  def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """Runs fn(*args) on this thread; its result or exception in the returned future."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+      if not future.set_running_or_notify_cancel():
+        return
+      try:
+        future.set_result(fn(*args))
+      except BaseException as e:  # noqa: BLE001 - the future carries it
+        future.set_exception(e)
+    self.post(run)
+    return future
+
+
+def _executor(device_id: int) -> _Worker:
+  """Device `device_id`'s worker, made on first use."""
   ex = _executors.get(device_id)
   if ex is None:
     with _executors_lock:
       ex = _executors.get(device_id)
       if ex is None:
-        ex = _executors[device_id] = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"jax_m2n-dev{device_id}")
+        ex = _executors[device_id] = _Worker(device_id)
   return ex
 
 
-_executors: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_executors: dict[int, _Worker] = {}
 _executors_lock = threading.Lock()
 
 
@@ -269,7 +308,7 @@ class _EagerReshard:
         _check_live(p, args)
       outcomes = _Outcomes(len(programs))
       for i, (p, args) in enumerate(zip(programs, arguments)):
-        _executor(p.device.id).submit(_run_guarded, p, args, turn, outcomes, i)
+        _executor(p.device.id).post(_run_guarded, p, args, turn, outcomes, i)
       del arguments
       try:
         outcomes.wait_interruptibly()
