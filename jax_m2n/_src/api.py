@@ -22,7 +22,7 @@ from jax_m2n._src import traced
 from jax_m2n._src import transforms
 from jax_m2n._src.checks import (_API, _broadcast_prefix, _check_dtype, _check_holds,
                                  _check_mesh, _check_reduction, _check_route,
-                                 _check_topology, _chunk_bytes, _donate_flags,
+                                 _check_topology, _chunk_bytes, _donate_flags, _LazyName,
                                  _dst_sharding_of, _leaf_names, _map_native_error,
                                  _normalize_dst, _timeout_ms)
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
@@ -190,21 +190,25 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   flags = _donate_flags(_API, donate, x, treedef, n)
   if not n:
     return jax.tree_util.tree_unflatten(treedef, [])
-  dsts = [_normalize_dst(_API, names()[i], d) for i, d in enumerate(dsts)]
+  # Leaf names only where a message needs one (_LazyName): forming them costs more than
+  # these checks.
+  dsts = [d if isinstance(d, Sharding) else _normalize_dst(_API, _LazyName(names, i), d)
+          for i, d in enumerate(dsts)]
   seen: set[int] = set()  # a prefix repeats one sharding object: check it once
   for i, d in enumerate(dsts):  # before anything asks these shardings for devices
     d = d.sharding if isinstance(d, jax.ShapeDtypeStruct) else d
     if id(d) not in seen:
       seen.add(id(d))
-      _check_mesh(_API, names()[i], d, "destination")
-      _check_reduction(_API, names()[i], d, "destination")
+      _check_mesh(_API, _LazyName(names, i), d, "destination")
+      _check_reduction(_API, _LazyName(names, i), d, "destination")
     if srcs[i] is not None:
-      _check_reduction(_API, names()[i], srcs[i], "source")
-    if isinstance(leaves[i], jax.Array) and not isinstance(leaves[i], jax.core.Tracer):
-      s = leaves[i].sharding
+      _check_reduction(_API, _LazyName(names, i), srcs[i], "source")
+    leaf = leaves[i]
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+      s = leaf.sharding
       if id(s) not in seen:
         seen.add(id(s))
-        _check_reduction(_API, names()[i], s, "source")
+        _check_reduction(_API, _LazyName(names, i), s, "source")
   chunk = _chunk_bytes(_API, chunk_bytes, dsts)
   traced = (not jax_compat.trace_state_clean()) or any(
       isinstance(v, jax.core.Tracer) for v in leaves)

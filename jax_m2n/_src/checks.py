@@ -7,6 +7,7 @@ any data moves. Never plans, compiles or dispatches.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import numbers
@@ -38,6 +39,22 @@ _DST_TYPES = (Sharding, jax.ShapeDtypeStruct, PartitionSpec, jax.Device)
 
 def _is_dst_leaf(v: Any) -> bool:
   return v is None or isinstance(v, _DST_TYPES)
+
+
+class _LazyName:
+  """Leaf i's name, formed only when a message is formatted (`f"{name}"`): forming the
+  names flattens x with paths, which costs more than the whole check on success."""
+
+  __slots__ = ("_names", "_i")
+
+  def __init__(self, names: Callable[[], list[str]], i: int):
+    self._names, self._i = names, i
+
+  def __str__(self) -> str:
+    return self._names()[self._i]
+
+  def __format__(self, spec: str) -> str:
+    return format(str(self), spec)
 
 
 def _leaf_names(x: Any) -> list[str]:
@@ -290,6 +307,8 @@ def _check_topology(api: str, topology: Any) -> Any:
 
   Returns the topology with plain ints (hashable: part of cache keys).
   """
+  if topology is None or isinstance(topology, Topology):  # as_topology accepts these
+    return topology
   as_topology(topology, (), api)
   if isinstance(topology, numbers.Integral):
     return int(topology)
@@ -320,12 +339,20 @@ def _check_mesh(api: str, name: str, sharding: Any, what: str) -> None:
         f"known); got an AbstractMesh {mesh}. Hint: NamedSharding(jax.make_mesh(...), "
         "spec), or a PartitionSpec under jax.set_mesh(mesh).")
   if mesh is not None:
-    ids = [d.id for d in mesh.devices.flat]
-    if len(set(ids)) != len(ids):
-      dup = sorted({i for i in ids if ids.count(i) > 1})
+    ids, dup = _mesh_duplicates(mesh)
+    if dup:
       raise ReshardValueError(
           f"{api}: the {what} mesh of {name} must list each device once; got devices "
           f"{dup} more than once in {ids}.")
+
+
+@functools.lru_cache(maxsize=256)  # meshes are immutable; a refit checks one each call
+def _mesh_duplicates(mesh: Any) -> tuple[list[int], list[int]]:
+  """A mesh's device ids and those it lists more than once."""
+  ids = [d.id for d in mesh.devices.flat]
+  if len(set(ids)) == len(ids):
+    return ids, []
+  return ids, sorted({i for i in ids if ids.count(i) > 1})
 
 
 # Measured defaults (docs/cuda_transport.md: each NCCL step costs ~13 us on H200, and

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import queue
 import threading
 from typing import Any, Callable, Hashable, Sequence
 
@@ -40,25 +41,63 @@ logger = logging.getLogger("jax_m2n")
 # Eager: one small program per participating device, dispatched from per-device threads
 # ---------------------------------------------------------------------------------------
 
-def _executor(device_id: int) -> concurrent.futures.ThreadPoolExecutor:
-  """The single thread that dispatches the programs of one device, made on first use.
+class _Worker:
+  """The single thread that runs the programs of one device (and its compiles).
 
   The CPU handler waits for its peers, so the programs of one reshard must run
   concurrently: dispatched one after another from one Python thread they run one after
   another and the first waits forever (DESIGN.md, "Dispatch"). One thread per device,
   reused by every call (starting threads per call would cost more than a 1 KiB reshard).
+  A bare queue, not a ThreadPoolExecutor: a call posts its programs without futures
+  (executor.submit and waiting on futures cost about 10 us per device per call).
   """
+
+  def __init__(self, device_id: int):
+    self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    self._thread = threading.Thread(target=self._loop, name=f"jax_m2n-dev{device_id}",
+                                    daemon=True)
+    self._thread.start()
+
+  def _loop(self) -> None:
+    while True:
+      fn, args = self._queue.get()
+      try:
+        fn(*args)  # fn reports its own outcome (post) or sets its future's (submit)
+      except BaseException:  # noqa: BLE001 - never reached by post/submit's callers;
+        logger.exception("reshard: a device worker's task raised")  # keep the thread
+      del fn, args
+
+  def post(self, fn: Callable[..., None], *args: Any) -> None:
+    """Runs fn(*args) on this thread; fn must not raise (it records its own errors)."""
+    self._queue.put((fn, args))
+
+  def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """Runs fn(*args) on this thread; its result or exception in the returned future."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+      if not future.set_running_or_notify_cancel():
+        return
+      try:
+        future.set_result(fn(*args))
+      except BaseException as e:  # noqa: BLE001 - the future carries it
+        future.set_exception(e)
+    self.post(run)
+    return future
+
+
+def _executor(device_id: int) -> _Worker:
+  """Device `device_id`'s worker, made on first use."""
   ex = _executors.get(device_id)
   if ex is None:
     with _executors_lock:
       ex = _executors.get(device_id)
       if ex is None:
-        ex = _executors[device_id] = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"jax_m2n-dev{device_id}")
+        ex = _executors[device_id] = _Worker(device_id)
   return ex
 
 
-_executors: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_executors: dict[int, _Worker] = {}
 _executors_lock = threading.Lock()
 
 
@@ -77,10 +116,32 @@ def _outcomes(futures: Sequence[concurrent.futures.Future]
 _WAIT_PERIOD_S = 0.25
 
 
-def _wait_interruptibly(futures: Sequence[concurrent.futures.Future]) -> None:
-  pending = set(futures)
-  while pending:
-    _, pending = concurrent.futures.wait(pending, timeout=_WAIT_PERIOD_S)
+class _Outcomes:
+  """The programs' results and errors of one call, filled in by the worker threads; the
+  last one to finish wakes the caller (one Event: cheaper than waiting on futures)."""
+
+  def __init__(self, n: int):
+    self.results: list[Any] = [None] * n
+    self.errors: list[BaseException | None] = [None] * n
+    self._left = n
+    self._lock = threading.Lock()
+    self._done = threading.Event()
+    if not n:
+      self._done.set()
+
+  def finished(self) -> None:
+    with self._lock:
+      self._left -= 1
+      if not self._left:
+        self._done.set()
+
+  def wait_interruptibly(self) -> None:
+    """Waits for every program in Python, waking every _WAIT_PERIOD_S (Ctrl-C raises)."""
+    while not self._done.wait(_WAIT_PERIOD_S):
+      pass
+
+  def wait(self) -> None:
+    self._done.wait()
 
 
 # Fault injection for tests (tests/failure_test.py): called on a device's worker thread
@@ -174,15 +235,22 @@ class _Turn:
     self.module.abort(self.site, self.index, self.device_ids, cause)
 
 
-def _run_guarded(prog: _DeviceProgram, args: list, turn: _Turn | None) -> list:
-  """A device's program on its worker thread; on a failure before the handler, the
-  device's turn is given up at once (peers fail now, naming this device and cause)."""
+def _run_guarded(prog: _DeviceProgram, args: list, turn: _Turn | None,
+                 outcomes: _Outcomes, i: int) -> None:
+  """Program i on its device's worker thread, its result or error into `outcomes`; on
+  a failure before the handler, the device's turn is given up at once (peers fail now,
+  naming this device and cause)."""
   try:
-    return _run_device(prog, args)
-  except BaseException as e:
+    outcomes.results[i] = _run_device(prog, args)
+  except BaseException as e:  # noqa: BLE001 - every failure is the call's to raise
+    outcomes.errors[i] = e
     if turn is not None:
-      turn.abandon_if_absent(prog.device.id, _failure_text(e))
-    raise
+      try:
+        turn.abandon_if_absent(prog.device.id, _failure_text(e))
+      except BaseException as abandon_error:  # noqa: BLE001 - raised in e's place
+        outcomes.errors[i] = abandon_error
+  finally:
+    outcomes.finished()
 
 
 @dataclasses.dataclass
@@ -238,26 +306,27 @@ class _EagerReshard:
       del shards
       for p, args in zip(programs, arguments):  # before anything is dispatched
         _check_live(p, args)
-      futures = [_executor(p.device.id).submit(_run_guarded, p, args, turn)
-                 for p, args in zip(programs, arguments)]
+      outcomes = _Outcomes(len(programs))
+      for i, (p, args) in enumerate(zip(programs, arguments)):
+        _executor(p.device.id).post(_run_guarded, p, args, turn, outcomes, i)
       del arguments
       try:
-        _wait_interruptibly(futures)
+        outcomes.wait_interruptibly()
       except BaseException as interrupt:
         # Interrupted while the programs run: stop them, wait until they have
         # stopped (milliseconds: an aborted generation copies nothing more) and put
         # every device back in step before the caller sees the interrupt.
         if turn is not None:
           turn.abort(f"the calling thread was interrupted ({_failure_text(interrupt)})")
-        concurrent.futures.wait(futures)
-        self._heal(turn, programs, futures)
-        for f in futures:
-          if not f.exception():
-            for o in f.result() or ():
+        outcomes.wait()
+        self._heal(turn, programs, outcomes.errors)
+        for outs, e in zip(outcomes.results, outcomes.errors):
+          if e is None:
+            for o in outs or ():
               o.delete()
         raise
-      results, failed = _outcomes(futures)
-      self._heal(turn, programs, futures)
+      results, failed = outcomes.results, outcomes.errors
+      self._heal(turn, programs, failed)
     errors = [e for e in failed if e is not None]
     sticky = m2n_ffi.sticky_error(self.platform)
     if sticky is not None:
@@ -270,7 +339,7 @@ class _EagerReshard:
     return results
 
   def _heal(self, turn: "_Turn | None", programs: Sequence[_DeviceProgram],
-            futures: Sequence[concurrent.futures.Future]) -> None:
+            failed: Sequence[BaseException | None]) -> None:
     """After the programs have finished: every device that did not join this call's
     generation (not dispatched, or failed before its handler) gives it up now."""
     if turn is None:
@@ -279,8 +348,7 @@ class _EagerReshard:
     for p in self.programs:
       if p.device.id not in ran:
         turn.abandon_if_absent(p.device.id, "its program was not dispatched")
-    for p, f in zip(programs, futures):
-      e = f.exception()
+    for p, e in zip(programs, failed):
       if e is not None:
         turn.abandon_if_absent(p.device.id, _failure_text(e))
 
@@ -470,6 +538,23 @@ _EAGER_CACHE_SIZE = 256
 _eager_cache = _LruCache(_EAGER_CACHE_SIZE)
 
 
+class _Key(tuple):
+  """A cache key that hashes its parts once: the cache hashes a key several times per
+  call, and a sharding's hash is Python code (a 16-leaf key took 128 of them)."""
+
+  def __init__(self, parts: tuple):
+    self._hash = tuple.__hash__(self)  # TypeError when a part is unhashable
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other: Any) -> bool:
+    return self is other or tuple.__eq__(self, other)
+
+  def __ne__(self, other: Any) -> bool:
+    return not self.__eq__(other)
+
+
 def _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms,
                chunk_bytes):
   """The cache key (None when it cannot be formed: then validation says why).
@@ -483,9 +568,8 @@ def _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms
       return None
     parts.append((x.shape, x.dtype, x.sharding, d, s))
   try:
-    key = (treedef, tuple(parts), route, _topology_key(topology), timeout_ms,
-           chunk_bytes)
-    hash(key)
+    key = _Key((treedef, tuple(parts), route, _topology_key(topology), timeout_ms,
+                chunk_bytes))
   except TypeError:  # unhashable topology or destination: validation says why
     return None
   return key
@@ -597,6 +681,15 @@ def _default_memory(sharding: Sharding) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=256)  # bounded by the dtypes in use
+def _dtype_delegated_because(dtype: Any) -> str | None:
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return f"extended dtype {dtype}"
+  if jax.dtypes.itemsize_bits(dtype) % 8:
+    return f"sub-byte dtype {dtype}"
+  return None
+
+
 def delegated_because(leaf: Any, dst: Any) -> str | None:
   """Why jax.device_put, not jax_m2n, moves this leaf (None: jax_m2n moves it).
 
@@ -609,10 +702,9 @@ def delegated_because(leaf: Any, dst: Any) -> str | None:
     return "destination None (keep the layout)"
   if not isinstance(leaf, jax.Array):
     return "host data"
-  if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
-    return f"extended dtype {leaf.dtype}"
-  if jax.dtypes.itemsize_bits(leaf.dtype) % 8:
-    return f"sub-byte dtype {leaf.dtype}"
+  reason = _dtype_delegated_because(leaf.dtype)
+  if reason is not None:
+    return reason
   if isinstance(leaf, jax.core.Tracer):
     return None
   if not leaf.committed:
@@ -676,7 +768,8 @@ def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
         [donate[i] for i in moved], timeout_ms, chunk_bytes, sub_names)
     for i, y in zip(moved, ys):
       outs[i] = jax_compat.with_weak_type(y) if leaves[i].weak_type else y
-    logger.debug("reshard: eager per-device path moved %d of %d leaves", len(moved), n)
+    if logger.isEnabledFor(logging.DEBUG):
+      logger.debug("reshard: eager per-device path moved %d of %d leaves", len(moved), n)
   for i in delegated:
     given = srcs[i]
     if given is not None and isinstance(leaves[i], jax.Array) and not _same_layout(
