@@ -67,7 +67,20 @@ def _gpu_count() -> int:
 
 
 def _launch(mode: str, n: int, args, extra_env: dict, timeout_s: float) -> list[dict]:
-  """Starts n workers of `mode`; returns their MPRESULT dicts (an error dict on failure)."""
+  """Starts n workers of `mode`; returns their MPRESULT dicts (an error dict on failure).
+
+  A free port can be taken between picking it and the coordinator binding it (JAX's
+  coordinator binds the wildcard address, the pick only 127.0.0.1): a launch that fails
+  with "Address already in use" is retried on a fresh port, twice at most.
+  """
+  for _ in range(2):
+    out = _launch_once(mode, n, args, extra_env, timeout_s)
+    if not ("error" in out[0] and "Address already in use" in out[0]["error"]):
+      return out
+  return _launch_once(mode, n, args, extra_env, timeout_s)
+
+
+def _launch_once(mode: str, n: int, args, extra_env: dict, timeout_s: float) -> list[dict]:
   port = _free_port()
   env = dict(os.environ)
   for k, v in _BASE_ENV.items():
