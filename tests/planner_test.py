@@ -296,3 +296,24 @@ def test_planning_leaves_the_garbage_collector_as_it_was():
   finally:
     gc.unfreeze()
     (gc.enable if enabled else gc.disable)()
+
+
+def test_step_estimate_counts_pipeline_fill():
+  # 2 sources (domain 0) -> TP2 x DP2 in domains 1 and 2: each source's 2 KiB are
+  # injected into domain 1 in 4 chunks of 512 B (steps 0-3) and forwarded to domain 2 one
+  # step behind (steps 1-4): 5 steps of one chunk per NIC, against the aggregate 4.
+  topo = Topology(domain_size=2, nic_gbps=1.0, nvlink_gbps=100.0)
+  src = parse_layout("mesh(tp=2) P(tp, None) @0", (64, 16))
+  dst = parse_layout("mesh(dp=2, tp=2) P(tp, None) @2", (64, 16))
+  chunk_ms = 512 / 1e6
+  hier = plan_reshard([src], [dst], [4], topo, "hierarchical", 512)
+  assert hier.chunks.n_steps == 5
+  assert hier.route_estimate_ms() == pytest.approx(4 * chunk_ms)
+  assert hier.step_estimate_ms() == pytest.approx(5 * chunk_ms)
+  # One step (flat: leaves are cut 4x coarser): the two estimates agree.
+  flat = plan_reshard([src], [dst], [4], topo, "flat", 1 << 20)
+  assert flat.chunks.n_steps == 1
+  assert flat.step_estimate_ms() == pytest.approx(flat.route_estimate_ms())
+  for route in ROUTES:
+    p = plan_reshard([src], [dst], [4], topo, route, 512)
+    assert p.step_estimate_ms() >= p.route_estimate_ms() * (1 - 1e-12)

@@ -1026,6 +1026,49 @@ class Plan:
     """This route's time bound: max over devices of bytes / link bandwidth."""
     return self.traffic.time_ms(self.topology)
 
+  def step_estimate_ms(self) -> float:
+    """This route's time as its schedule runs: step by step, each step as long as its
+    busiest device and direction (bytes / link bandwidth, as `route_estimate_ms`).
+
+    The transports start a step's chunks when the previous step has ended (the CPU
+    transport at a barrier of every device; the CUDA transport per device, one NCCL group
+    per step), so a step whose load is uneven, and the steps that fill and drain a
+    pipeline (the first chunk's forwarding hops, the last chunk's fan-out) cost more than
+    the aggregate bound, which assumes every link busy from start to end. Equal to
+    `route_estimate_ms` for a one-step schedule; never below it. Builds the chunks.
+    """
+    chunks = self.chunks
+    if not len(chunks):
+      return 0.0
+    topo = self.topology
+    src = np.empty(len(chunks), np.int64)
+    dst = np.empty(len(chunks), np.int64)
+    ms = np.empty(len(chunks), np.float64)
+    for t, (tp, part) in enumerate(zip(self.tensors, chunks.parts)):
+      mine = chunks.tensor == t
+      k = chunks.index[mine]
+      x = part.transfer[k]
+      src[mine], dst[mine] = tp.transfers.src[x], tp.transfers.dst[x]
+      ms[mine] = np.prod(part.hi[k] - part.lo[k], axis=1) * (tp.itemsize / 1e6)
+    cross = src != dst
+    src, dst, ms, step = src[cross], dst[cross], ms[cross], chunks.step[cross]
+    if not len(step):
+      return 0.0
+    devices = np.unique(np.concatenate([src, dst]))
+    domain = np.array([topo.domain_of(d) for d in devices.tolist()], np.int64)
+    s_at, d_at = np.searchsorted(devices, src), np.searchsorted(devices, dst)
+    network = domain[s_at] != domain[d_at]
+    ms = ms / np.where(network, topo.nic_gbps, topo.nvlink_gbps)
+    n_steps, n_dev = chunks.n_steps, len(devices)
+    longest = np.zeros(n_steps, np.float64)
+    for at in (s_at, d_at):  # egress, ingress
+      for on in (network, ~network):  # per link class
+        key = (step[on] * n_dev + at[on]) if on.any() else np.zeros(0, np.int64)
+        keys, inverse = np.unique(key, return_inverse=True)
+        load = np.bincount(inverse.reshape(-1), weights=ms[on], minlength=len(keys))
+        np.maximum.at(longest, keys // n_dev, load)
+    return float(longest.sum())
+
   @functools.cached_property
   def estimate_ms(self) -> dict[str, float]:
     """The cost-model estimate of every route for the same tensors and topology."""
