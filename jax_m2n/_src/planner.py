@@ -38,10 +38,11 @@ SRC_SHARD, DST_SHARD, FULL_TMP = 0, 1, 2
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 # Bounds on one plan, checked from the layouts alone before any route is built
-# (`check_plan_size`). A transfer costs ~0.5 us and ~0.2 KB to plan, a chunk ~0.3 KB of
-# schedule: 8M transfers are ~5 s and ~1.5 GB, beyond which a plan is refused rather
-# than left to run for minutes into a MemoryError (a 100,000-way replication would be
-# 10**10 transfers). A DeepSeek-V3-sized refit over 4,096 devices is ~3M per stage.
+# (`check_plan_size`). A transfer costs ~0.2 us and ~25-50 bytes to plan (columns), but
+# ~1 us and ~0.3 KB once chunked and encoded (per transfer in Python): 8M transfers are
+# seconds and a few GB of schedule, beyond which a plan is refused rather than left to
+# run for minutes into a MemoryError (a 100,000-way replication would be 10**10
+# transfers). A DeepSeek-V3-sized refit over 4,096 devices is ~3M per stage.
 MAX_PLAN_TRANSFERS = 1 << 23
 MAX_PLAN_CHUNKS = 1 << 24
 
@@ -229,8 +230,13 @@ class _Balance:
     self.load: dict[int, int] = {}
 
   def pick(self, candidates: Sequence[int], nbytes: int) -> int:
-    best = min(candidates, key=lambda d: (self.load.get(d, 0), candidates.index(d)))
-    self.load[best] = self.load.get(best, 0) + nbytes
+    load = self.load
+    best, least = candidates[0], load.get(candidates[0], 0)
+    for d in candidates:  # the first of the least loaded
+      n = load.get(d, 0)
+      if n < least:
+        best, least = d, n
+    load[best] = least + nbytes
     return best
 
 
@@ -515,6 +521,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     # owner's, then moves leader to leader; a later domain's slab may straddle two slabs
     # of the previous domain, so forwarding intersects them.
     box_id, append = out.box_id, rows.append
+    several = False  # whether an entry arrived in several pieces (a list of transfers)
     for ci, doms in network_regions.items():
       region, holders = contributions[ci]
       owner = owners.pick(holders, box_size(region) * itemsize)
@@ -536,7 +543,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
           if pbox == sub:  # one slab here and before, the same: one forward (most rings)
             x = len(rows)
             append((pleader, leader, _FORWARD, pb, DST_SHARD, DST_SHARD, px, pdepth + 1))
-            entries[i] = (sub, leader, [x], ci)
+            entries[i] = (sub, leader, x, ci)
             previous = [(sub, pb, leader, x, pdepth + 1)]
             continue
         arrived = []
@@ -562,7 +569,11 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
             append((pleader, leader, _FORWARD, b, DST_SHARD, DST_SHARD, px, pdepth + 1))
             parts.append(x)
             arrived.append((piece, b, leader, x, pdepth + 1))
-          entries[i] = (sub, leader, parts, ci)
+          if len(parts) == 1:
+            entries[i] = (sub, leader, parts[0], ci)
+          else:
+            entries[i] = (sub, leader, parts, ci)
+            several = True
         previous = arrived
 
     # Fan-out inside each domain (built below): every leader copies what it leads to
@@ -570,7 +581,13 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     for dom, reps in by_domain.items():
       g = len(groups)
       groups.append(reps)
-      for _, _, x, ci in led[dom]:
+      entries = led[dom]
+      if not several and not own_group:  # one transfer per entry, the domain's group
+        arr_x.extend([e[2] for e in entries])
+        arr_shard.extend([cshard[e[3]] for e in entries])
+        arr_group.extend([g] * len(entries))
+        continue
+      for _, _, x, ci in entries:
         shard = cshard[ci]
         if type(x) is int:
           arr_x.append(x)

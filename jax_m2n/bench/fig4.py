@@ -151,22 +151,22 @@ def markdown(doc: dict) -> str:
       f"{doc['domain_size']}; tensor {doc['dtype']}{doc['shape']} "
       f"({doc['results'][0]['payload_bytes'] / 2**20:.4g} MiB, chunks of {doc.get('chunk_bytes', 0) / 2**20:.3g} MiB); median of {doc['iters']}.",
       "",
-      "| case | r_d | route | steps | measured ms | estimate ms (steps) | aggregate "
-      "estimate ms | measured / estimate | measured / aggregate | "
+      "| case | r_d | route | steps | measured ms (median) | min ms | estimate ms (steps) | "
+      "aggregate estimate ms | measured / estimate | min / estimate | measured / aggregate | "
       "route / hier (measured) | route / hier (estimate) |",
-      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
   for r in doc["results"]:
     if r["status"] != "ok":
       lines.append(f"| {r['case']} | {r['r_d']} | {r['route']} | {r.get('steps', '')} | "
-                   f"failed: {r['reason'][:80]} | {r['estimate_ms']:.4g} | "
-                   f"{r.get('route_estimate_ms', float('nan')):.4g} | | | | |")
+                   f"failed: {r['reason'][:80]} | | {r['estimate_ms']:.4g} | "
+                   f"{r.get('route_estimate_ms', float('nan')):.4g} | | | | | |")
       continue
     lines.append(
         f"| {r['case']} | {r['r_d']} | {r['route']} | {r.get('steps', '')} | "
-        f"{r['median_ms']:.4g} | {r['estimate_ms']:.4g} | "
+        f"{r['median_ms']:.4g} | {r['min_ms']:.4g} | {r['estimate_ms']:.4g} | "
         f"{r.get('route_estimate_ms', float('nan')):.4g} | "
-        f"{r['measured_over_estimate']:.3f} | "
+        f"{r['measured_over_estimate']:.3f} | {r['min_ms'] / r['estimate_ms']:.3f} | "
         f"{r.get('measured_over_route_estimate', float('nan')):.3f} | "
         f"{r.get('measured_over_hier', float('nan')):.2f} | "
         f"{r.get('estimate_over_hier', float('nan')):.2f} |")
@@ -188,7 +188,7 @@ def plot(doc: dict, path: str) -> None:
     rs = sorted((r for r in rows if r["route"] == route), key=lambda r: r["r_d"])
     xs = [r["r_d"] for r in rs]
     ax.plot(xs, [r["estimate_ms"] for r in rs], "--", color=colors[route], alpha=0.7,
-            label=f"{labels[route]} (planner estimate, per step)")
+            label=f"{labels[route]} (estimate)")
     ok = [r for r in rs if r["status"] == "ok"]
     ax.plot([r["r_d"] for r in ok], [r["median_ms"] for r in ok], "-o",
             color=colors[route], label=f"{labels[route]} (measured)")
