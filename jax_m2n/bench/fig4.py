@@ -7,7 +7,8 @@ sends a [rows, cols] tensor to a TP2 x DP r_d generator spread over r_d domains,
 routes hierarchical / flat / gather_bcast. Reports measured time, the planner's estimate
 for the same bandwidths (`Plan.step_estimate_ms`: the schedule step by step, as the
 transport runs it; the aggregate `route_estimate_ms` beside it), measured / estimate,
-flat / hierarchical, gather_bcast / hierarchical. Never asserts on timing (the caller decides what a run means).
+flat / hierarchical, gather_bcast / hierarchical. Never asserts on timing (the caller
+decides what a run means).
 
 Usage:
   python -m jax_m2n.bench --suite fig4 [--size_mib 128] [--iters 10] [--out_dir DIR]
