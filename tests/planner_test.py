@@ -296,3 +296,56 @@ def test_planning_leaves_the_garbage_collector_as_it_was():
   finally:
     gc.unfreeze()
     (gc.enable if enabled else gc.disable)()
+
+
+def test_step_estimate_counts_pipeline_fill():
+  # 2 sources (domain 0) -> TP2 x DP2 in domains 1 and 2: each source's 2 KiB are
+  # injected into domain 1 in 4 chunks of 512 B (steps 0-3) and forwarded to domain 2 one
+  # step behind (steps 1-4): 5 steps of one chunk per NIC, against the aggregate 4.
+  topo = Topology(domain_size=2, nic_gbps=1.0, nvlink_gbps=100.0)
+  src = parse_layout("mesh(tp=2) P(tp, None) @0", (64, 16))
+  dst = parse_layout("mesh(dp=2, tp=2) P(tp, None) @2", (64, 16))
+  chunk_ms = 512 / 1e6
+  hier = plan_reshard([src], [dst], [4], topo, "hierarchical", 512)
+  assert hier.chunks.n_steps == 5
+  assert hier.route_estimate_ms() == pytest.approx(4 * chunk_ms)
+  assert hier.step_estimate_ms() == pytest.approx(5 * chunk_ms)
+  # One step (flat: leaves are cut 4x coarser): the two estimates agree.
+  flat = plan_reshard([src], [dst], [4], topo, "flat", 1 << 20)
+  assert flat.chunks.n_steps == 1
+  assert flat.step_estimate_ms() == pytest.approx(flat.route_estimate_ms())
+  for route in ROUTES:
+    p = plan_reshard([src], [dst], [4], topo, route, 512)
+    assert p.step_estimate_ms() >= p.route_estimate_ms() * (1 - 1e-12)
+
+
+def test_transfers_columns_match_records():
+  # Transfers hold a route as columns; records, slices, stage counts and the traffic
+  # accounting read them consistently (the traffic against a plain loop over records).
+  src = parse_layout("mesh(a=2, b=2) P(a, b) @0", (8, 8))
+  dst = parse_layout("mesh(dp=3, tp=2) P(None, tp) @2", (8, 8))
+  topo = Topology(domain_size=2)
+  for route in ROUTES:
+    xs = plan_reshard([src], [dst], [4], topo, route).tensors[0].transfers
+    records = list(xs)
+    assert len(records) == len(xs) > 0
+    assert records == [xs[i] for i in range(len(xs))] == xs[:]
+    assert xs[-1] == records[-1] and xs[1:5:2] == records[1:5:2]
+    with pytest.raises(IndexError):
+      xs[len(xs)]
+    assert all(p < i for i, x in enumerate(records) for p in x.parents)
+    counts = {}
+    for x in records:
+      counts[x.stage] = counts.get(x.stage, 0) + 1
+    assert xs.stage_counts() == counts
+    by_link = {"local": 0, "nvlink": 0, "network": 0}
+    egress = {}
+    for x in records:
+      n = box_size(x.box) * 4
+      link = ("local" if x.src == x.dst else
+              "nvlink" if topo.domain_of(x.src) == topo.domain_of(x.dst) else "network")
+      by_link[link] += n
+      if link != "local":
+        egress.setdefault(x.src, {"nvlink": 0, "network": 0})[link] += n
+    p = plan_reshard([src], [dst], [4], topo, route)
+    assert p.traffic.by_link == by_link and p.traffic.egress == egress

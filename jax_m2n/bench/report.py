@@ -194,7 +194,8 @@ def scale_facts(rows: Sequence[dict], suite: str = "planner") -> list[str]:
     out.append(
         f"{r['case']}: {r['title']}; {d['transfers']} transfers (size bound from the "
         f"layouts {d['size_bound_transfers']}, computed in {d['size_check_s']:.3g} s); "
-        f"peak RSS {d['max_rss_bytes'] / 2**30:.2f} GiB, "
+        + (f"planning {d['plan_cpu_s']:.2f} s of CPU; " if "plan_cpu_s" in d else "")
+        + f"peak RSS {d['max_rss_bytes'] / 2**30:.2f} GiB, "
         f"{d['rss_bytes_per_transfer']:.0f} B per transfer")
   return out
 
