@@ -263,9 +263,9 @@ bool FitsDma3d(const Geometry& g) {
   return true;
 }
 
-// Contiguous copies that continue one another - the chunks of one transfer: operand ->
-// result, same buffers on both sides, adjacent bytes - become one copy in the step of the
-// first, unless some op of the round reads that result (a leader forwarding chunks as they
+// Copy-engine copies that continue one another - the chunks of one transfer: operand ->
+// result, same buffers on both sides, adjacent bytes (contiguous copies) or adjacent rows
+// of the same pitches (2-D copies) - become one copy in the step of the first, unless some op of the round reads that result (a leader forwarding chunks as they
 // arrive). Safe to move earlier: an operand is ready at the start and never written, and
 // nothing else writes those result bytes. `ops` sorted by step.
 void MergeChunkCopies(std::vector<PeerOp>* ops) {
@@ -277,18 +277,29 @@ void MergeChunkCopies(std::vector<PeerOp>* ops) {
   std::vector<PeerOp> out;
   out.reserve(ops->size());
   for (PeerOp& o : *ops) {
-    if (o.how == How::kMemcpy && o.src_type == o.dst_type &&
-        o.src.kind == BufferKind::kOperand && o.dst.kind == BufferKind::kResult &&
-        read.count({o.dst.participant, o.dst.slot}) == 0) {
+    const bool flat = o.how == How::kMemcpy;
+    const bool rows = o.how == How::kMemcpy3d && o.g.n_outer == 1;  // 2-D: rows continue
+    if ((flat || rows) && o.src_type == o.dst_type && o.src.kind == BufferKind::kOperand &&
+        o.dst.kind == BufferKind::kResult && read.count({o.dst.participant, o.dst.slot}) == 0) {
       const std::array<int32_t, 4> key = {o.src.participant, o.src.slot, o.dst.participant,
                                           o.dst.slot};
       auto it = tail.find(key);
       if (it != tail.end()) {
         PeerOp& t = out[it->second];
-        if (t.src.offset + t.bytes == o.src.offset && t.dst.offset + t.bytes == o.dst.offset) {
+        if (flat && t.how == How::kMemcpy && t.src.offset + t.bytes == o.src.offset &&
+            t.dst.offset + t.bytes == o.dst.offset) {
           t.bytes += o.bytes;
           t.g.row_bytes += o.g.row_bytes;
           t.g.row_elems += o.g.row_elems;
+          continue;
+        }
+        if (rows && t.how == How::kMemcpy3d && t.g.n_outer == 1 &&
+            t.g.row_bytes == o.g.row_bytes && t.g.src_stride[0] == o.g.src_stride[0] &&
+            t.g.dst_stride[0] == o.g.dst_stride[0] &&
+            t.src.offset + t.g.extent[0] * t.g.src_stride[0] == o.src.offset &&
+            t.dst.offset + t.g.extent[0] * t.g.dst_stride[0] == o.dst.offset) {
+          t.bytes += o.bytes;
+          t.g.extent[0] += o.g.extent[0];
           continue;
         }
       }
