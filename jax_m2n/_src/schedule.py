@@ -74,6 +74,19 @@ class Buffers:
   tmp_bytes: dict[int, int]             # device -> bytes of its full-tensor buffers
 
 
+def wire_itemsizes(dtypes, out_dtypes=None) -> tuple[list[int], tuple | None]:
+  """What planning and encoding need of each leaf's conversion: the itemsizes to plan
+  with (wire bytes) and the `types` argument of `encode` (None when nothing converts).
+  `out_dtypes`: per leaf the destination dtype, None (or the same dtype) to keep."""
+  out_dtypes = out_dtypes or [None] * len(dtypes)
+  itemsizes, types = [], []
+  for dt, out in zip(dtypes, out_dtypes):
+    out = dt if out is None else out
+    itemsizes.append(wire_dtype(dt, out).itemsize)
+    types.append(type_codes(dt, out))
+  return itemsizes, (tuple(types) if any(t != NO_CONVERSION for t in types) else None)
+
+
 def _tmp_devices(tp) -> frozenset:
   """Devices that hold a full-tensor workspace buffer of `tp` (cached on `tp`)."""
   return chunks_lib.derived(tp, "tmp_devices", lambda tp: frozenset(
