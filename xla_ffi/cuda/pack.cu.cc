@@ -152,15 +152,6 @@ __device__ __forceinline__ void ConvertUnits(const CopyTask& t, uint64_t first) 
   }
 }
 
-template <ElemType kFrom, ElemType kTo>
-__device__ __forceinline__ void ConvertTask(const CopyTask& t, uint64_t first) {
-  switch (t.vec_log2) {
-    case 2: ConvertUnits<kFrom, kTo, 4>(t, first); break;
-    case 1: ConvertUnits<kFrom, kTo, 2>(t, first); break;
-    default: ConvertUnits<kFrom, kTo, 1>(t, first); break;
-  }
-}
-
 // One kernel per pair: ptxas takes minutes on one kernel holding all 20 pairs.
 template <ElemType kFrom, ElemType kTo>
 __global__ void __launch_bounds__(kThreads)
