@@ -143,7 +143,7 @@ inline CopyTask BoxCopyTask(const Geometry& g, const char* src, char* dst,
     t.row_units = static_cast<uint64_t>(g.row_bytes) >> t.vec_log2;
     return t;
   }
-  // Converting: up to 4 elements per unit, each side's unit aligned to its own bytes.
+  // Converting: up to 8 elements per unit, each side's unit aligned to its own bytes.
   uint64_t elems = static_cast<uint64_t>(g.row_elems);
   for (int k = 0; k < g.n_outer; ++k) {
     elems |= static_cast<uint64_t>(g.src_stride[k] / g.src_elem_bytes) |

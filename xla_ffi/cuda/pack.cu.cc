@@ -9,9 +9,6 @@
 #include <algorithm>
 #include <cstdint>
 
-#include <cstdlib>
-#include <cstring>
-
 #include "xla_ffi/convert.h"
 #include "xla_ffi/cuda/convert_cuda.h"
 #include "xla_ffi/cuda/pack.h"
@@ -118,56 +115,54 @@ __global__ void __launch_bounds__(kThreads)
 
 // --- converting copies ------------------------------------------------------------
 
-// N elements loaded or stored with one instruction (N * sizeof(S) <= 16 bytes).
+// N elements loaded or stored together (one instruction up to 16 bytes, two for 32).
 template <typename S, int N>
 struct alignas(sizeof(S) * N) Vec {
   S v[N];
 };
 
-template <ElemType kFrom, ElemType kTo, bool kXlaGpu>
-__device__ __forceinline__ ElemBits<kTo> Convert(ElemBits<kFrom> x) {
-  if constexpr (kXlaGpu) {
-    return convert_cuda::ConvertElementXlaGpu<kFrom, kTo>(x);
-  } else {
-    return ConvertElement<kFrom, kTo>(x);
-  }
-}
-
-template <ElemType kFrom, ElemType kTo, bool kXlaGpu, int N>
+template <ElemType kFrom, ElemType kTo, int N>
 __device__ __forceinline__ void ConvertUnits(const CopyTask& t, uint64_t first) {
   using SF = ElemBits<kFrom>;
   using ST = ElemBits<kTo>;
+  // Units in flight per pass: all kUnroll, or half of them for 8-element units (registers).
+  constexpr int kBatch = N >= 8 ? kUnroll / 2 : kUnroll;
   const uint64_t total = t.rows * t.row_units;
-  Vec<SF, N> v[kUnroll];
-  int64_t dst_at[kUnroll];
-  bool live[kUnroll];
 #pragma unroll
-  for (int k = 0; k < kUnroll; ++k) {
-    const uint64_t u = first + static_cast<uint64_t>(k) * kThreads + threadIdx.x;
-    live[k] = u < total;
-    if (live[k]) {
-      uint64_t col;
-      const uint64_t row = DivMod(u, t.row_units, &col);
-      int64_t s, d;
-      RowOffsets(t, row, &s, &d);
-      const int64_t c = static_cast<int64_t>(col);
-      v[k] = *reinterpret_cast<const Vec<SF, N>*>(t.src + s + c * sizeof(Vec<SF, N>));
-      dst_at[k] = d + c * static_cast<int64_t>(sizeof(Vec<ST, N>));
+  for (int pass = 0; pass < kUnroll; pass += kBatch) {
+    Vec<SF, N> v[kBatch];
+    int64_t dst_at[kBatch];
+    bool live[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const uint64_t u = first + static_cast<uint64_t>(pass + k) * kThreads + threadIdx.x;
+      live[k] = u < total;
+      if (live[k]) {
+        uint64_t col;
+        const uint64_t row = DivMod(u, t.row_units, &col);
+        int64_t s, d;
+        RowOffsets(t, row, &s, &d);
+        const int64_t c = static_cast<int64_t>(col);
+        v[k] = *reinterpret_cast<const Vec<SF, N>*>(t.src + s + c * sizeof(Vec<SF, N>));
+        dst_at[k] = d + c * static_cast<int64_t>(sizeof(Vec<ST, N>));
+      }
     }
-  }
 #pragma unroll
-  for (int k = 0; k < kUnroll; ++k) {
-    if (!live[k]) continue;
-    Vec<ST, N> out;
+    for (int k = 0; k < kBatch; ++k) {
+      if (!live[k]) continue;
+      Vec<ST, N> out;
 #pragma unroll
-    for (int i = 0; i < N; ++i) out.v[i] = Convert<kFrom, kTo, kXlaGpu>(v[k].v[i]);
-    *reinterpret_cast<Vec<ST, N>*>(t.dst + dst_at[k]) = out;
+      for (int i = 0; i < N; ++i) {
+        out.v[i] = convert_cuda::ConvertElementXlaGpu<kFrom, kTo>(v[k].v[i]);
+      }
+      *reinterpret_cast<Vec<ST, N>*>(t.dst + dst_at[k]) = out;
+    }
   }
 }
 
-// One kernel per pair (and semantics): ptxas takes minutes on one kernel holding all 20.
-// kXlaGpu: XLA GPU's conversions (convert_cuda.h); else XLA CPU's (convert.h).
-template <ElemType kFrom, ElemType kTo, bool kXlaGpu>
+// One kernel per pair: ptxas takes minutes on one kernel holding all 20. Conversions as
+// XLA GPU does them (convert_cuda.h), which is what `astype` gives on the same GPU.
+template <ElemType kFrom, ElemType kTo>
 __global__ void __launch_bounds__(kThreads)
     ConvertBoxesKernel(const __grid_constant__ CopyBatch batch) {
   const int task = TaskOfBlock(batch);
@@ -175,47 +170,25 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t first =
       static_cast<uint64_t>(blockIdx.x - batch.block_start[task]) * kUnitsPerBlock;
   switch (t.vec_log2) {
-    case 2: ConvertUnits<kFrom, kTo, kXlaGpu, 4>(t, first); break;
-    case 1: ConvertUnits<kFrom, kTo, kXlaGpu, 2>(t, first); break;
-    default: ConvertUnits<kFrom, kTo, kXlaGpu, 1>(t, first); break;
+    case 3: ConvertUnits<kFrom, kTo, 8>(t, first); break;
+    case 2: ConvertUnits<kFrom, kTo, 4>(t, first); break;
+    case 1: ConvertUnits<kFrom, kTo, 2>(t, first); break;
+    default: ConvertUnits<kFrom, kTo, 1>(t, first); break;
   }
 }
 
 using BatchKernel = void (*)(CopyBatch);
 
-template <ElemType kFrom, bool kXlaGpu>
+template <ElemType kFrom>
 BatchKernel ConvertKernelTo(int to) {
   switch (to) {
-    case 1: return ConvertBoxesKernel<kFrom, ElemType::kF32, kXlaGpu>;
-    case 2: return ConvertBoxesKernel<kFrom, ElemType::kF16, kXlaGpu>;
-    case 3: return ConvertBoxesKernel<kFrom, ElemType::kBF16, kXlaGpu>;
-    case 4: return ConvertBoxesKernel<kFrom, ElemType::kF8E4M3FN, kXlaGpu>;
-    case 5: return ConvertBoxesKernel<kFrom, ElemType::kF8E5M2, kXlaGpu>;
+    case 1: return ConvertBoxesKernel<kFrom, ElemType::kF32>;
+    case 2: return ConvertBoxesKernel<kFrom, ElemType::kF16>;
+    case 3: return ConvertBoxesKernel<kFrom, ElemType::kBF16>;
+    case 4: return ConvertBoxesKernel<kFrom, ElemType::kF8E4M3FN>;
+    case 5: return ConvertBoxesKernel<kFrom, ElemType::kF8E5M2>;
     default: return nullptr;
   }
-}
-
-template <bool kXlaGpu>
-BatchKernel ConvertKernel(int from, int to) {
-  switch (from) {
-    case 1: return ConvertKernelTo<ElemType::kF32, kXlaGpu>(to);
-    case 2: return ConvertKernelTo<ElemType::kF16, kXlaGpu>(to);
-    case 3: return ConvertKernelTo<ElemType::kBF16, kXlaGpu>(to);
-    case 4: return ConvertKernelTo<ElemType::kF8E4M3FN, kXlaGpu>(to);
-    case 5: return ConvertKernelTo<ElemType::kF8E5M2, kXlaGpu>(to);
-    default: return nullptr;
-  }
-}
-
-// Which semantics the converting kernels follow: XLA GPU's (the default: a reshard equals
-// `astype` on the same GPU) or XLA CPU's (JAX_M2N_CUDA_CONVERT=xla_cpu, e.g. to match a
-// CPU reference); read once.
-bool XlaGpuSemantics() {
-  static const bool gpu = [] {
-    const char* v = std::getenv("JAX_M2N_CUDA_CONVERT");
-    return v == nullptr || std::strcmp(v, "xla_cpu") != 0;
-  }();
-  return gpu;
 }
 
 // The kernel of a task: the plain copy, or the converting one of its pair (null: an
@@ -223,8 +196,14 @@ bool XlaGpuSemantics() {
 BatchKernel KernelOf(const CopyTask& t) {
   if (t.src_type == t.dst_type) return CopyBoxesKernel;
   if (t.vec_log2 < 0 || t.vec_log2 > kConvertMaxVecLog2) return nullptr;
-  return XlaGpuSemantics() ? ConvertKernel<true>(t.src_type, t.dst_type)
-                           : ConvertKernel<false>(t.src_type, t.dst_type);
+  switch (t.src_type) {
+    case 1: return ConvertKernelTo<ElemType::kF32>(t.dst_type);
+    case 2: return ConvertKernelTo<ElemType::kF16>(t.dst_type);
+    case 3: return ConvertKernelTo<ElemType::kBF16>(t.dst_type);
+    case 4: return ConvertKernelTo<ElemType::kF8E4M3FN>(t.dst_type);
+    case 5: return ConvertKernelTo<ElemType::kF8E5M2>(t.dst_type);
+    default: return nullptr;
+  }
 }
 
 // Launches the tasks among `tasks` whose kernel is `kernel`, in as few launches as fit.

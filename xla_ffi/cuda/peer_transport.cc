@@ -47,12 +47,12 @@ constexpr int kDmaLane = 0;
 constexpr int kLocalLane = 1;
 constexpr int kKernelLane = 2;
 
-// Copy-engine copies of one stream in one step are spread over this many streams of
-// the issuing GPU (the XLA stream plus side streams): on one stream each copy waits for
-// the previous one to drain, about 17 us per copy (1 GiB GPU 0 -> 1 in 16 copies: 3.70 ms,
-// in 4: 3.49 ms), which a 291-leaf model pays per leaf. JAX_M2N_CUDA_DMA_STREAMS (1-8,
-// read once per plan) overrides; a measurement knob (docs/cuda_transport.md).
-constexpr int kDefaultDmaStreams = 4;
+// Copy-engine copies of one stream in one step may be spread over several streams of the
+// issuing GPU (the XLA stream plus side streams), so that one copy's drain overlaps the
+// next one's start. Measured on the 291-leaf Llama-shaped pytree (2026-11-30, 2 x H200):
+// 18.4 ms with 4 streams, 18.0 ms with 1 - no gain, so 1 by default;
+// JAX_M2N_CUDA_DMA_STREAMS (1-8, read once per plan) is the measurement knob.
+constexpr int kDefaultDmaStreams = 1;
 constexpr int kMaxDmaStreams = 8;
 constexpr int kFirstDmaSideLane = kLanes;  // SideLane ids kLanes.. are the extra DMA streams
 
