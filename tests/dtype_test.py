@@ -198,6 +198,26 @@ def test_random_layouts_every_route_in_jit(case, fused_only):
     assert_same(fn(x), ref)
 
 
+@pytest.mark.parametrize("given_src", [False, True])
+def test_mixed_pytree_in_jit(given_src, fused_only):
+  """Converting, keeping and rank-0 leaves in one jitted call (rank 0 goes to XLA's
+  partitioner: convert, then a sharding constraint)."""
+  m = Mesh(D, ("x",))
+  src = NamedSharding(m, P("x"))
+  tree = {"a": jax.device_put(_host((8, 8), F32, 1), src),
+          "b": jax.device_put(np.arange(64, dtype=np.int32).reshape(8, 8), src),
+          "c": jax.device_put(_host((8, 4), F16, 2), src),
+          "s": jax.device_put(np.float32(3.25), NamedSharding(m, P()))}
+  dtypes = {"a": jnp.bfloat16, "b": None, "c": np.float32, "s": E4M3}
+  dst = {"a": NamedSharding(m, P(None, "x")), "b": NamedSharding(m, P(None, "x")),
+         "c": NamedSharding(m, P()), "s": NamedSharding(m, P())}
+  kw = {"src_sharding": {k: v.sharding for k, v in tree.items()}} if given_src else {}
+  out = jax.jit(lambda t: jax_m2n.reshard(t, dst, dtype=dtypes, **kw))(tree)
+  for k in tree:
+    want = tree[k] if dtypes[k] is None else tree[k].astype(dtypes[k])
+    assert_same(out[k], jax.device_put(want, dst[k]))
+
+
 def test_explicit_axes_in_jit():
   m = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
                     devices=D)
@@ -481,3 +501,18 @@ def test_fused_conversion_table():
         (FUSED.index(a) + 1, FUSED.index(b) + 1) if fused else (0, 0))
     assert schedule_lib.wire_dtype(a, b) == (b if fused and b.itemsize <= a.itemsize
                                              else a)
+
+
+def test_bench_suite_runs_and_agrees():
+  """The `dtype` bench suite in its smallest form: every case and method, outputs
+  compared bitwise between methods (no timing asserted)."""
+  from jax_m2n.bench import dtype as dtype_suite
+  doc = dtype_suite.run(jax, 1 << 20, iters=1, warmup=1, memory=False, print_fn=lambda s: 0)
+  assert {(r["case"], r["method"]) for r in doc["rows"]} == set(
+      itertools.product(dtype_suite.CASES, dtype_suite.METHODS))
+  for r in doc["rows"]:
+    if r["method"] != "astype_device_put":
+      assert r["wire_bytes"] == (1 << 20) // 2, r
+  assert "| single | reshard_dtype |" in dtype_suite.markdown(doc)
+  mem = dtype_suite.measure_memory("single", "reshard_dtype", 1 << 20)
+  assert mem["extra_bytes"] is not None and mem["extra_bytes"] >= 0
