@@ -3,6 +3,7 @@
 Usage (GPU machine, after building jax_m2n/_ffi_cuda.so):
   NCCL_NVLS_ENABLE=0 python3 tests/gpu_bench.py [--mib 1024] [--iters 10] [--warmup 3]
       [--chunks-mib 16,64,256,1024] [--json OUT.json] [--no-device-put]
+  python3 tests/gpu_bench.py --convert-probe   # where XLA GPU's convert differs from CPU's
 
 Cases (bf16 [rows, 32768], --mib MiB in all; notes/benchmarking.md), with 4 GPUs:
   A  2 GPUs P('x', None) -> 2 other GPUs replicated           bound 2.75 ms/GiB
@@ -63,7 +64,29 @@ def same(a, b):
   return True
 
 
+def convert_probe():
+  """Where XLA GPU's `convert` differs from XLA CPU's (convert.h follows CPU): every pair
+  of f32/f16/bf16/f8_e4m3fn/f8_e5m2, every 8/16-bit source pattern, f32 specials plus
+  random bits. Prints per pair the count and the first differing inputs."""
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import gpu_test  # noqa: PLC0415 - the case tables (inputs with every special value)
+  gpu, cpu = jax.devices("gpu")[0], jax.devices("cpu")[0]
+  for a, b in gpu_test.CONVERT_PAIRS:
+    host = gpu_test._convert_input(a, (256, 320), seed=31)
+    g = np.asarray(jax.device_put(host, gpu).astype(b))
+    c = np.asarray(jax.device_put(host, cpu).astype(b))
+    gb, cb, hb = gpu_test._bits(g).ravel(), gpu_test._bits(c).ravel(), gpu_test._bits(host).ravel()
+    bad = np.flatnonzero(gb != cb)
+    nan_in = np.isnan(host.astype(np.float32)).ravel()
+    ex = ", ".join(f"{int(hb[i]):#x}->gpu {int(gb[i]):#x} cpu {int(cb[i]):#x}" for i in bad[:6])
+    print(f"probe {gpu_test._pair_id((a, b))}: {len(bad)} differ ({int(nan_in[bad].sum())} "
+          f"NaN inputs) {ex}", flush=True)
+
+
 def main():
+  if "--convert-probe" in sys.argv:
+    convert_probe()
+    return
   ap = argparse.ArgumentParser()
   ap.add_argument("--mib", type=int, default=1024)
   ap.add_argument("--iters", type=int, default=10)

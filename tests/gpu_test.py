@@ -317,3 +317,156 @@ def test_peer_large_both_directions(engine):
   _run_case(_sharding([0], (1,), P()), _sharding([1], (1,), P()), (8192, 4096), BF16,
             seed=22)
   engine.check()
+
+
+# --- dtype= : conversion in flight (issue 15 item 2; docs/cuda_transport.md) ------------
+# Bitwise against jax.device_put(x.astype(d), dst), i.e. XLA GPU's own `convert`, on
+# inputs full of special values: every bit pattern of 8- and 16-bit sources (NaNs with
+# payloads, infs, subnormals, values that overflow or round to a tie in the target), and
+# for f32 the boundaries of every target type plus random bits.
+
+F8E4M3 = ml_dtypes.float8_e4m3fn
+F8E5M2 = ml_dtypes.float8_e5m2
+CONVERT_TYPES = (np.float32, BF16, np.float16, F8E4M3, F8E5M2)
+CONVERT_PAIRS = [(a, b) for a in CONVERT_TYPES for b in CONVERT_TYPES if a is not b]
+
+
+def _pair_id(pair):
+  return f"{np.dtype(pair[0]).name}->{np.dtype(pair[1]).name}"
+
+
+def _f32_specials():
+  """f32 bit patterns at the edges of every target type, around ties, and NaN payloads."""
+  vals = [0.0, -0.0, np.inf, -np.inf, 1.0, -1.0]
+  for t in CONVERT_TYPES[1:]:
+    fi = ml_dtypes.finfo(t)
+    for v in (float(fi.max), float(fi.tiny), float(fi.smallest_subnormal), float(fi.eps)):
+      for s in (1.0, -1.0):
+        vals += [s * v, s * v * 1.5, s * v * 0.5, s * v * 2.0, s * v * 0.75]
+  with np.errstate(over="ignore"):
+    bits = np.array(vals, dtype=np.float32).view(np.uint32)
+  # Each value +-1 and +-2 ulp (ties, just-below/above overflow, rounding boundaries).
+  near = (bits[:, None].astype(np.int64) + np.array([-2, -1, 1, 2])).ravel()
+  ties = []  # exactly halfway between two values of a target with `keep` mantissa bits
+  for keep in (7, 10, 3, 2):  # bf16, f16, e4m3, e5m2
+    for i, e in enumerate(range(-20, 20)):
+      m = (i * 0x9E37) & ((1 << keep) - 1)
+      for sign in (0, 1 << 31):
+        ties.append(sign | ((127 + e) << 23) | (m << (23 - keep)) | (1 << (22 - keep)))
+  nans = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF, 0x7FA5A5A5,
+          0xFFD0000F, 0x7F800100]
+  subn = list(range(1, 64)) + [0x007FFFFF, 0x00400000, 0x80000001, 0x807FFFFF]
+  out = np.concatenate([bits, near[(near >= 0) & (near < 1 << 32)], ties, nans, subn])
+  return out.astype(np.uint32)
+
+
+def _convert_input(dtype, shape, seed):
+  """An array of `dtype` and `shape` holding every bit pattern (8/16-bit) or the f32
+  specials, the rest random bits, shuffled."""
+  rng = np.random.default_rng(seed)
+  n = int(np.prod(shape))
+  itemsize = np.dtype(dtype).itemsize
+  if itemsize == 4:
+    special = _f32_specials()
+    raw = rng.integers(0, 1 << 32, size=n, dtype=np.uint64).astype(np.uint32)
+  else:
+    special = np.arange(1 << (8 * itemsize), dtype=np.uint64)
+    raw = rng.integers(0, 1 << (8 * itemsize), size=n, dtype=np.uint64)
+  k = min(n, len(special))
+  raw[:k] = special[rng.permutation(len(special))[:k]]
+  raw = raw[rng.permutation(n)].astype(f"u{itemsize}")
+  return raw.view(dtype).reshape(shape)
+
+
+def _check_convert(out, host, dtype, dst, src):
+  """Every shard of `out` equals XLA's astype + device_put bitwise; a mismatch names the
+  input bits, XLA's result and ours (the first few)."""
+  x = jax.device_put(host, src)
+  ref = jax.device_put(x.astype(dtype), dst)
+  assert out.dtype == np.dtype(dtype), (out.dtype, dtype)
+  assert out.sharding.is_equivalent_to(dst, out.ndim), (out.sharding, dst)
+  by_device = {s.device: s for s in ref.addressable_shards}
+  for s in out.addressable_shards:
+    r = by_device[s.device]
+    got, want = _bits(s.data), _bits(r.data)
+    bad = np.argwhere(got != want)
+    if len(bad):
+      inp = _bits(host[s.index])
+      rows = [f"in {int(inp[tuple(i)]):#x} xla {int(want[tuple(i)]):#x} "
+              f"m2n {int(got[tuple(i)]):#x}" for i in bad[:8]]
+      pytest.fail(f"{host.dtype}->{np.dtype(dtype)}: {len(bad)} of {got.size} elements "
+                  f"differ on {s.device}: " + "; ".join(rows))
+
+
+def _convert_case(src, dst, host, dtype, **kw):
+  x = jax.device_put(host, src)
+  out = jax_m2n.reshard(x, dst, dtype=dtype, **kw)
+  _check_convert(out, host, dtype, dst, src)
+
+
+# (name, src (ids, mesh shape, spec), dst (ids, mesh shape, spec)) on 2 GPUs: a contiguous
+# cross-device copy, strided boxes both ways plus local ones, contiguous halves swapped.
+CONVERT_LAYOUTS = [
+    ("1+1 copy", ([0], (1,), P()), ([1], (1,), P())),
+    ("dim0 -> dim1", ([0, 1], (2,), P("x", None)), ([0, 1], (2,), P(None, "x"))),
+    ("dim0 -> replicated", ([0, 1], (2,), P("x", None)), ([0, 1], (2,), P())),
+    ("swapped dim0", ([0, 1], (2,), P("x", None)), ([1, 0], (2,), P("x", None))),
+]
+
+
+@pytest.mark.parametrize("pair", CONVERT_PAIRS, ids=[_pair_id(p) for p in CONVERT_PAIRS])
+def test_convert_every_pair(pair, engine):
+  """All 20 pairs, both engines: exhaustive 8/16-bit sources, f32 specials."""
+  src_t, dst_t = pair
+  host = _convert_input(src_t, (256, 320), seed=31)
+  cuda = _cuda()
+  before = cuda.peer_stats()["converts"]
+  for _, s, d in CONVERT_LAYOUTS[:2]:
+    _convert_case(_sharding(*s), _sharding(*d), host, dst_t)
+  if engine == "auto":
+    assert cuda.peer_stats()["converts"] > before
+  engine.check()
+
+
+SOME_PAIRS = [(np.float32, BF16), (BF16, np.float32), (np.float32, F8E4M3),
+              (np.float16, F8E5M2), (F8E5M2, np.float16), (BF16, np.float16)]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("layout", CONVERT_LAYOUTS, ids=[c[0] for c in CONVERT_LAYOUTS])
+def test_convert_routes(layout, route, engine):
+  """Every route and layout, strided and contiguous boxes, odd sizes (unaligned units)."""
+  _, s, d = layout
+  for i, (src_t, dst_t) in enumerate(SOME_PAIRS):
+    shape = (64, 96) if i % 2 == 0 else (18, 14)
+    host = _convert_input(src_t, shape, seed=40 + i)
+    _convert_case(_sharding(*s), _sharding(*d), host, dst_t, route=route)
+  engine.check()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_convert_inside_jit(route, engine):
+  ids = [0, 1]
+  src = _sharding(ids, (2,), P("x", None))
+  for dst_spec in (P(None, "x"), P(), P("x", None)):
+    dst = _sharding(ids, (2,), dst_spec)
+    for i, (src_t, dst_t) in enumerate(SOME_PAIRS):
+      f = jax.jit(lambda a, dst=dst, dst_t=dst_t: jax_m2n.reshard(
+          a, dst, dtype=dst_t, route=route, src_sharding=src))
+      host = _convert_input(src_t, (64, 128), seed=60 + i)
+      _check_convert(f(jax.device_put(host, src)), host, dst_t, dst, src)
+  engine.check()
+
+
+def test_convert_pytree_and_large(engine):
+  """A pytree with a dtype per leaf (f32 -> bf16; bf16 -> bf16 moves unconverted) and a
+  64 MiB leaf cut in chunks."""
+  src = _sharding([0, 1], (2,), P("x", None))
+  dst = _sharding([0, 1], (2,), P(None, "x"))
+  big = _convert_input(np.float32, (2048, 8192), seed=71)
+  keep = _random((64, 32), BF16, 72)
+  tree = {"w": jax.device_put(big, src), "k": jax.device_put(keep, src)}
+  out = jax_m2n.reshard(tree, {"w": dst, "k": dst}, dtype={"w": BF16, "k": BF16})
+  _check_convert(out["w"], big, BF16, dst, src)
+  _check(out["k"], jax.device_put(tree["k"], dst), dst)
+  engine.check()

@@ -27,10 +27,11 @@ struct BufferRef {
   int64_t offset = 0;   // bytes from the buffer's (or the workspace's) base
 };
 
-// A strided copy with pointers still symbolic (resolved per call).
+// A strided or converting copy with pointers still symbolic (resolved per call).
 struct CopyTemplate {
-  BufferRef src, dst;
-  CopyTask shape;           // src/dst null; vec_log2 = the largest the layout allows
+  BufferRef src, dst;       // offsets include the geometry's
+  Geometry g;
+  ElemType src_type = ElemType::kNone, dst_type = ElemType::kNone;
   int32_t op = 0;           // index into Schedule::ops, for errors
 };
 
@@ -57,30 +58,17 @@ struct StepPlan {
   std::vector<CopyTemplate> post;  // unpack
 };
 
-CopyTemplate MakeCopy(const Geometry& g, BufferRef src, BufferRef dst, int32_t op) {
+CopyTemplate MakeCopy(const Geometry& g, BufferRef src, BufferRef dst, ElemType src_type,
+                      ElemType dst_type, int32_t op) {
   CopyTemplate t;
   src.offset += g.src_offset;
   dst.offset += g.dst_offset;
   t.src = src;
   t.dst = dst;
+  t.g = g;
+  t.src_type = src_type;
+  t.dst_type = dst_type;
   t.op = op;
-  uint64_t bits = static_cast<uint64_t>(g.row_bytes) | static_cast<uint64_t>(src.offset) |
-                  static_cast<uint64_t>(dst.offset);
-  for (int k = 0; k < g.n_outer; ++k) {
-    bits |= static_cast<uint64_t>(g.src_stride[k]) | static_cast<uint64_t>(g.dst_stride[k]);
-  }
-  CopyTask& s = t.shape;
-  s.src = nullptr;
-  s.dst = nullptr;
-  s.vec_log2 = MaxVecLog2(bits);
-  s.rows = static_cast<uint64_t>(g.rows());
-  s.row_units = static_cast<uint64_t>(g.row_bytes);  // in bytes here; units per call
-  s.n_outer = g.n_outer;
-  for (int k = 0; k < kCopyMaxOuterDims; ++k) {
-    s.extent[k] = k < g.n_outer ? static_cast<uint64_t>(g.extent[k]) : 1;
-    s.src_stride[k] = k < g.n_outer ? g.src_stride[k] : 0;
-    s.dst_stride[k] = k < g.n_outer ? g.dst_stride[k] : 0;
-  }
   return t;
 }
 
@@ -182,23 +170,25 @@ ffi::ErrorOr<DevicePlanPtr> BuildDevicePlan(const Schedule& s,
     }
     const TensorSpec& t = s.tensors[op.tensor];
     const bool is_src = op.src.device == self, is_dst = op.dst.device == self;
-    if (is_src && is_dst) {  // local: a device copy, no staging
+    if (is_src && is_dst) {  // local: a device copy (converting in one kernel), no staging
       ffi::Span<const int64_t> sd = DimsOf(s, shapes, op, op.src);
       ffi::Span<const int64_t> dd = DimsOf(s, shapes, op, op.dst);
+      const ElemType st = TypeOf(t, op.src.kind), dt = TypeOf(t, op.dst.kind);
       Geometry g = Collapse(sd.begin(), op.src.start.data(), dd.begin(), op.dst.start.data(),
-                            op.extent.data(), t.rank, t.elem_bytes);
-      if (g.n_outer == 0) {
+                            op.extent.data(), t.rank, ElemBytesOf(t, op.src.kind),
+                            ElemBytesOf(t, op.dst.kind));
+      if (g.n_outer == 0 && st == dt) {
         MemcpyTemplate m;
         m.src = RefOf(op.src);
         m.src.offset += g.src_offset;
         m.dst = RefOf(op.dst);
         m.dst.offset += g.dst_offset;
-        m.bytes = op.bytes;
+        m.bytes = g.row_bytes;
         m.op = index;
         cur->copies.push_back(m);
         ++plan->stats.memcpys;
       } else {
-        cur->pre.push_back(MakeCopy(g, RefOf(op.src), RefOf(op.dst), index));
+        cur->pre.push_back(MakeCopy(g, RefOf(op.src), RefOf(op.dst), st, dt, index));
         ++plan->stats.kernel_tasks;
       }
       continue;
@@ -223,22 +213,36 @@ ffi::ErrorOr<DevicePlanPtr> BuildDevicePlan(const Schedule& s,
               "every JAX device)"));
     }
     ffi::Span<const int64_t> dims = DimsOf(s, shapes, op, mine);
+    // The buffer's element type and the wire's (staging areas hold the wire type).
+    const ElemType mine_type = TypeOf(t, mine.kind), wire = t.wire_type;
+    const int64_t mine_bytes = ElemBytesOf(t, mine.kind);
     if (mine.pack >= 0) {
-      // Gather the box into a dense staging area (send) / scatter it from one (receive).
+      // Gather the box into a dense staging area (send) / scatter it from one (receive),
+      // narrowing before the send / widening after the receive when the types differ.
       if (is_src) {
         Geometry g = Collapse(dims.begin(), mine.start.data(), nullptr, nullptr,
-                              op.extent.data(), t.rank, t.elem_bytes);
-        cur->pre.push_back(MakeCopy(g, RefOf(mine), Staging(mine.pack), index));
+                              op.extent.data(), t.rank, mine_bytes, t.elem_bytes);
+        cur->pre.push_back(
+            MakeCopy(g, RefOf(mine), Staging(mine.pack), mine_type, wire, index));
       } else {
         Geometry g = Collapse(nullptr, nullptr, dims.begin(), mine.start.data(),
-                              op.extent.data(), t.rank, t.elem_bytes);
-        cur->post.push_back(MakeCopy(g, Staging(mine.pack), RefOf(mine), index));
+                              op.extent.data(), t.rank, t.elem_bytes, mine_bytes);
+        cur->post.push_back(
+            MakeCopy(g, Staging(mine.pack), RefOf(mine), wire, mine_type, index));
       }
       ++plan->stats.kernel_tasks;
       p.buffer = Staging(mine.pack);
     } else {
       Geometry g = Collapse(dims.begin(), mine.start.data(), nullptr, nullptr,
-                            op.extent.data(), t.rank, t.elem_bytes);
+                            op.extent.data(), t.rank, mine_bytes);
+      if (mine_type != wire) {
+        return ffi::Unexpected(JAX_M2N_ERROR(
+            kInvalidArgument,
+            OpLabel(s, index) + ": " + (is_src ? "src_pack" : "dst_pack") +
+                " = -1 requires the buffer to hold the wire type " + ElemTypeName(wire) +
+                "; it holds " + ElemTypeName(mine_type) +
+                " (a converting op needs a staging area on the NCCL engine)"));
+      }
       if (g.n_outer != 0) {
         std::vector<int64_t> dv(dims.begin(), dims.end());
         return ffi::Unexpected(JAX_M2N_ERROR(
@@ -311,15 +315,9 @@ ffi::Error LaunchCopies(const std::vector<CopyTemplate>& templates, const Device
   if (templates.empty()) return ffi::Error::Success();
   scratch->clear();
   for (const CopyTemplate& t : templates) {
-    CopyTask task = t.shape;
-    task.src = Base(t.src, b) + t.src.offset;
-    task.dst = MutableBase(t.dst, b) + t.dst.offset;
-    const int v = std::min<int>(
-        task.vec_log2,
-        MaxVecLog2(reinterpret_cast<uintptr_t>(task.src) | reinterpret_cast<uintptr_t>(task.dst)));
-    task.vec_log2 = v;
-    task.row_units = t.shape.row_units >> v;
-    scratch->push_back(task);
+    scratch->push_back(BoxCopyTask(t.g, Base(t.src, b) + t.src.offset,
+                                   MutableBase(t.dst, b) + t.dst.offset, t.src_type,
+                                   t.dst_type));
   }
   cudaError_t err = LaunchCopyTasks(scratch->data(), static_cast<int>(scratch->size()), stream);
   if (err != cudaSuccess) {

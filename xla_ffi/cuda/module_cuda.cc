@@ -50,7 +50,8 @@ Python-facing API (docs/dev_contracts.md, section "_ffi_cuda"; docs/cuda_transpo
                                Every process must choose alike.
   engine() -> str
   peer_stats() -> dict         process-wide counters of the peer path: rounds,
-                               memcpys, memcpys_3d, kernel_tasks, plans_built
+                               memcpys, memcpys_3d, kernel_tasks, converts,
+                               plans_built
 
 Example (one process, every local GPU):
   import jax, jax_m2n._ffi_cuda as m
@@ -199,6 +200,7 @@ NB_MODULE(_ffi_cuda, m) {
     d["memcpys"] = st.memcpys;
     d["memcpys_3d"] = st.memcpys_3d;
     d["kernel_tasks"] = st.kernel_tasks;
+    d["converts"] = st.converts;
     d["plans_built"] = st.plans_built;
     return d;
   });

@@ -240,7 +240,7 @@ std::string CreateRanks(InitJob& job) {
   config.blocking = job.blocking ? 1 : 0;
   for (auto& lr : job.local) {
     cudaError_t cerr = cudaSetDevice(lr->ordinal);
-    if (cerr == cudaSuccess) cerr = PreloadCopyKernel();
+    if (cerr == cudaSuccess) cerr = PreloadCopyKernels();
     if (cerr != cudaSuccess) {
       return JAX_M2N_AT("preparing device " + std::to_string(lr->device_id) + " (ordinal " +
                         std::to_string(lr->ordinal) + ") failed: " + CudaError(cerr));

@@ -1,13 +1,16 @@
 // Kernels of the CUDA transport: batched strided box copies (pack into a staging area,
-// unpack from it, local copies between buffers of one GPU). One launch carries up to
-// kCopyTasksPerLaunch tasks by value; blocks are dealt to tasks by their unit counts.
-// No schedule, NCCL or XLA knowledge here (pack.h is the whole interface).
+// unpack from it, local copies, stores into / loads from a peer GPU's memory), plain or
+// converting the element type (xla_ffi/convert.h). One launch carries up to
+// kCopyTasksPerLaunch tasks of one kind by value; blocks are dealt to tasks by their unit
+// counts. No schedule, NCCL or XLA knowledge here (pack.h is the whole interface).
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "xla_ffi/convert.h"
+#include "xla_ffi/cuda/convert_cuda.h"
 #include "xla_ffi/cuda/pack.h"
 
 namespace jax_m2n {
@@ -80,9 +83,8 @@ __device__ __forceinline__ void CopyUnits(const CopyTask& t, uint64_t first) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads)
-    CopyBoxesKernel(const __grid_constant__ CopyBatch batch) {
-  // The task owning this block: last i with block_start[i] <= blockIdx.x.
+// The task owning this block: last i with block_start[i] <= blockIdx.x.
+__device__ __forceinline__ int TaskOfBlock(const CopyBatch& batch) {
   const uint32_t b = blockIdx.x;
   int lo = 0, hi = batch.n - 1;
   while (lo < hi) {
@@ -93,8 +95,15 @@ __global__ void __launch_bounds__(kThreads)
       hi = mid - 1;
     }
   }
-  const CopyTask& t = batch.tasks[lo];
-  const uint64_t first = static_cast<uint64_t>(b - batch.block_start[lo]) * kUnitsPerBlock;
+  return lo;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    CopyBoxesKernel(const __grid_constant__ CopyBatch batch) {
+  const int task = TaskOfBlock(batch);
+  const CopyTask& t = batch.tasks[task];
+  const uint64_t first =
+      static_cast<uint64_t>(blockIdx.x - batch.block_start[task]) * kUnitsPerBlock;
   switch (t.vec_log2) {
     case 4: CopyUnits<uint4>(t, first); break;
     case 3: CopyUnits<uint2>(t, first); break;
@@ -104,9 +113,102 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-}  // namespace
+// --- converting copies ------------------------------------------------------------
 
-cudaError_t LaunchCopyTasks(const CopyTask* tasks, int n, cudaStream_t stream) {
+// N elements loaded or stored together (one instruction up to 16 bytes, two for 32).
+template <typename S, int N>
+struct alignas(sizeof(S) * N) Vec {
+  S v[N];
+};
+
+template <ElemType kFrom, ElemType kTo, int N>
+__device__ __forceinline__ void ConvertUnits(const CopyTask& t, uint64_t first) {
+  using SF = ElemBits<kFrom>;
+  using ST = ElemBits<kTo>;
+  // Units in flight per pass: all kUnroll, or half of them for 8-element units (registers).
+  constexpr int kBatch = N >= 8 ? kUnroll / 2 : kUnroll;
+  const uint64_t total = t.rows * t.row_units;
+#pragma unroll
+  for (int pass = 0; pass < kUnroll; pass += kBatch) {
+    Vec<SF, N> v[kBatch];
+    int64_t dst_at[kBatch];
+    bool live[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const uint64_t u = first + static_cast<uint64_t>(pass + k) * kThreads + threadIdx.x;
+      live[k] = u < total;
+      if (live[k]) {
+        uint64_t col;
+        const uint64_t row = DivMod(u, t.row_units, &col);
+        int64_t s, d;
+        RowOffsets(t, row, &s, &d);
+        const int64_t c = static_cast<int64_t>(col);
+        v[k] = *reinterpret_cast<const Vec<SF, N>*>(t.src + s + c * sizeof(Vec<SF, N>));
+        dst_at[k] = d + c * static_cast<int64_t>(sizeof(Vec<ST, N>));
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (!live[k]) continue;
+      Vec<ST, N> out;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        out.v[i] = convert_cuda::ConvertElementXlaGpu<kFrom, kTo>(v[k].v[i]);
+      }
+      *reinterpret_cast<Vec<ST, N>*>(t.dst + dst_at[k]) = out;
+    }
+  }
+}
+
+// One kernel per pair: ptxas takes minutes on one kernel holding all 20. Conversions as
+// XLA GPU does them (convert_cuda.h), which is what `astype` gives on the same GPU.
+template <ElemType kFrom, ElemType kTo>
+__global__ void __launch_bounds__(kThreads)
+    ConvertBoxesKernel(const __grid_constant__ CopyBatch batch) {
+  const int task = TaskOfBlock(batch);
+  const CopyTask& t = batch.tasks[task];
+  const uint64_t first =
+      static_cast<uint64_t>(blockIdx.x - batch.block_start[task]) * kUnitsPerBlock;
+  switch (t.vec_log2) {
+    case 3: ConvertUnits<kFrom, kTo, 8>(t, first); break;
+    case 2: ConvertUnits<kFrom, kTo, 4>(t, first); break;
+    case 1: ConvertUnits<kFrom, kTo, 2>(t, first); break;
+    default: ConvertUnits<kFrom, kTo, 1>(t, first); break;
+  }
+}
+
+using BatchKernel = void (*)(CopyBatch);
+
+template <ElemType kFrom>
+BatchKernel ConvertKernelTo(int to) {
+  switch (to) {
+    case 1: return ConvertBoxesKernel<kFrom, ElemType::kF32>;
+    case 2: return ConvertBoxesKernel<kFrom, ElemType::kF16>;
+    case 3: return ConvertBoxesKernel<kFrom, ElemType::kBF16>;
+    case 4: return ConvertBoxesKernel<kFrom, ElemType::kF8E4M3FN>;
+    case 5: return ConvertBoxesKernel<kFrom, ElemType::kF8E5M2>;
+    default: return nullptr;
+  }
+}
+
+// The kernel of a task: the plain copy, or the converting one of its pair (null: an
+// unsupported pair or unit).
+BatchKernel KernelOf(const CopyTask& t) {
+  if (t.src_type == t.dst_type) return CopyBoxesKernel;
+  if (t.vec_log2 < 0 || t.vec_log2 > kConvertMaxVecLog2) return nullptr;
+  switch (t.src_type) {
+    case 1: return ConvertKernelTo<ElemType::kF32>(t.dst_type);
+    case 2: return ConvertKernelTo<ElemType::kF16>(t.dst_type);
+    case 3: return ConvertKernelTo<ElemType::kBF16>(t.dst_type);
+    case 4: return ConvertKernelTo<ElemType::kF8E4M3FN>(t.dst_type);
+    case 5: return ConvertKernelTo<ElemType::kF8E5M2>(t.dst_type);
+    default: return nullptr;
+  }
+}
+
+// Launches the tasks among `tasks` whose kernel is `kernel`, in as few launches as fit.
+cudaError_t LaunchKernel(BatchKernel kernel, const CopyTask* tasks, int n,
+                         cudaStream_t stream) {
   int i = 0;
   while (i < n) {
     // Held in host memory only for the launch: parameters are copied at launch.
@@ -115,6 +217,7 @@ cudaError_t LaunchCopyTasks(const CopyTask* tasks, int n, cudaStream_t stream) {
     uint64_t blocks = 0;
     for (; i < n && batch.n < kCopyTasksPerLaunch; ++i) {
       const CopyTask& t = tasks[i];
+      if (KernelOf(t) != kernel) continue;
       const uint64_t units = t.rows * t.row_units;
       if (units == 0) continue;
       const uint64_t need = (units + kUnitsPerBlock - 1) / kUnitsPerBlock;
@@ -127,16 +230,43 @@ cudaError_t LaunchCopyTasks(const CopyTask* tasks, int n, cudaStream_t stream) {
     }
     if (batch.n == 0) continue;
     batch.block_start[batch.n] = static_cast<uint32_t>(blocks);
-    CopyBoxesKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(batch);
+    kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(batch);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
 }
 
-cudaError_t PreloadCopyKernel() {
+}  // namespace
+
+cudaError_t LaunchCopyTasks(const CopyTask* tasks, int n, cudaStream_t stream) {
+  // One launch series per kernel (plain copies, then each converting pair present).
+  BatchKernel done[kCopyTasksPerLaunch];
+  int n_done = 0;
+  for (int i = 0; i < n; ++i) {
+    BatchKernel kernel = KernelOf(tasks[i]);
+    if (kernel == nullptr) return cudaErrorInvalidValue;
+    if (std::find(done, done + n_done, kernel) != done + n_done) continue;
+    if (cudaError_t err = LaunchKernel(kernel, tasks, n, stream); err != cudaSuccess) {
+      return err;
+    }
+    if (n_done < kCopyTasksPerLaunch) done[n_done++] = kernel;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t PreloadCopyKernels() {
   cudaFuncAttributes attributes;
-  return cudaFuncGetAttributes(&attributes, CopyBoxesKernel);
+  cudaError_t err = cudaFuncGetAttributes(&attributes, CopyBoxesKernel);
+  for (int from = 1; from <= 5 && err == cudaSuccess; ++from) {
+    for (int to = 1; to <= 5 && err == cudaSuccess; ++to) {
+      CopyTask t = {};
+      t.src_type = from;
+      t.dst_type = to;
+      if (from != to) err = cudaFuncGetAttributes(&attributes, KernelOf(t));
+    }
+  }
+  return err;
 }
 
 }  // namespace jax_m2n

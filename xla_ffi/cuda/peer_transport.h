@@ -2,8 +2,8 @@
 // every participant of a schedule is a GPU of this process, the devices' concurrent calls
 // meet in a host rendezvous, and the last to arrive enqueues the whole schedule on the
 // participants' XLA streams: copy-engine peer copies (contiguous, 2-D and 3-D strided) and
-// copy kernels that read a peer's memory over NVLink, ordered by cross-device events. No
-// NCCL, no staging, no host synchronization with the GPU.
+// copy kernels that store into (or, widening a dtype, load from) a peer's memory over
+// NVLink, ordered by cross-device events. No NCCL, no staging, no host synchronization.
 
 #ifndef JAX_M2N_XLA_FFI_CUDA_PEER_TRANSPORT_H_
 #define JAX_M2N_XLA_FFI_CUDA_PEER_TRANSPORT_H_
@@ -57,6 +57,7 @@ struct PeerStats {
   int64_t memcpys = 0;        // contiguous copies (peer or local), per round summed
   int64_t memcpys_3d = 0;     // 2-D / 3-D strided copy-engine copies
   int64_t kernel_tasks = 0;   // boxes moved by the copy kernel (local or over NVLink)
+  int64_t converts = 0;       // of those, boxes converted (dtype=) on the way
   int64_t plans_built = 0;
 };
 PeerStats GetPeerStats();
