@@ -1,14 +1,18 @@
 """Tier 0: the RL refit example (examples/rl_refit.py), two small steps, 8 CPU devices.
 
 Checks the example's claims end to end: after every refit the generator's parameters
-equal the trainer's bitwise, sit in the generator's shardings on the generator's
-devices, and equal what `jax.device_put` delivers. Also its layout flags and checksum.
+equal the trainer's float32 ones cast to the generator's dtype (`astype`) bitwise, sit
+in the generator's shardings on the generator's devices, and equal what `astype` +
+`jax.device_put` delivers; with and without overlap, for every generator dtype. Also
+its layout flags and checksum.
 """
 
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
+import jax_m2n
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -24,29 +28,68 @@ def _bits(x):
   return np.asarray(x).view(np.uint8)
 
 
+def _check_refit(result, cfg, trainer, generator):
+  """The last refit: generator layout and devices, astype of the trainer's bitwise."""
+  assert result.checksums_equal == [True] * cfg.steps
+  assert result.baseline_equal
+  generator_devices = set(generator.mesh.devices.flat)
+  trainer_devices = set(trainer.mesh.devices.flat)
+  assert cfg.layouts.endswith("@same") or not generator_devices & trainer_devices
+  flat_dst, treedef = jax.tree.flatten(result.generator_shardings)
+  assert treedef == jax.tree.structure(result.trainer_params)
+  for src, dst, dst_sharding in zip(jax.tree.leaves(result.trainer_params),
+                                    jax.tree.leaves(result.generator_params), flat_dst):
+    assert src.dtype == jnp.float32
+    assert dst.dtype == jnp.dtype(cfg.generator_dtype)
+    assert dst_sharding.mesh == generator.mesh
+    assert dst.sharding.is_equivalent_to(dst_sharding, dst.ndim)
+    assert dst.sharding.device_set == generator_devices
+    assert src.sharding.device_set == trainer_devices
+    np.testing.assert_array_equal(_bits(dst), _bits(src.astype(dst.dtype)))
+  assert all(len(t) == cfg.steps for t in result.times_ms.values())
+
+
 @pytest.mark.parametrize("layouts,route", (
     [(layouts, "hierarchical") for layouts in rl_refit.PRESETS]
     + [(rl_refit.PRESETS[0], route) for route in rl_refit.ROUTES[1:]]))
 def test_two_steps_refit_is_bitwise_and_in_generator_layout(layouts, route):
   cfg = dataclasses.replace(SMALL, layouts=layouts, route=route)
   trainer, generator = rl_refit.make_sides(cfg, jax.devices())
-  result = rl_refit.run(cfg)
+  _check_refit(rl_refit.run(cfg), cfg, trainer, generator)
 
-  assert result.checksums_equal == [True, True]
-  assert result.baseline_equal
-  generator_devices = set(generator.mesh.devices.flat)
-  trainer_devices = set(trainer.mesh.devices.flat)
-  assert layouts.endswith("@same") or not generator_devices & trainer_devices
-  flat_dst, treedef = jax.tree.flatten(result.generator_shardings)
-  assert treedef == jax.tree.structure(result.trainer_params)
-  for src, dst, dst_sharding in zip(jax.tree.leaves(result.trainer_params),
-                                    jax.tree.leaves(result.generator_params), flat_dst):
-    assert dst_sharding.mesh == generator.mesh
-    assert dst.sharding.is_equivalent_to(dst_sharding, dst.ndim)
-    assert dst.sharding.device_set == generator_devices
-    assert src.sharding.device_set == trainer_devices
-    np.testing.assert_array_equal(_bits(dst), _bits(src))
-  assert all(len(t) == 2 for t in result.times_ms.values())
+
+@pytest.mark.parametrize("generator_dtype,overlap", (
+    ("bfloat16", False), ("float8_e4m3fn", True), ("float8_e4m3fn", False),
+    ("float32", True)))
+def test_generator_dtype_and_overlap(generator_dtype, overlap):
+  cfg = dataclasses.replace(SMALL, generator_dtype=generator_dtype, overlap=overlap,
+                            timing_reps=2)
+  trainer, generator = rl_refit.make_sides(cfg, jax.devices())
+  result = rl_refit.run(cfg)
+  _check_refit(result, cfg, trainer, generator)
+  # The refit converts in flight exactly when this jax_m2n.reshard takes dtype=.
+  assert result.fused == ("dtype" in inspect.signature(
+      jax_m2n.reshard).parameters)
+  assert len(result.returned_early) == (cfg.steps if overlap else 0)
+  assert {k: len(v) for k, v in result.step_ms.items()} == {
+      "waited": 2, "overlapped": 2}
+  assert all(ms > 0 for v in result.step_ms.values() for ms in v)
+  assert set(result.waited_phase_ms) == {"refit", "rollout", "train"}
+  converting = generator_dtype != "float32"
+  assert list(result.engine_ms)[-1] == (
+      "astype + jax.device_put" if converting else "jax.device_put")
+  assert all(len(ms) == 2 for ms in result.engine_ms.values())
+
+
+def test_sample_widens_fp8_weights():
+  params = rl_refit.init_params(jax.random.key(0), SMALL)
+  prompts = jnp.zeros((4, SMALL.digits), jnp.int32)
+  for dtype in (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn):
+    cast = jax.tree.map(lambda x: x.astype(dtype), params)
+    tokens = rl_refit.sample(cast, prompts, jax.random.key(1), heads=SMALL.heads)
+    assert tokens.shape == (4, SMALL.seq_len)
+    assert ((tokens[:, SMALL.digits + 1:] >= 0)
+            & (tokens[:, SMALL.digits + 1:] < rl_refit.NUM_DIGITS)).all()
 
 
 def test_default_layouts_shard_params_differently_on_each_side():
