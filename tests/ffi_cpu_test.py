@@ -56,7 +56,7 @@ for _name, _target in _ffi.registrations().items():
 # The schedule format, written out again from docs/schedule_format.md.
 # --------------------------------------------------------------------------------------
 MAGIC = 0x4D324E5F
-VERSION = 1
+VERSION = 2
 MAX_RANK = 8
 OP_WIDTH = 11 + 3 * MAX_RANK
 STAGES = ("local", "inject", "forward", "fanout", "gather", "bcast")
@@ -81,6 +81,7 @@ class Op:
 class Tensor:
   dtype: np.dtype
   shape: tuple[int, ...]  # global
+  types: tuple[int, int] = (0, 0)  # (src_type, dst_type) codes; dtype: the wire type
 
 
 def _encode(tensors, devices, ops, *, ws=None, n_steps=None, device=None):
@@ -95,7 +96,7 @@ def _encode(tensors, devices, ops, *, ws=None, n_steps=None, device=None):
   out += [ws.get(d, 0) for d in sorted(devices)]
   for t in tensors:
     out += [np.dtype(t.dtype).itemsize, len(t.shape)]
-    out += list(t.shape) + [0] * (MAX_RANK - len(t.shape))
+    out += list(t.shape) + [0] * (MAX_RANK - len(t.shape)) + list(t.types)
   for o in ops:
     out += [o.step, STAGES.index(o.stage), o.tensor, *o.src, *o.dst, o.src_pack, o.dst_pack]
     for d in range(MAX_RANK):
@@ -500,12 +501,12 @@ def _mutate(index, value):
   return a
 
 
-_OPS_AT = 8 + 2 * 8 + 10  # first op row of _simple()'s encoding
+_OPS_AT = 8 + 2 * 8 + 12  # first op row of _simple()'s encoding
 
 
 @pytest.mark.parametrize("index,value,match", [
     (0, 0x12345678, "MAGIC must be 0x4d324e5f"),
-    (1, 2, "VERSION must be 1"),
+    (1, 1, "VERSION must be 2"),
     (2, 2, "sizes must add up"),
     (3, 0, "n_devices must be in"),
     (6, 36, "OP_WIDTH must be 35"),
@@ -514,6 +515,10 @@ _OPS_AT = 8 + 2 * 8 + 10  # first op row of _simple()'s encoding
     (8 + 8, -1, r"ws\[0\] \(device 0\) must be >= 0"),
     (8 + 16 + 1, 9, "rank must be in"),
     (8 + 16 + 2 + 5, 3, "dim_5 must be 0"),
+    (8 + 16 + 10, 6, r"tensor 0: src_type must be a type code in \[0, 5\].*got 6"),
+    (8 + 16 + 11, -1, r"tensor 0: dst_type must be a type code in \[0, 5\].*got -1"),
+    (8 + 16 + 10, 1, r"src_type and dst_type must both be 0 .*got src_type = 1, "
+                     r"dst_type = 0"),
     (_OPS_AT + 0, 1, r"step must be in \[0, n_steps = 1\); got 1"),
     (_OPS_AT + 1, 6, "stage must be in"),
     (_OPS_AT + 2, 1, r"tensor must be in \[0, n_tensors = 1\); got 1"),
@@ -559,7 +564,7 @@ def _assert_site_works(site):
 
 @pytest.mark.parametrize("index,value,match", [
     (0, 0x12345678, "MAGIC must be 0x4d324e5f"),
-    (1, 7, "VERSION must be 1.*got 7"),
+    (1, 7, "VERSION must be 2.*got 7"),
 ])
 def test_bad_header_fails_at_instantiate(index, value, match):
   site = _new_site()

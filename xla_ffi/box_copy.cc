@@ -1,6 +1,7 @@
 // Strided box copies on host memory: collapse the box into (outer dims x one
-// contiguous run) and memcpy each run. Hot path of the CPU transport: no
-// allocation, no per-element loop except for runs of one element.
+// contiguous run) and memcpy (or convert) each run. Hot path of the CPU
+// transport: no allocation, no per-element loop except for runs of one element
+// and conversions.
 
 #include "xla_ffi/box_copy.h"
 
@@ -145,6 +146,50 @@ void CopyBox(const ConstBoxRef& src, const BoxRef& dst, const int64_t* extent,
       if (++index[k] < c.extent[k]) break;
       s -= c.src_stride[k] * c.extent[k];
       t -= c.dst_stride[k] * c.extent[k];
+      index[k] = 0;
+    }
+    if (k < 0) return;
+  }
+}
+
+void ConvertBox(const ConstBoxRef& src, const BoxRef& dst,
+                const int64_t* extent, int64_t rank, ElemType from,
+                ElemType to) {
+  const ConvertRunFn convert = GetConvertRun(from, to);
+  if (convert == nullptr) return;
+  // Collapsed in elements (elem_bytes 1): the two sides' element sizes differ.
+  const Collapsed c =
+      Collapse(src.dims, src.start, dst.dims, dst.start, extent, rank, 1);
+  if (c.empty) return;
+  const int64_t sb = ElemTypeBytes(from), tb = ElemTypeBytes(to);
+  const char* s = static_cast<const char*>(src.data) + c.src_offset * sb;
+  char* t = static_cast<char*>(dst.data) + c.dst_offset * tb;
+  if (c.n == 0) {
+    convert(s, t, c.run);
+    return;
+  }
+  int64_t ss[kMaxDims], ts[kMaxDims];
+  for (int k = 0; k < c.n; ++k) {
+    ss[k] = c.src_stride[k] * sb;
+    ts[k] = c.dst_stride[k] * tb;
+  }
+  const int inner = c.n - 1;
+  int64_t index[kMaxDims] = {0};
+  while (true) {
+    const char* si = s;
+    char* ti = t;
+    for (int64_t i = 0; i < c.extent[inner]; ++i) {
+      convert(si, ti, c.run);
+      si += ss[inner];
+      ti += ts[inner];
+    }
+    int k = inner - 1;
+    for (; k >= 0; --k) {
+      s += ss[k];
+      t += ts[k];
+      if (++index[k] < c.extent[k]) break;
+      s -= ss[k] * c.extent[k];
+      t -= ts[k] * c.extent[k];
       index[k] = 0;
     }
     if (k < 0) return;

@@ -1,12 +1,16 @@
-// Strided box copies between dense row-major buffers in host memory.
-// Owns the copy loop of the CPU transport: dims are collapsed so that each
-// innermost contiguous run is one memcpy. Knows nothing of schedules, devices
-// or threads; never allocates; never checks bounds (callers validate boxes).
+// Strided box copies between dense row-major buffers in host memory, plain or
+// converting the element type on the way (xla_ffi/convert.h). Owns the copy
+// loop of the CPU transport: dims are collapsed so that each innermost
+// contiguous run is one memcpy (or one conversion loop). Knows nothing of
+// schedules, devices or threads; never allocates; never checks bounds (callers
+// validate boxes).
 
 #ifndef JAX_M2N_XLA_FFI_BOX_COPY_H_
 #define JAX_M2N_XLA_FFI_BOX_COPY_H_
 
 #include <cstdint>
+
+#include "xla_ffi/convert.h"
 
 namespace jax_m2n {
 
@@ -38,6 +42,16 @@ struct BoxRef {
 // [4, 6] buffer is one memcpy of 24 elements.
 void CopyBox(const ConstBoxRef& src, const BoxRef& dst, const int64_t* extent,
              int64_t rank, int64_t elem_bytes);
+
+// Like CopyBox, but `src` holds elements of `from` and `dst` elements of `to`,
+// each element converted as ConvertElement<from, to> does (bit for bit XLA
+// CPU's convert), in one pass: no temporary. Both types in kF32..kF8E5M2
+// (from == to copies); otherwise nothing is written. Same preconditions as
+// CopyBox; the runs collapse by elements, so a box that is one memcpy for
+// CopyBox is one conversion loop here.
+void ConvertBox(const ConstBoxRef& src, const BoxRef& dst,
+                const int64_t* extent, int64_t rank, ElemType from,
+                ElemType to);
 
 // Asks the kernel to back the not-yet-touched pages of [data, data + bytes)
 // with transparent huge pages (Linux madvise(MADV_HUGEPAGE) on the 2

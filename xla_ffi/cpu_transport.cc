@@ -396,7 +396,8 @@ class Participant {
   }
 
   // Copies one op; with an emulated network, a cross-domain op also reserves
-  // the NIC queues and raises `*arrival` to the time its last byte arrives.
+  // the NIC queues for op.bytes (wire bytes: the narrower type of a
+  // conversion) and raises `*arrival` to the time its last byte arrives.
   ffi::Error Copy(int32_t op_index, Clock::time_point posted,
                   Clock::time_point* arrival) const {
     const Op& op = schedule_.ops[op_index];
@@ -418,9 +419,17 @@ class Participant {
       return e;
     }
     const TensorSpec& spec = schedule_.tensors[op.tensor];
-    CopyBox(ConstBoxRef{src.data, src.dims.begin(), op.src.start.data()},
-            BoxRef{dst.data, dst.dims.begin(), op.dst.start.data()},
-            op.extent.data(), spec.rank, spec.elem_bytes);
+    const ConstBoxRef from{src.data, src.dims.begin(), op.src.start.data()};
+    const BoxRef to{dst.data, dst.dims.begin(), op.dst.start.data()};
+    // A converting tensor: one pass from the source buffer's type to the
+    // destination's (the wire type only ever sits in the workspace).
+    const ElemType src_type = TypeOf(spec, op.src.kind);
+    const ElemType dst_type = TypeOf(spec, op.dst.kind);
+    if (src_type != dst_type) {
+      ConvertBox(from, to, op.extent.data(), spec.rank, src_type, dst_type);
+    } else {
+      CopyBox(from, to, op.extent.data(), spec.rank, src.elem_bytes);
+    }
     return ffi::Error::Success();
   }
 

@@ -48,6 +48,23 @@ const char* BufferKindName(BufferKind kind) {
   return "?";
 }
 
+ElemType TypeOf(const TensorSpec& spec, BufferKind kind) {
+  switch (kind) {
+    case BufferKind::kOperand:
+      return spec.src_type;
+    case BufferKind::kResult:
+      return spec.dst_type;
+    case BufferKind::kWorkspace:
+      return spec.wire_type;
+  }
+  return ElemType::kNone;
+}
+
+int64_t ElemBytesOf(const TensorSpec& spec, BufferKind kind) {
+  const ElemType type = TypeOf(spec, kind);
+  return type == ElemType::kNone ? spec.elem_bytes : ElemTypeBytes(type);
+}
+
 ffi::Error MakeError(ffi::ErrorCode code, std::string_view file, int line,
                      std::string_view message) {
   std::string text;
@@ -203,7 +220,8 @@ ffi::ErrorOr<Schedule> DecodeSchedule(ffi::Span<const int64_t> encoded) {
                            kTensorWidth * n_tensors + kOpWidth * n_ops;
   if (expected != size) {
     JAX_M2N_SCHEDULE_FAIL("sizes must add up: 8 + 2 * n_devices (" +
-                          std::to_string(n_devices) + ") + 10 * n_tensors (" +
+                          std::to_string(n_devices) + ") + " + std::to_string(kTensorWidth) +
+                          " * n_tensors (" +
                           std::to_string(n_tensors) + ") + 35 * n_ops (" +
                           std::to_string(n_ops) +
                           ") = " + std::to_string(expected) +
@@ -286,6 +304,45 @@ ffi::ErrorOr<Schedule> DecodeSchedule(ffi::Span<const int64_t> encoded) {
       }
     }
     spec.bytes = bytes;
+    // Conversion: both 0, or two distinct fused types with elem_bytes the
+    // size of the narrower (the wire type).
+    const int64_t src_code = row[2 + kMaxRank], dst_code = row[3 + kMaxRank];
+    for (const auto& [field, code] : {std::make_pair("src_type", src_code),
+                                      std::make_pair("dst_type", dst_code)}) {
+      if (code < 0 || code >= kNumElemTypes) {
+        JAX_M2N_SCHEDULE_FAIL(
+            name + ": " + field +
+            " must be a type code in [0, 5] (0 none, 1 f32, 2 f16, 3 bf16, "
+            "4 f8_e4m3fn, 5 f8_e5m2); got " +
+            std::to_string(code));
+      }
+    }
+    if ((src_code == 0) != (dst_code == 0) ||
+        (src_code != 0 && src_code == dst_code)) {
+      JAX_M2N_SCHEDULE_FAIL(
+          name +
+          ": src_type and dst_type must both be 0 (no conversion) or two "
+          "different types; got src_type = " +
+          std::to_string(src_code) + ", dst_type = " +
+          std::to_string(dst_code));
+    }
+    if (src_code != 0) {
+      spec.src_type = static_cast<ElemType>(src_code);
+      spec.dst_type = static_cast<ElemType>(dst_code);
+      spec.wire_type =
+          ElemTypeBytes(spec.dst_type) <= ElemTypeBytes(spec.src_type)
+              ? spec.dst_type
+              : spec.src_type;
+      if (spec.elem_bytes != ElemTypeBytes(spec.wire_type)) {
+        JAX_M2N_SCHEDULE_FAIL(
+            name + ": elem_bytes must be " +
+            std::to_string(ElemTypeBytes(spec.wire_type)) +
+            " (the wire type " + ElemTypeName(spec.wire_type) +
+            " of a conversion " + ElemTypeName(spec.src_type) + " -> " +
+            ElemTypeName(spec.dst_type) + "); got " +
+            std::to_string(spec.elem_bytes));
+      }
+    }
   }
   s.fingerprint = fp.value();
 
@@ -462,11 +519,16 @@ ffi::Error CheckOpEnd(const Schedule& schedule, int32_t op_index, bool src_side,
                              std::to_string(spec.rank) + "; got dims " +
                              FormatSpan(buffer.dims.begin(), rank));
   }
-  if (buffer.elem_bytes != spec.elem_bytes) {
+  const int64_t elem_bytes = ElemBytesOf(spec, end.kind);
+  if (buffer.elem_bytes != elem_bytes) {
+    const ElemType type = TypeOf(spec, end.kind);
     return JAX_M2N_ERROR(
         kInvalidArgument,
-        where() + " must have " + std::to_string(spec.elem_bytes) +
-            "-byte elements (tensors table); got " +
+        where() + " must have " + std::to_string(elem_bytes) +
+            "-byte elements (tensors table" +
+            (type == ElemType::kNone ? std::string()
+                                     : std::string(", ") + ElemTypeName(type)) +
+            "); got " +
             std::to_string(buffer.elem_bytes) + "-byte elements");
   }
   for (int64_t d = 0; d < rank; ++d) {

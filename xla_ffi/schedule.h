@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/convert.h"
 
 namespace jax_m2n {
 
@@ -23,10 +24,11 @@ namespace jax_m2n {
 // ---------------------------------------------------------------------------
 
 inline constexpr int64_t kScheduleMagic = 0x4D324E5F;  // "M2N_"
-inline constexpr int64_t kScheduleVersion = 1;
+inline constexpr int64_t kScheduleVersion = 2;
 inline constexpr int64_t kHeaderWidth = 8;
 inline constexpr int64_t kMaxRank = 8;
-inline constexpr int64_t kTensorWidth = 2 + kMaxRank;  // elem_bytes, rank, dims
+// elem_bytes, rank, dims, src_type, dst_type
+inline constexpr int64_t kTensorWidth = 4 + kMaxRank;
 inline constexpr int64_t kOpFixedWidth = 11;           // fields 0..10
 inline constexpr int64_t kOpWidth = kOpFixedWidth + 3 * kMaxRank;  // 35
 
@@ -52,14 +54,25 @@ enum class BufferKind : int8_t {
 };
 const char* BufferKindName(BufferKind kind);
 
-// One tensor of the pytree: its element size and global shape.
+// One tensor of the pytree: its element size, global shape and conversion.
+// Converting (src_type != kNone): operands hold src_type, results dst_type,
+// workspace buffers and staging areas the wire type (the narrower of the two,
+// whose size is elem_bytes); not converting: every buffer holds elem_bytes.
 struct TensorSpec {
-  int64_t elem_bytes = 0;
+  int64_t elem_bytes = 0;  // bytes per element on the wire (in the workspace)
   int64_t rank = 0;
   std::array<int64_t, kMaxRank>
       dims{};         // global shape; dims[d] == 0 for d >= rank
-  int64_t bytes = 0;  // elem_bytes * prod(dims[:rank])
+  int64_t bytes = 0;  // elem_bytes * prod(dims[:rank]): wire bytes
+  ElemType src_type = ElemType::kNone;   // kNone: no conversion
+  ElemType dst_type = ElemType::kNone;
+  ElemType wire_type = ElemType::kNone;  // dst_type if narrower, else src_type
 };
+
+// The element type of a `kind` buffer of `spec` (kNone when not converting).
+ElemType TypeOf(const TensorSpec& spec, BufferKind kind);
+// Bytes per element of a `kind` buffer of `spec`.
+int64_t ElemBytesOf(const TensorSpec& spec, BufferKind kind);
 
 // One side (source or destination) of an op.
 struct OpEnd {
@@ -80,7 +93,7 @@ struct Op {
   OpEnd src;
   OpEnd dst;
   std::array<int64_t, kMaxRank> extent{};  // box size per dim; 1 for d >= rank
-  int64_t bytes = 0;                       // elem_bytes * prod(extent[:rank])
+  int64_t bytes = 0;  // elem_bytes * prod(extent[:rank]): wire bytes
 };
 
 // A decoded, validated schedule. Immutable after DecodeSchedule; safe to share

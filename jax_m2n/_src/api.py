@@ -18,11 +18,13 @@ from jax.sharding import Sharding
 from jax_m2n._src import eager
 from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
+from jax_m2n._src import schedule
 from jax_m2n._src import traced
 from jax_m2n._src import transforms
 from jax_m2n._src.checks import (_API, _broadcast_prefix, _check_dtype, _check_holds,
                                  _check_mesh, _check_reduction, _check_route,
                                  _check_topology, _chunk_bytes, _donate_flags, _LazyName,
+                                 _leaf_aval, _out_dtypes,
                                  _dst_sharding_of, _leaf_names, _map_native_error,
                                  _normalize_dst, _timeout_ms)
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
@@ -39,7 +41,8 @@ logger = logging.getLogger("jax_m2n")
 def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
             topology: Topology | int | Sequence[Sequence[int]] | None = None,
             donate: bool = False, src_sharding: Any = None,
-            timeout_s: float | None = None, chunk_bytes: int | None = None) -> Any:
+            timeout_s: float | None = None, chunk_bytes: int | None = None,
+            dtype: Any = None) -> Any:
   """Moves arrays into new layouts, possibly on other devices: a drop-in for
   `jax.device_put(x, dst)` and `jax.sharding.reshard(x, dst)`.
 
@@ -69,8 +72,20 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       destination, and `None` destinations (the source layout is kept, as device_put
       does).
 
+  Dtype conversion: `reshard(x, dst, dtype=d)` equals `jax.device_put(x.astype(d), dst)`
+  bit for bit (XLA's rounding: nearest-even, subnormals kept, overflow to inf, or NaN for
+  float8_e4m3fn; NaNs as XLA CPU's convert makes them). Between two of float32, float16,
+  bfloat16, float8_e4m3fn and float8_e5m2 the conversion is fused into the copies: a
+  narrowing one happens on the source device before the bytes leave it, a widening one
+  on the destination after they arrive, so links carry the smaller type (the plan and
+  its costs count those bytes) and no full-size converted copy is made. Any other pair
+  (integers, float64, complex, other float8 kinds) is converted with `astype` on the
+  source first (a full-size temporary), then moved; so are leaves handed to
+  `jax.device_put` (see below).
+
   Transformations: `jax.grad` / `vjp` / `jvp` (the cotangent is resharded back to the
-  source layout, eagerly by jax_m2n and in jit by the custom call), `jax.vmap` (each
+  source layout, eagerly by jax_m2n and in jit by the custom call, and converted back to
+  the source dtype after a conversion, as astype's), `jax.vmap` (each
   example lands in the destination layout; the batch dimension is left unsharded, as
   `with_sharding_constraint` and `jax.sharding.reshard` do under vmap), `jax.jit`.
 
@@ -107,8 +122,11 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     timeout_s: how long a device waits for its peers: a number of seconds in
       [0.001, 2**40/1000] (default 300 s).
     chunk_bytes: bound on one pipelined chunk of a transfer (a leader forwards chunk c
-      while chunk c+1 arrives). Default: 16 MiB on CPU, 64 MiB on GPU (measured on
-      H200: fewer, larger NCCL groups win; docs/cuda_transport.md).
+      while chunk c+1 arrives), in bytes on the wire. Default: 16 MiB on CPU, 64 MiB on
+      GPU (measured on H200: fewer, larger NCCL groups win; docs/cuda_transport.md).
+    dtype: the dtype of the outputs: a dtype (`jnp.bfloat16`, `np.float32`, a name such
+      as `"float8_e4m3fn"`), None (keep, the default), or a pytree prefix of x of them
+      (as `donate`). A ShapeDtypeStruct destination must then have that dtype.
 
   Returns:
     A pytree like `x` of arrays with the destination shardings.
@@ -116,7 +134,8 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   Raises:
     ReshardTypeError (also TypeError): an argument of the wrong type (a leaf that is no
       array, a destination that is no Sharding/Device/PartitionSpec, a non-number
-      timeout_s, a malformed topology, a donate that is not bools).
+      timeout_s, a malformed topology, a donate that is not bools, a dtype that is no
+      dtype of numbers or bool).
     ReshardValueError (also ValueError): structures do not match, shapes or dtypes would
       change, a sharding cannot hold the shape, a mesh lists a device twice or is an
       AbstractMesh, unreduced shardings, devices on another platform, an unknown route,
@@ -154,6 +173,16 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     >>> w.is_deleted(), params["b"].is_deleted(), int(out["step"])
     (True, False, 3)
 
+    fp32 weights to a bf16 generator: converted on the trainer, bf16 on the wire:
+
+    >>> import jax.numpy as jnp
+    >>> v = jax.device_put(np.linspace(0, 1, 32, dtype=np.float32).reshape(4, 8),
+    ...                    NamedSharding(trainer, P("tp", None)))
+    >>> vb = jax_m2n.reshard(v, NamedSharding(generator, P("tp", None)),
+    ...                      dtype=jnp.bfloat16)
+    >>> vb.dtype, bool((np.asarray(vb) == np.asarray(v.astype(jnp.bfloat16))).all())
+    (dtype(bfloat16), True)
+
     Gradients flow through; the cotangent comes back in the source layout:
 
     >>> x = jax.device_put(np.arange(8.0), NamedSharding(trainer, P("tp")))
@@ -188,8 +217,11 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   srcs = ([None] * n if src_sharding is None else
           _broadcast_prefix(_API, "src_sharding", src_sharding, x, treedef, n, names))
   flags = _donate_flags(_API, donate, x, treedef, n)
+  out_dtypes = _out_dtypes(_API, dtype, x, treedef, n, names)
   if not n:
     return jax.tree_util.tree_unflatten(treedef, [])
+  if dtype is not None:
+    out_dtypes, dsts = _conversions(leaves, dsts, out_dtypes, names)
   # Leaf names only where a message needs one (_LazyName): forming them costs more than
   # these checks.
   dsts = [d if isinstance(d, Sharding) else _normalize_dst(_API, _LazyName(names, i), d)
@@ -213,16 +245,41 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   traced = (not jax_compat.trace_state_clean()) or any(
       isinstance(v, jax.core.Tracer) for v in leaves)
   if traced:
-    outs = _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk, names)
+    outs = _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk, names,
+                            out_dtypes)
   else:
     outs = eager.reshard_leaves(leaves, treedef, dsts, srcs, flags, route, topology,
-                                timeout_ms, chunk, names)
+                                timeout_ms, chunk, names, out_dtypes)
   return jax.tree_util.tree_unflatten(treedef, outs)
 
 
+def _conversions(leaves, dsts, out_dtypes, names) -> tuple[list[Any], list[Any]]:
+  """Per leaf the dtype to convert to (None where it already has it, as JAX would
+  canonicalize it) and the destinations, a ShapeDtypeStruct checked against that dtype
+  and replaced by its sharding."""
+  out_dtypes, dsts = list(out_dtypes), list(dsts)
+  for i, (leaf, o) in enumerate(zip(leaves, out_dtypes)):
+    if o is None:
+      continue
+    have = getattr(leaf, "dtype", None)
+    if have is None:  # a Python scalar: its default dtype
+      have = jax.numpy.asarray(leaf).dtype
+    want = jax.dtypes.canonicalize_dtype(o)
+    if np.dtype(have) == want and not getattr(leaf, "weak_type", False):
+      out_dtypes[i] = None
+    if isinstance(dsts[i], jax.ShapeDtypeStruct):
+      dsts[i] = _dst_sharding_of(_API, names()[i], dsts[i], np.shape(leaf),
+                                 want if out_dtypes[i] is not None else have)
+  return out_dtypes, dsts
+
+
 def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes,
-                     names) -> list[Any]:
-  """Traced leaves (jit, grad, vmap): checks what the types tell, then one primitive."""
+                     names, out_dtypes=None) -> list[Any]:
+  """Traced leaves (jit, grad, vmap): checks what the types tell, then one primitive.
+  A conversion is fused into the primitive where schedule.fused_conversion says, else
+  it is `astype` in the traced program before the reshard."""
+  out_dtypes = list(out_dtypes or [None] * len(leaves))
+  leaves = list(leaves)
   context = jax.sharding.get_abstract_mesh()
   if not context.empty and getattr(context, "manual_axes", ()):
     raise ReshardValueError(
@@ -235,19 +292,21 @@ def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_byte
   for i, (leaf, dst) in enumerate(zip(leaves, dsts)):
     name = names()[i]
     if dst is None:  # keep the layout: jax.device_put(x, None) is the identity
+      if out_dtypes[i] is not None:
+        outs[i] = eager._astype(leaf, out_dtypes[i])
       continue
-    try:
-      aval = jax.typeof(leaf)
-    except TypeError:
-      aval = None
-    if aval is None or not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
-      raise ReshardTypeError(
-          f"{_API}: every leaf of x must be an array; got {type(leaf).__name__} at "
-          f"{name}.")
+    aval = _leaf_aval(_API, name, leaf)
     shape, dtype = tuple(aval.shape), aval.dtype
+    if out_dtypes[i] is not None and not schedule.fused_conversion(dtype, out_dtypes[i]):
+      leaf = leaves[i] = eager._astype(leaf, out_dtypes[i])  # unfused: convert, then move
+      out_dtypes[i] = None
+      aval = _leaf_aval(_API, name, leaf)
+      shape, dtype = tuple(aval.shape), aval.dtype
     if (not isinstance(leaf, jax.core.Tracer) and not isinstance(leaf, jax.Array)) or (
         jax.dtypes.issubdtype(dtype, jax.dtypes.extended)):
-      outs[i] = jax.device_put(leaf, _dst_sharding_of(_API, name, dst, shape, dtype)
+      if out_dtypes[i] is not None:
+        leaf = eager._astype(leaf, out_dtypes[i])
+      outs[i] = jax.device_put(leaf, _dst_sharding_of(_API, name, dst, shape, leaf.dtype)
                                if not isinstance(dst, jax.ShapeDtypeStruct)
                                else dst.sharding)
       logger.debug("reshard: %s delegated to jax.device_put (host data or extended "
@@ -258,6 +317,8 @@ def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_byte
     space = getattr(aval, "memory_space", None)
     host_source = space is not None and "host" in str(space).lower()
     if host_source or not eager._default_memory(dst_sharding):  # device <-> host: JAX's
+      if out_dtypes[i] is not None:
+        leaf = eager._astype(leaf, out_dtypes[i])
       outs[i] = jax.device_put(leaf, dst_sharding)
       logger.debug("reshard: %s delegated to jax.device_put (memory kind %s)", name,
                    dst_sharding.memory_kind)
@@ -288,13 +349,15 @@ def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_byte
       traced.check_staged_devices(name, aval, srcs[i], dst_sharding)
     if (jax_compat.trace_state_clean() and not isinstance(leaf, jax.core.Tracer)
         and isinstance(leaf, jax.Array) and eager.delegated_because(leaf, dst_sharding)):
+      if out_dtypes[i] is not None:
+        leaf = eager._astype(leaf, out_dtypes[i])
       outs[i] = jax.device_put(leaf, dst_sharding)  # a constant under a transformation
       continue
     staged.append((i, dst_sharding))
   if staged:
     ys = transforms.bind([leaves[i] for i, _ in staged], [d for _, d in staged],
                          [srcs[i] for i, _ in staged], route, topology, timeout_ms,
-                         chunk_bytes)
+                         chunk_bytes, [out_dtypes[i] for i, _ in staged])
     for (i, dst), y in zip(staged, ys):
       if isinstance(y, jax.core.Tracer) and not transforms._is_explicit(dst):
         # The layout the jit's outputs report comes from the jaxpr, not from inside the
@@ -329,7 +392,8 @@ def check_errors() -> None:
 
 def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
          topology: Topology | int | Sequence[Sequence[int]] | None = None,
-         src_sharding: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Plan:
+         src_sharding: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+         dtype: Any = None) -> Plan:
   """The plan `reshard(x, dst_sharding, ...)` would run, without moving anything.
 
   Args:
@@ -338,6 +402,8 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     route, topology: as for `reshard`.
     src_sharding: source layouts, when `x`'s leaves carry none.
     chunk_bytes: bound on one chunk of a transfer.
+    dtype: as for `reshard`: a fused conversion is planned with the bytes on the wire
+      (the narrower of the two types).
 
   Returns:
     The `Plan` (transfers, chunks, bytes per link, cost estimates, workspace).
@@ -353,6 +419,9 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     >>> p = jax_m2n.plan(w, NamedSharding(generator, P("tp", None)))
     >>> p.bytes_by_link  # 128 bytes injected, 128 fanned out to the dp replicas
     {'local': 0, 'nvlink': 256, 'network': 0}
+    >>> jax_m2n.plan(w, NamedSharding(generator, P("tp", None)),
+    ...              dtype="bfloat16").bytes_by_link  # bf16 on the wire
+    {'local': 0, 'nvlink': 128, 'network': 0}
   """
   api = "plan"
   _check_route(api, route)
@@ -362,6 +431,7 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   dsts = _broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n, names)
   given = ([None] * n if src_sharding is None else
            _broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n, names))
+  out_dtypes = _out_dtypes(api, dtype, x, treedef, n, names)
   src_layouts, dst_layouts, itemsizes, devices = [], [], [], {}
   for i, (leaf, dst, src) in enumerate(zip(leaves, dsts, given)):
     if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -374,13 +444,20 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       raise ReshardValueError(
           f"{api}: the source sharding of {names()[i]} must be known; got "
           f"{src!r}. Hint: pass src_sharding=.")
-    dst = _dst_sharding_of(api, names()[i], dst, shape, leaf.dtype)
+    out = out_dtypes[i]
+    if out is not None:
+      out = jax.dtypes.canonicalize_dtype(out)
+    dst = _dst_sharding_of(api, names()[i], dst, shape,
+                           leaf.dtype if out is None else out)
     _check_holds(api, names()[i], src, shape, "source")
     _check_holds(api, names()[i], dst, shape, "destination")
     for d in itertools.chain(src.device_set, dst.device_set):
       devices[d.id] = d
     src_layouts.append(Layout.from_sharding(src, shape))
     dst_layouts.append(Layout.from_sharding(dst, shape))
-    itemsizes.append(np.dtype(leaf.dtype).itemsize)
+    if out is None or schedule.fused_conversion(leaf.dtype, out):
+      itemsizes.append(schedule.wire_itemsizes([leaf.dtype], [out])[0][0])
+    else:  # converted with astype on the source first
+      itemsizes.append(np.dtype(out).itemsize)
   topo = as_topology(topology, devices.values() if devices else None)
   return plan_reshard(src_layouts, dst_layouts, itemsizes, topo, route, chunk_bytes)

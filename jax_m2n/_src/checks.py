@@ -129,6 +129,64 @@ def _donate_flags(api: str, donate: Any, x: Any, treedef, n: int) -> list[bool]:
   return [bool(v) for v in full]
 
 
+def _is_dtype_leaf(v: Any) -> bool:
+  """A leaf of a `dtype=` prefix: None (keep), a np.dtype, a scalar type or a name."""
+  return v is None or isinstance(v, (np.dtype, type, str))
+
+
+def _as_dtype(api: str, v: Any) -> np.dtype:
+  """One `dtype=` value as a numpy dtype of JAX arrays (bool or a number type)."""
+  try:
+    dt = np.dtype(v)
+  except Exception:  # noqa: BLE001 - numpy raises TypeError or others
+    dt = None
+  if (isinstance(v, (bool, np.bool_, numbers.Number)) or dt is None or
+      not (dt == np.bool_ or jax.dtypes.issubdtype(dt, np.number))):
+    raise ReshardTypeError(
+        f"{api}: dtype must be a dtype (np.float32, jnp.bfloat16, 'float8_e4m3fn', a "
+        f"np.dtype), None (keep) or a pytree prefix of x of them; got "
+        f"{type(v).__name__} {v!r}.")
+  return dt
+
+
+def _out_dtypes(api: str, dtype: Any, x: Any, treedef, n: int,
+                names: Callable[[], list[str]]) -> list[np.dtype | None]:
+  """One destination dtype per leaf (None: keep) from `dtype=`: a dtype, None, or a
+  pytree prefix of x of them, broadcast like `donate` and `dst_sharding`."""
+  if dtype is None:
+    return [None] * n
+  if _is_dtype_leaf(dtype):
+    return [_as_dtype(api, dtype)] * n
+  flat, tree = jax.tree_util.tree_flatten(dtype, is_leaf=_is_dtype_leaf)
+  if tree != treedef:
+    try:
+      flat = jax.tree_util.tree_leaves(
+          jax.tree.broadcast(dtype, x, is_leaf=_is_dtype_leaf), is_leaf=_is_dtype_leaf)
+    except (ValueError, TypeError) as e:
+      raise ReshardValueError(
+          f"{api}: dtype must be one dtype or a pytree prefix of x of dtypes (None: "
+          f"keep); got structure {tree} for x of structure {treedef}. Detail: {e}"
+      ) from None
+    if len(flat) != n:
+      raise ReshardValueError(
+          f"{api}: dtype must be one dtype or a pytree prefix of x; got {len(flat)} "
+          f"leaves after broadcasting onto the {n} leaves of x.")
+  return [None if v is None else _as_dtype(api, v) for v in flat]
+
+
+def _leaf_aval(api: str, name: Any, leaf: Any) -> Any:
+  """The abstract value of a (possibly traced) leaf; a leaf that is no array raises."""
+  try:
+    aval = jax.typeof(leaf)
+  except TypeError:
+    aval = None
+  if aval is None or not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
+    raise ReshardTypeError(
+        f"{api}: every leaf of x must be an array; got {type(leaf).__name__} at "
+        f"{name}.")
+  return aval
+
+
 def _dst_sharding_of(api: str, name: str, dst: Any, shape, dtype) -> Sharding:
   """The destination sharding of one leaf; checks a ShapeDtypeStruct's shape/dtype."""
   if isinstance(dst, jax.ShapeDtypeStruct):
@@ -136,8 +194,8 @@ def _dst_sharding_of(api: str, name: str, dst: Any, shape, dtype) -> Sharding:
       raise ReshardValueError(
           f"{api}: the destination of {name} must keep its shape and dtype (reshard "
           f"moves data, it does not reshape or cast); got {dtype}{list(shape)} -> "
-          f"{np.dtype(dst.dtype)}{list(dst.shape)}. Hint: cast or reshape before or "
-          "after the reshard.")
+          f"{np.dtype(dst.dtype)}{list(dst.shape)}. Hint: reshape before or after the "
+          "reshard; convert with dtype= (the destination then has that dtype).")
     dst = dst.sharding
     if dst is None:
       raise ReshardTypeError(

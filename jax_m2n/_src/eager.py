@@ -407,7 +407,10 @@ def _single_device_sharding(device) -> SingleDeviceSharding:
 
 
 def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
-                 chunk_bytes) -> _EagerReshard:
+                 chunk_bytes, out_dtypes=None) -> _EagerReshard:
+  # Operands have `dtypes`, results `out_dtypes` (a fused conversion; None: keep).
+  out_dtypes = [o if o is not None else dt
+                for o, dt in zip(out_dtypes or [None] * len(dtypes), dtypes)]
   devices = {}
   for s in itertools.chain(srcs, dsts):
     for d in jax_compat.device_assignment(s):
@@ -419,13 +422,13 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
   topo = as_topology(topology, devices.values())
   src_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(srcs, shapes)]
   dst_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(dsts, shapes)]
-  itemsizes = [np.dtype(dt).itemsize for dt in dtypes]
+  itemsizes, types = schedule.wire_itemsizes(dtypes, out_dtypes)
   plan = plan_reshard(src_layouts, dst_layouts, itemsizes, topo, route, chunk_bytes)
   if logger.isEnabledFor(logging.DEBUG):  # the traffic summary costs a pass over the plan
     logger.debug("reshard: planned %d leaves, route %s, %d payload bytes, bytes by link "
                  "%s, devices %s (eager per-device programs)", len(shapes), route,
                  plan.payload_bytes, plan.bytes_by_link, list(plan.devices))
-  site = _site(b"eager", schedule.encode(plan, None, staging))
+  site = _site(b"eager", schedule.encode(plan, None, staging, types))
   bufs = schedule.buffers(plan)
   timeout = np.int64(timeout_ms)
   extra = m2n_ffi.transport_attrs(platform, topo, plan.devices)
@@ -451,10 +454,11 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
     out_types = []
     for t in result_leaves:
       box = dst_layouts[t].box_of(dev_id)
-      out_types.append(jax.ShapeDtypeStruct(tuple(hi - lo for lo, hi in box), dtypes[t]))
-    workspace = max(1, schedule.workspace_bytes(plan, dev_id, staging))
+      out_types.append(jax.ShapeDtypeStruct(tuple(hi - lo for lo, hi in box),
+                                            out_dtypes[t]))
+    workspace = max(1, schedule.workspace_bytes(plan, dev_id, staging, types))
     out_types.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
-    sched = schedule.encode(plan, dev_id, staging)
+    sched = schedule.encode(plan, dev_id, staging, types)
     # The workspace is a returned output, so XLA keeps the call on every device, even
     # on a source-only one. has_side_effect=True would do the same but costs 3-8x the
     # dispatch time (JAX leaves its C++ fast path for programs with effects).
@@ -486,7 +490,7 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
     p.call = c
 
   out_avals, out_slots = [], []
-  for t, (shape, dtype, dst) in enumerate(zip(shapes, dtypes, dsts)):
+  for t, (shape, dtype, dst) in enumerate(zip(shapes, out_dtypes, dsts)):
     out_avals.append((tuple(shape), dtype, dst))
     out_slots.append([result_index[(t, d.id)] 
                       for d in jax_compat.addressable_device_assignment(dst)])
@@ -556,7 +560,7 @@ class _Key(tuple):
 
 
 def _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms,
-               chunk_bytes):
+               chunk_bytes, out_dtypes=None):
   """The cache key (None when it cannot be formed: then validation says why).
 
   A given src_sharding is part of the key: its agreement with x.sharding was checked
@@ -569,7 +573,7 @@ def _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms
     parts.append((x.shape, x.dtype, x.sharding, d, s))
   try:
     key = _Key((treedef, tuple(parts), route, _topology_key(topology), timeout_ms,
-                chunk_bytes))
+                chunk_bytes, tuple(out_dtypes or ())))
   except TypeError:  # unhashable topology or destination: validation says why
     return None
   return key
@@ -633,13 +637,13 @@ def _validate_eager(x, leaves, dsts, src_shardings, donate: Sequence[bool], topo
 
 
 def _reshard_eager(x, leaves, treedef, dsts, src_shardings, route, topology, donate,
-                   timeout_ms, chunk_bytes, names) -> list[jax.Array]:
+                   timeout_ms, chunk_bytes, names, out_dtypes=None) -> list[jax.Array]:
   """Runs (building and caching on first use) the per-device programs of one reshard.
 
   `donate` (one flag per leaf) is checked here; the caller deletes donated sources.
   """
   key = _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms,
-                   chunk_bytes)
+                   chunk_bytes, out_dtypes)
   fn = _eager_cache.get(key) if key is not None else None
   if fn is not None:
     for i, leaf in enumerate(leaves):  # what may change between calls of one key
@@ -656,7 +660,7 @@ def _reshard_eager(x, leaves, treedef, dsts, src_shardings, route, topology, don
     fn = _eager_cache.get(key) if key is not None else None
     if fn is None:
       fn = _build_eager(shapes, dtypes, srcs, dst_shardings, route, topology, timeout_ms,
-                        chunk_bytes)
+                        chunk_bytes, out_dtypes)
       if key is not None:
         _eager_cache.put(key, fn)
   return fn(leaves, False)
@@ -745,14 +749,29 @@ def _check_delegated(name: str, leaf: Any, dst: Any) -> Any:
   return dst_sharding
 
 
+def _astype(leaf: Any, dtype: Any) -> Any:
+  """`leaf.astype(dtype)` where it runs today (a jax.Array's devices, numpy on host)."""
+  return leaf.astype(dtype) if hasattr(leaf, "astype") else np.asarray(leaf).astype(dtype)
+
+
 def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
                    srcs: Sequence[Any], donate: Sequence[bool], route: str, topology: Any,
-                   timeout_ms: int, chunk_bytes: int, names: Callable[[], list[str]]
-                   ) -> list[Any]:
+                   timeout_ms: int, chunk_bytes: int, names: Callable[[], list[str]],
+                   out_dtypes: Sequence[Any] | None = None) -> list[Any]:
   """Eagerly reshards concrete leaves: jax_m2n's programs for device layouts, jax.device_put
   for the rest (see `delegated_because`). Every check runs before anything moves; a
-  donated source is deleted only after every leaf has moved."""
+  donated source is deleted only after every leaf has moved. `out_dtypes`: per leaf the
+  destination dtype (None: keep); converted in flight where schedule.fused_conversion
+  says, else by `astype` first (on the source) and then moved."""
   n = len(leaves)
+  originals = leaves
+  out_dtypes = list(out_dtypes) if out_dtypes is not None else [None] * n
+  if any(o is not None for o in out_dtypes):
+    leaves = list(leaves)
+    for i, o in enumerate(out_dtypes):
+      if o is not None and (delegated_because(leaves[i], dsts[i]) is not None or
+                            not schedule.fused_conversion(leaves[i].dtype, o)):
+        leaves[i], out_dtypes[i] = _astype(leaves[i], o), None
   moved, delegated = [], []
   for i in range(n):
     (moved if delegated_because(leaves[i], dsts[i]) is None else delegated).append(i)
@@ -765,9 +784,11 @@ def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
     ys = _reshard_eager(
         None, m_leaves, jax.tree.structure([0] * len(moved)) if sub else treedef,
         [dsts[i] for i in moved], [srcs[i] for i in moved], route, topology,
-        [donate[i] for i in moved], timeout_ms, chunk_bytes, sub_names)
+        [donate[i] for i in moved], timeout_ms, chunk_bytes, sub_names,
+        [out_dtypes[i] for i in moved])
     for i, y in zip(moved, ys):
-      outs[i] = jax_compat.with_weak_type(y) if leaves[i].weak_type else y
+      weak = leaves[i].weak_type and out_dtypes[i] is None
+      outs[i] = jax_compat.with_weak_type(y) if weak else y
     if logger.isEnabledFor(logging.DEBUG):
       logger.debug("reshard: eager per-device path moved %d of %d leaves", len(moved), n)
   for i in delegated:
@@ -783,6 +804,6 @@ def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
     logger.debug("reshard: delegated %d of %d leaves to jax.device_put (%s)",
                  len(delegated), n,
                  sorted({delegated_because(leaves[i], dsts[i]) for i in delegated}))
-  _donate([leaves[i] for i in range(n) if outs[i] is not leaves[i]],
-          [donate[i] for i in range(n) if outs[i] is not leaves[i]])
+  _donate([originals[i] for i in range(n) if outs[i] is not originals[i]],
+          [donate[i] for i in range(n) if outs[i] is not originals[i]])
   return outs

@@ -12,21 +12,52 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import ml_dtypes
 import numpy as np
 
 from jax_m2n._src import chunks as chunks_lib
 from jax_m2n._src.layout import MAX_RANK
 from jax_m2n._src.planner import DST_SHARD, FULL_TMP, SRC_SHARD, STAGES, Plan
 
-SCHEDULE_VERSION = 1
+SCHEDULE_VERSION = 2
 MAGIC = 0x4D324E5F  # "M2N_"
 HEADER_WIDTH = 8
-TENSOR_WIDTH = 2 + MAX_RANK
+TENSOR_WIDTH = 4 + MAX_RANK  # elem_bytes, rank, dims, src_type, dst_type
 OP_FIXED = 11
 OP_WIDTH = OP_FIXED + 3 * MAX_RANK
 ALIGN = 256
 
 STAGE_CODES = {name: i for i, name in enumerate(STAGES)}
+
+# Element type codes of a fused conversion (xla_ffi/convert.h ElemType); 0: none.
+TYPE_CODES = {np.dtype(np.float32): 1, np.dtype(np.float16): 2,
+              np.dtype(ml_dtypes.bfloat16): 3, np.dtype(ml_dtypes.float8_e4m3fn): 4,
+              np.dtype(ml_dtypes.float8_e5m2): 5}
+NO_CONVERSION = (0, 0)
+
+
+def fused_conversion(src_dtype, dst_dtype) -> bool:
+  """Whether the transports convert `src_dtype` -> `dst_dtype` in flight: two
+  different types among f32, f16, bf16, f8_e4m3fn, f8_e5m2."""
+  s, d = np.dtype(src_dtype), np.dtype(dst_dtype)
+  return s != d and s in TYPE_CODES and d in TYPE_CODES
+
+
+def type_codes(src_dtype, dst_dtype) -> tuple[int, int]:
+  """(src_type, dst_type) of a tensor record: the codes of a fused conversion, else
+  (0, 0)."""
+  if not fused_conversion(src_dtype, dst_dtype):
+    return NO_CONVERSION
+  return TYPE_CODES[np.dtype(src_dtype)], TYPE_CODES[np.dtype(dst_dtype)]
+
+
+def wire_dtype(src_dtype, dst_dtype) -> np.dtype:
+  """The type the bytes cross links in: the narrower of the two for a fused
+  conversion (narrow on the sender, widen on the receiver), else the source type."""
+  s, d = np.dtype(src_dtype), np.dtype(dst_dtype)
+  if fused_conversion(s, d) and d.itemsize <= s.itemsize:
+    return d
+  return s
 
 
 def _align(n: int) -> int:
@@ -41,6 +72,19 @@ class Buffers:
   results: dict[int, dict[int, int]]    # device -> tensor -> result index
   tmp: dict[int, dict[int, int]]        # device -> tensor -> workspace byte offset
   tmp_bytes: dict[int, int]             # device -> bytes of its full-tensor buffers
+
+
+def wire_itemsizes(dtypes, out_dtypes=None) -> tuple[list[int], tuple | None]:
+  """What planning and encoding need of each leaf's conversion: the itemsizes to plan
+  with (wire bytes) and the `types` argument of `encode` (None when nothing converts).
+  `out_dtypes`: per leaf the destination dtype, None (or the same dtype) to keep."""
+  out_dtypes = out_dtypes or [None] * len(dtypes)
+  itemsizes, types = [], []
+  for dt, out in zip(dtypes, out_dtypes):
+    out = dt if out is None else out
+    itemsizes.append(wire_dtype(dt, out).itemsize)
+    types.append(type_codes(dt, out))
+  return itemsizes, (tuple(types) if any(t != NO_CONVERSION for t in types) else None)
 
 
 def _tmp_devices(tp) -> frozenset:
@@ -161,10 +205,28 @@ def _slot_table(plan: Plan, bufs: Buffers, devices: np.ndarray) -> np.ndarray:
   return table
 
 
+def _repack_for_types(types, tensor, src_kind, dst_kind, cross, src_pack, dst_pack):
+  """Adds the staging a conversion needs (docs/schedule_format.md): a cross-device op
+  packs on the sender when its source buffer's type is not the wire type (narrowing) and
+  unpacks on the receiver when its destination buffer's type is not (widening)."""
+  codes = np.array(types, np.int64).reshape(-1, 2)
+  size = np.array([0, 4, 2, 2, 1, 1], np.int64)
+  src_code, dst_code = codes[tensor, 0], codes[tensor, 1]
+  wire = np.where(size[dst_code] <= size[src_code], dst_code, src_code)
+  def type_of(kind):
+    return np.where(kind == SRC_SHARD, src_code, np.where(kind == DST_SHARD, dst_code, wire))
+  converting = src_code != 0
+  return (src_pack | (cross & converting & (type_of(src_kind) != wire)),
+          dst_pack | (cross & converting & (type_of(dst_kind) != wire)))
+
+
 @functools.lru_cache(maxsize=256)
-def _ops(plan: Plan, staging: bool) -> tuple[np.ndarray, dict[int, int], int, np.ndarray]:
+def _ops(plan: Plan, staging: bool, types: tuple | None = None
+         ) -> tuple[np.ndarray, dict[int, int], int, np.ndarray]:
   """All ops of a plan (n_ops x OP_WIDTH), workspace bytes per device, step count, and
-  the SPMD encoding, whose tail the ops are (built in place: one large allocation)."""
+  the SPMD encoding, whose tail the ops are (built in place: one large allocation).
+  `types`: per tensor (src_type, dst_type) codes, None when nothing converts; the plan's
+  itemsizes are then the wire itemsizes."""
   bufs = buffers(plan)
   chunks = plan.chunks
   parts = [_tensor_ops(tp, plan.chunk_bytes) for tp in plan.tensors]
@@ -173,7 +235,7 @@ def _ops(plan: Plan, staging: bool) -> tuple[np.ndarray, dict[int, int], int, np
   out = np.empty(head + len(chunks) * OP_WIDTH, np.int64)
   rows = out[head:].reshape(len(chunks), OP_WIDTH)
   if not len(chunks):
-    out[:head] = _prefix(plan, ws, 0, 0)
+    out[:head] = _prefix(plan, ws, 0, 0, types)
     out.flags.writeable = False
     return rows, ws, 0, out
   # One scatter per tensor into the sorted position of its chunks (no concatenated copy).
@@ -191,14 +253,19 @@ def _ops(plan: Plan, staging: bool) -> tuple[np.ndarray, dict[int, int], int, np
   table = _slot_table(plan, bufs, devices)
   src_dev = np.concatenate([p.rows[:, 3] for p in parts])[order]
   dst_dev = np.concatenate([p.rows[:, 6] for p in parts])[order]
+  kinds = []
   for dev, kind_col, slot_col in ((src_dev, 4, 5), (dst_dev, 7, 8)):
     kind = np.concatenate([p.rows[:, kind_col] for p in parts])[order]
     rows[:, slot_col] = table[kind, tensor, np.searchsorted(devices, dev)]
+    kinds.append(kind)
   if staging:
     # Pack areas: per (device, step), the op's aligned bytes in op order, the source side
     # of an op before its destination side (the two sides are on different devices).
     src_pack = np.concatenate([p.src_pack for p in parts])[order]
     dst_pack = np.concatenate([p.dst_pack for p in parts])[order]
+    if types is not None:
+      src_pack, dst_pack = _repack_for_types(types, tensor, kinds[0], kinds[1],
+                                             src_dev != dst_dev, src_pack, dst_pack)
     nbytes = np.concatenate([p.nbytes for p in parts])[order]
     op = np.concatenate([np.flatnonzero(src_pack), np.flatnonzero(dst_pack)])
     side = np.repeat([0, 1], [int(src_pack.sum()), int(dst_pack.sum())])
@@ -220,7 +287,7 @@ def _ops(plan: Plan, staging: bool) -> tuple[np.ndarray, dict[int, int], int, np
     for j in np.flatnonzero(peak):
       d = int(devices[j])
       ws[d] = ws.get(d, 0) + int(peak[j])
-  out[:head] = _prefix(plan, ws, chunks.n_steps, len(rows))
+  out[:head] = _prefix(plan, ws, chunks.n_steps, len(rows), types)
   out.flags.writeable = False
   return rows, ws, chunks.n_steps, out
 
@@ -229,7 +296,8 @@ def _prefix_width(plan: Plan) -> int:
   return HEADER_WIDTH + 2 * len(plan.devices) + TENSOR_WIDTH * len(plan.tensors)
 
 
-def _prefix(plan: Plan, ws: dict[int, int], n_steps: int, n_ops: int) -> np.ndarray:
+def _prefix(plan: Plan, ws: dict[int, int], n_steps: int, n_ops: int,
+            types: tuple | None = None) -> np.ndarray:
   """Header, devices, ws and tensors: everything of an encoding before its ops."""
   devices = plan.devices
   tensors = np.zeros((len(plan.tensors), TENSOR_WIDTH), np.int64)
@@ -238,6 +306,8 @@ def _prefix(plan: Plan, ws: dict[int, int], n_steps: int, n_ops: int) -> np.ndar
     tensors[t, 0] = tp.itemsize
     tensors[t, 1] = len(shape)
     tensors[t, 2:2 + len(shape)] = shape
+    if types is not None:
+      tensors[t, 2 + MAX_RANK:] = types[t]
   header = np.array([MAGIC, SCHEDULE_VERSION, len(plan.tensors), len(devices), n_steps,
                      n_ops, OP_WIDTH, MAX_RANK], np.int64)
   return np.concatenate([header, np.array(devices, np.int64),
@@ -245,32 +315,50 @@ def _prefix(plan: Plan, ws: dict[int, int], n_steps: int, n_ops: int) -> np.ndar
                          tensors.reshape(-1)])
 
 
-def workspace_bytes(plan: Plan, device: int | None = None, staging: bool = False) -> int:
+def _check_types(plan: Plan, types):
+  """None for no conversion, else a hashable tuple of (src_type, dst_type) per tensor."""
+  if types is None:
+    return None
+  types = tuple((int(s), int(d)) for s, d in types)
+  if len(types) != len(plan.tensors):
+    raise ValueError(f"encode: types must give one (src_type, dst_type) per tensor "
+                     f"({len(plan.tensors)}); got {len(types)}.")
+  return None if all(t == NO_CONVERSION for t in types) else types
+
+
+def workspace_bytes(plan: Plan, device: int | None = None, staging: bool = False,
+                    types=None) -> int:
   """Workspace a device needs (device=None: the largest over devices, for SPMD)."""
-  _, ws, _, _ = _ops(plan, staging)
+  _, ws, _, _ = _ops(plan, staging, _check_types(plan, types))
   if device is None:
     return max(ws.values(), default=0)
   return ws.get(device, 0)
 
 
-def encode(plan: Plan, device: int | None = None, staging: bool = False) -> np.ndarray:
+def encode(plan: Plan, device: int | None = None, staging: bool = False,
+           types=None) -> np.ndarray:
   """The `schedule` attribute for one device (eager dispatch) or every device (SPMD).
 
   Args:
     plan: the plan to run.
     device: the global id of the device the encoding is for; its ops only. None: all
       ops (one SPMD program for every device).
-    staging: reserve workspace for pack/unpack of non-contiguous boxes (CUDA transport).
+    staging: reserve workspace for pack/unpack of non-contiguous boxes (CUDA transport),
+      and of boxes that convert on a sender or receiver.
+    types: per tensor `(src_type, dst_type)` codes (`type_codes`), or None: nothing
+      converts. With conversions, the plan must have been made with the wire itemsizes
+      (`wire_dtype`): elem_bytes, workspace and staging are wire bytes.
 
   Returns:
-    A read-only 1-D int64 array (docs/schedule_format.md, version 1). The SPMD encoding
-    is cached with the plan: repeated calls return the same array.
+    A read-only 1-D int64 array (docs/schedule_format.md, version 2). The SPMD encoding
+    is cached with the plan and types: repeated calls return the same array.
   """
-  rows, ws, n_steps, spmd = _ops(plan, staging)
+  types = _check_types(plan, types)
+  rows, ws, n_steps, spmd = _ops(plan, staging, types)
   if device is None:
     return spmd  # cached and read-only: shared by every caller
   rows = rows[(rows[:, 3] == device) | (rows[:, 6] == device)]
-  out = np.concatenate([_prefix(plan, ws, n_steps, len(rows)), rows.reshape(-1)])
+  out = np.concatenate([_prefix(plan, ws, n_steps, len(rows), types), rows.reshape(-1)])
   out.flags.writeable = False
   return out
 

@@ -25,7 +25,8 @@ from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
 from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_in_process,
-                                 _check_topology, _dst_sharding_of, _platform_of, _site)
+                                 _check_topology, _dst_sharding_of, _leaf_aval,
+                                 _platform_of, _site)
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import plan_reshard
@@ -163,7 +164,9 @@ def _refine(api: str, name: str, shardings: Sequence[NamedSharding],
 
 
 def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
-                    chunk_bytes, names) -> list:
+                    chunk_bytes, names, out_dtypes=None) -> list:
+  """`out_dtypes`: per leaf the destination dtype of a fused conversion, None: keep."""
+  out_dtypes = list(out_dtypes or [None] * len(leaves))
   _check_topology(_API, topology)
   context = jax.sharding.get_abstract_mesh()
   if not context.empty and getattr(context, "manual_axes", ()):
@@ -175,14 +178,7 @@ def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
   shapes, dtypes, srcs, dst_named, typed_any = [], [], [], [], False
   for i, (leaf, dst) in enumerate(zip(leaves, dsts)):
     name = names()[i]
-    try:
-      aval = jax.typeof(leaf)
-    except TypeError:
-      aval = None
-    if aval is None or not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
-      raise ReshardTypeError(
-          f"{_API}: every leaf of x must be an array; got {type(leaf).__name__} at "
-          f"{name}.")
+    aval = _leaf_aval(_API, name, leaf)
     shape, dtype = tuple(aval.shape), aval.dtype
     _check_dtype(_API, name, dtype)
     dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype)
@@ -258,13 +254,14 @@ def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
     live_outs = iter(_reshard_traced(
         [leaves[i] for i in live], [dsts[i] for i in live], [srcs[i] for i in live],
         route, topology, timeout_ms, chunk_bytes,
-        lambda: [names()[i] for i in live]) if live else [])
+        lambda: [names()[i] for i in live], [out_dtypes[i] for i in live])
+        if live else [])
     result = []
     for i, e in enumerate(empty):
       if not e:
         result.append(next(live_outs))
         continue
-      y = jnp.zeros(shapes[i], dtypes[i])
+      y = jnp.zeros(shapes[i], out_dtypes[i] or dtypes[i])
       dst = dst_named[i]
       if any(t == jax.sharding.AxisType.Explicit for t in dst.mesh.axis_types):
         y = jax.sharding.reshard(y, dst)
@@ -274,7 +271,7 @@ def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
     return result
 
   body = _spmd_body(srcs, dst_named, shapes, dtypes, route, topology, timeout_ms,
-                    chunk_bytes, b"jit")
+                    chunk_bytes, b"jit", out_dtypes)
 
   mesh = refinement.mesh
   if typed_any:  # a type-level cast onto the refined mesh: the same bytes, no copy
@@ -323,9 +320,11 @@ def check_staged_devices(name: str, aval, given: Sharding | None, dst: Sharding)
 
 
 def _spmd_body(srcs: Sequence[Sharding], dsts: Sequence[Sharding], shapes, dtypes,
-               route, topology, timeout_ms: int, chunk_bytes: int, tag: bytes):
+               route, topology, timeout_ms: int, chunk_bytes: int, tag: bytes,
+               out_dtypes=None):
   """The per-device body of an in-jit reshard: one custom call over local shards, run
-  by every device of the SPMD program (the schedule names each device's ops)."""
+  by every device of the SPMD program (the schedule names each device's ops). Operands
+  have `dtypes`, results `out_dtypes` (None: the same): the call converts in flight."""
   devices = jax_compat.device_assignment(srcs[0])
   platform = _platform_of(devices)
   _check_in_process(_API, platform, devices)
@@ -334,17 +333,19 @@ def _spmd_body(srcs: Sequence[Sharding], dsts: Sequence[Sharding], shapes, dtype
   topo = as_topology(topology, devices)
   src_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(srcs, shapes)]
   dst_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(dsts, shapes)]
-  itemsizes = [np.dtype(dt).itemsize for dt in dtypes]
+  out_dtypes = [o if o is not None else dt
+                for o, dt in zip(out_dtypes or [None] * len(dtypes), dtypes)]
+  itemsizes, types = schedule.wire_itemsizes(dtypes, out_dtypes)
   plan = plan_reshard(src_layouts, dst_layouts, itemsizes, topo, route, chunk_bytes)
   if logger.isEnabledFor(logging.DEBUG):  # the traffic summary costs a pass over the plan
     logger.debug("reshard: planned %d leaves, route %s, %d payload bytes, bytes by link "
                  "%s (in-jit custom call)", len(shapes), route, plan.payload_bytes,
                  plan.bytes_by_link)
-  sched = schedule.encode(plan, None, staging)
+  sched = schedule.encode(plan, None, staging, types)
   site = _site(tag, sched, next(_jit_sites))
-  workspace = max(1, schedule.workspace_bytes(plan, None, staging))
+  workspace = max(1, schedule.workspace_bytes(plan, None, staging, types))
   out_types = [jax.ShapeDtypeStruct(s.shard_shape(shape), dt)
-               for s, shape, dt in zip(dsts, shapes, dtypes)]
+               for s, shape, dt in zip(dsts, shapes, out_dtypes)]
   out_types.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
   call = jax.ffi.ffi_call(m2n_ffi.TARGET_NAME, out_types)
   extra = m2n_ffi.transport_attrs(platform, topo, plan.devices)
@@ -388,7 +389,7 @@ def _factor_rule(shapes: Sequence[tuple[int, ...]]) -> str:
 
 
 def reshard_partitioned(leaves, dsts: Sequence[NamedSharding], route, topology,
-                        timeout_ms, chunk_bytes) -> list:
+                        timeout_ms, chunk_bytes, out_dtypes=None) -> list:
   """Inside jit, leaves whose source layout only XLA's partitioner knows, every
   destination on one mesh (whose device order is the jit's): one custom_partitioning
   op whose partition callback reads each operand's sharding (any layout over the jit's
@@ -404,9 +405,10 @@ def reshard_partitioned(leaves, dsts: Sequence[NamedSharding], route, topology,
     _check_dtype(_API, f"x[{i}]", dtype)
     _check_holds(_API, f"x[{i}]", dst, shape, "destination")
   mesh = dsts[0].mesh
+  out_dtypes = list(out_dtypes or [None] * len(leaves))
 
-  def same(*xs):  # the reference (one device: the layout is the only difference)
-    return tuple(xs)
+  def same(*xs):  # the reference (one device: the layout and dtype are the difference)
+    return tuple(x if o is None else x.astype(o) for x, o in zip(xs, out_dtypes))
 
   def partition(part_mesh, arg_shapes, result_shape):
     del part_mesh, result_shape
@@ -415,7 +417,7 @@ def reshard_partitioned(leaves, dsts: Sequence[NamedSharding], route, topology,
     # each output) order its devices differently.
     srcs = [a.sharding for a in arg_shapes]
     body = _spmd_body(srcs, dsts, shapes, dtypes, route, topology, timeout_ms,
-                      chunk_bytes, b"jit")
+                      chunk_bytes, b"jit", out_dtypes)
     logger.debug("reshard: custom_partitioning path (in jit) for %d leaves, source "
                  "layouts from XLA's partitioner: %s", len(leaves), srcs)
     return mesh, body, tuple(dsts), tuple(srcs)

@@ -4,7 +4,8 @@ Owns the rules JAX needs for a traced reshard: its abstract value (shape, dtype,
 weak_type kept; the destination sharding in the type on Explicit axes), its eager
 implementation (eager.py's per-device programs), its lowering inside jit (traced.py's
 shard_map, or custom_partitioning where only XLA knows the source layout), its JVP and
-transpose (a reshard is linear: the cotangent is resharded back to the source layout)
+transpose (a reshard is linear: the cotangent is resharded back to the source layout,
+and a converting reshard's cotangent converted back to the source dtype, as astype's)
 and its batching rule (the batch dimension is not sharded).
 """
 
@@ -31,25 +32,28 @@ reshard_p.multiple_results = True
 
 
 def bind(leaves: Sequence[Any], dsts: Sequence[Any], srcs: Sequence[Any], route: str,
-         topology: Any, timeout_ms: int, chunk_bytes: int) -> list[Any]:
-  """Stages (or, on concrete values, runs) one reshard of `leaves`."""
+         topology: Any, timeout_ms: int, chunk_bytes: int,
+         out_dtypes: Sequence[Any] | None = None) -> list[Any]:
+  """Stages (or, on concrete values, runs) one reshard of `leaves`; `out_dtypes`: per
+  leaf the dtype of a fused conversion (schedule.fused_conversion), None: keep."""
+  out_dtypes = tuple(out_dtypes) if out_dtypes is not None else (None,) * len(leaves)
   return reshard_p.bind(*leaves, dsts=tuple(dsts), srcs=tuple(srcs), route=route,
                         topology=topology, timeout_ms=timeout_ms,
-                        chunk_bytes=chunk_bytes)
+                        chunk_bytes=chunk_bytes, out_dtypes=out_dtypes)
 
 
 def _names(n: int):
   return lambda: [f"x[{i}]" for i in range(n)]
 
 
-def _impl(*leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes):
+def _impl(*leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes, out_dtypes):
   # Concrete values (a JVP's primal, a transpose's cotangent, a vmapped batch): the
   # eager path, from the arrays' actual layouts (a cotangent's layout is whatever the
   # backward pass produced, not necessarily the forward destination).
   n = len(leaves)
   return eager.reshard_leaves(list(leaves), jax.tree.structure([0] * n), list(dsts),
                               [None] * n, [False] * n, route, topology, timeout_ms,
-                              chunk_bytes, _names(n))
+                              chunk_bytes, _names(n), list(out_dtypes))
 
 
 def _is_explicit(sharding: Any) -> bool:
@@ -57,10 +61,13 @@ def _is_explicit(sharding: Any) -> bool:
       t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
 
 
-def _abstract_eval(*avals, dsts, srcs, route, topology, timeout_ms, chunk_bytes):
+def _abstract_eval(*avals, dsts, srcs, route, topology, timeout_ms, chunk_bytes,
+                   out_dtypes):
   del srcs, route, topology, timeout_ms, chunk_bytes
   outs = []
-  for aval, dst in zip(avals, dsts):
+  for aval, dst, out_dtype in zip(avals, dsts, out_dtypes):
+    if out_dtype is not None:  # as astype: the new dtype, never weak
+      aval = aval.update(dtype=out_dtype, weak_type=False)
     if _is_explicit(dst):
       spec = tuple(dst.spec) + (None,) * (aval.ndim - len(dst.spec))
       aval = aval.update(sharding=NamedSharding(dst.mesh.abstract_mesh,
@@ -72,12 +79,13 @@ def _abstract_eval(*avals, dsts, srcs, route, topology, timeout_ms, chunk_bytes)
   return outs
 
 
-def _lowered(*leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes):
+def _lowered(*leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes, out_dtypes):
   """Inside jit: jax_m2n's shard_map where the source layout is known (its type on
   Explicit axes, or src_sharding=); XLA's partitioner (a sharding constraint) where it is
-  not, since only XLA knows then where the operand lives."""
+  not, since only XLA knows then where the operand lives (a conversion is then XLA's
+  `convert` before the constraint)."""
   leaves = list(leaves)
-  outs = list(leaves)
+  outs = [v if o is None else v.astype(o) for v, o in zip(leaves, out_dtypes)]
   known, unknown = [], []
   for i, (leaf, dst, src) in enumerate(zip(leaves, dsts, srcs)):
     if dst is None:
@@ -89,14 +97,15 @@ def _lowered(*leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes):
   if known:
     ys = traced._reshard_traced([leaves[i] for i in known], [dsts[i] for i in known],
                                 [srcs[i] for i in known], route, topology, timeout_ms,
-                                chunk_bytes, lambda: [f"x[{i}]" for i in known])
+                                chunk_bytes, lambda: [f"x[{i}]" for i in known],
+                                [out_dtypes[i] for i in known])
     for i, y in zip(known, ys):
       outs[i] = y
     logger.debug("reshard: traced shard_map path (in jit) for %d leaves", len(known))
   for i in unknown:
     dst = dsts[i]
     dst = dst.sharding if isinstance(dst, jax.ShapeDtypeStruct) else dst
-    outs[i] = jax.lax.with_sharding_constraint(leaves[i], dst)
+    outs[i] = jax.lax.with_sharding_constraint(outs[i], dst)
   if unknown:
     logger.debug("reshard: delegated %d leaves to XLA's partitioner (in jit, source "
                  "layout not in the type, no src_sharding=, and a destination that "
@@ -109,7 +118,7 @@ def _sharding_of(dst: Any) -> Any:
   return dst.sharding if isinstance(dst, jax.ShapeDtypeStruct) else dst
 
 
-def _lowering(ctx, *values, dsts, srcs, **params):
+def _lowering(ctx, *values, dsts, srcs, out_dtypes, **params):
   """Inside jit: leaves whose source layout only XLA's partitioner knows (no
   src_sharding=, not in the type) and whose destination is a device-memory
   NamedSharding on Auto axes go through custom_partitioning (traced.reshard_partitioned,
@@ -141,11 +150,12 @@ def _lowering(ctx, *values, dsts, srcs, **params):
     lower(lambda *xs, idx=idx: traced.reshard_partitioned(
         list(xs), [_sharding_of(dsts[i]) for i in idx],
         params["route"], params["topology"], params["timeout_ms"],
-        params["chunk_bytes"]), sub, idx)
+        params["chunk_bytes"], [out_dtypes[i] for i in idx]), sub, idx)
   if rest:
     rest.sort()
     lower(_lowered, ctx, rest, dsts=tuple(dsts[i] for i in rest),
-          srcs=tuple(srcs[i] for i in rest), **params)
+          srcs=tuple(srcs[i] for i in rest),
+          out_dtypes=tuple(out_dtypes[i] for i in rest), **params)
   return outs
 
 
@@ -155,31 +165,36 @@ def _concrete_sharding(v: Any) -> Any:
   return None
 
 
-def _jvp(primals, tangents, *, dsts, srcs, **params):
+def _jvp(primals, tangents, *, dsts, srcs, out_dtypes, **params):
   # Source layouts of concrete primals are known now; the transpose needs them.
   srcs = tuple(s if s is not None else _concrete_sharding(p)
                for s, p in zip(srcs, primals))
-  outs = reshard_p.bind(*primals, dsts=dsts, srcs=srcs, **params)
+  outs = reshard_p.bind(*primals, dsts=dsts, srcs=srcs, out_dtypes=out_dtypes, **params)
   live = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
   t_outs: list[Any] = [jax_compat.tangent_zero(y) for y in outs]
   if live:
     ys = reshard_p.bind(*[tangents[i] for i in live],
                         dsts=tuple(dsts[i] for i in live),
-                        srcs=tuple(srcs[i] for i in live), **params)
+                        srcs=tuple(srcs[i] for i in live),
+                        out_dtypes=tuple(out_dtypes[i] for i in live), **params)
     for i, y in zip(live, ys):
       t_outs[i] = y
   return outs, t_outs
 
 
-def _transpose(cts, *args, dsts, srcs, **params):
+def _transpose(cts, *args, dsts, srcs, out_dtypes, **params):
   # The cotangent goes back to the source layout (None, where unknown: left as XLA
-  # placed it, which is value-equal).
+  # placed it, which is value-equal), and to the source dtype where the forward
+  # converted (astype's transpose).
   live = [i for i, ct in enumerate(cts) if type(ct) is not ad.Zero]
   out: list[Any] = [ad.Zero(a.aval) if ad.is_undefined_primal(a) else None for a in args]
   if live:
+    back = tuple(None if out_dtypes[i] is None else
+                 (args[i].aval.dtype if ad.is_undefined_primal(args[i])
+                  else jax.typeof(args[i]).dtype) for i in live)
     ys = reshard_p.bind(*[ad.instantiate_zeros(cts[i]) for i in live],
                         dsts=tuple(srcs[i] for i in live),
-                        srcs=tuple(dsts[i] for i in live), **params)
+                        srcs=tuple(dsts[i] for i in live), out_dtypes=back, **params)
     for i, y in zip(live, ys):
       out[i] = y
   return out
