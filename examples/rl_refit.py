@@ -36,7 +36,6 @@ _default_to_cpu_devices()
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import dataclasses
 import functools
-import inspect
 import json
 import math
 import re
@@ -394,7 +393,6 @@ class RefitResult:
   waited_phase_ms: dict          # refit, rollout, train: ms per step in the waited blocks
   engine_ms: dict                # refit engine -> ms per refit (the final comparison)
   baseline_equal: bool           # astype + device_put's output bitwise equals the refit's
-  fused: bool                    # the refit converted in flight (reshard has dtype=)
   reward_went_up: Optional[bool] = None   # last vs first window; None: too few steps
 
 
@@ -478,21 +476,13 @@ def run(cfg: RefitConfig, devices: Optional[list] = None) -> RefitResult:
                      trainer.sharding(())))
   sample_fn = jax.jit(sample, static_argnames=("heads",), out_shardings=gen_batch)
   to_gen_dtype = lambda p: jax.tree.map(lambda x: x.astype(gen_dtype), p)
-  astype = jax.jit(to_gen_dtype) if converting else (lambda p: p)  # on the trainer
+  astype = jax.jit(to_gen_dtype)   # the baselines' cast, on the trainer
   checksum_fn = jax.jit(checksums)
   trainer_checksum_fn = jax.jit(lambda p: checksums(to_gen_dtype(p)))
 
   # The refit: the whole parameter pytree in one call, one transfer plan, converted to
   # the generator's dtype on the way (narrowed before the bytes leave the trainer).
-  fused = "dtype" in inspect.signature(jax_m2n.reshard).parameters
-  if fused:
-    refit = lambda p: jax_m2n.reshard(p, gen_shardings, dtype=gen_dtype,
-                                      route=cfg.route)
-  else:
-    refit = lambda p: jax_m2n.reshard(astype(p), gen_shardings, route=cfg.route)
-    if converting:
-      log.print("refit: this jax_m2n.reshard has no dtype=; casting on the trainer "
-                "with astype first (a full-size copy), then resharding")
+  refit = lambda p: jax_m2n.reshard(p, gen_shardings, dtype=gen_dtype, route=cfg.route)
 
   rng = np.random.default_rng(cfg.seed)
   prompts_per_step = cfg.batch_size // cfg.group_size
@@ -599,16 +589,15 @@ def run(cfg: RefitConfig, devices: Optional[list] = None) -> RefitResult:
 
   gen_params = refit(params)
   check_equal(params, gen_params, "after the last step")
-  prefix = "astype + " if converting else ""
-  engines = {}
-  if fused:
-    engines["jax_m2n.reshard" + (f"(dtype={gen_dtype.name})" if converting else "")] = (
-        refit)
-  if converting or not fused:
-    engines[prefix + "jax_m2n.reshard"] = (
-        lambda p: jax_m2n.reshard(astype(p), gen_shardings, route=cfg.route))
-  engines[prefix + "jax.device_put"] = (
-      lambda p: jax.device_put(astype(p), gen_shardings))
+  if converting:
+    engines = {
+        f"jax_m2n.reshard(dtype={gen_dtype.name})": refit,
+        "astype + jax_m2n.reshard":
+            lambda p: jax_m2n.reshard(astype(p), gen_shardings, route=cfg.route),
+        "astype + jax.device_put": lambda p: jax.device_put(astype(p), gen_shardings)}
+  else:
+    engines = {"jax_m2n.reshard": refit,
+               "jax.device_put": lambda p: jax.device_put(p, gen_shardings)}
   engine_ms = _compare_refits(params, engines, cfg.timing_reps)
   baseline = jax.device_put(astype(params), gen_shardings)
   baseline_equal = all(
@@ -617,7 +606,7 @@ def run(cfg: RefitConfig, devices: Optional[list] = None) -> RefitResult:
       for a, b in zip(jax.tree.leaves(gen_params), jax.tree.leaves(baseline)))
   result = RefitResult(params, gen_params, gen_shardings, rewards, exact, equal,
                        times, returned_early, step_ms, waited_phase_ms, engine_ms,
-                       baseline_equal, fused)
+                       baseline_equal)
   if len(rewards) >= 2 * cfg.window:
     result.reward_went_up = bool(
         np.mean(rewards[-cfg.window:]) > np.mean(rewards[:cfg.window]))
@@ -649,8 +638,6 @@ def _report(cfg, result, nbytes, gen_nbytes):
   print(f"checksums equal (generator's {dtype} = astype of the trainer's float32) on "
         f"all {len(result.checksums_equal)} steps: {all(result.checksums_equal)}; "
         f"astype + device_put output equals the refit's: {result.baseline_equal}")
-  print(f"refit: {'in-flight conversion, jax_m2n.reshard(..., dtype=)' if result.fused else 'astype, then jax_m2n.reshard (no dtype= in this build)'}"
-        f"; {nbytes / 2**20:.2f} MiB float32 -> {gen_nbytes / 2**20:.2f} MiB {dtype}")
 
   # The first step compiles everything (and plans the refit); it is left out unless
   # it is the only one.
@@ -665,6 +652,8 @@ def _report(cfg, result, nbytes, gen_nbytes):
     print(f"step {phase_ms['step']:.1f} ms; the refit call returned after "
           f"{phase_ms['refit']:.2f} ms, before its weights had landed in "
           f"{sum(early)} of {len(early)} steps")
+    if not any(early):
+      print("(this jax_m2n.reshard waited for its transfer: nothing overlapped it)")
   else:
     print("| phase | ms / step | share of step |\n| --- | ---: | ---: |")
     for phase in ("train", "refit", "rollout"):
@@ -681,10 +670,10 @@ def _report(cfg, result, nbytes, gen_nbytes):
     for name, ms in (("waited for (--nooverlap)", waited),
                      ("overlapped (--overlap)", overlapped)):
       print(f"| {name} | {ms.mean():.2f} | {ms.min():.2f} | {np.median(ms):.2f} |")
-    saved = waited.mean() - overlapped.mean()
-    print(f"\noverlap saves {saved:.2f} ms per step ({100 * saved / waited.mean():.1f}%);"
-          f" the waited-for refit takes {result.waited_phase_ms['refit']:.2f} ms "
-          f"({refit_share:.1f}% of the step)")
+    change = overlapped.mean() - waited.mean()
+    print(f"\nwith overlap the step takes {change:+.2f} ms ({100 * change / waited.mean():+.1f}%"
+          f"); the waited-for refit takes {result.waited_phase_ms['refit']:.2f} ms "
+          f"({refit_share:.1f}% of the waited-for step)")
 
     print(f"\nrefit of the same pytree (fresh copies), {cfg.timing_reps} reps after "
           "warm-up, engines interleaved, each waited for:\n")
@@ -704,7 +693,7 @@ def _report(cfg, result, nbytes, gen_nbytes):
                  "platform": jax.devices()[0].platform,
                  "device_kind": jax.devices()[0].device_kind,
                  "param_bytes": nbytes, "generator_param_bytes": gen_nbytes,
-                 "fused_dtype": result.fused, "phase_ms": phase_ms,
+                 "phase_ms": phase_ms,
                  "returned_early": result.returned_early,
                  "step_ms": result.step_ms,
                  "waited_phase_ms": result.waited_phase_ms,
