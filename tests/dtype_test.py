@@ -481,3 +481,18 @@ def test_fused_conversion_table():
         (FUSED.index(a) + 1, FUSED.index(b) + 1) if fused else (0, 0))
     assert schedule_lib.wire_dtype(a, b) == (b if fused and b.itemsize <= a.itemsize
                                              else a)
+
+
+def test_bench_suite_runs_and_agrees():
+  """The `dtype` bench suite in its smallest form: every case and method, outputs
+  compared bitwise between methods (no timing asserted)."""
+  from jax_m2n.bench import dtype as dtype_suite
+  doc = dtype_suite.run(jax, 1 << 20, iters=1, warmup=1, memory=False, print_fn=lambda s: 0)
+  assert {(r["case"], r["method"]) for r in doc["rows"]} == set(
+      itertools.product(dtype_suite.CASES, dtype_suite.METHODS))
+  for r in doc["rows"]:
+    if r["method"] != "astype_device_put":
+      assert r["wire_bytes"] == (1 << 20) // 2, r
+  assert "| single | reshard_dtype |" in dtype_suite.markdown(doc)
+  mem = dtype_suite.measure_memory("single", "reshard_dtype", 1 << 20)
+  assert mem["extra_bytes"] is not None and mem["extra_bytes"] >= 0

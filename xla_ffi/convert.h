@@ -104,6 +104,15 @@ struct Layout<ElemType::kF8E5M2> {
   static constexpr bool kHasInf = true;
 };
 
+// Leading zero bits of a nonzero 32-bit value.
+JAX_M2N_HD int CountLeadingZeros32(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __clz(static_cast<int>(v));
+#else
+  return __builtin_clz(v);
+#endif
+}
+
 template <ElemType T>
 JAX_M2N_HD constexpr bool IsNaN(ElemBits<T> x) {
   if constexpr (T == ElemType::kF32) {
@@ -146,13 +155,11 @@ JAX_M2N_HD constexpr uint32_t DecodeToF32(ElemBits<T> x) {
       if constexpr (kBias == 127) {
         return sign | (m << (23 - L::kMan));  // bf16: an f32 subnormal
       } else {
-        int e = 1 - kBias;  // value = m * 2^(e - kMan): normalize
-        while ((m & (1u << L::kMan)) == 0) {
-          m <<= 1;
-          --e;
-        }
+        // value = m * 2^(1 - kBias - kMan): normalize the leading bit to kMan.
+        const int sh = CountLeadingZeros32(m) - (31 - L::kMan);
+        const int e = 1 - kBias - sh;
         return sign | (static_cast<uint32_t>(e + 127) << 23) |
-               ((m & kManMask) << (23 - L::kMan));
+               (((m << sh) & kManMask) << (23 - L::kMan));
       }
     }
     return sign | ((ef - kBias + 127) << 23) | (m << (23 - L::kMan));
@@ -161,7 +168,8 @@ JAX_M2N_HD constexpr uint32_t DecodeToF32(ElemBits<T> x) {
 
 // A non-NaN f32 (bits) rounded to T: round to nearest, ties to even, with
 // T's subnormals; beyond T's largest finite value: inf (f16, bf16, e5m2) or
-// NaN (e4m3fn, which has no inf).
+// NaN (e4m3fn, which has no inf). Branch-free (selects only), so that loops
+// over it vectorize: zero, inf and overflow fall out of the same arithmetic.
 template <ElemType T>
 JAX_M2N_HD constexpr ElemBits<T> EncodeFromF32(uint32_t x) {
   using L = Layout<T>;
@@ -172,29 +180,33 @@ JAX_M2N_HD constexpr ElemBits<T> EncodeFromF32(uint32_t x) {
   constexpr uint32_t kNaN = (1u << (L::kExp + L::kMan)) - 1;  // e4m3fn
   const uint32_t sign = (x >> 31) << (kBits - 1);
   const uint32_t abs = x & 0x7fffffffu;
-  if (abs >= 0x7f800000u) {  // inf
-    return static_cast<ElemBits<T>>(sign | (L::kHasInf ? kInf : kNaN));
-  }
-  const uint32_t ef = abs >> 23;
-  const int e = ef != 0 ? static_cast<int>(ef) - 127 : -126;
-  const uint32_t sig = ef != 0 ? (abs & 0x7fffffu) | 0x800000u : abs;
-  if (sig == 0) return static_cast<ElemBits<T>>(sign);
-  const int eff = e < kEmin ? kEmin : e;  // below: T's subnormals
-  const int shift = 23 - L::kMan + (eff - e);
-  uint32_t q = 0;  // the value in units of T's quantum at exponent `eff`
-  if (shift <= 25) {  // sig < 2^24: a larger shift rounds to 0
+  uint32_t bits = 0;
+  if constexpr (kEmin <= -126) {
+    // bf16: f32's exponent range, so one fixed shift (f32 subnormals map to
+    // bf16 subnormals bit for bit); inf stays inf, overflow carries into it.
+    constexpr int kShift = 23 - L::kMan;
+    bits = (abs + ((1u << (kShift - 1)) - 1) + ((abs >> kShift) & 1u)) >> kShift;
+  } else {
+    const uint32_t ef = abs >> 23;
+    const int e = static_cast<int>(ef != 0 ? ef : 1u) - 127;  // unbiased
+    const uint32_t sig = (abs & 0x7fffffu) | (ef != 0 ? 0x800000u : 0u);
+    const int eff = e < kEmin ? kEmin : e;  // below: T's subnormals
+    int shift = 23 - L::kMan + (eff - e);
+    shift = shift > 25 ? 25 : shift;  // sig < 2^24: 25 already rounds to 0
+    // q: the value in units of T's quantum at exponent `eff`, rounded.
+    const uint32_t q0 = sig >> shift;
     const uint32_t rem = sig & ((1u << shift) - 1);
     const uint32_t half = 1u << (shift - 1);
-    q = sig >> shift;
-    if (rem > half || (rem == half && (q & 1u) != 0)) ++q;
+    const uint32_t q =
+        q0 + static_cast<uint32_t>((rem > half) | ((rem == half) & (q0 & 1u)));
+    // q holds the implicit bit, so a carry out of the mantissa bumps the
+    // exponent; for subnormals (eff == kEmin) the exponent field is 0 + carry.
+    bits = (static_cast<uint32_t>(eff + kBias - 1) << L::kMan) + q;
   }
-  // q holds the implicit bit, so a carry out of the mantissa bumps the
-  // exponent; for subnormals (eff == kEmin) the exponent field is 0 + carry.
-  uint32_t bits = (static_cast<uint32_t>(eff + kBias - 1) << L::kMan) + q;
   if constexpr (L::kHasInf) {
-    if (bits >= kInf) bits = kInf;
+    bits = bits >= kInf ? kInf : bits;
   } else {
-    if (bits > kNaN - 1) bits = kNaN;
+    bits = bits > kNaN - 1 ? kNaN : bits;
   }
   return static_cast<ElemBits<T>>(sign | bits);
 }
@@ -252,6 +264,13 @@ JAX_M2N_HD constexpr ElemBits<To> ConvertElement(ElemBits<From> x) {
                 "ConvertElement: kNone is not an element type");
   if constexpr (From == To) {
     return x;
+  } else if constexpr (From == ElemType::kBF16 && To == ElemType::kF32) {
+    return static_cast<uint32_t>(x) << 16;  // exact, NaNs included (as XLA)
+  } else if constexpr (From == ElemType::kF32) {
+    // Both computed, one selected: no branch in a loop over elements.
+    const ElemBits<To> nan = ci::ConvertNaN<From, To>(x);
+    const ElemBits<To> value = ci::EncodeFromF32<To>(x);
+    return ci::IsNaN<From>(x) ? nan : value;
   } else {
     if (ci::IsNaN<From>(x)) return ci::ConvertNaN<From, To>(x);
     const uint32_t f = ci::DecodeToF32<From>(x);

@@ -572,8 +572,9 @@ def _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms
       return None
     parts.append((x.shape, x.dtype, x.sharding, d, s))
   try:
+    converts = out_dtypes is not None and any(o is not None for o in out_dtypes)
     key = _Key((treedef, tuple(parts), route, _topology_key(topology), timeout_ms,
-                chunk_bytes, tuple(out_dtypes or ())))
+                chunk_bytes, tuple(out_dtypes) if converts else ()))
   except TypeError:  # unhashable topology or destination: validation says why
     return None
   return key

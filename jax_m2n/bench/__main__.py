@@ -15,7 +15,8 @@ with --planner_scale, the default, also the 4,096-device one in a fresh process)
 multiprocess (2-4 processes x 1 GPU under jax.distributed, spawned by the bench, beside
 torch.distributed, and over NCCL's socket transport: jax_m2n/bench/multiprocess.py),
 fig4 (the paper's Figure 4 in miniature on the emulated network: bench/fig4.py), memory
-(RSS over distinct eager layouts against a plain-JAX control: bench/memory.py).
+(RSS over distinct eager layouts against a plain-JAX control: bench/memory.py), dtype
+(fp32 -> bf16 in flight against casting first: bench/dtype.py).
 Engines: m2n_{hierarchical,flat,gather_bcast} (eager), m2n_jit_{...} (inside jit),
 jit_identity (XLA), device_put, numpy_copy (CPU), torch_gather_bcast (GPUs, torch).
 
@@ -185,6 +186,15 @@ def _main(argv) -> int:
     memory.main(out_dir, [int(v) for v in _MEMORY_LAYOUTS.value],
                 lambda text: console.print(text, highlight=False, markup=False))
     chosen_suites.remove("memory")
+    if not chosen_suites:
+      return mp_rc
+  if "dtype" in chosen_suites:  # fp32 -> bf16 in flight vs cast first (bench/dtype.py)
+    import jax
+    from jax_m2n.bench import dtype as dtype_suite
+    dtype_suite.main(jax, out_dir, int((_SIZE_MIB.value or dtype_suite.DEFAULT_SIZE_MIB)
+                                       * suites.MIB), _ITERS.value, _WARMUP.value,
+                     lambda text: console.print(text, highlight=False, markup=False))
+    chosen_suites.remove("dtype")
     if not chosen_suites:
       return mp_rc
   json_path = os.path.join(out_dir, "results.json")
