@@ -47,32 +47,36 @@ def _check_refit(result, cfg, trainer, generator):
   assert all(len(t) == cfg.steps for t in result.times_ms.values())
 
 
-@pytest.mark.parametrize("layouts,route", (
-    [(layouts, "hierarchical") for layouts in rl_refit.PRESETS]
-    + [(rl_refit.PRESETS[0], route) for route in rl_refit.ROUTES[1:]]))
-def test_two_steps_refit_is_bitwise_and_in_generator_layout(layouts, route):
-  cfg = dataclasses.replace(SMALL, layouts=layouts, route=route)
-  trainer, generator = rl_refit.make_sides(cfg, jax.devices())
-  _check_refit(rl_refit.run(cfg), cfg, trainer, generator)
+# Every preset and route, each generator dtype with and without overlap (one run each).
+CASES = (
+    (rl_refit.PRESETS[0], "hierarchical", "bfloat16", True),     # the defaults
+    (rl_refit.PRESETS[1], "hierarchical", "float8_e4m3fn", True),
+    (rl_refit.PRESETS[2], "hierarchical", "float32", False),
+    (rl_refit.PRESETS[3], "hierarchical", "bfloat16", False),
+    (rl_refit.PRESETS[0], "flat", "float8_e4m3fn", False),
+    (rl_refit.PRESETS[0], "gather_bcast", "float32", True),
+)
 
 
-@pytest.mark.parametrize("generator_dtype,overlap", (
-    ("bfloat16", False), ("float8_e4m3fn", True), ("float32", False)))
-def test_generator_dtype_and_overlap(generator_dtype, overlap):
-  cfg = dataclasses.replace(SMALL, generator_dtype=generator_dtype, overlap=overlap,
-                            timing_reps=2)
+@pytest.mark.parametrize("layouts,route,generator_dtype,overlap", CASES)
+def test_two_steps_refit_is_bitwise_and_in_generator_layout(
+    layouts, route, generator_dtype, overlap):
+  cfg = dataclasses.replace(SMALL, layouts=layouts, route=route,
+                            generator_dtype=generator_dtype, overlap=overlap)
   trainer, generator = rl_refit.make_sides(cfg, jax.devices())
   result = rl_refit.run(cfg)
   _check_refit(result, cfg, trainer, generator)
   assert len(result.returned_early) == (cfg.steps if overlap else 0)
   assert {k: len(v) for k, v in result.step_ms.items()} == {
-      "waited": 2, "overlapped": 2}
+      "waited": cfg.timing_reps, "overlapped": cfg.timing_reps}
   assert all(ms > 0 for v in result.step_ms.values() for ms in v)
   assert set(result.waited_phase_ms) == {"refit", "rollout", "train"}
   converting = generator_dtype != "float32"
-  assert list(result.engine_ms)[-1] == (
-      "astype + jax.device_put" if converting else "jax.device_put")
-  assert all(len(ms) == 2 for ms in result.engine_ms.values())
+  assert list(result.engine_ms) == (
+      [f"jax_m2n.reshard(dtype={generator_dtype})", "astype + jax_m2n.reshard",
+       "astype + jax.device_put"] if converting else
+      ["jax_m2n.reshard", "jax.device_put"])
+  assert all(len(ms) == cfg.timing_reps for ms in result.engine_ms.values())
 
 
 def test_sample_widens_fp8_weights():
