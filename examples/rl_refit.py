@@ -111,9 +111,9 @@ class RefitConfig:
       "weights are widened to bfloat16 where the generator uses them",
       GENERATOR_DTYPES)
   overlap: bool = _option(
-      True, "overlap the refit with the work that needs no new weights (the next "
-      "prompts, enqueueing the rollout) instead of waiting for it; the timing at "
-      "the end measures both ways")
+      True, "overlap the refit with the work that needs no new weights (drawing the "
+      "step's prompts, enqueueing the generation) instead of waiting for it; the "
+      "timing at the end measures both ways")
   layers: int = _option(2, "transformer layers")
   d_model: int = _option(64, "model width")
   heads: int = _option(4, "attention heads")
@@ -127,10 +127,11 @@ class RefitConfig:
   seed: int = _option(0, "seed of parameters, prompts and sampling")
   window: int = _option(20, "steps per moving average of the reward")
   log_every: int = _option(25, "print a progress line every this many steps")
-  timing_reps: int = _option(10, "timed repetitions per way at the end (after 3 "
-                             "warm-ups): refits per engine (jax_m2n.reshard with "
-                             "dtype= vs astype + jax.device_put), and blocks of "
-                             f"{TIMING_BLOCK} RL steps with and without overlap")
+  timing_reps: int = _option(10, "timed repetitions per way at the end: blocks of "
+                             f"{TIMING_BLOCK} RL steps with and without overlap "
+                             "(after one warm-up block each), and refits per engine "
+                             "(jax_m2n.reshard with dtype= vs astype + "
+                             "jax.device_put; after 3 warm-ups)")
   progress: bool = _option(True, "draw a progress bar (needs rich)")
   json_out: str = _option("", "write the metrics as JSON to this path")
 
