@@ -1,14 +1,17 @@
 r"""RL weight refit with jax_m2n: a small policy learns to reverse digit strings.
 
-The trainer updates a decoder-only transformer in its layout (default FSDP x TP on one
-half of the devices); before every rollout `jax_m2n.reshard` moves the whole parameter
-pytree, in one call, into the generator's layout (default TP x DP on the other half),
-where jitted sampling answers a batch of prompts. Owns the demo loop only: weights
-reach the generator through `jax_m2n.reshard` alone (`jax.device_put` runs only at the
-end, as the baseline it is timed against).
+The trainer updates a decoder-only transformer in float32, in its layout (default FSDP
+x TP on one half of the devices); before every rollout `jax_m2n.reshard(params, dst,
+dtype=...)` moves the whole parameter pytree, in one call, into the generator's layout
+(default TP x DP on the other half) and dtype (bfloat16, or float8_e4m3fn), converting
+on the way; jitted sampling then answers a batch of prompts. With --overlap (the
+default) the refit runs behind the host's work that needs no new weights. Owns the demo
+loop only: weights reach the generator through `jax_m2n.reshard` alone (`astype` +
+`jax.device_put` runs only at the end, as the baseline it is timed against).
 
 Usage (from the repository root; without a GPU it runs on 8 CPU devices):
   python -m examples.rl_refit                                   # fsdp2xtp2->tp2xdp2
+  python -m examples.rl_refit --generator_dtype=float8_e4m3fn --nooverlap
   python -m examples.rl_refit --layouts='fsdp4->tp2xdp2@same' --route=flat
   python -m examples.rl_refit --generator_mesh=data=2,model=2 \
       --generator_specs=batch=data,hidden=model,vocab=model
@@ -33,6 +36,7 @@ _default_to_cpu_devices()
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import re
@@ -70,6 +74,9 @@ PARAM_AXES = {
 NUM_DIGITS = 10
 SEP = NUM_DIGITS      # token between prompt and answer
 VOCAB = 16            # 10 digits + SEP, padded so TP up to 16 divides it
+# The generator's weight dtypes (the trainer keeps float32; float32 here: no conversion).
+GENERATOR_DTYPES = ("bfloat16", "float8_e4m3fn", "float32")
+TIMING_BLOCK = 5      # RL steps per timed block in the overlap comparison
 
 
 def _option(default, help_text, choices=None):
@@ -98,6 +105,15 @@ class RefitConfig:
       0, "devices each side may use (0: half of all, or all with @same); a preset "
       "layout larger than that is halved from its rightmost axis")
   route: str = _option(ROUTES[0], "jax_m2n.reshard route", ROUTES)
+  generator_dtype: str = _option(
+      GENERATOR_DTYPES[0], "the generator's weight dtype; the refit converts the "
+      "trainer's float32 weights on the way (jax_m2n.reshard(..., dtype=)); 8-bit "
+      "weights are widened to bfloat16 where the generator uses them",
+      GENERATOR_DTYPES)
+  overlap: bool = _option(
+      True, "overlap the refit with the work that needs no new weights (drawing the "
+      "step's prompts, enqueueing the generation) instead of waiting for it; the "
+      "timing at the end measures both ways")
   layers: int = _option(2, "transformer layers")
   d_model: int = _option(64, "model width")
   heads: int = _option(4, "attention heads")
@@ -111,8 +127,11 @@ class RefitConfig:
   seed: int = _option(0, "seed of parameters, prompts and sampling")
   window: int = _option(20, "steps per moving average of the reward")
   log_every: int = _option(25, "print a progress line every this many steps")
-  timing_reps: int = _option(10, "timed refits per engine at the end (after 3 "
-                             "warm-ups): jax_m2n.reshard vs jax.device_put")
+  timing_reps: int = _option(10, "timed repetitions per way at the end: blocks of "
+                             f"{TIMING_BLOCK} RL steps with and without overlap "
+                             "(after one warm-up block each), and refits per engine "
+                             "(jax_m2n.reshard with dtype= vs astype + "
+                             "jax.device_put; after 3 warm-ups)")
   progress: bool = _option(True, "draw a progress bar (needs rich)")
   json_out: str = _option("", "write the metrics as JSON to this path")
 
@@ -283,14 +302,20 @@ def policy_logits(params, tokens, heads):
 
 
 def sample(params, prompts, key, *, heads):
-  """Answers each prompt autoregressively; returns [batch, seq_len] tokens."""
+  """Answers each prompt autoregressively; returns [batch, seq_len] tokens.
+
+  Computes in the weights' dtype; 8-bit weights are widened to bfloat16 first (JAX
+  does not promote float8 implicitly), as weight-only fp8 inference does.
+  """
+  params = jax.tree.map(
+      lambda w: w.astype(jnp.bfloat16) if w.dtype.itemsize == 1 else w, params)
   batch, digits = prompts.shape
   tokens = jnp.zeros((batch, 2 * digits + 1), jnp.int32)
   tokens = tokens.at[:, :digits].set(prompts).at[:, digits].set(SEP)
 
   def next_token(i, tokens):
     # Recomputes the whole (short) sequence instead of keeping a KV cache.
-    logits = policy_logits(params, tokens, heads)[:, digits + i]
+    logits = policy_logits(params, tokens, heads)[:, digits + i].astype(jnp.float32)
     token = jax.random.categorical(jax.random.fold_in(key, i), logits)
     return tokens.at[:, digits + 1 + i].set(token.astype(jnp.int32))
 
@@ -357,16 +382,19 @@ def checksums(params):
 @dataclasses.dataclass
 class RefitResult:
   """What a run produced; the test and the docs read these."""
-  trainer_params: Any
-  generator_params: Any          # the last refit's output
+  trainer_params: Any            # float32, the trainer's layout
+  generator_params: Any          # the last refit's output: generator's layout and dtype
   generator_shardings: Any
   rewards: list                  # per step: mean per-digit reward
   exact: list                    # per step: fraction of exact answers
-  checksums_equal: list          # per step: trainer vs generator, every leaf
-  times_ms: dict                 # phase -> per-step list (train, refit, rollout)
-  reshard_ms: list               # the final comparison, jax_m2n.reshard
-  device_put_ms: list            # ... and jax.device_put of the same pytree
-  baseline_equal: bool           # device_put's output bitwise equals reshard's
+  checksums_equal: list          # per step: generator's vs astype of trainer's, every leaf
+  times_ms: dict                 # per step: refit, rollout, train (see rl_step), step
+  returned_early: list           # per step with overlap: the refit call returned before
+                                 # its outputs were ready
+  step_ms: dict                  # "waited", "overlapped": ms per RL step, per timed block
+  waited_phase_ms: dict          # refit, rollout, train: ms per step in the waited blocks
+  engine_ms: dict                # refit engine -> ms per refit (the final comparison)
+  baseline_equal: bool           # astype + device_put's output bitwise equals the refit's
   reward_went_up: Optional[bool] = None   # last vs first window; None: too few steps
 
 
@@ -399,10 +427,14 @@ class _Display:
       self._bar.stop()
 
 
+def _ms_since(start):
+  return 1e3 * (time.perf_counter() - start)
+
+
 def _timed(fn, *args):
   start = time.perf_counter()
   out = jax.block_until_ready(fn(*args))
-  return out, 1e3 * (time.perf_counter() - start)
+  return out, _ms_since(start)
 
 
 def run(cfg: RefitConfig, devices: Optional[list] = None) -> RefitResult:
@@ -429,10 +461,14 @@ def run(cfg: RefitConfig, devices: Optional[list] = None) -> RefitResult:
                   out_shardings=train_shardings)
   opt_state = (zeros(params), zeros(params),
                jax.device_put(jnp.zeros((), jnp.int32), trainer.sharding(())))
+  gen_dtype = jnp.dtype(cfg.generator_dtype)
+  converting = gen_dtype != jnp.float32
   nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
-  log.print(f"policy: {len(jax.tree.leaves(params))} tensors, "
-            f"{nbytes / 2**20:.2f} MiB; task: reverse {cfg.digits} digits; "
-            f"refit route: {cfg.route}")
+  gen_nbytes = sum(x.size for x in jax.tree.leaves(params)) * gen_dtype.itemsize
+  log.print(f"policy: {len(jax.tree.leaves(params))} tensors, {nbytes / 2**20:.2f} "
+            f"MiB in float32 on the trainer, {gen_nbytes / 2**20:.2f} MiB in "
+            f"{gen_dtype.name} on the generator; task: reverse {cfg.digits} digits; "
+            f"refit route: {cfg.route}; overlap: {'on' if cfg.overlap else 'off'}")
 
   train_batch = trainer.sharding(("batch", None))
   gen_batch = generator.sharding(("batch", None))
@@ -441,92 +477,170 @@ def run(cfg: RefitConfig, devices: Optional[list] = None) -> RefitResult:
       out_shardings=(train_shardings, jax.tree.map(lambda x: x.sharding, opt_state),
                      trainer.sharding(())))
   sample_fn = jax.jit(sample, static_argnames=("heads",), out_shardings=gen_batch)
+  to_gen_dtype = lambda p: jax.tree.map(lambda x: x.astype(gen_dtype), p)
+  astype = jax.jit(to_gen_dtype)   # the baselines' cast, on the trainer
   checksum_fn = jax.jit(checksums)
-  # The refit: the whole parameter pytree in one call, one transfer plan.
-  refit = lambda p: jax_m2n.reshard(p, gen_shardings, route=cfg.route)
+  trainer_checksum_fn = jax.jit(lambda p: checksums(to_gen_dtype(p)))
+
+  # The refit: the whole parameter pytree in one call, one transfer plan, converted to
+  # the generator's dtype on the way (narrowed before the bytes leave the trainer).
+  refit = lambda p: jax_m2n.reshard(p, gen_shardings, dtype=gen_dtype, route=cfg.route)
 
   rng = np.random.default_rng(cfg.seed)
   prompts_per_step = cfg.batch_size // cfg.group_size
-  times = {"train": [], "refit": [], "rollout": []}
-  rewards, exact, equal = [], [], []
 
   def check_equal(params, gen_params, when):
-    """Verification, outside the timed phases: each side checksums its own copy."""
-    sums = jax.device_get((checksum_fn(params), checksum_fn(gen_params)))
+    """Verification: each side checksums its own copy (the trainer its astype)."""
+    sums = jax.device_get((trainer_checksum_fn(params), checksum_fn(gen_params)))
     if not np.array_equal(*sums):
       raise RuntimeError(f"rl_refit: {when}: the generator's parameters must equal "
-                         "the trainer's bitwise; the checksums of leaves "
+                         f"the trainer's cast to {gen_dtype.name} bitwise; the "
+                         "checksums of leaves "
                          f"{np.flatnonzero(sums[0] != sums[1]).tolist()} differ.")
-    return True
 
-  for step in range(cfg.steps):
-    gen_params, refit_ms = _timed(refit, params)
-    equal.append(check_equal(params, gen_params, f"step {step}"))
+  def rl_step(params, opt_state, step, overlap, verify):
+    """One RL step: refit, rollout (generation + the verifier), train.
+
+    Without overlap the host waits for each phase before it starts the next. With
+    overlap it waits only where it needs a value (the verifier needs the tokens):
+    `jax_m2n.reshard` returns once the refit is enqueued on every device (as
+    `jax.device_put` does), and while the weights stream to the generator the host
+    draws the step's prompts, puts them on the generator's devices and enqueues the
+    generation, which each device starts when its weights have landed; the train
+    step is enqueued too, and the next step's refit waits for it on the devices.
+    Verification (each side's checksums) is left out of the phase times. Returns the
+    trainer's new state, the generator's weights, the per-digit rewards, the phase
+    times in ms and whether the refit returned before its outputs were ready.
+    """
+    wait = (lambda x: x) if overlap else jax.block_until_ready
+    start = time.perf_counter()
+    gen_params = wait(refit(params))
+    refit_ms = _ms_since(start)
+    early = verify and not all(x.is_ready() for x in jax.tree.leaves(gen_params))
 
     start = time.perf_counter()
+    # The step's data work, which needs no weights: prompts, on the generator's side.
     prompts = np.repeat(rng.integers(0, NUM_DIGITS, (prompts_per_step, cfg.digits)),
                         cfg.group_size, axis=0).astype(np.int32)
     tokens = np.asarray(sample_fn(gen_params, jax.device_put(prompts, gen_batch),
                                   jax.random.fold_in(key, step + 1), heads=cfg.heads))
     correct, advantages = rewards_and_advantages(prompts, tokens, cfg.group_size)
-    rollout_ms = 1e3 * (time.perf_counter() - start)
+    rollout_ms = _ms_since(start)
+    if verify:   # before train_fn donates params
+      check_equal(params, gen_params, f"step {step}")
 
-    (params, opt_state, _), train_ms = _timed(
-        lambda: train_fn(params, opt_state, jax.device_put(tokens, train_batch),
-                         jax.device_put(advantages, train_batch),
-                         heads=cfg.heads, learning_rate=cfg.learning_rate))
-    times["train"].append(train_ms)
-    times["refit"].append(refit_ms)
-    times["rollout"].append(rollout_ms)
+    start = time.perf_counter()
+    params, opt_state, _ = wait(train_fn(
+        params, opt_state, jax.device_put(tokens, train_batch),
+        jax.device_put(advantages, train_batch), heads=cfg.heads,
+        learning_rate=cfg.learning_rate))
+    train_ms = _ms_since(start)
+    return (params, opt_state, gen_params, correct, (refit_ms, rollout_ms, train_ms),
+            early)
+
+  times = {"refit": [], "rollout": [], "train": [], "step": []}
+  rewards, exact, equal, returned_early = [], [], [], []
+  for step in range(cfg.steps):
+    params, opt_state, gen_params, correct, phase_ms, early = rl_step(
+        params, opt_state, step, cfg.overlap, verify=True)
+    equal.append(True)   # rl_step raised otherwise
+    for phase, ms in zip(("refit", "rollout", "train", "step"),
+                         phase_ms + (sum(phase_ms),)):
+      times[phase].append(ms)
+    if cfg.overlap:
+      returned_early.append(early)
     rewards.append(float(correct.mean()))
     exact.append(float(correct.all(1).mean()))
-    status = (f"reward {rewards[-1]:.3f} exact {exact[-1]:.3f} | train {train_ms:.0f} "
-              f"refit {refit_ms:.1f} rollout {rollout_ms:.0f} ms")
+    status = f"reward {rewards[-1]:.3f} exact {exact[-1]:.3f} | " + (
+        f"step {sum(phase_ms):.0f} ms, refit returned in {phase_ms[0]:.1f} ms"
+        if cfg.overlap else "refit {:.1f} rollout {:.0f} train {:.0f} ms".format(
+            *phase_ms))
     log.update(status)
     if step % cfg.log_every == 0 or step == cfg.steps - 1:
       log.print(f"step {step:4d}  {status} | checksums equal")
+  start = time.perf_counter()
+  jax.block_until_ready(params)   # with overlap the last train step may still run
+  if times["train"]:
+    times["train"][-1] += _ms_since(start)
+    times["step"][-1] += _ms_since(start)
   log.close()
+
+  # The step with and without overlap: blocks of real RL steps (they keep training),
+  # interleaved, each block ending when its last train step is done.
+  steps_done = itertools.count(cfg.steps)
+  waited_phases = []
+
+  def timed_block(overlap):
+    nonlocal params, opt_state
+    start = time.perf_counter()
+    for _ in range(TIMING_BLOCK):
+      params, opt_state, _, _, phase_ms, _ = rl_step(
+          params, opt_state, next(steps_done), overlap, verify=False)
+      if not overlap:
+        waited_phases.append(phase_ms)
+    jax.block_until_ready(params)
+    return _ms_since(start) / TIMING_BLOCK
+
+  step_ms = {"waited": [], "overlapped": []}
+  for rep in range(1 + cfg.timing_reps):   # one warm-up block each
+    for name, overlap in (("waited", False), ("overlapped", True)):
+      ms = timed_block(overlap)
+      if rep:
+        step_ms[name].append(ms)
+  waited_phase_ms = dict(zip(("refit", "rollout", "train"), np.mean(
+      waited_phases[TIMING_BLOCK:], axis=0).tolist())) if cfg.timing_reps else {}
 
   gen_params = refit(params)
   check_equal(params, gen_params, "after the last step")
-  reshard_ms, device_put_ms = _compare_refits(
-      params, refit, lambda p: jax.device_put(p, gen_shardings), cfg.timing_reps)
-  baseline = jax.device_put(params, gen_shardings)
+  if converting:
+    engines = {
+        f"jax_m2n.reshard(dtype={gen_dtype.name})": refit,
+        "astype + jax_m2n.reshard":
+            lambda p: jax_m2n.reshard(astype(p), gen_shardings, route=cfg.route),
+        "astype + jax.device_put": lambda p: jax.device_put(astype(p), gen_shardings)}
+  else:
+    engines = {"jax_m2n.reshard": refit,
+               "jax.device_put": lambda p: jax.device_put(p, gen_shardings)}
+  engine_ms = _compare_refits(params, engines, cfg.timing_reps)
+  baseline = jax.device_put(astype(params), gen_shardings)
   baseline_equal = all(
+      a.dtype == b.dtype and
       np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
       for a, b in zip(jax.tree.leaves(gen_params), jax.tree.leaves(baseline)))
   result = RefitResult(params, gen_params, gen_shardings, rewards, exact, equal,
-                       times, reshard_ms, device_put_ms, baseline_equal)
+                       times, returned_early, step_ms, waited_phase_ms, engine_ms,
+                       baseline_equal)
   if len(rewards) >= 2 * cfg.window:
     result.reward_went_up = bool(
         np.mean(rewards[-cfg.window:]) > np.mean(rewards[:cfg.window]))
-  _report(cfg, result, nbytes)
+  _report(cfg, result, nbytes, gen_nbytes)
   return result
 
 
-def _compare_refits(params, refit, device_put, reps, warmups=3):
-  """Times both engines, interleaved, after warm-ups, each call on a fresh copy of
+def _compare_refits(params, engines, reps, warmups=3):
+  """Times each engine, interleaved, after warm-ups, each call on a fresh copy of
   `params` (new buffers, as after a train step; the same bits)."""
   copy = jax.jit(lambda p, one: jax.tree.map(lambda x: x * one, p))  # not folded away
-  timings = ([], [])
+  timings = {name: [] for name in engines}
   for rep in range(warmups + reps):
-    for engine, out in zip((refit, device_put), timings):
+    for name, engine in engines.items():
       _, ms = _timed(engine, jax.block_until_ready(copy(params, 1.0)))
       if rep >= warmups:
-        out.append(ms)
+        timings[name].append(ms)
   return timings
 
 
-def _report(cfg, result, nbytes):
-  """Prints learning (first vs last moving average) and the time table."""
+def _report(cfg, result, nbytes, gen_nbytes):
+  """Prints learning (first vs last moving average) and the time tables."""
   w = min(cfg.window, max(1, len(result.rewards) // 2))
   first, last = np.mean(result.rewards[:w]), np.mean(result.rewards[-w:])
   first_exact, last_exact = np.mean(result.exact[:w]), np.mean(result.exact[-w:])
+  dtype = cfg.generator_dtype
   print(f"\nreward (mean per-digit, moving average of {w} steps): first {first:.3f} -> "
         f"last {last:.3f}; exact answers {first_exact:.3f} -> {last_exact:.3f}")
-  print(f"checksums equal on all {len(result.checksums_equal)} steps: "
-        f"{all(result.checksums_equal)}; device_put output equals reshard output: "
-        f"{result.baseline_equal}")
+  print(f"checksums equal (generator's {dtype} = astype of the trainer's float32) on "
+        f"all {len(result.checksums_equal)} steps: {all(result.checksums_equal)}; "
+        f"astype + device_put output equals the refit's: {result.baseline_equal}")
 
   # The first step compiles everything (and plans the refit); it is left out unless
   # it is the only one.
@@ -534,43 +648,62 @@ def _report(cfg, result, nbytes):
   print("first step (compiling): " + ", ".join(
       f"{phase} {ms[0]:.0f} ms" for phase, ms in result.times_ms.items()))
   phase_ms = {k: float(np.mean(v[skip:])) for k, v in result.times_ms.items()}
-  step_ms = sum(phase_ms.values())
-  print(f"\nper RL step, mean of steps {skip + 1}-{len(result.rewards)} "
-        f"(route={cfg.route}, {nbytes / 2**20:.2f} MiB of parameters):\n")
-  print("| phase | ms / step | share of step |\n| --- | ---: | ---: |")
-  for phase in ("train", "refit", "rollout"):
-    share = 100 * phase_ms[phase] / step_ms
-    print(f"| {phase} | {phase_ms[phase]:.1f} | {share:.1f}% |")
-  print(f"| step | {step_ms:.1f} | 100% |")
+  print(f"\nper RL step in the loop, mean of steps {skip + 1}-{len(result.rewards)} "
+        f"(route={cfg.route}, overlap {'on' if cfg.overlap else 'off'}):\n")
+  if cfg.overlap:
+    early = result.returned_early[skip:]
+    print(f"step {phase_ms['step']:.1f} ms; the refit call returned after "
+          f"{phase_ms['refit']:.2f} ms, before its weights had landed in "
+          f"{sum(early)} of {len(early)} steps")
+    if not any(early):
+      print("(this jax_m2n.reshard waited for its transfer: nothing overlapped it)")
+  else:
+    print("| phase | ms / step | share of step |\n| --- | ---: | ---: |")
+    for phase in ("train", "refit", "rollout"):
+      share = 100 * phase_ms[phase] / phase_ms["step"]
+      print(f"| {phase} | {phase_ms[phase]:.1f} | {share:.1f}% |")
+    print(f"| step | {phase_ms['step']:.1f} | 100% |")
 
-  other_ms = step_ms - phase_ms["refit"]
-  print(f"\nrefit of the same pytree (fresh copies), {len(result.reshard_ms)} reps "
-        "after warm-up, engines interleaved (refit share: if this engine did every "
-        "step's refit):\n")
-  print("| engine | mean ms | min ms | refit share of step |\n"
-        "| --- | ---: | ---: | ---: |")
-  for name, ms in ((f"jax_m2n.reshard ({cfg.route})", result.reshard_ms),
-                   ("jax.device_put", result.device_put_ms)):
-    mean = float(np.mean(ms))
-    share = 100 * mean / (other_ms + mean)
-    print(f"| {name} | {mean:.2f} | {min(ms):.2f} | {share:.1f}% |")
-  print(f"\njax.device_put / jax_m2n.reshard: "
-        f"{np.mean(result.device_put_ms) / np.mean(result.reshard_ms):.2f}x")
+  if cfg.timing_reps:
+    waited, overlapped = (np.array(result.step_ms[k]) for k in ("waited", "overlapped"))
+    refit_share = 100 * result.waited_phase_ms["refit"] / np.mean(waited)
+    print(f"\nRL step with the refit waited for vs overlapped: {len(waited)} blocks of "
+          f"{TIMING_BLOCK} steps each way after a warm-up, interleaved:\n")
+    print("| refit | ms / step, mean | min | median |\n| --- | ---: | ---: | ---: |")
+    for name, ms in (("waited for (--nooverlap)", waited),
+                     ("overlapped (--overlap)", overlapped)):
+      print(f"| {name} | {ms.mean():.2f} | {ms.min():.2f} | {np.median(ms):.2f} |")
+    change = np.median(overlapped) - np.median(waited)
+    print(f"\nwith overlap the step takes {change:+.2f} ms "
+          f"({100 * change / np.median(waited):+.1f}%, medians); the waited-for refit "
+          f"takes {result.waited_phase_ms['refit']:.2f} ms ({refit_share:.1f}% of the "
+          "waited-for step)")
+
+    print(f"\nrefit of the same pytree (fresh copies), {cfg.timing_reps} reps after "
+          "warm-up, engines interleaved, each waited for:\n")
+    print("| engine | mean ms | min ms |\n| --- | ---: | ---: |")
+    for name, ms in result.engine_ms.items():
+      print(f"| {name} | {np.mean(ms):.2f} | {min(ms):.2f} |")
+    names = list(result.engine_ms)
+    print(f"\n{names[-1]} / {names[0]}: "
+          f"{np.mean(result.engine_ms[names[-1]]) / np.mean(result.engine_ms[names[0]]):.2f}x")
 
   if result.reward_went_up is not None:
     print("learning: " + ("reward went up" if result.reward_went_up
                           else "REWARD DID NOT GO UP"))
   if cfg.json_out:
     with open(cfg.json_out, "w") as f:
-      json.dump({"version": 1, "config": dataclasses.asdict(cfg),
+      json.dump({"version": 2, "config": dataclasses.asdict(cfg),
                  "platform": jax.devices()[0].platform,
                  "device_kind": jax.devices()[0].device_kind,
-                 "param_bytes": nbytes, "phase_ms": phase_ms,
-                 "reshard_ms": result.reshard_ms,
-                 "device_put_ms": result.device_put_ms,
+                 "param_bytes": nbytes, "generator_param_bytes": gen_nbytes,
+                 "phase_ms": phase_ms,
+                 "returned_early": result.returned_early,
+                 "step_ms": result.step_ms,
+                 "waited_phase_ms": result.waited_phase_ms,
+                 "engine_ms": result.engine_ms,
                  "rewards": result.rewards, "exact": result.exact,
                  "reward_went_up": result.reward_went_up}, f, indent=1)
-
 
 # ---------------------------------------------------------------- command line
 

@@ -1,8 +1,10 @@
 """Tier 0: the RL refit example (examples/rl_refit.py), two small steps, 8 CPU devices.
 
 Checks the example's claims end to end: after every refit the generator's parameters
-equal the trainer's bitwise, sit in the generator's shardings on the generator's
-devices, and equal what `jax.device_put` delivers. Also its layout flags and checksum.
+equal the trainer's float32 ones cast to the generator's dtype (`astype`) bitwise, sit
+in the generator's shardings on the generator's devices, and equal what `astype` +
+`jax.device_put` delivers; with and without overlap, for every generator dtype. Also
+its layout flags and checksum.
 """
 
 import dataclasses
@@ -24,29 +26,68 @@ def _bits(x):
   return np.asarray(x).view(np.uint8)
 
 
-@pytest.mark.parametrize("layouts,route", (
-    [(layouts, "hierarchical") for layouts in rl_refit.PRESETS]
-    + [(rl_refit.PRESETS[0], route) for route in rl_refit.ROUTES[1:]]))
-def test_two_steps_refit_is_bitwise_and_in_generator_layout(layouts, route):
-  cfg = dataclasses.replace(SMALL, layouts=layouts, route=route)
-  trainer, generator = rl_refit.make_sides(cfg, jax.devices())
-  result = rl_refit.run(cfg)
-
-  assert result.checksums_equal == [True, True]
+def _check_refit(result, cfg, trainer, generator):
+  """The last refit: generator layout and devices, astype of the trainer's bitwise."""
+  assert result.checksums_equal == [True] * cfg.steps
   assert result.baseline_equal
   generator_devices = set(generator.mesh.devices.flat)
   trainer_devices = set(trainer.mesh.devices.flat)
-  assert layouts.endswith("@same") or not generator_devices & trainer_devices
+  assert cfg.layouts.endswith("@same") or not generator_devices & trainer_devices
   flat_dst, treedef = jax.tree.flatten(result.generator_shardings)
   assert treedef == jax.tree.structure(result.trainer_params)
   for src, dst, dst_sharding in zip(jax.tree.leaves(result.trainer_params),
                                     jax.tree.leaves(result.generator_params), flat_dst):
+    assert src.dtype == jnp.float32
+    assert dst.dtype == jnp.dtype(cfg.generator_dtype)
     assert dst_sharding.mesh == generator.mesh
     assert dst.sharding.is_equivalent_to(dst_sharding, dst.ndim)
     assert dst.sharding.device_set == generator_devices
     assert src.sharding.device_set == trainer_devices
-    np.testing.assert_array_equal(_bits(dst), _bits(src))
-  assert all(len(t) == 2 for t in result.times_ms.values())
+    np.testing.assert_array_equal(_bits(dst), _bits(src.astype(dst.dtype)))
+  assert all(len(t) == cfg.steps for t in result.times_ms.values())
+
+
+# Every preset and route, each generator dtype with and without overlap (one run each).
+CASES = (
+    (rl_refit.PRESETS[0], "hierarchical", "bfloat16", True),     # the defaults
+    (rl_refit.PRESETS[1], "hierarchical", "float8_e4m3fn", True),
+    (rl_refit.PRESETS[2], "hierarchical", "float32", False),
+    (rl_refit.PRESETS[3], "hierarchical", "bfloat16", False),
+    (rl_refit.PRESETS[0], "flat", "float8_e4m3fn", False),
+    (rl_refit.PRESETS[0], "gather_bcast", "float32", True),
+)
+
+
+@pytest.mark.parametrize("layouts,route,generator_dtype,overlap", CASES)
+def test_two_steps_refit_is_bitwise_and_in_generator_layout(
+    layouts, route, generator_dtype, overlap):
+  cfg = dataclasses.replace(SMALL, layouts=layouts, route=route,
+                            generator_dtype=generator_dtype, overlap=overlap)
+  trainer, generator = rl_refit.make_sides(cfg, jax.devices())
+  result = rl_refit.run(cfg)
+  _check_refit(result, cfg, trainer, generator)
+  assert len(result.returned_early) == (cfg.steps if overlap else 0)
+  assert {k: len(v) for k, v in result.step_ms.items()} == {
+      "waited": cfg.timing_reps, "overlapped": cfg.timing_reps}
+  assert all(ms > 0 for v in result.step_ms.values() for ms in v)
+  assert set(result.waited_phase_ms) == {"refit", "rollout", "train"}
+  converting = generator_dtype != "float32"
+  assert list(result.engine_ms) == (
+      [f"jax_m2n.reshard(dtype={generator_dtype})", "astype + jax_m2n.reshard",
+       "astype + jax.device_put"] if converting else
+      ["jax_m2n.reshard", "jax.device_put"])
+  assert all(len(ms) == cfg.timing_reps for ms in result.engine_ms.values())
+
+
+def test_sample_widens_fp8_weights():
+  params = rl_refit.init_params(jax.random.key(0), SMALL)
+  prompts = jnp.zeros((4, SMALL.digits), jnp.int32)
+  for dtype in (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn):
+    cast = jax.tree.map(lambda x: x.astype(dtype), params)
+    tokens = rl_refit.sample(cast, prompts, jax.random.key(1), heads=SMALL.heads)
+    assert tokens.shape == (4, SMALL.seq_len)
+    assert ((tokens[:, SMALL.digits + 1:] >= 0)
+            & (tokens[:, SMALL.digits + 1:] < rl_refit.NUM_DIGITS)).all()
 
 
 def test_default_layouts_shard_params_differently_on_each_side():
