@@ -2,14 +2,11 @@
 failing device and chains its cause, and the same reshard then works 3 times.
 
 Injected for real: an output allocation that runs out of memory on one device (an
-address-space limit, in a subprocess; XLA allocates it after the call has returned, so
-the error surfaces at block_until_ready and as a ReshardError at the next call), a
-source shard deleted behind its array's back, an exception and a KeyboardInterrupt
-raised while one device's program is dispatched (the eager path's fault hook, on the
-calling thread), a peer that never comes (its program not dispatched; waited for with
-block=True), and Ctrl-C (SIGINT) while the caller waits (block=True). Times are bounded
-generously (this is a shared 2-core machine); the measured times go to the test log
-(`-s`) for the report. tests/async_test.py covers the asynchronous error paths.
+address-space limit, in a subprocess), a source shard deleted behind its array's back,
+an exception and a KeyboardInterrupt raised on one device's worker thread (the eager
+path's fault hook), a peer that never comes (its program not dispatched), and Ctrl-C
+(SIGINT) while the caller waits. Times are bounded generously (this is a shared 2-core
+machine); the measured times go to the test log (`-s`) for the report.
 """
 
 import os
@@ -82,16 +79,11 @@ def hook():
 
 
 @pytest.mark.parametrize("kind", ["exception", "keyboard_interrupt"])
-def test_dispatch_failure_fails_fast_with_cause_then_heals(devs, hook, kind):
-  """A failure while device 6's program is dispatched (devices 4 and 5 already run
-  theirs): known before the call returns, so the call raises it at once - an exception
-  as a ReshardRuntimeError naming the device with the cause chained, a
-  KeyboardInterrupt as itself (the calling thread was interrupted) - after the
-  dispatched programs have stopped; every device is back in step."""
+def test_worker_failure_fails_fast_with_cause_then_heals(devs, hook, kind):
   host, x = source(devs)
   dst = dest(devs)
   heals(x, host, dst, times=1)
-  injected = (RuntimeError("injected dispatch failure") if kind == "exception"
+  injected = (RuntimeError("injected worker failure") if kind == "exception"
               else KeyboardInterrupt("injected interrupt"))
 
   def fail_on_6(device_id, phase):
@@ -99,19 +91,15 @@ def test_dispatch_failure_fails_fast_with_cause_then_heals(devs, hook, kind):
       raise injected
   hook(fail_on_6)
   t = time.perf_counter()
-  expected = jax_m2n.ReshardRuntimeError if kind == "exception" else KeyboardInterrupt
-  with pytest.raises(expected) as info:
+  with pytest.raises(jax_m2n.ReshardRuntimeError) as info:
     jax_m2n.reshard(x, dst, timeout_s=TIMEOUT_S)
   fail_s = time.perf_counter() - t
   hook(None)
   assert fail_s < FAST_S, fail_s
-  if kind == "exception":
-    assert "device 6" in str(info.value) and str(injected) in str(info.value), info.value
-    assert info.value.__cause__ is injected
-  else:
-    assert info.value is injected
+  assert "device 6" in str(info.value) and str(injected) in str(info.value), info.value
+  assert info.value.__cause__ is injected
   assert in_step(x, dst)[0], in_step(x, dst)
-  report(f"{kind} while dispatching", fail_s, heals(x, host, dst))
+  report(f"{kind} in worker", fail_s, heals(x, host, dst))
 
 
 def test_deleted_shard_fails_before_dispatch_then_heals(devs):
@@ -141,8 +129,7 @@ def test_peer_that_never_comes_times_out_then_heals(devs):
   fn = next(eager._eager_cache[k] for k in eager._eager_cache if k[4] == 500)
   t = time.perf_counter()
   with pytest.raises(jax_m2n.ReshardTimeoutError, match=r"devices \[7\] did not arrive"):
-    fn([x], False, devices=[p.device.id for p in fn.programs if p.device.id != 7],
-       block=True)
+    fn([x], False, devices=[p.device.id for p in fn.programs if p.device.id != 7])
   fail_s = time.perf_counter() - t
   assert fail_s < 0.5 + FAST_S
   del short
@@ -166,8 +153,7 @@ def test_ctrl_c_while_waiting_interrupts_within_a_second_then_heals(devs):
   timer.start()
   t = time.perf_counter()
   with pytest.raises(KeyboardInterrupt):  # device 7 never comes: the call would wait 60 s
-    fn([x], False, devices=[p.device.id for p in fn.programs if p.device.id != 7],
-       block=True)
+    fn([x], False, devices=[p.device.id for p in fn.programs if p.device.id != 7])
   done = time.perf_counter()
   timer.join()
   assert sent and done - sent[0] < 1.5, done - sent[0]
@@ -193,25 +179,14 @@ vm = int(open("/proc/self/statm").read().split()[0]) * 4096
 # Room for everything but device 7's 256 MiB output.
 resource.setrlimit(resource.RLIMIT_AS, (vm + (128 << 20), hard))
 t = time.perf_counter()
-# XLA allocates the outputs after the call has returned: the error surfaces when the
-# outputs are waited on, and as a ReshardError at the next call.
-out = jax_m2n.reshard((small, big), dsts, timeout_s=60)
-try:
-  jax.block_until_ready(out)
-  print("NO ERROR")
-except Exception as e:
-  print("FAIL_S", time.perf_counter() - t)
-  print("WAIT_MESSAGE", str(e).replace("\n", " ")[:3000])
-del out
-resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-time.sleep(0.2)  # the watcher has settled the call (milliseconds)
 try:
   jax_m2n.reshard((small, big), dsts, timeout_s=60)
-  print("NO NEXT ERROR")
+  print("NO ERROR")
 except jax_m2n.ReshardError as e:
+  print("FAIL_S", time.perf_counter() - t)
   print("MESSAGE", str(e).replace("\n", " "))
-  c = e.__cause__.__cause__
-  print("CAUSE", type(c).__name__, str(c).replace("\n", " "))
+  print("CAUSE", type(e.__cause__).__name__, str(e.__cause__).replace("\n", " "))
+resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 for i in range(3):
   t = time.perf_counter()
   out = jax_m2n.reshard((small, big), dsts, timeout_s=60)
@@ -232,10 +207,8 @@ def test_output_allocation_failure_on_one_device_then_heals():
   out = proc.stdout
   assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
   lines = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
-  assert "NO ERROR" not in out and "NO NEXT ERROR" not in out, out
-  assert "RESOURCE_EXHAUSTED" in lines["WAIT_MESSAGE"], out
+  assert "NO ERROR" not in out, out
   assert "device 7" in lines["MESSAGE"] and "RESOURCE_EXHAUSTED" in lines["MESSAGE"], out
-  assert "an earlier asynchronous call" in lines["MESSAGE"], out
   assert "Out of memory" in lines["CAUSE"], out
   fail_s = float(lines["FAIL_S"])
   assert fail_s < FAST_S, out

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import queue
 import threading
 from typing import Any, Callable, Hashable, Sequence
@@ -251,6 +252,7 @@ class _Watcher:
         call, tokens = self._pending.popleft()
         active.extend((call, i, t) for i, t in tokens)
       still = []
+      entry = token = None
       for entry in active:
         call, i, token = entry
         try:
@@ -263,7 +265,7 @@ class _Watcher:
           still.append(entry)
       progressed = len(still) < len(active)
       active = still
-      del entry, still, token
+      entry = token = still = call = tokens = None  # hold no finished output
       if active:
         delay = self._POLL_MIN_S if progressed else min(2 * delay, self._POLL_MAX_S)
         self._wake.wait(delay)
@@ -458,13 +460,19 @@ class _Call:
     return self.error
 
 
-def _run_guarded(prog: _DeviceProgram, args: list, outcomes: _Outcomes, i: int) -> None:
+def _run_guarded(prog: _DeviceProgram, args: list, outcomes: _Outcomes, i: int,
+                 call: "_Call") -> None:
   """Dispatches program i on its device's worker thread (worker dispatch), its outputs
-  or error into `outcomes`."""
+  or error into `outcomes`; a failure before the handler gives the device's generation
+  up at once (its peers, possibly waiting inside their own dispatch, fail now)."""
   try:
     outcomes.results[i] = _run_device(prog, args)
   except BaseException as e:  # noqa: BLE001 - every failure is the call's to raise
     outcomes.errors[i] = e
+    try:
+      call.give_up(i, _failure_text(e))  # a no-op where the handler ran
+    except BaseException as give_up_error:  # noqa: BLE001 - raised in e's place
+      outcomes.errors[i] = give_up_error
   finally:
     outcomes.finished()
 
@@ -550,11 +558,13 @@ class _EagerReshard:
         else:
           outcomes = _Outcomes(len(programs))
           for i, (p, args) in enumerate(zip(programs, arguments)):
-            _executor(p.device.id).post(_run_guarded, p, args, outcomes, i)
+            _executor(p.device.id).post(_run_guarded, p, args, outcomes, i, call)
           try:
             _wait_interruptibly(outcomes.done)
-          except BaseException:
-            outcomes.done.wait()  # the dispatches return (aborted below if waiting)
+          except BaseException as interrupt:
+            # The dispatches may be waiting for their peers: stop them first.
+            call.abort(f"the calling thread was interrupted ({_failure_text(interrupt)})")
+            outcomes.done.wait()
             raise
           finally:
             results = outcomes.results
@@ -726,14 +736,16 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
     # dispatch time (JAX leaves its C++ fast path for programs with effects).
     call = jax.ffi.ffi_call(m2n_ffi.TARGET_NAME, out_types, has_side_effect=False)
 
-    def body(*shards, call=call, sched=sched):
+    cpu_async = platform == "cpu" and _CPU_ASYNC
+
+    def body(*shards, call=call, sched=sched, cpu_async=cpu_async):
       outs = tuple(call(*shards, schedule=sched, site=np.int64(site), timeout_ms=timeout,
                         **extra))
-      if platform == "cpu":
+      if cpu_async:
         outs += (_async_token(outs[-1]),)
       return outs
 
-    n_out = len(out_types) + (platform == "cpu")
+    n_out = len(out_types) + cpu_async
     jitted = jax.jit(body, in_shardings=(sharding,) * len(in_types),
                      out_shardings=(sharding,) * n_out)
     for r, t in enumerate(result_leaves):
@@ -754,7 +766,7 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
       raise e
   for p, c in zip(programs, compiled):
     p.call = c
-  caller_dispatch = platform == "cpu" and _cpu_async(compiled)
+  caller_dispatch = platform == "cpu" and _CPU_ASYNC and _cpu_async(compiled)
 
   out_avals, out_slots = [], []
   for t, (shape, dtype, dst) in enumerate(zip(shapes, dtypes, dsts)):
@@ -764,6 +776,13 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
   return _EagerReshard(plan, programs, out_avals, out_slots, src_shard_index, platform,
                        site, caller_dispatch)
 
+
+# Opt-in asynchronous eager reshards on CPU (docs/design.md, "Dispatch"): the programs
+# then run in XLA's CPU client thread pool, where a program waiting for its peers can
+# deadlock against an XLA multi-device program (a collective) running at the same time
+# (the pool has one thread per device). Off by default: on CPU the call returns when the
+# transfer has finished. Read when a layout's programs are built.
+_CPU_ASYNC = os.environ.get("JAX_M2N_CPU_ASYNC", "") == "1"
 
 # XLA's CPU client runs a program whose cost analysis counts fewer flops than this
 # inline, on the calling thread, until it has finished (xla/pjrt/cpu/cpu_client.cc,
