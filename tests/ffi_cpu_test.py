@@ -819,5 +819,5 @@ def test_unknown_attribute_fails_at_instantiate():
                              nic=np.int64(1)),
               out_shardings=SingleDeviceSharding(jax.devices()[0]))
   x = jax.device_put(np.zeros((2, 3), np.int32), jax.devices()[0])
-  with pytest.raises(Exception, match="optionally network; got nic"):
+  with pytest.raises(Exception, match="optionally network, tickets; got nic"):
     jax.block_until_ready(f(x))

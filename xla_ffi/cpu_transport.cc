@@ -2,6 +2,8 @@
 // execution of a site), per-step barriers with a timeout, and pulls of boxes
 // from peers' buffers. The lifetime rule that shapes everything below: a device
 // returns only when no peer is copying (or can start copying) from its buffers.
+// Each device's call runs on the thread XLA runs its program on (PjRt's pool
+// for the eager path's asynchronous programs); nothing here spawns threads.
 
 #include "xla_ffi/cpu_transport.h"
 
@@ -83,17 +85,60 @@ class Rendezvous {
   // This device's next generation of `site`, created if it is the first to
   // join. `n_participants` < 0: unknown (the entry is dropped once a joiner
   // that knows it has seen all participants join).
+  //
+  // With `tickets` > 0 the caller names its generation modulo `tickets`
+  // (`ticket`, the eager path's ticket operand): generations this device
+  // skips to reach it are given up (aborted, naming this device) - their
+  // programs failed before the handler ran - so a later execution never joins
+  // an earlier call's generation.
   std::shared_ptr<Generation> Join(int64_t site, int64_t device_id,
-                                   int64_t n_participants) {
-    std::lock_guard<std::mutex> lock(mu_);
-    Site& s = sites_[site];
-    const int64_t index = s.next[device_id]++;
-    Entry& entry = EntryLocked(s, site, index);
-    std::shared_ptr<Generation> generation = entry.generation;
-    ++entry.joined;
-    if (n_participants > 0) entry.n = n_participants;
-    if (entry.n > 0 && entry.joined >= entry.n) s.pending.erase(index);
+                                   int64_t n_participants, int64_t tickets = 0,
+                                   int64_t ticket = 0) {
+    std::vector<std::shared_ptr<Generation>> skipped;
+    std::shared_ptr<Generation> generation;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Site& s = sites_[site];
+      int64_t& next = s.next[device_id];
+      while (tickets > 0 && next % tickets != ticket) {
+        skipped.push_back(JoinLocked(s, site, next++, n_participants));
+      }
+      generation = JoinLocked(s, site, next++, n_participants);
+    }
+    for (const std::shared_ptr<Generation>& g : skipped) {
+      std::lock_guard<std::mutex> lock(g->mu);
+      g->AbortLocked(JAX_M2N_ERROR(
+          kAborted, "device " + std::to_string(device_id) +
+                        " did not take part in this generation: its program "
+                        "failed before the handler ran (that call's outputs "
+                        "carry the cause)"));
+    }
     return generation;
+  }
+
+  // Gives up generation `index` of `site` for `device_id`, whose program did
+  // not reach the handler: consumed now if it is the device's next one, else
+  // (earlier generations still to run there) aborted now and skipped by the
+  // device's next ticketed join. Nothing if the device has joined it.
+  void Abandon(int64_t site, int64_t device_id, int64_t index,
+               const ffi::Error& reason) {
+    std::shared_ptr<Generation> g;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Site& s = sites_[site];
+      int64_t& next = s.next[device_id];
+      if (next > index) return;
+      if (next == index) {
+        g = JoinLocked(s, site, next++, -1);
+      } else {
+        g = EntryLocked(s, site, index).generation;
+      }
+    }
+    std::lock_guard<std::mutex> lock(g->mu);
+    g->AbortLocked(ffi::Error(
+        reason.errc().value_or(ffi::ErrorCode::kAborted),
+        "device " + std::to_string(device_id) +
+            " did not take part in this generation: " + reason.message()));
   }
 
   // Per device: how many generations of `site` it has joined (or abandoned).
@@ -161,6 +206,17 @@ class Rendezvous {
     std::map<int64_t, std::weak_ptr<Generation>> live;
   };
 
+  // Counts one participant into generation `index` (made if new).
+  std::shared_ptr<Generation> JoinLocked(Site& s, int64_t site, int64_t index,
+                                         int64_t n_participants) {
+    Entry& entry = EntryLocked(s, site, index);
+    std::shared_ptr<Generation> generation = entry.generation;
+    ++entry.joined;
+    if (n_participants > 0) entry.n = n_participants;
+    if (entry.n > 0 && entry.joined >= entry.n) s.pending.erase(index);
+    return generation;
+  }
+
   // The pending entry of generation `index`, made (with its generation) if new.
   Entry& EntryLocked(Site& s, int64_t site, int64_t index) {
     Entry& entry = s.pending[index];
@@ -184,6 +240,27 @@ int64_t ElementCount(ffi::Span<const int64_t> dims) {
   int64_t n = 1;
   for (int64_t d : dims) n *= d;
   return n;
+}
+
+// The test gate (HoldCpuDevices): devices whose handlers wait before joining.
+std::mutex& HoldMutex() {
+  static std::mutex* mu = new std::mutex();
+  return *mu;
+}
+std::condition_variable& HoldCv() {
+  static std::condition_variable* cv = new std::condition_variable();
+  return *cv;
+}
+std::vector<int64_t>& HeldDevices() {
+  static std::vector<int64_t>* held = new std::vector<int64_t>();
+  return *held;
+}
+void WaitWhileHeld(int64_t device) {
+  std::unique_lock<std::mutex> lock(HoldMutex());
+  HoldCv().wait(lock, [device] {
+    const auto& held = HeldDevices();
+    return std::find(held.begin(), held.end(), device) == held.end();
+  });
 }
 
 std::string Where(const Generation& g, int64_t device) {
@@ -455,15 +532,18 @@ ffi::Error RunCpuTransport(const CpuCall& call,
     }
     AdviseHugePages(buffers.workspace, buffers.workspace_bytes);
   }
+  WaitWhileHeld(device);
   std::shared_ptr<Generation> generation = Rendezvous::Global().Join(
-      call.site, device, static_cast<int64_t>(schedule.devices.size()));
+      call.site, device, static_cast<int64_t>(schedule.devices.size()),
+      call.tickets, call.ticket);
   return Participant(call, buffers, std::move(generation)).Run();
 }
 
 void AbortNextCpuGeneration(int64_t site, int64_t device_id,
-                            int64_t n_participants, const ffi::Error& reason) {
-  std::shared_ptr<Generation> g =
-      Rendezvous::Global().Join(site, device_id, n_participants);
+                            int64_t n_participants, const ffi::Error& reason,
+                            int64_t tickets, int64_t ticket) {
+  std::shared_ptr<Generation> g = Rendezvous::Global().Join(
+      site, device_id, n_participants, tickets, ticket);
   std::lock_guard<std::mutex> lock(g->mu);
   g->AbortLocked(ffi::Error(
       reason.errc().value_or(ffi::ErrorCode::kAborted),
@@ -482,6 +562,24 @@ void AbortCpuGeneration(int64_t site, int64_t index,
   Rendezvous::Global().Abort(site, index, device_ids, reason);
 }
 
+void AbandonCpuGeneration(int64_t site, int64_t device_id, int64_t index,
+                          const ffi::Error& reason) {
+  Rendezvous::Global().Abandon(site, device_id, index, reason);
+}
+
 int64_t PendingCpuGenerations() { return Rendezvous::Global().Pending(); }
+
+void HoldCpuDevices(const std::vector<int64_t>& device_ids, bool hold) {
+  std::lock_guard<std::mutex> lock(HoldMutex());
+  for (int64_t d : device_ids) {
+    if (hold) {
+      HeldDevices().push_back(d);
+    } else {
+      auto& held = HeldDevices();
+      held.erase(std::remove(held.begin(), held.end(), d), held.end());
+    }
+  }
+  HoldCv().notify_all();
+}
 
 }  // namespace jax_m2n

@@ -3,7 +3,7 @@
 // (XLA's) thread. Owns the process-wide rendezvous (site + per-device
 // generation), the step barriers, timeouts and buffer lifetimes. Does not
 // decode schedules (schedule.h) or talk to XLA (reshard_cpu.cc); spawns no
-// threads.
+// threads: a device's part runs on the thread XLA runs its program on.
 
 #ifndef JAX_M2N_XLA_FFI_CPU_TRANSPORT_H_
 #define JAX_M2N_XLA_FFI_CPU_TRANSPORT_H_
@@ -45,6 +45,13 @@ struct CpuCall {
   // the source's egress and this device's ingress NIC queue, and this device
   // leaves the step only when its last such transfer has arrived.
   const EmulatedNetwork* network = nullptr;
+  // The eager path's generation ticket (the `tickets` attribute): with
+  // tickets > 0 this call belongs to the generation k of `site` with
+  // k % tickets == ticket, the first such k not yet joined by this device;
+  // generations skipped on the way are aborted (their programs never ran the
+  // handler). 0: the device's next generation (inside jit).
+  int64_t tickets = 0;
+  int64_t ticket = 0;
 };
 
 // Runs one device's part of a reshard. The device joins generation k of
@@ -83,9 +90,25 @@ struct CpuCall {
 // device's buffers fail CheckDeviceBuffers, (2) by the Python side for a device
 // whose program it could not dispatch (module_cpu.cc: `abandon`).
 // `n_participants` is the number of participants if known, else -1.
+// `tickets`/`ticket`: as in CpuCall (the generation to give up is the one the
+// ticket names).
 void AbortNextCpuGeneration(int64_t site, int64_t device_id,
                             int64_t n_participants,
-                            const ::xla::ffi::Error& reason);
+                            const ::xla::ffi::Error& reason,
+                            int64_t tickets = 0, int64_t ticket = 0);
+
+// Gives up generation `index` of `site` for `device_id`, whose program will not
+// reach the handler (the eager path, when a device's program failed before
+// it): its participants fail at once with `reason`. Consumed now if it is the
+// device's next generation; otherwise aborted now and skipped by the device's
+// next ticketed call. No effect if the device has joined it already.
+void AbandonCpuGeneration(int64_t site, int64_t device_id, int64_t index,
+                          const ::xla::ffi::Error& reason);
+
+// For tests: while a device is held, its handler waits before joining its
+// generation (its program is running, its transfer has not started).
+// hold=false releases the devices.
+void HoldCpuDevices(const std::vector<int64_t>& device_ids, bool hold);
 
 // Per device of `device_ids`: how many generations of `site` it has joined or
 // abandoned (its next generation index). Devices of one site are in step when

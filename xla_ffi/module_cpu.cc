@@ -140,6 +140,33 @@ NB_MODULE(_ffi, m) {
       "of `device_ids` that joins it later fails at once.");
 
   m.def(
+      "abandon_generation",
+      [](int64_t site, std::vector<int64_t> device_ids, int64_t index,
+         std::string reason) {
+        for (int64_t device : device_ids) {
+          jax_m2n::AbandonCpuGeneration(site, device, index,
+                                        JAX_M2N_ERROR(kAborted, reason));
+        }
+      },
+      nb::arg("site"), nb::arg("device_ids"), nb::arg("index"),
+      nb::arg("reason"),
+      "For the eager path: gives up generation `index` (0-based) of `site` on "
+      "each of `device_ids` whose program did not (or will not) reach the "
+      "handler, with `reason`: its peers fail at once, and the device's later "
+      "ticketed calls skip it. No effect on a device that has joined it.");
+
+  m.def(
+      "hold",
+      [](std::vector<int64_t> device_ids, bool hold) {
+        nb::gil_scoped_release release;
+        jax_m2n::HoldCpuDevices(device_ids, hold);
+      },
+      nb::arg("device_ids"), nb::arg("hold") = true,
+      "For tests: while held, a device's handler waits before it joins its "
+      "generation (its program runs, its transfer has not started); "
+      "hold(ids, False) releases them.");
+
+  m.def(
       "pending_generations", []() { return jax_m2n::PendingCpuGenerations(); },
       "For tests: generations of any site not yet joined by all participants.");
 }

@@ -106,12 +106,24 @@ ffi::ErrorOr<std::unique_ptr<ReshardCpuState>> Instantiate(
     state->network = std::move(emulated.value());
     state->has_network = true;
   }
+  if (attrs.contains("tickets")) {
+    if (ffi::Error e = GetAttr(attrs, "tickets", &state->tickets);
+        e.failure()) {
+      return fail(e, context);
+    }
+    if (state->tickets < 1 || state->tickets > (int64_t{1} << 30)) {
+      return fail(JAX_M2N_ERROR(kInvalidArgument,
+                                "attribute tickets must be in [1, 2^30]; got " +
+                                    std::to_string(state->tickets)),
+                  context);
+    }
+  }
   for (std::string_view name : attrs) {
     if (name != "schedule" && name != "site" && name != "timeout_ms" &&
-        name != "network") {
+        name != "network" && name != "tickets") {
       return fail(JAX_M2N_ERROR(kInvalidArgument,
                                 "attributes must be schedule, site, timeout_ms "
-                                "and optionally network; got " +
+                                "and optionally network, tickets; got " +
                                     std::string(name)),
                   context);
     }
@@ -122,13 +134,13 @@ ffi::ErrorOr<std::unique_ptr<ReshardCpuState>> Instantiate(
 // Maps XLA's buffers to the schedule's slots and checks them; on success fills
 // `buffers`.
 ffi::Error CollectBuffers(const ReshardCpuState& state, int32_t participant,
-                          const ffi::RemainingArgs& args,
+                          const ffi::RemainingArgs& args, size_t n_operands,
                           const ffi::RemainingRets& rets,
                           CpuDeviceBuffers* buffers) {
   DeviceBufferShapes shapes;
-  buffers->operands.reserve(args.size());
-  shapes.operands.reserve(args.size());
-  for (size_t i = 0; i < args.size(); ++i) {
+  buffers->operands.reserve(n_operands);
+  shapes.operands.reserve(n_operands);
+  for (size_t i = 0; i < n_operands; ++i) {
     ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
     if (arg.has_error()) {
       return JAX_M2N_ERROR(kInvalidArgument,
@@ -180,6 +192,32 @@ ffi::Error CollectBuffers(const ReshardCpuState& state, int32_t participant,
   return CheckDeviceBuffers(state.schedule, participant, shapes);
 }
 
+// The eager call's ticket: the last operand, an int32 scalar in
+// [0, state.tickets).
+ffi::Error ReadTicket(const ReshardCpuState& state,
+                      const ffi::RemainingArgs& args, int64_t* ticket) {
+  if (args.size() < 1) {
+    return JAX_M2N_ERROR(kInvalidArgument,
+                         "the call must end with its int32 ticket operand "
+                         "(attribute tickets is set); got no operands");
+  }
+  ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(args.size() - 1);
+  if (arg.has_error() || arg->element_type() != ffi::DataType::S32 ||
+      arg->element_count() != 1) {
+    return JAX_M2N_ERROR(kInvalidArgument,
+                         "the last operand must be the int32 scalar ticket "
+                         "(attribute tickets is set)");
+  }
+  *ticket = *static_cast<const int32_t*>(arg->untyped_data());
+  if (*ticket < 0 || *ticket >= state.tickets) {
+    return JAX_M2N_ERROR(kInvalidArgument,
+                         "the ticket must be in [0, " +
+                             std::to_string(state.tickets) + "); got " +
+                             std::to_string(*ticket));
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error Execute(int32_t device_ordinal, ReshardCpuState* state,
                    ffi::RemainingArgs args, ffi::RemainingRets rets) {
   const Schedule& schedule = state->schedule;
@@ -193,21 +231,31 @@ ffi::Error Execute(int32_t device_ordinal, ReshardCpuState* state,
                           FormatList(schedule.devices)),
         CallName(state->site, device_ordinal));
   }
+  int64_t ticket = 0;
+  size_t n_operands = args.size();
+  if (state->tickets > 0) {
+    ffi::Error error = ReadTicket(*state, args, &ticket);
+    if (error.failure()) {
+      return AddContext(error, CallName(state->site, device_ordinal));
+    }
+    --n_operands;
+  }
   CpuDeviceBuffers buffers;
   if (ffi::Error error =
-          CollectBuffers(*state, participant, args, rets, &buffers);
+          CollectBuffers(*state, participant, args, n_operands, rets, &buffers);
       error.failure()) {
     // Take this device's generation down with it, so that peers fail now
     // rather than after timeout_ms, and later generations still line up.
     AbortNextCpuGeneration(state->site, device_ordinal,
                            static_cast<int64_t>(schedule.devices.size()),
-                           error);
+                           error, state->tickets, ticket);
     return AddContext(error, CallName(state->site, device_ordinal));
   }
-  return RunCpuTransport(
-      CpuCall{&schedule, state->site, state->timeout_ms, participant,
-              state->has_network ? &state->network : nullptr},
-      buffers);
+  CpuCall call{&schedule, state->site, state->timeout_ms, participant,
+               state->has_network ? &state->network : nullptr};
+  call.tickets = state->tickets;
+  call.ticket = ticket;
+  return RunCpuTransport(call, buffers);
 }
 
 XLA_FFI_DEFINE_HANDLER(kInstantiate, Instantiate,

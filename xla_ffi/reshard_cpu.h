@@ -6,7 +6,8 @@
 // Binding (docs/schedule_format.md, "The custom call"):
 //   instantiate: attrs schedule (int64[]), site (int64), timeout_ms (int64),
 //                optional network (int64[], the emulated inter-domain
-//                network: nic_emulator.h)
+//                network: nic_emulator.h), optional tickets (int64 > 0:
+//                the last operand is the eager call's int32 ticket)
 //   execute:     ctx DeviceOrdinal (the global device id on CPU), ctx State;
 //                operands: variadic source shards; results: variadic
 //                destination shards, then the workspace uint8[W] last.
@@ -30,6 +31,10 @@ struct ReshardCpuState {
   Schedule schedule;
   int64_t site = 0;
   int64_t timeout_ms = 0;
+  // The eager path's ticket count (optional attribute `tickets`, > 0): the
+  // last operand is then an int32 scalar, the call's generation modulo
+  // `tickets` (cpu_transport.h, CpuCall::ticket). 0: no ticket (inside jit).
+  int64_t tickets = 0;
   bool has_network = false;  // the `network` attribute was given
   EmulatedNetwork network;
 };

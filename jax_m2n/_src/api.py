@@ -100,6 +100,24 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   in the same order as its peers. A device whose peers never arrive fails after
   `timeout_s` with `ReshardTimeoutError` on every waiting device, never hangs.
 
+  Asynchronous (eager path; on CUDA, and on CPU with `JAX_M2N_CPU_ASYNC=1`): like
+  `jax.device_put`, the call returns once every device's program is dispatched; the
+  outputs are ordinary arrays that later work waits on (`block_until_ready`, first use,
+  another jit), and a later `reshard` reading them is ordered after them. On CPU by
+  default the call returns when the transfer has finished (XLA runs the small
+  programs inline; see docs/design.md, "Dispatch"). When an error can surface:
+    * Known before anything runs (bad arguments, a deleted source buffer, a failure
+      while dispatching a device's program): raised by this call; no outputs.
+    * Known only while the transfer runs (a peer that never comes, a handler,
+      transport, CUDA/NCCL or allocation failure): the outputs carry it - JAX raises it
+      (`jax.errors.JaxRuntimeError`, message containing `jax_m2n_reshard`) at
+      `block_until_ready` or first use - and the first eager `reshard` call that starts
+      after it was seen (within milliseconds; on CUDA when the stream has run) raises it
+      as a `ReshardError` naming the failed call ("eager reshard #N (site S, ...)"), the
+      original error chained; that call runs nothing, and each failure is raised so
+      once. A failure fails every device of the call: no output is silently wrong.
+  A blocking CPU call raises every error itself.
+
   Args:
     x: a pytree of arrays: `jax.Array`s (committed or not), numpy arrays, Python
       scalars. Inside jit or a transformation: traced arrays.
@@ -145,7 +163,8 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     ReshardTimeoutError (also ReshardRuntimeError, TimeoutError): a peer did not arrive
       within `timeout_s`.
     ReshardRuntimeError (also RuntimeError): the native handler failed (its message
-      included). No partial outputs are returned. Inside jit on GPU a failure can surface
+      included), or (asynchronous calls) an earlier call failed after returning. No
+      partial outputs are returned. Inside jit on GPU a failure can surface
       after the step: see `jax_m2n.check_errors`.
 
   Examples:

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import queue
 import threading
 from typing import Any, Callable, Hashable, Sequence
@@ -42,9 +43,12 @@ logger = logging.getLogger("jax_m2n")
 # ---------------------------------------------------------------------------------------
 
 class _Worker:
-  """The single thread that runs the programs of one device (and its compiles).
+  """A thread of one device: its "dev" worker dispatches its programs where a dispatch
+  may wait for the device's peers (and compiles them); its "watch" worker waits for
+  their completion, in order, and records their errors.
 
-  The CPU handler waits for its peers, so the programs of one reshard must run
+  A handler that waits for its peers inside the dispatch (CUDA's host rendezvous; CPU
+  where XLA runs the program inline) needs the programs of one reshard dispatched
   concurrently: dispatched one after another from one Python thread they run one after
   another and the first waits forever (DESIGN.md, "Dispatch"). One thread per device,
   reused by every call (starting threads per call would cost more than a 1 KiB reshard).
@@ -52,9 +56,9 @@ class _Worker:
   (executor.submit and waiting on futures cost about 10 us per device per call).
   """
 
-  def __init__(self, device_id: int):
+  def __init__(self, device_id: int, role: str = "dev"):
     self._queue: queue.SimpleQueue = queue.SimpleQueue()
-    self._thread = threading.Thread(target=self._loop, name=f"jax_m2n-dev{device_id}",
+    self._thread = threading.Thread(target=self._loop, name=f"jax_m2n-{role}{device_id}",
                                     daemon=True)
     self._thread.start()
 
@@ -110,49 +114,64 @@ def _outcomes(futures: Sequence[concurrent.futures.Future]
   return results, errors
 
 
-# How often the calling thread wakes while waiting for the devices' programs: the wait
-# is in Python (not in a native call), so Ctrl-C reaches it at once; the period only
-# bounds how late a signal handler that does not raise is noticed.
+# How often a waiting thread wakes: waits are in Python (not in a native call), so
+# Ctrl-C reaches them at once; the period only bounds how late a signal handler that
+# does not raise is noticed.
 _WAIT_PERIOD_S = 0.25
 
 
+def _wait_interruptibly(event: threading.Event) -> None:
+  """Waits for `event` in Python, waking every _WAIT_PERIOD_S (Ctrl-C raises)."""
+  while not event.wait(_WAIT_PERIOD_S):
+    pass
+
+
 class _Outcomes:
-  """The programs' results and errors of one call, filled in by the worker threads; the
-  last one to finish wakes the caller (one Event: cheaper than waiting on futures)."""
+  """What the worker threads report of one call's programs (worker dispatch): each
+  program's outputs or error; the last one to finish wakes the caller (one Event:
+  cheaper than waiting on futures)."""
 
   def __init__(self, n: int):
     self.results: list[Any] = [None] * n
     self.errors: list[BaseException | None] = [None] * n
     self._left = n
     self._lock = threading.Lock()
-    self._done = threading.Event()
+    self.done = threading.Event()
     if not n:
-      self._done.set()
+      self.done.set()
 
   def finished(self) -> None:
     with self._lock:
       self._left -= 1
       if not self._left:
-        self._done.set()
-
-  def wait_interruptibly(self) -> None:
-    """Waits for every program in Python, waking every _WAIT_PERIOD_S (Ctrl-C raises)."""
-    while not self._done.wait(_WAIT_PERIOD_S):
-      pass
-
-  def wait(self) -> None:
-    self._done.wait()
+        self.done.set()
 
 
-# Fault injection for tests (tests/failure_test.py): called on a device's worker thread
-# with (device id, phase) where phase is "dispatch" (before its program is dispatched);
-# whatever it raises is that device's failure. None in normal use.
+# Fault injection for tests (tests/failure_test.py, tests/async_test.py): called with
+# (device id, phase) on the thread that dispatches a device's program, where phase is
+# "dispatch" (before its program is dispatched); whatever it raises is that device's
+# failure. None in normal use.
 _fault_hook: Callable[[int, str], None] | None = None
 
 
-# One eager reshard at a time per process: interleaving two calls' per-device programs
-# from several user threads could order them differently on different devices.
+# One eager dispatch at a time per process: interleaving two calls' per-device programs
+# from several user threads could order them differently on different devices. Only
+# the dispatch holds it: the programs run (and finish) without it.
 _dispatch_lock = threading.Lock()
+
+# The CPU handler's generation tickets (xla_ffi/cpu_transport.h, CpuCall::ticket): each
+# eager program's last operand is a device scalar naming its call's generation modulo
+# _TICKETS, so that a device whose earlier program failed before its handler ran never
+# joins that earlier call's generation. At most _MAX_IN_FLIGHT calls of one site run
+# at once (a further call waits for the oldest), so tickets are never ambiguous.
+_TICKETS = 64
+_MAX_IN_FLIGHT = _TICKETS // 2
+
+
+@functools.lru_cache(maxsize=None)  # one list per device: bounded by the device count
+def _tickets(device) -> list[jax.Array]:
+  """Device scalars 0.._TICKETS-1 on `device`, made once and reused by every call."""
+  return jax.device_put([np.int32(k) for k in range(_TICKETS)], device)
 
 
 @dataclasses.dataclass
@@ -169,12 +188,12 @@ def _compile(jitted, in_types) -> Callable[..., Any]:
 
 
 def _run_device(prog: _DeviceProgram, args: list) -> list:
+  """Dispatches one device's program; returns its outputs (not yet ready: errors of
+  the transfer surface when they are waited on)."""
   if _fault_hook is not None:
     _fault_hook(prog.device.id, "dispatch")
   _check_live(prog, args)
-  outs = prog.call(*args)
-  jax.block_until_ready(outs)  # handler errors surface here
-  return outs
+  return prog.call(*args)
 
 
 def _check_live(prog: _DeviceProgram, args: list) -> None:
@@ -199,56 +218,261 @@ def _failure_text(e: BaseException) -> str:
   return text if len(text) <= 2000 else text[:2000] + "..."
 
 
-class _Turn:
-  """One call's place in its site on CPU: generation `index` of every device.
-
-  The CPU transport counts, per device and site, the generations a device has joined
-  (xla_ffi/cpu_transport.h). Before a call they are equal (`index`); a device whose
-  program failed before its handler ran has not joined, and is abandoned with the
-  cause, at once, so that its peers fail in milliseconds and later calls line up.
+class _Watcher:
+  """The one thread that waits for the eager calls' programs to finish and records
+  what they ended with (_Call.settle). A call hands over its programs' tokens with
+  one append (no thread hand-off per device); the thread polls their readiness
+  (is_ready, backing off from 0.1 to 2 ms while nothing finishes), so a device whose
+  program failed before its handler (e.g. out of memory allocating its outputs inside
+  XLA) is seen, and its generation given up, within milliseconds even while its peers
+  wait for it - a blocking wait on one peer's output would see it only at the timeout.
   """
 
-  def __init__(self, module: Any, site: int, device_ids: Sequence[int]):
-    self.module = module
-    self.site = site
-    self.device_ids = list(device_ids)
-    self._lock = threading.Lock()
-    counts = module.joined(site, self.device_ids)
-    self.index = max(counts, default=0)
-    behind = [d for d, c in zip(self.device_ids, counts) for _ in range(self.index - c)]
-    if behind:  # heal a site left out of step by an earlier failure
-      module.abandon(site, behind, "the device was behind its peers after an earlier "
-                     "failed call (healed)")
+  _POLL_MIN_S = 1e-4
+  _POLL_MAX_S = 2e-3
 
-  def abandon_if_absent(self, device_id: int, cause: str) -> bool:
-    """Abandons `device_id`'s generation if it never joined it; True if it did so."""
-    with self._lock:
-      (count,) = self.module.joined(self.site, [device_id])
-      if count > self.index:
-        return False
-      self.module.abandon(self.site, [device_id],
-                          f"its program failed before the handler ran: {cause}")
-      return True
+  def __init__(self):
+    self._pending: collections.deque = collections.deque()
+    self._wake = threading.Event()
+    self._thread = threading.Thread(target=self._loop, name="jax_m2n-watch", daemon=True)
+    self._thread.start()
+
+  def add(self, call: "_Call", tokens: Sequence[tuple[int, Any]]) -> None:
+    self._pending.append((call, tokens))
+    self._wake.set()
+
+  def _loop(self) -> None:
+    active: list[tuple[Any, int, Any]] = []
+    delay = self._POLL_MIN_S
+    while True:
+      if not active:
+        self._wake.wait()
+      self._wake.clear()
+      while self._pending:
+        call, tokens = self._pending.popleft()
+        active.extend((call, i, t) for i, t in tokens)
+      still = []
+      entry = token = None
+      for entry in active:
+        call, i, token = entry
+        try:
+          ready = token.is_ready()
+        except BaseException:  # noqa: BLE001 - settle() records it
+          ready = True
+        if ready:
+          call.settle(i, token)
+        else:
+          still.append(entry)
+      progressed = len(still) < len(active)
+      active = still
+      entry = token = still = call = tokens = None  # hold no finished output
+      if active:
+        delay = self._POLL_MIN_S if progressed else min(2 * delay, self._POLL_MAX_S)
+        self._wake.wait(delay)
+
+
+_watcher_instance: list[_Watcher] = []
+
+
+def _watcher() -> _Watcher:
+  if not _watcher_instance:
+    with _executors_lock:
+      if not _watcher_instance:
+        _watcher_instance.append(_Watcher())
+  return _watcher_instance[0]
+
+
+# Calls that failed after returning, not yet raised by jax_m2n: the next eager reshard
+# raises them (before it moves anything).
+_failed_calls: collections.deque = collections.deque()
+_failed_lock = threading.Lock()
+_call_counter = itertools.count(1)
+
+
+def _raise_failed_calls() -> None:
+  """Raises (once) the error of earlier calls that failed after they returned."""
+  if not _failed_calls:
+    return
+  with _failed_lock:
+    calls = list(_failed_calls)
+    _failed_calls.clear()
+  if not calls:
+    return
+  first = calls[0]
+  more = (f" ({len(calls) - 1} later call(s) failed too: "
+          f"{', '.join(c.name for c in calls[1:])})" if len(calls) > 1 else "")
+  error = type(first.error)(
+      f"{_API}: an earlier asynchronous call, {first.name}, failed after it returned "
+      f"(its outputs carry the error); this call did not run{more}: {first.error}")
+  error.__cause__ = first.error
+  raise error
+
+
+class _SiteState:
+  """The generations of one CPU site (one plan): the next one to hand out and the calls
+  still running. Guarded by _dispatch_lock (begin) and its own lock (end)."""
+
+  def __init__(self, site: int):
+    self.site = site
+    self.next = 0
+    self.in_flight: collections.deque = collections.deque()
+    self.lock = threading.Lock()
+
+  def begin(self, module: Any, device_ids: Sequence[int], call: "_Call") -> int:
+    """The generation of a new call on `device_ids` (under _dispatch_lock)."""
+    while len(self.in_flight) >= _MAX_IN_FLIGHT:
+      _wait_interruptibly(self.in_flight[0].done)
+    with self.lock:
+      idle = not self.in_flight
+      self.in_flight.append(call)
+    if idle:
+      # Nothing of this site runs: the devices' join counts are final. Bring any device
+      # an earlier failure left behind level with the rest (healed).
+      counts = module.joined(self.site, list(device_ids))
+      top = max(max(counts, default=0), self.next)
+      behind = [d for d, c in zip(device_ids, counts) for _ in range(top - c)]
+      if behind:
+        module.abandon(self.site, behind, "the device was behind its peers after an "
+                       "earlier failed call (healed)")
+      self.next = top
+    index = self.next
+    self.next += 1
+    return index
+
+  def end(self, call: "_Call") -> None:
+    with self.lock:
+      self.in_flight.remove(call)
+
+
+_site_states: dict[int, _SiteState] = {}
+
+
+def _site_state(site: int) -> _SiteState:
+  s = _site_states.get(site)
+  if s is None:
+    s = _site_states[site] = _SiteState(site)
+  return s
+
+
+class _Call:
+  """One eager reshard after dispatch: which programs run, in which generation, and
+  what they ended with. The watcher threads fill it in; the last one finalizes it."""
+
+  def __init__(self, entry: "_EagerReshard", programs: Sequence[_DeviceProgram]):
+    self.entry = entry
+    self.programs = list(programs)
+    self.seq = next(_call_counter)
+    self.index = -1                      # the CPU generation
+    self.errors: list[BaseException | None] = [None] * len(programs)
+    self.dispatched = [False] * len(programs)
+    self.error: BaseException | None = None
+    self.raised = False                  # raised to the user by jax_m2n already
+    self.done = threading.Event()
+    self._left = 0
+    self._lock = threading.Lock()
+
+  @property
+  def name(self) -> str:
+    where = f"site {self.entry.site}"
+    if self.index >= 0:
+      where += f", generation {self.index}"
+    return (f"eager reshard #{self.seq} ({where}, devices "
+            f"{sorted(p.device.id for p in self.programs)})")
+
+  def give_up(self, i: int, cause: str) -> None:
+    """Program i will not (or did not) reach the handler: its peers fail now."""
+    state = self.entry
+    if state.platform == "cpu" and self.index >= 0:
+      m2n_ffi.load("cpu").abandon_generation(
+          state.site, [self.programs[i].device.id], self.index,
+          f"its program failed before the handler ran: {cause}")
 
   def abort(self, cause: str) -> None:
     """Aborts this call's generation on every device (e.g. the caller was interrupted)."""
-    self.module.abort(self.site, self.index, self.device_ids, cause)
+    state = self.entry
+    if state.platform == "cpu" and self.index >= 0:
+      m2n_ffi.load("cpu").abort(state.site, self.index,
+                                [p.device.id for p in state.programs], cause)
+
+  def watch(self, tokens: Sequence[tuple[int, Any]]) -> None:
+    """Hands the dispatched programs' tokens (program index, last output) to the
+    watcher thread, which settles each when it is ready."""
+    self._left = len(tokens)
+    if not tokens:
+      self._finalize()
+      return
+    _watcher().add(self, tokens)
+
+  def settle(self, i: int, token: Any) -> None:
+    """Program i has finished (on the watcher thread): records its error, if any (and
+    gives its generation up where its handler never ran); the last one finalizes."""
+    try:
+      jax.block_until_ready(token)
+    except BaseException as e:  # noqa: BLE001 - the call's error, recorded
+      self.errors[i] = e
+      try:
+        self.give_up(i, _failure_text(e))  # a no-op where the handler ran
+      except BaseException:  # noqa: BLE001 - keep the watcher alive
+        logger.exception("reshard: abandoning a failed device's generation failed")
+    finally:
+      with self._lock:
+        self._left -= 1
+        last = not self._left
+      if last:
+        self._finalize()
+
+  def _finalize(self) -> None:
+    entry = self.entry
+    try:
+      if entry.platform == "cpu" and self.index >= 0:
+        # Devices never dispatched (tests: a peer that never comes) give up only now,
+        # so their peers time out as they would for a device that never came.
+        ran = {p.device.id for p, d in zip(self.programs, self.dispatched) if d}
+        absent = [p.device.id for p in entry.programs if p.device.id not in ran]
+        if absent:
+          m2n_ffi.load("cpu").abandon_generation(entry.site, absent, self.index,
+                                                 "its program was not dispatched")
+      errors = [e for e in self.errors if e is not None]
+      sticky = m2n_ffi.sticky_error(entry.platform)
+      if sticky is not None:
+        errors.append(ReshardError(sticky))
+      if errors:
+        self.error = entry._error(self.programs, self.errors, errors)
+        with _failed_lock:
+          if not self.raised:
+            _failed_calls.append(self)
+    except BaseException as e:  # noqa: BLE001 - never leave a waiter hanging
+      self.error = self.error or ReshardRuntimeError(
+          f"{_API}: {self.name} could not be checked: {_failure_text(e)}")
+    finally:
+      if entry.platform == "cpu":
+        _site_state(entry.site).end(self)
+      self.done.set()
+
+  def take_error(self) -> BaseException | None:
+    """The call's error, if any, marked as raised (the next reshard will not)."""
+    with _failed_lock:
+      self.raised = True
+      try:
+        _failed_calls.remove(self)
+      except ValueError:
+        pass
+    return self.error
 
 
-def _run_guarded(prog: _DeviceProgram, args: list, turn: _Turn | None,
-                 outcomes: _Outcomes, i: int) -> None:
-  """Program i on its device's worker thread, its result or error into `outcomes`; on
-  a failure before the handler, the device's turn is given up at once (peers fail now,
-  naming this device and cause)."""
+def _run_guarded(prog: _DeviceProgram, args: list, outcomes: _Outcomes, i: int,
+                 call: "_Call") -> None:
+  """Dispatches program i on its device's worker thread (worker dispatch), its outputs
+  or error into `outcomes`; a failure before the handler gives the device's generation
+  up at once (its peers, possibly waiting inside their own dispatch, fail now)."""
   try:
     outcomes.results[i] = _run_device(prog, args)
   except BaseException as e:  # noqa: BLE001 - every failure is the call's to raise
     outcomes.errors[i] = e
-    if turn is not None:
-      try:
-        turn.abandon_if_absent(prog.device.id, _failure_text(e))
-      except BaseException as abandon_error:  # noqa: BLE001 - raised in e's place
-        outcomes.errors[i] = abandon_error
+    try:
+      call.give_up(i, _failure_text(e))  # a no-op where the handler ran
+    except BaseException as give_up_error:  # noqa: BLE001 - raised in e's place
+      outcomes.errors[i] = give_up_error
   finally:
     outcomes.finished()
 
@@ -265,18 +489,28 @@ class _EagerReshard:
   src_shard_index: list[dict[int, int]]      # per leaf: device id -> index in _arrays
   platform: str
   site: int
+  # True: the programs run asynchronously in XLA (CPU: PjRt's pool), so the calling
+  # thread dispatches them one after another; False: each is dispatched from its
+  # device's worker thread, concurrently (its dispatch may wait for its peers).
+  caller_dispatch: bool = False
   avals: list[Any] = dataclasses.field(default_factory=list)  # per leaf, after call 1
 
   def __post_init__(self):
     self.avals = [None] * len(self.out_avals)
 
   def __call__(self, leaves: Sequence[jax.Array], donate: bool | Sequence[bool],
-               devices: Sequence[int] | None = None) -> list[jax.Array]:
-    """Runs the reshard; `devices` (tests only) dispatches a subset, abandoning the rest.
+               devices: Sequence[int] | None = None,
+               block: bool = False) -> list[jax.Array]:
+    """Dispatches the reshard and returns its outputs (not yet ready); `block` waits
+    for completion and raises the call's error; `devices` (tests only) dispatches a
+    subset (the rest are given up after the others finish) and returns [].
 
-    Raises the handler's error as a ReshardError (no partial outputs).
-    """
-    results = self._dispatch(leaves, devices)
+    Raises at once what is known before the programs run (an earlier call's failure,
+    a dead shard, a failed dispatch; no partial outputs)."""
+    _raise_failed_calls()
+    results, call = self._dispatch(leaves, devices)
+    if block:
+      self._wait(call, results)
     if devices is not None:
       return []
     _donate(leaves, donate)
@@ -284,73 +518,111 @@ class _EagerReshard:
 
   # -- dispatch, waiting and failure handling -------------------------------------------
 
-  def _dispatch(self, leaves: Sequence[jax.Array],
-                devices: Sequence[int] | None) -> list[Any]:
-    """Runs every program (concurrently) and returns each one's outputs, or raises.
+  def _dispatch(self, leaves: Sequence[jax.Array], devices: Sequence[int] | None
+                ) -> tuple[list[Any], _Call]:
+    """Dispatches every program and returns their outputs with the call's record, or
+    raises (after the dispatched programs have stopped) if a dispatch failed.
 
-    Every program runs on its device's worker thread; this thread waits in Python, so
-    Ctrl-C interrupts the wait: the call's generation is then aborted (the programs
-    fail at once), every device is brought back in step and KeyboardInterrupt is
-    raised. After any failure the next call of the same layout works.
+    On CPU each program's last operand is its generation ticket; its outputs end with
+    a token the watchers wait on. A failure before the handler (here, or later inside
+    XLA) gives the device's generation up at once: its peers fail in milliseconds, and
+    every later call of the layout works.
     """
     shards = [jax_compat.single_device_arrays(x) for x in leaves]
     programs = self.programs
     if devices is not None:
       programs = [p for p in programs if p.device.id in devices]
+    cpu = self.platform == "cpu"
     with _dispatch_lock:
-      turn = None
-      if self.platform == "cpu":
-        turn = _Turn(m2n_ffi.load(self.platform), self.site,
-                     [p.device.id for p in self.programs])
       arguments = [[shards[t][k] for t, k in p.operands] for p in programs]
       del shards
       for p, args in zip(programs, arguments):  # before anything is dispatched
         _check_live(p, args)
-      outcomes = _Outcomes(len(programs))
-      for i, (p, args) in enumerate(zip(programs, arguments)):
-        _executor(p.device.id).post(_run_guarded, p, args, turn, outcomes, i)
-      del arguments
+      call = _Call(self, programs)
+      if cpu:
+        call.index = _site_state(self.site).begin(
+            m2n_ffi.load("cpu"), [p.device.id for p in self.programs], call)
+        ticket = call.index % _TICKETS
+        for p, args in zip(programs, arguments):
+          args.append(_tickets(p.device)[ticket])
+      results: list[Any] = [None] * len(programs)
       try:
-        outcomes.wait_interruptibly()
+        if self.caller_dispatch:
+          for i, (p, args) in enumerate(zip(programs, arguments)):
+            try:
+              results[i] = _run_device(p, args)
+            except Exception as e:  # noqa: BLE001 - device i's failure
+              call.errors[i] = e
+              break
+            call.dispatched[i] = True
+        else:
+          outcomes = _Outcomes(len(programs))
+          for i, (p, args) in enumerate(zip(programs, arguments)):
+            _executor(p.device.id).post(_run_guarded, p, args, outcomes, i, call)
+          try:
+            _wait_interruptibly(outcomes.done)
+          except BaseException as interrupt:
+            # The dispatches may be waiting for their peers: stop them first.
+            call.abort(f"the calling thread was interrupted ({_failure_text(interrupt)})")
+            outcomes.done.wait()
+            raise
+          finally:
+            results = outcomes.results
+            for i, e in enumerate(outcomes.errors):
+              call.errors[i] = e
+              call.dispatched[i] = e is None
       except BaseException as interrupt:
-        # Interrupted while the programs run: stop them, wait until they have
-        # stopped (milliseconds: an aborted generation copies nothing more) and put
-        # every device back in step before the caller sees the interrupt.
-        if turn is not None:
-          turn.abort(f"the calling thread was interrupted ({_failure_text(interrupt)})")
-        outcomes.wait()
-        self._heal(turn, programs, outcomes.errors)
-        for outs, e in zip(outcomes.results, outcomes.errors):
-          if e is None:
-            for o in outs or ():
-              o.delete()
+        # Interrupted while dispatching: stop what runs, put every device back in step
+        # (the watchers give up the rest), then let the interrupt through.
+        call.abort(f"the calling thread was interrupted ({_failure_text(interrupt)})")
+        self._stop(call, results)
         raise
-      results, failed = outcomes.results, outcomes.errors
-      self._heal(turn, programs, failed)
-    errors = [e for e in failed if e is not None]
-    sticky = m2n_ffi.sticky_error(self.platform)
-    if sticky is not None:
-      errors.append(ReshardError(sticky))
-    if errors:
-      for outs in results:  # no partial outputs: free what completed
+      del arguments
+      if any(e is not None for e in call.errors):
+        call.abort("another device's program failed to dispatch")
+        self._stop(call, results)
+        error = call.error
+        raise error if error is not None else ReshardRuntimeError(
+            f"{_API}: {call.name} failed to dispatch.")
+      call.watch([(i, outs[-1]) for i, outs in enumerate(results)])
+    return results, call
+
+  def _stop(self, call: _Call, results: Sequence[Any]) -> None:
+    """After a failed dispatch: gives up the devices that did not dispatch, waits until
+    the dispatched programs have stopped (milliseconds: their generation is aborted),
+    and frees their outputs."""
+    for i, d in enumerate(call.dispatched):
+      if not d:
+        call.give_up(i, _failure_text(call.errors[i]) if call.errors[i] is not None
+                     else "its program was not dispatched")
+    call.watch([(i, results[i][-1]) for i, d in enumerate(call.dispatched) if d])
+    call.done.wait()
+    call.take_error()  # raised here, by the caller: not again by the next call
+    for i, d in enumerate(call.dispatched):
+      if d:
+        for o in results[i] or ():
+          o.delete()
+
+  def _wait(self, call: _Call, results: Sequence[Any]) -> None:
+    """block=True: waits (interruptibly) until the call has finished; raises its error
+    (outputs freed). Ctrl-C aborts the call's generation, waits until its programs have
+    stopped and every device is back in step, then raises KeyboardInterrupt."""
+    try:
+      _wait_interruptibly(call.done)
+    except BaseException:
+      call.abort("the calling thread was interrupted while waiting")
+      call.done.wait()
+      call.take_error()
+      for outs in results:
         for o in outs or ():
           o.delete()
-      raise self._error(programs, failed, errors)
-    return results
-
-  def _heal(self, turn: "_Turn | None", programs: Sequence[_DeviceProgram],
-            failed: Sequence[BaseException | None]) -> None:
-    """After the programs have finished: every device that did not join this call's
-    generation (not dispatched, or failed before its handler) gives it up now."""
-    if turn is None:
-      return
-    ran = {p.device.id for p in programs}
-    for p in self.programs:
-      if p.device.id not in ran:
-        turn.abandon_if_absent(p.device.id, "its program was not dispatched")
-    for p, e in zip(programs, failed):
-      if e is not None:
-        turn.abandon_if_absent(p.device.id, _failure_text(e))
+      raise
+    error = call.take_error()
+    if error is not None:
+      for outs in results:
+        for o in outs or ():
+          o.delete()
+      raise error
 
   def _error(self, programs: Sequence[_DeviceProgram],
              failed: Sequence[BaseException | None],
@@ -432,6 +704,8 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
   bufs = schedule.buffers(plan)
   timeout = np.int64(timeout_ms)
   extra = m2n_ffi.transport_attrs(platform, topo, plan.devices)
+  if platform == "cpu":
+    extra = {**extra, "tickets": np.int64(_TICKETS)}
 
   local = [d for d in plan.devices if devices[d].process_index == jax.process_index()]
   src_shard_index = [
@@ -458,18 +732,26 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
                                             out_dtypes[t]))
     workspace = max(1, schedule.workspace_bytes(plan, dev_id, staging, types))
     out_types.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
+    if platform == "cpu":  # the generation ticket, last (see _TICKETS)
+      in_types.append(jax.ShapeDtypeStruct((), np.int32, sharding=sharding))
     sched = schedule.encode(plan, dev_id, staging, types)
     # The workspace is a returned output, so XLA keeps the call on every device, even
     # on a source-only one. has_side_effect=True would do the same but costs 3-8x the
     # dispatch time (JAX leaves its C++ fast path for programs with effects).
     call = jax.ffi.ffi_call(m2n_ffi.TARGET_NAME, out_types, has_side_effect=False)
 
-    def body(*shards, call=call, sched=sched):
-      return tuple(call(*shards, schedule=sched, site=np.int64(site), timeout_ms=timeout,
-                        **extra))
+    cpu_async = platform == "cpu" and _CPU_ASYNC
 
+    def body(*shards, call=call, sched=sched, cpu_async=cpu_async):
+      outs = tuple(call(*shards, schedule=sched, site=np.int64(site), timeout_ms=timeout,
+                        **extra))
+      if cpu_async:
+        outs += (_async_token(outs[-1]),)
+      return outs
+
+    n_out = len(out_types) + cpu_async
     jitted = jax.jit(body, in_shardings=(sharding,) * len(in_types),
-                     out_shardings=(sharding,) * len(out_types))
+                     out_shardings=(sharding,) * n_out)
     for r, t in enumerate(result_leaves):
       result_index[(t, dev_id)] = (len(programs), r)
     programs.append(_DeviceProgram(
@@ -488,6 +770,7 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
       raise e
   for p, c in zip(programs, compiled):
     p.call = c
+  caller_dispatch = platform == "cpu" and _CPU_ASYNC and _cpu_async(compiled)
 
   out_avals, out_slots = [], []
   for t, (shape, dtype, dst) in enumerate(zip(shapes, out_dtypes, dsts)):
@@ -495,7 +778,50 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
     out_slots.append([result_index[(t, d.id)] 
                       for d in jax_compat.addressable_device_assignment(dst)])
   return _EagerReshard(plan, programs, out_avals, out_slots, src_shard_index, platform,
-                       site)
+                       site, caller_dispatch)
+
+
+# Opt-in asynchronous eager reshards on CPU (docs/design.md, "Dispatch"): the programs
+# then run in XLA's CPU client thread pool, where a program waiting for its peers can
+# deadlock against an XLA multi-device program (a collective) running at the same time
+# (the pool has one thread per device). Off by default: on CPU the call returns when the
+# transfer has finished. Read when a layout's programs are built.
+_CPU_ASYNC = os.environ.get("JAX_M2N_CPU_ASYNC", "") == "1"
+
+# XLA's CPU client runs a program whose cost analysis counts fewer flops than this
+# inline, on the calling thread, until it has finished (xla/pjrt/cpu/cpu_client.cc,
+# `cheap_computation_`); a costlier one is queued on the client's thread pool (behind
+# the device's earlier programs) and the call returns at once, its outputs not ready.
+_XLA_CPU_CHEAP_FLOPS = 1000
+
+
+def _async_token(workspace: jax.Array) -> jax.Array:
+  """A 1-element output computed after the handler (2,048 flops, well under a
+  microsecond): it makes XLA's CPU client run the program asynchronously, and it is what
+  the watcher waits on. The custom call alone counts -1 flops, so XLA would run it
+  inline and the caller would wait for the whole transfer."""
+  v = workspace[:1].astype(np.float32)
+  m = jax.numpy.broadcast_to(v, (16, 64)) @ jax.numpy.broadcast_to(v, (64,))
+  return m[:1]
+
+
+def _cpu_async(compiled: Sequence[Any]) -> bool:
+  """Whether XLA's CPU client runs these programs asynchronously (then the calling
+  thread dispatches them one after another and returns): async dispatch on, and every
+  program costlier than XLA's inline threshold. Otherwise they are dispatched from
+  the devices' worker threads, and a dispatch returns when its program has finished."""
+  try:
+    if not jax.config.values.get("jax_cpu_enable_async_dispatch", True):
+      return False
+    for c in compiled:
+      cost = c.cost_analysis()
+      cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+      if not cost or float(cost.get("flops", 0.0)) < _XLA_CPU_CHEAP_FLOPS:
+        return False
+  except Exception:  # noqa: BLE001 - no cost analysis: the safe (concurrent) dispatch
+    logger.debug("reshard: no cost analysis; per-device worker dispatch", exc_info=True)
+    return False
+  return True
 
 
 # Compiled per-device programs by (tree, shapes, dtypes, shardings, route, topology,
