@@ -229,6 +229,10 @@ def make_sides(cfg, devices):
     raise ValueError("rl_refit: --layouts must read '<trainer>-><generator>[@same]' "
                      f"like {PRESETS[0]!r}; got {cfg.layouts!r}.")
   colocated = bool(match.group(3))
+  if len(devices) == 1 and not colocated and not cfg.devices_per_side:
+    # One device (a one-GPU workstation): both sides share it, as with '@same'.
+    print("rl_refit: one device: the trainer and the generator share it ('@same')")
+    colocated = True
   per_side = cfg.devices_per_side or (
       len(devices) if colocated else len(devices) // 2)
   sides = []
