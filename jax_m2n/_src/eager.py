@@ -770,7 +770,10 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
       raise e
   for p, c in zip(programs, compiled):
     p.call = c
-  caller_dispatch = platform == "cpu" and _CPU_ASYNC and _cpu_async(compiled)
+  # A reshard within one device (e.g. a dtype conversion in place) has no peer to wait
+  # for: the calling thread dispatches it (no hand-off to the device's worker).
+  caller_dispatch = len(plan.devices) == 1 or (
+      platform == "cpu" and _CPU_ASYNC and _cpu_async(compiled))
 
   out_avals, out_slots = [], []
   for t, (shape, dtype, dst) in enumerate(zip(shapes, out_dtypes, dsts)):
