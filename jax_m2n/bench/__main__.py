@@ -85,6 +85,9 @@ _OUT_DIR = flags.DEFINE_string("out_dir", "bench_out", "Where results.json, resu
                                "and the PNG plots go (created).")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(bench_data.DTYPES),
                            "Element type of the single-array and model cases.")
+_DTYPE_TARGET = flags.DEFINE_enum(
+    "dtype_target", "bfloat16", ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"],
+    "dtype suite: the type float32 is converted to.")
 _LINK_GBPS = flags.DEFINE_float(
     "link_gbps", None, "Per-device one-way bandwidth for the bound, GB/s (default: 391 on "
     "GPU, measured numpy copy bandwidth on CPU).", lower_bound=1e-6)
@@ -193,7 +196,8 @@ def _main(argv) -> int:
     from jax_m2n.bench import dtype as dtype_suite
     dtype_suite.main(jax, out_dir, int((_SIZE_MIB.value or dtype_suite.DEFAULT_SIZE_MIB)
                                        * suites.MIB), _ITERS.value, _WARMUP.value,
-                     lambda text: console.print(text, highlight=False, markup=False))
+                     lambda text: console.print(text, highlight=False, markup=False),
+                     target=_DTYPE_TARGET.value)
     chosen_suites.remove("dtype")
     if not chosen_suites:
       return mp_rc
