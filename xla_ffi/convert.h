@@ -135,12 +135,25 @@ JAX_M2N_HD constexpr uint32_t SignBit(ElemBits<T> x) {
   return (static_cast<uint32_t>(x) >> (kBits - 1)) & 1u;
 }
 
+// One step of normalizing a subnormal mantissa v (0 < v < 2^(kMan + 1)):
+// shifts v left by kStep, adding kStep to s, if that keeps v below 2^(kMan + 1).
+template <int kMan, int kStep>
+JAX_M2N_HD constexpr void NormalizeStep(uint32_t& v, uint32_t& s) {
+  const bool fits = v < (1u << (kMan + 1 - kStep));
+  v = fits ? v << kStep : v;
+  s += fits ? static_cast<uint32_t>(kStep) : 0u;
+}
+
 // A non-NaN element of T as f32 bits: exact (every value of these types is an
-// f32), subnormals kept.
+// f32), subnormals kept. Branch-free (selects only), so that loops over it
+// vectorize; T's subnormals are normalized by a binary search of shifts, not a
+// count of leading zeros (which has no vector instruction before AVX-512).
 template <ElemType T>
 JAX_M2N_HD constexpr uint32_t DecodeToF32(ElemBits<T> x) {
   if constexpr (T == ElemType::kF32) {
     return x;
+  } else if constexpr (T == ElemType::kBF16) {
+    return static_cast<uint32_t>(x) << 16;  // f32's exponent: inf, subnormals too
   } else {
     using L = Layout<T>;
     constexpr int kBias = (1 << (L::kExp - 1)) - 1;
@@ -148,21 +161,23 @@ JAX_M2N_HD constexpr uint32_t DecodeToF32(ElemBits<T> x) {
     constexpr uint32_t kManMask = (1u << L::kMan) - 1;
     const uint32_t sign = SignBit<T>(x) << 31;
     const uint32_t ef = (static_cast<uint32_t>(x) >> L::kMan) & kExpMask;
-    uint32_t m = static_cast<uint32_t>(x) & kManMask;
-    if (L::kHasInf && ef == kExpMask) return sign | 0x7f800000u;  // inf
-    if (ef == 0) {
-      if (m == 0) return sign;
-      if constexpr (kBias == 127) {
-        return sign | (m << (23 - L::kMan));  // bf16: an f32 subnormal
-      } else {
-        // value = m * 2^(1 - kBias - kMan): normalize the leading bit to kMan.
-        const int sh = CountLeadingZeros32(m) - (31 - L::kMan);
-        const int e = 1 - kBias - sh;
-        return sign | (static_cast<uint32_t>(e + 127) << 23) |
-               (((m << sh) & kManMask) << (23 - L::kMan));
-      }
-    }
-    return sign | ((ef - kBias + 127) << 23) | (m << (23 - L::kMan));
+    const uint32_t m = static_cast<uint32_t>(x) & kManMask;
+    // A subnormal m * 2^(1 - kBias - kMan) (m != 0): shift m left by s until
+    // its leading bit is bit kMan; the value is then 1.(v) * 2^(1 - kBias - s).
+    // Steps 8, 4, 2, 1 reach any shift up to 15 >= kMan.
+    // (Written out, not a loop: GCC vectorizes no loop that holds a loop.)
+    uint32_t v = m, s = 0;
+    if constexpr (L::kMan >= 8) NormalizeStep<L::kMan, 8>(v, s);
+    if constexpr (L::kMan >= 4) NormalizeStep<L::kMan, 4>(v, s);
+    NormalizeStep<L::kMan, 2>(v, s);
+    NormalizeStep<L::kMan, 1>(v, s);
+    const uint32_t normal = ((ef + (127 - kBias)) << 23) | (m << (23 - L::kMan));
+    const uint32_t subnormal =
+        m == 0 ? 0u
+               : (((128 - kBias) - s) << 23) | ((v & kManMask) << (23 - L::kMan));
+    uint32_t bits = ef == 0 ? subnormal : normal;
+    if constexpr (L::kHasInf) bits = ef == kExpMask ? 0x7f800000u : bits;
+    return sign | bits;
   }
 }
 
@@ -180,28 +195,33 @@ JAX_M2N_HD constexpr ElemBits<T> EncodeFromF32(uint32_t x) {
   constexpr uint32_t kNaN = (1u << (L::kExp + L::kMan)) - 1;  // e4m3fn
   const uint32_t sign = (x >> 31) << (kBits - 1);
   const uint32_t abs = x & 0x7fffffffu;
-  uint32_t bits = 0;
-  if constexpr (kEmin <= -126) {
-    // bf16: f32's exponent range, so one fixed shift (f32 subnormals map to
-    // bf16 subnormals bit for bit); inf stays inf, overflow carries into it.
-    constexpr int kShift = 23 - L::kMan;
-    bits = (abs + ((1u << (kShift - 1)) - 1) + ((abs >> kShift) & 1u)) >> kShift;
-  } else {
+  // Round to nearest even at a shift of kShift: add half a unit less one, plus
+  // the kept lsb (a tie then carries only from odd), and shift. A carry out of
+  // the mantissa bumps the exponent, as it should.
+  constexpr int kShift = 23 - L::kMan;
+  uint32_t bits =
+      (abs + ((1u << (kShift - 1)) - 1) + ((abs >> kShift) & 1u)) >> kShift;
+  if constexpr (kEmin > -126) {
+    // f32 normals of T's normal range: the same rounding, exponent rebiased.
+    // Below T's smallest normal: T's subnormals, i.e. the significand (with
+    // its implicit bit) in units of T's smallest quantum 2^(kEmin - kMan),
+    // rounded the same way at a per-element shift (a carry from the largest
+    // subnormal makes the smallest normal: exponent field 0 + 1).
+    constexpr uint32_t kMinNormal = static_cast<uint32_t>(kEmin + 127) << 23;
+    const uint32_t normal = bits - (static_cast<uint32_t>(127 - kBias) << L::kMan);
     const uint32_t ef = abs >> 23;
-    const int e = static_cast<int>(ef != 0 ? ef : 1u) - 127;  // unbiased
     const uint32_t sig = (abs & 0x7fffffu) | (ef != 0 ? 0x800000u : 0u);
-    const int eff = e < kEmin ? kEmin : e;  // below: T's subnormals
-    int shift = 23 - L::kMan + (eff - e);
-    shift = shift > 25 ? 25 : shift;  // sig < 2^24: 25 already rounds to 0
-    // q: the value in units of T's quantum at exponent `eff`, rounded.
-    const uint32_t q0 = sig >> shift;
-    const uint32_t rem = sig & ((1u << shift) - 1);
-    const uint32_t half = 1u << (shift - 1);
-    const uint32_t q =
-        q0 + static_cast<uint32_t>((rem > half) | ((rem == half) & (q0 & 1u)));
-    // q holds the implicit bit, so a carry out of the mantissa bumps the
-    // exponent; for subnormals (eff == kEmin) the exponent field is 0 + carry.
-    bits = (static_cast<uint32_t>(eff + kBias - 1) << L::kMan) + q;
+    // value = sig * 2^(max(ef, 1) - 150); quantum 2^(kEmin - kMan): shift by
+    // kShift + (kEmin + 127 - max(ef, 1)), at least kShift + 1 for the elements
+    // that take it (the clamp keeps the others' shift in range too); 25
+    // already rounds every sig < 2^24 to 0.
+    constexpr uint32_t kEfMin = kEmin + 127;
+    const uint32_t ef_sub = ef == 0 ? 1u : (ef > kEfMin ? kEfMin : ef);
+    uint32_t shift = kShift + kEfMin - ef_sub;
+    shift = shift > 25 ? 25u : shift;
+    const uint32_t sub =
+        (sig + ((1u << (shift - 1)) - 1) + ((sig >> shift) & 1u)) >> shift;
+    bits = abs < kMinNormal ? sub : normal;
   }
   if constexpr (L::kHasInf) {
     bits = bits >= kInf ? kInf : bits;
@@ -272,13 +292,15 @@ JAX_M2N_HD constexpr ElemBits<To> ConvertElement(ElemBits<From> x) {
     const ElemBits<To> value = ci::EncodeFromF32<To>(x);
     return ci::IsNaN<From>(x) ? nan : value;
   } else {
-    if (ci::IsNaN<From>(x)) return ci::ConvertNaN<From, To>(x);
-    const uint32_t f = ci::DecodeToF32<From>(x);
+    const ElemBits<To> nan = ci::ConvertNaN<From, To>(x);
+    const uint32_t f = ci::DecodeToF32<From>(x);  // some f32 for a NaN x: unused
+    ElemBits<To> value;
     if constexpr (To == ElemType::kF32) {
-      return f;
+      value = f;
     } else {
-      return ci::EncodeFromF32<To>(f);
+      value = ci::EncodeFromF32<To>(f);
     }
+    return ci::IsNaN<From>(x) ? nan : value;
   }
 }
 
