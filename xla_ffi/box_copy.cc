@@ -226,6 +226,71 @@ JAX_M2N_VECTORIZE void ConvertF8Run(const void* src, void* dst, int64_t n) {
   }
 }
 
+// A non-NaN f16 or bf16 (From) rounded to an f8 (To), as EncodeFromF32 does
+// (nearest even, To's subnormals, overflow to inf or e4m3fn's NaN), in 16-bit
+// lanes with no per-element shift: a normal of To rounds at the fixed shift
+// kMan(From) - kMan(To) and is rebiased; below To's smallest normal the
+// significand is first scaled by 2^t (t in 0..kMan(To), a multiply; t < 0:
+// the result is 0) so that To's quantum sits at bit kMan(From) + 1.
+template <ElemType From, ElemType To>
+JAX_M2N_HD uint8_t Narrow16ToF8(uint16_t x) {
+  using S = convert_internal::Layout<From>;
+  using D = convert_internal::Layout<To>;
+  constexpr int kSrcBias = (1 << (S::kExp - 1)) - 1;
+  constexpr int kDstBias = (1 << (D::kExp - 1)) - 1;
+  constexpr int kDstEmin = 1 - kDstBias;
+  constexpr int kShift = S::kMan - D::kMan;
+  constexpr uint16_t kMinNormal = (kSrcBias + kDstEmin) << S::kMan;
+  const uint16_t abs = x & 0x7fffu;
+  const uint16_t r = static_cast<uint16_t>(
+      abs + ((1u << (kShift - 1)) - 1) + ((abs >> kShift) & 1u)) >> kShift;
+  const uint16_t normal =
+      static_cast<uint16_t>(r - ((kSrcBias - kDstBias) << D::kMan));
+  // Subnormal of To: q = RNE(sig * 2^t / 2^(kMan(From) + 1)), where
+  // t = ef + 1 + kMan(To) - kSrcBias - kDstEmin (t > kMan(To) is a normal).
+  const uint16_t ef = abs >> S::kMan;
+  const uint16_t sig = (abs & ((1u << S::kMan) - 1)) | (1u << S::kMan);
+  constexpr int kT0 = kSrcBias + kDstEmin - 1 - D::kMan;  // ef with t = 0
+  // p = 2^t, 0 for t < 0 (and for ef == 0: From's subnormals); a sum of
+  // compares, not a chain of selects (which GCC turns into branches).
+  static_assert(kT0 >= 1 && D::kMan <= 3, "Narrow16ToF8: t out of range");
+  const uint16_t p = static_cast<uint16_t>(
+      (ef == kT0) | ((ef == kT0 + 1) << 1) | ((ef == kT0 + 2) << 2) |
+      (D::kMan >= 3 ? (ef == kT0 + 3) << 3 : 0));
+  const uint16_t w = static_cast<uint16_t>(sig * p);
+  constexpr int kQ = S::kMan + 1;
+  const uint16_t sub = static_cast<uint16_t>(
+      w + ((1u << (kQ - 1)) - 1) + ((w >> kQ) & 1u)) >> kQ;
+  uint16_t bits = abs < kMinNormal ? sub : normal;
+  if constexpr (D::kHasInf) {
+    constexpr uint16_t kInf = ((1u << D::kExp) - 1) << D::kMan;
+    bits = bits >= kInf ? kInf : bits;
+  } else {
+    bits = bits > 0x7eu ? 0x7fu : bits;  // e4m3fn: no inf, overflow is NaN
+  }
+  return static_cast<uint8_t>(((x >> 8) & 0x80u) | bits);
+}
+
+// f16, bf16 -> e4m3fn, bf16 -> e5m2 (f16 -> e5m2: ConvertF16ToE5M2) and
+// e5m2 -> e4m3fn (through f16: e5m2 is f16's top byte): Narrow16ToF8 and the
+// NaN rule, bit for bit ConvertElement.
+template <ElemType From, ElemType To>
+JAX_M2N_VECTORIZE void ConvertNarrowRun(const void* src, void* dst, int64_t n) {
+  const ElemBits<From>* s = static_cast<const ElemBits<From>*>(src);
+  uint8_t* d = static_cast<uint8_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) {
+    const ElemBits<From> x = s[i];
+    const uint8_t nan = convert_internal::ConvertNaN<From, To>(x);
+    uint8_t value;
+    if constexpr (From == ElemType::kF8E5M2) {
+      value = Narrow16ToF8<ElemType::kF16, To>(static_cast<uint16_t>(x << 8));
+    } else {
+      value = Narrow16ToF8<From, To>(x);
+    }
+    d[i] = convert_internal::IsNaN<From>(x) ? nan : value;
+  }
+}
+
 template <ElemType T>
 inline constexpr bool kIsF8 = T == ElemType::kF8E4M3FN || T == ElemType::kF8E5M2;
 
@@ -266,8 +331,12 @@ ConvertRunFn GetConvertRunCpu(ElemType from, ElemType to) {
     constexpr ElemType kFrom = decltype(f)::value, kTo = decltype(t)::value;
     if constexpr (kFrom == ElemType::kF16 && kTo == ElemType::kF8E5M2) {
       out = &ConvertF16ToE5M2;
-    } else if constexpr (kFrom != kTo && kIsF8<kFrom> &&
-                         !(kFrom == ElemType::kF8E5M2 && kIsF8<kTo>)) {
+    } else if constexpr ((kFrom == ElemType::kF16 ||
+                          kFrom == ElemType::kBF16 ||
+                          kFrom == ElemType::kF8E5M2) &&
+                         kIsF8<kTo> && kFrom != kTo) {
+      out = &ConvertNarrowRun<kFrom, kTo>;
+    } else if constexpr (kFrom != kTo && kIsF8<kFrom>) {
       out = &ConvertF8Run<kFrom, kTo>;
     } else if constexpr (kFrom != kTo && kByTable<kFrom, kTo>) {
       out = &ConvertRunTable<kFrom, kTo>;
