@@ -126,6 +126,22 @@ def test_every_value_converts_like_astype_across_devices(src_dtype, dst_dtype,
   assert_same(y, jax.device_put(x.astype(dst_dtype), dst))
 
 
+@pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS,
+                         ids=[f"{a.name}->{b.name}" for a, b in PAIRS])
+def test_every_value_converts_in_long_runs(src_dtype, dst_dtype, fused_only):
+  """Device 0 -> device 1, 1-D: every source value of the pair in one contiguous run
+  (the CPU loops' vector bodies, not only their tails), at two lane offsets (rolled by
+  0 and 5, with an odd length), bit for bit like astype."""
+  flat = values_of(src_dtype).reshape(-1)
+  host = np.concatenate([flat, flat[:13]])
+  for shift in (0, 5):
+    x = jax.device_put(np.roll(host, shift), D[0])
+    dst = jax.sharding.SingleDeviceSharding(D[1])
+    y = jax_m2n.reshard(x, dst, dtype=dst_dtype)
+    np.testing.assert_array_equal(bits(y), bits(jax.device_put(x.astype(dst_dtype), dst)))
+    assert y.dtype == dst_dtype
+
+
 @pytest.mark.parametrize("dst_dtype", [BF16, E4M3])
 def test_local_ops_convert_too(dst_dtype, fused_only):
   """Same devices, new spec: local ops (src_dev == dst_dev) and cross ones."""

@@ -291,6 +291,44 @@ JAX_M2N_VECTORIZE void ConvertNarrowRun(const void* src, void* dst, int64_t n) {
   }
 }
 
+// f16 -> bf16 in 16-bit lanes: a normal rounds at a fixed shift of 3 and is
+// rebiased; a subnormal m * 2^-24 (a bf16 normal) is normalized by shift steps
+// of 8, 4, 2, 1 and then rounded the same way; inf and NaN are selected.
+// Bit for bit ConvertElement<kF16, kBF16>.
+JAX_M2N_VECTORIZE void ConvertF16ToBF16(const void* src, void* dst, int64_t n) {
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t x = s[i];
+    const uint16_t abs = x & 0x7fffu;
+    const uint16_t normal = static_cast<uint16_t>(
+        ((abs + 3u + ((abs >> 3) & 1u)) >> 3) + (112u << 7));
+    // Subnormal: v = m << k with bit 10 set, value 1.(v) * 2^(-14 - k),
+    // bf16 exponent field 113 - k; e counts it down from 112 (= field - 1,
+    // since the rounded significand keeps its leading bit).
+    uint16_t v = abs, e = 112;
+    bool fits = v < (1u << 3);
+    v = fits ? static_cast<uint16_t>(v << 8) : v;
+    e = fits ? static_cast<uint16_t>(e - 8) : e;
+    fits = v < (1u << 7);
+    v = fits ? static_cast<uint16_t>(v << 4) : v;
+    e = fits ? static_cast<uint16_t>(e - 4) : e;
+    fits = v < (1u << 9);
+    v = fits ? static_cast<uint16_t>(v << 2) : v;
+    e = fits ? static_cast<uint16_t>(e - 2) : e;
+    fits = v < (1u << 10);
+    v = fits ? static_cast<uint16_t>(v << 1) : v;
+    e = fits ? static_cast<uint16_t>(e - 1) : e;
+    const uint16_t sub = static_cast<uint16_t>(
+        (e << 7) + ((v + 3u + ((v >> 3) & 1u)) >> 3));
+    uint16_t r = abs < 0x400u ? sub : normal;
+    r = abs == 0 ? static_cast<uint16_t>(0) : r;
+    r = abs == 0x7c00u ? static_cast<uint16_t>(0x7f80u) : r;
+    r = static_cast<uint16_t>((x & 0x8000u) | r);
+    d[i] = abs > 0x7c00u ? static_cast<uint16_t>((x & 0x8000u) | 0x7fc0u) : r;
+  }
+}
+
 template <ElemType T>
 inline constexpr bool kIsF8 = T == ElemType::kF8E4M3FN || T == ElemType::kF8E5M2;
 
@@ -331,6 +369,8 @@ ConvertRunFn GetConvertRunCpu(ElemType from, ElemType to) {
     constexpr ElemType kFrom = decltype(f)::value, kTo = decltype(t)::value;
     if constexpr (kFrom == ElemType::kF16 && kTo == ElemType::kF8E5M2) {
       out = &ConvertF16ToE5M2;
+    } else if constexpr (kFrom == ElemType::kF16 && kTo == ElemType::kBF16) {
+      out = &ConvertF16ToBF16;
     } else if constexpr ((kFrom == ElemType::kF16 ||
                           kFrom == ElemType::kBF16 ||
                           kFrom == ElemType::kF8E5M2) &&
