@@ -8,6 +8,9 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -329,6 +332,58 @@ JAX_M2N_VECTORIZE void ConvertF16ToBF16(const void* src, void* dst, int64_t n) {
   }
 }
 
+// f32 -> f16 and bf16 -> f16 (through its f32 bits) by the F16C instruction
+// vcvtps2ph with its rounding in the immediate (nearest even: MXCSR's rounding
+// mode plays no part; its FTZ neither, and DAZ only zeroes f32 subnormals,
+// which round to +-0 in f16 anyway), 8 elements at a time; its NaN (quieted,
+// the payload's top bits kept) is ConvertNaN's. Checked bit for bit against
+// ConvertElement over every f32 with MXCSR's FTZ and DAZ off and on. The
+// generic loop (32-bit integer lanes) takes 2-3x longer.
+#if defined(__GNUC__) && defined(__x86_64__)
+#define JAX_M2N_HAVE_F16C 1
+template <ElemType From>
+__attribute__((target("avx2,f16c"))) void ConvertToF16F16c(const void* src,
+                                                          void* dst,
+                                                          int64_t n) {
+  const ElemBits<From>* s = static_cast<const ElemBits<From>*>(src);
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 f;
+    if constexpr (From == ElemType::kF32) {
+      f = _mm256_loadu_ps(reinterpret_cast<const float*>(s + i));
+    } else {  // bf16: its f32 bits
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+      f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
+                     _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) d[i] = ConvertElement<From, ElemType::kF16>(s[i]);
+}
+
+// f16 -> f32 by vcvtph2ps: exact (no rounding), subnormals kept whatever
+// MXCSR says, NaNs quieted with their payload (ConvertNaN<kF16, kF32>).
+__attribute__((target("avx2,f16c"))) void ConvertF16ToF32F16c(const void* src,
+                                                             void* dst,
+                                                             int64_t n) {
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  uint32_t* d = static_cast<uint32_t*>(dst);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    _mm256_storeu_ps(reinterpret_cast<float*>(d + i), _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) d[i] = ConvertElement<ElemType::kF16, ElemType::kF32>(s[i]);
+}
+
+bool HaveF16c() {
+  static const bool have =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return have;
+}
+#endif
+
 template <ElemType T>
 inline constexpr bool kIsF8 = T == ElemType::kF8E4M3FN || T == ElemType::kF8E5M2;
 
@@ -342,7 +397,20 @@ ConvertRunFn GetConvertRunCpu(ElemType from, ElemType to) {
   ConvertRunFn out = nullptr;
   VisitConversion(from, to, [&](auto f, auto t) {
     constexpr ElemType kFrom = decltype(f)::value, kTo = decltype(t)::value;
-    if constexpr (kFrom == ElemType::kF16 && kTo == ElemType::kF8E5M2) {
+    if constexpr ((kFrom == ElemType::kF32 || kFrom == ElemType::kBF16) &&
+                  kTo == ElemType::kF16) {
+#if defined(JAX_M2N_HAVE_F16C)
+      out = HaveF16c() ? &ConvertToF16F16c<kFrom> : &ConvertRunCpu<kFrom, kTo>;
+#else
+      out = &ConvertRunCpu<kFrom, kTo>;
+#endif
+    } else if constexpr (kFrom == ElemType::kF16 && kTo == ElemType::kF32) {
+#if defined(JAX_M2N_HAVE_F16C)
+      out = HaveF16c() ? &ConvertF16ToF32F16c : &ConvertRunCpu<kFrom, kTo>;
+#else
+      out = &ConvertRunCpu<kFrom, kTo>;
+#endif
+    } else if constexpr (kFrom == ElemType::kF16 && kTo == ElemType::kF8E5M2) {
       out = &ConvertF16ToE5M2;
     } else if constexpr (kFrom == ElemType::kF16 && kTo == ElemType::kBF16) {
       out = &ConvertF16ToBF16;
