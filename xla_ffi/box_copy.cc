@@ -229,6 +229,36 @@ JAX_M2N_VECTORIZE void ConvertF8Run(const void* src, void* dst, int64_t n) {
   }
 }
 
+// e4m3fn -> e5m2 in 8-bit lanes: a normal rounds at a fixed shift of 1 and is
+// rebiased (+8 in the exponent; nothing overflows: 448 is an e5m2); a
+// subnormal m * 2^-9 is an e5m2 normal with at most 2 significant bits after
+// its leading one, so it is normalized (steps of 2 and 1) with no rounding.
+// e4m3fn's NaN gives 0x7f whatever its sign (ConvertNaN).
+JAX_M2N_VECTORIZE void ConvertE4M3ToE5M2(const void* src, void* dst,
+                                         int64_t n) {
+  const uint8_t* s = static_cast<const uint8_t*>(src);
+  uint8_t* d = static_cast<uint8_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t x = s[i];
+    const uint8_t abs = x & 0x7fu;
+    const uint8_t normal =
+        static_cast<uint8_t>(((abs + ((abs >> 1) & 1u)) >> 1) + 0x20u);
+    // Subnormal: v = m << k with bit 3 set, e5m2 exponent field 9 - k.
+    uint8_t v = abs, e = 9;
+    bool fits = v < 4;
+    v = fits ? static_cast<uint8_t>(v << 2) : v;
+    e = fits ? static_cast<uint8_t>(e - 2) : e;
+    fits = v < 8;
+    v = fits ? static_cast<uint8_t>(v << 1) : v;
+    e = fits ? static_cast<uint8_t>(e - 1) : e;
+    const uint8_t sub = static_cast<uint8_t>((e << 2) | ((v & 7u) >> 1));
+    uint8_t r = abs < 8 ? sub : normal;
+    r = abs == 0 ? static_cast<uint8_t>(0) : r;
+    r = static_cast<uint8_t>((x & 0x80u) | r);
+    d[i] = abs == 0x7fu ? static_cast<uint8_t>(0x7fu) : r;
+  }
+}
+
 // A non-NaN f16 or bf16 (From) rounded to an f8 (To), as EncodeFromF32 does
 // (nearest even, To's subnormals, overflow to inf or e4m3fn's NaN), in 16-bit
 // lanes with no per-element shift: a normal of To rounds at the fixed shift
@@ -410,6 +440,9 @@ ConvertRunFn GetConvertRunCpu(ElemType from, ElemType to) {
 #else
       out = &ConvertRunCpu<kFrom, kTo>;
 #endif
+    } else if constexpr (kFrom == ElemType::kF8E4M3FN &&
+                         kTo == ElemType::kF8E5M2) {
+      out = &ConvertE4M3ToE5M2;
     } else if constexpr (kFrom == ElemType::kF16 && kTo == ElemType::kF8E5M2) {
       out = &ConvertF16ToE5M2;
     } else if constexpr (kFrom == ElemType::kF16 && kTo == ElemType::kBF16) {
