@@ -63,6 +63,12 @@ except ImportError:  # pragma: no cover - a JAX without it takes the public path
   _ArrayImpl = None
 
 
+def array_type() -> type | None:
+  """The class of concrete jax.Arrays (`type(x) is array_type()` excludes tracers and
+  host data); None on a JAX without it (callers then take their general path)."""
+  return _ArrayImpl
+
+
 def array_from_single_device_arrays(shape: Sequence[int], sharding: Sharding,
                                     arrays: Sequence[jax.Array], dtype: Any,
                                     aval: Any = None) -> jax.Array:
