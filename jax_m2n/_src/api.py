@@ -292,11 +292,12 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
 # A refit calls reshard with the same arguments and layouts every step. The first call
 # runs every check above; where its whole outcome follows from the arguments' types and
 # values and the leaves' types and layouts (every leaf moved by one cached eager entry,
-# nothing delegated, no astype first), the entry is remembered under that key, and a
-# later call with an equal key goes straight to it: 40 -> 8 us for one leaf, 120 -> 15
-# us for 20 (CPU, docs/benchmarks.md, "Fixed cost"). Checked on every call still: what
-# can differ between arrays of one layout (committed, deleted, one array donated twice)
-# and the trace state; any doubt takes the full path, which raises what it must.
+# nothing delegated, no astype first), that entry's key is remembered under the call's
+# key (the entry itself stays in eager's bounded cache only), and a later call with an
+# equal key goes straight to it (docs/benchmarks.md, "Fixed cost"). Checked on every
+# call still: what can differ between arrays of one layout (committed, deleted, one
+# array donated twice) and the trace state; any doubt takes the full path, which
+# raises what it must.
 _fast_cache = eager._LruCache(eager._EAGER_CACHE_SIZE)
 
 # Argument types whose equal values mean equal outcomes (bool is no int here: the full
@@ -331,11 +332,11 @@ def _fast_key(x, dst_sharding, route, topology, donate, src_sharding, timeout_s,
     if any(isinstance(d, PartitionSpec) for d in flat):  # depends on the context mesh
       return None
     dst = (tree, tuple(flat))
-  try:
-    key = (treedef, dst, route, topology, donate, type(timeout_s), timeout_s,
-           chunk_bytes, type(dtype), dtype,
-           jax.config.jax_enable_x64 if dtype is not None else None, tuple(parts))
-    hash(key)
+  try:  # hashed once: the cache's get and move_to_end would hash it twice more
+    key = eager._Key((treedef, dst, route, topology, donate, type(timeout_s), timeout_s,
+                      chunk_bytes, type(dtype), dtype,
+                      jax.config.jax_enable_x64 if dtype is not None else None,
+                      tuple(parts)))
   except TypeError:  # an unhashable destination or topology: the full path says why
     return None
   return key, leaves, treedef
@@ -344,7 +345,10 @@ def _fast_key(x, dst_sharding, route, topology, donate, src_sharding, timeout_s,
 def _fast_call(hit, leaves: list[Any], donate: bool) -> list[Any] | None:
   """Runs a remembered call's entry; None where the full path must run instead (it
   raises what is wrong: a deleted or uncommitted leaf, an array donated twice)."""
-  entry, weak = hit
+  key, weak = hit
+  entry = eager._eager_cache.get(key)  # only what that bounded cache still holds
+  if entry is None:
+    return None
   for leaf in leaves:
     if leaf.is_deleted() or not leaf.committed:
       return None

@@ -1029,7 +1029,7 @@ def _reshard_eager(x, leaves, treedef, dsts, src_shardings, route, topology, don
   """Runs (building and caching on first use) the per-device programs of one reshard.
 
   `donate` (one flag per leaf) is checked here; the caller deletes donated sources.
-  `record`: the cached entry is appended to it (nothing where none is cached).
+  `record`: the entry's cache key is appended to it (nothing where none is cached).
   """
   key = _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms,
                    chunk_bytes, out_dtypes)
@@ -1041,7 +1041,7 @@ def _reshard_eager(x, leaves, treedef, dsts, src_shardings, route, topology, don
     if any(donate) and len({id(v) for v in leaves}) != len(leaves):
       _validate_eager(x, leaves, dsts, src_shardings, donate, topology, names)
     if record is not None:
-      record.append(fn)
+      record.append(key)
     return fn(leaves, False)
   dst_shardings = _validate_eager(x, leaves, dsts, src_shardings, donate, topology, names)
   shapes = [tuple(v.shape) for v in leaves]
@@ -1055,7 +1055,7 @@ def _reshard_eager(x, leaves, treedef, dsts, src_shardings, route, topology, don
       if key is not None:
         _eager_cache.put(key, fn)
   if record is not None and key is not None:
-    record.append(fn)
+    record.append(key)
   return fn(leaves, False)
 
 
@@ -1159,8 +1159,9 @@ def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
   says, else by `astype` first (on the source) and then moved.
 
   `record` (api's fast path): where one cached entry moved every leaf as it came (no
-  delegation, no astype first), (entry, per-leaf weak_type flags or ()) is appended:
-  calling entry(leaves, donate) and marking those outputs weak is then this call."""
+  delegation, no astype first), (its _eager_cache key, per-leaf weak_type flags or ())
+  is appended: calling that entry(leaves, donate) and marking those outputs weak is
+  then this call."""
   n = len(leaves)
   originals = leaves
   out_dtypes = list(out_dtypes) if out_dtypes is not None else [None] * n
