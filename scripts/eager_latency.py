@@ -4,14 +4,17 @@
   python scripts/eager_latency.py --devices 2                       # default (blocking)
   JAX_M2N_CPU_ASYNC=1 python scripts/eager_latency.py --devices 2   # asynchronous
   python scripts/eager_latency.py --devices 8 --iters 1000          # + the 4to4 case
+  python scripts/eager_latency.py --gap_us 0                        # back to back
   python scripts/eager_latency.py --cases convert --profile         # cProfile top 15
+(From a checkout, with `PYTHONPATH=.` so that its jax_m2n is the one measured.)
 
 Cases: `convert` (4.5 KiB f32 on device 0 -> bf16 on device 0: one program, no peer;
 against `jax.device_put(x.astype(bf16), d0)`), `1to1` (4.5 KiB device 0 -> 1), `tree20`
 (20 leaves of 4.5 KiB, device 0 -> 1, one call) and with 4+ devices `4to4` (half the
 devices, dim-0 sharded -> the other half, replicated). Each timed call starts with the
-devices idle (the previous call finished, then a 0.5 ms sleep), so "return" is the
-cost of a call nobody waits on; "done" adds block_until_ready. `entry` is the cached
+devices idle (the previous call finished, then a --gap_us sleep, 500 us by default),
+so "return" is the cost of a call nobody waits on; with --gap_us 0 the calls run back
+to back (caches and threads warm: the steady per-call cost); "done" adds block_until_ready. `entry` is the cached
 per-device programs called directly (dispatch + output assembly, no argument work):
 `reshard - entry` is the front end's per-call cost; for `convert`, `program` is the one
 compiled program called bare (what XLA and the handler cost). us, median / min.
@@ -27,8 +30,8 @@ import jax
 import numpy as np
 
 
-def _time(fn, iters: int) -> tuple[list[float], list[float]]:
-  """(return, done) seconds of `iters` calls of fn, each started with idle devices."""
+def _time(fn, iters: int, gap_s: float) -> tuple[list[float], list[float]]:
+  """(return, done) seconds of `iters` calls of fn, each after a gap_s pause."""
   ret, done = [], []
   for _ in range(iters):
     t0 = time.perf_counter()
@@ -39,7 +42,8 @@ def _time(fn, iters: int) -> tuple[list[float], list[float]]:
     ret.append(t1 - t0)
     done.append(t2 - t0)
     del y
-    time.sleep(0.0005)
+    if gap_s:
+      time.sleep(gap_s)
   return sorted(ret), sorted(done)
 
 
@@ -51,6 +55,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--devices", type=int, default=2)
   parser.add_argument("--iters", type=int, default=1000)
+  parser.add_argument("--gap_us", type=float, default=500.0,
+                      help="pause before each timed call (0: back to back)")
   parser.add_argument("--cases", default="convert,1to1,tree20,4to4",
                       help="comma-separated subset of convert,1to1,tree20,4to4")
   parser.add_argument("--profile", action="store_true",
@@ -82,7 +88,8 @@ def main() -> None:
     cases["4to4"] = (xs, dst, {}, lambda: jax.device_put(xs, dst))
   wanted = [c for c in args.cases.split(",") if c in cases]
   print(f"{n} CPU devices, {args.iters} calls per row, jax {jax.__version__}, "
-        f"JAX_M2N_CPU_ASYNC={int(eager._CPU_ASYNC)}; us, median / min")
+        f"JAX_M2N_CPU_ASYNC={int(eager._CPU_ASYNC)}, gap {args.gap_us:g} us; us, "
+        "median / min")
   print(f"{'case':8s} {'what':14s} {'return':>14s} {'done':>14s}")
   for name in wanted:
     x, dst, kwargs, reference = cases[name]
@@ -102,20 +109,18 @@ def main() -> None:
         from jax_m2n._src import jax_compat  # noqa: PLC0415
         shards = [jax_compat.single_device_arrays(v) for v in leaves]
         operands = [shards[t][k] for t, k in prog.operands]
-        if entry.platform == "cpu":
-          eager._site_state(entry.site)  # the ticket: any generation of an idle site
-          operands.append(eager._tickets(prog.device)[
-              eager._site_state(entry.site).next % eager._TICKETS])
 
         def bare(prog=prog, operands=operands, entry=entry):
-          # One generation per call, as the entry hands them out.
+          # The CPU program's last operand: its generation ticket, one per call, as
+          # the entry hands them out (the site is idle between these calls).
           state = eager._site_state(entry.site)
-          operands[-1] = eager._tickets(prog.device)[state.next % eager._TICKETS]
+          ticket = eager._tickets(prog.device)[state.next % eager._TICKETS]
           state.next += 1
-          return prog.call(*operands)
-        rows["program"] = bare
+          return prog.call(*operands, ticket)
+        if entry.platform == "cpu":
+          rows["program"] = bare
     for what, fn in rows.items():
-      ret, done = _time(fn, args.iters)
+      ret, done = _time(fn, args.iters, args.gap_us * 1e-6)
       print(f"{name:8s} {what:14s} {_fmt(ret):>14s} {_fmt(done):>14s}")
     if args.profile:
       profiler = cProfile.Profile()

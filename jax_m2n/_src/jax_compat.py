@@ -29,10 +29,12 @@ def version_supported() -> bool:
   return jax_version()[:2] in SUPPORTED_JAX
 
 
+from jax._src import core as _core  # trace_state_clean: no public spelling in 0.10-0.11
+
+
 def trace_state_clean() -> bool:
   """False while JAX traces (inside jit, shard_map, grad...): reshard then stages."""
-  from jax._src import core  # no public spelling in jax 0.10-0.11
-  return core.trace_state_clean()
+  return _core.trace_state_clean()
 
 
 def device_assignment(sharding: Sharding) -> tuple[Any, ...]:
