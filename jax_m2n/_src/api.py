@@ -281,7 +281,8 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     outs = eager.reshard_leaves(leaves, treedef, dsts, srcs, flags, route, topology,
                                 timeout_ms, chunk, names, out_dtypes, record)
     if record:
-      _fast_cache.put(fast[0], record[0])
+      with _fast_cache.lock:  # put evicts: two threads putting at once would race
+        _fast_cache.put(fast[0], record[0])
   return jax.tree_util.tree_unflatten(treedef, outs)
 
 
