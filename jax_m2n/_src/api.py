@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Sharding
+from jax.sharding import PartitionSpec, Sharding
 
 from jax_m2n._src import eager
 from jax_m2n._src import ffi as m2n_ffi
@@ -23,7 +23,8 @@ from jax_m2n._src import traced
 from jax_m2n._src import transforms
 from jax_m2n._src.checks import (_API, _broadcast_prefix, _check_dtype, _check_holds,
                                  _check_mesh, _check_reduction, _check_route,
-                                 _check_topology, _chunk_bytes, _donate_flags, _LazyName,
+                                 _check_topology, _chunk_bytes, _donate_flags,
+                                 _is_dst_leaf, _LazyName,
                                  _leaf_aval, _out_dtypes,
                                  _dst_sharding_of, _leaf_names, _map_native_error,
                                  _normalize_dst, _timeout_ms)
@@ -220,6 +221,15 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     >>> "jax_m2n_reshard" in f.lower(y).compile().as_text()
     True
   """
+  fast = _fast_key(x, dst_sharding, route, topology, donate, src_sharding, timeout_s,
+                   chunk_bytes, dtype)
+  if fast is not None:
+    key, leaves, treedef = fast
+    hit = _fast_cache.get(key)
+    if hit is not None:
+      outs = _fast_call(hit, leaves, donate)
+      if outs is not None:
+        return jax.tree_util.tree_unflatten(treedef, outs)
   _check_route(_API, route)
   timeout_ms = _timeout_ms(_API, timeout_s)
   topology = _check_topology(_API, topology)
@@ -267,9 +277,88 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     outs = _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk, names,
                             out_dtypes)
   else:
+    record = [] if fast is not None else None
     outs = eager.reshard_leaves(leaves, treedef, dsts, srcs, flags, route, topology,
-                                timeout_ms, chunk, names, out_dtypes)
+                                timeout_ms, chunk, names, out_dtypes, record)
+    if record:
+      with _fast_cache.lock:  # put evicts: two threads putting at once would race
+        _fast_cache.put(fast[0], record[0])
   return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+# ---------------------------------------------------------------------------------------
+# The repeated eager call: one lookup in place of the argument work
+# ---------------------------------------------------------------------------------------
+
+# A refit calls reshard with the same arguments and layouts every step. The first call
+# runs every check above; where its whole outcome follows from the arguments' types and
+# values and the leaves' types and layouts (every leaf moved by one cached eager entry,
+# nothing delegated, no astype first), that entry's key is remembered under the call's
+# key (the entry itself stays in eager's bounded cache only), and a later call with an
+# equal key goes straight to it (docs/benchmarks.md, "Fixed cost"). Checked on every
+# call still: what can differ between arrays of one layout (committed, deleted, one
+# array donated twice) and the trace state; any doubt takes the full path, which
+# raises what it must.
+_fast_cache = eager._LruCache(eager._EAGER_CACHE_SIZE)
+
+# Argument types whose equal values mean equal outcomes (bool is no int here: the full
+# path refuses a bool timeout_s, chunk_bytes or dtype).
+_FAST_NUMBER = (type(None), int, float)
+
+
+def _fast_key(x, dst_sharding, route, topology, donate, src_sharding, timeout_s,
+              chunk_bytes, dtype) -> tuple[Any, list[Any], Any] | None:
+  """(key, leaves, treedef) of an eager call that may take the fast path; None where
+  it may not (traced, host data, a PartitionSpec destination read from the context
+  mesh, a pytree of dtypes or donate flags, src_sharding, debug logging...)."""
+  array_type = jax_compat.array_type()
+  if (array_type is None or src_sharding is not None or type(donate) is not bool
+      or type(route) is not str or type(timeout_s) not in _FAST_NUMBER
+      or type(chunk_bytes) not in (type(None), int)
+      or not (topology is None or type(topology) is int or isinstance(topology, Topology))
+      or not (dtype is None or isinstance(dtype, (np.dtype, type, str)))
+      or logger.isEnabledFor(logging.DEBUG) or not jax_compat.trace_state_clean()):
+    return None
+  leaves, treedef = jax.tree_util.tree_flatten(x)
+  parts = []
+  for leaf in leaves:
+    if type(leaf) is not array_type:  # no tracer, numpy array or scalar
+      return None
+    parts.append(leaf.aval)  # shape, dtype, weak_type
+    parts.append(leaf.sharding)
+  if isinstance(dst_sharding, Sharding):
+    dst = dst_sharding
+  else:
+    flat, tree = jax.tree_util.tree_flatten(dst_sharding, is_leaf=_is_dst_leaf)
+    if any(isinstance(d, PartitionSpec) for d in flat):  # depends on the context mesh
+      return None
+    dst = (tree, tuple(flat))
+  try:  # hashed once: the cache's get and move_to_end would hash it twice more
+    key = eager._Key((treedef, dst, route, topology, donate, type(timeout_s), timeout_s,
+                      chunk_bytes, type(dtype), dtype,
+                      jax.config.jax_enable_x64 if dtype is not None else None,
+                      tuple(parts)))
+  except TypeError:  # an unhashable destination or topology: the full path says why
+    return None
+  return key, leaves, treedef
+
+
+def _fast_call(hit, leaves: list[Any], donate: bool) -> list[Any] | None:
+  """Runs a remembered call's entry; None where the full path must run instead (it
+  raises what is wrong: a deleted or uncommitted leaf, an array donated twice)."""
+  key, weak = hit
+  entry = eager._eager_cache.get(key)  # only what that bounded cache still holds
+  if entry is None:
+    return None
+  for leaf in leaves:
+    if leaf.is_deleted() or not leaf.committed:
+      return None
+  if donate and len({id(v) for v in leaves}) != len(leaves):
+    return None
+  outs = entry(leaves, donate)
+  if weak:
+    outs = [jax_compat.with_weak_type(y) if w else y for y, w in zip(outs, weak)]
+  return outs
 
 
 def _conversions(leaves, dsts, out_dtypes, names) -> tuple[list[Any], list[Any]]:

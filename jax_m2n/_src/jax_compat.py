@@ -29,10 +29,12 @@ def version_supported() -> bool:
   return jax_version()[:2] in SUPPORTED_JAX
 
 
+from jax._src import core as _core  # trace_state_clean: no public spelling in 0.10-0.11
+
+
 def trace_state_clean() -> bool:
   """False while JAX traces (inside jit, shard_map, grad...): reshard then stages."""
-  from jax._src import core  # no public spelling in jax 0.10-0.11
-  return core.trace_state_clean()
+  return _core.trace_state_clean()
 
 
 def device_assignment(sharding: Sharding) -> tuple[Any, ...]:
@@ -61,6 +63,12 @@ try:  # the class behind jax.Array; checked construction is the public fallback
   from jax._src.array import ArrayImpl as _ArrayImpl
 except ImportError:  # pragma: no cover - a JAX without it takes the public path
   _ArrayImpl = None
+
+
+def array_type() -> type | None:
+  """The class of concrete jax.Arrays (`type(x) is array_type()` excludes tracers and
+  host data); None on a JAX without it (callers then take their general path)."""
+  return _ArrayImpl
 
 
 def array_from_single_device_arrays(shape: Sequence[int], sharding: Sharding,
