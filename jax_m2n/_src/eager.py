@@ -666,7 +666,8 @@ def _donate(leaves: Sequence[jax.Array], donate: bool | Sequence[bool]) -> None:
   has completed; an unmarked leaf is never touched."""
   flags = [donate] * len(leaves) if isinstance(donate, bool) else donate
   for x, flag in zip(leaves, flags):
-    if flag is True and not x.is_deleted():
+    # Host data (numpy, Python scalars) is not JAX's to free: jax.device_put ignores it.
+    if flag is True and isinstance(x, jax.Array) and not x.is_deleted():
       x.delete()
 
 
@@ -1134,6 +1135,19 @@ def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
     logger.debug("reshard: delegated %d of %d leaves to jax.device_put (%s)",
                  len(delegated), n,
                  sorted({delegated_because(leaves[i], dsts[i]) for i in delegated}))
-  _donate([originals[i] for i in range(n) if outs[i] is not originals[i]],
-          [donate[i] for i in range(n) if outs[i] is not originals[i]])
+  freed = [i for i in range(n) if outs[i] is not originals[i] and not (
+      donate[i] and i in delegated_dsts and _shares_buffers(outs[i], originals[i]))]
+  _donate([originals[i] for i in freed], [donate[i] for i in freed])
   return outs
+
+
+def _shares_buffers(y: Any, x: Any) -> bool:
+  """Whether jax.device_put returned x's own buffers in a new Array (an uncommitted
+  array committed where it already is): deleting x would delete the result."""
+  if not isinstance(x, jax.Array) or not isinstance(y, jax.Array) or x.is_deleted():
+    return False
+  try:
+    mine = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+    return any(s.data.unsafe_buffer_pointer() in mine for s in y.addressable_shards)
+  except Exception:  # noqa: BLE001 - no pointer to compare (a typed key): keep x
+    return True
