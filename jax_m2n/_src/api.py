@@ -322,12 +322,13 @@ def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_byte
       aval = _leaf_aval(_API, name, leaf)
       shape, dtype = tuple(aval.shape), aval.dtype
     if (not isinstance(leaf, jax.core.Tracer) and not isinstance(leaf, jax.Array)) or (
-        jax.dtypes.issubdtype(dtype, jax.dtypes.extended)):
+        eager._dtype_delegated_because(dtype) is not None):  # typed keys, int4: JAX's
       if out_dtypes[i] is not None:
         leaf = eager._astype(leaf, out_dtypes[i])
-      outs[i] = jax.device_put(leaf, _dst_sharding_of(_API, name, dst, shape, leaf.dtype)
-                               if not isinstance(dst, jax.ShapeDtypeStruct)
-                               else dst.sharding)
+      put = (transforms.constrain if isinstance(leaf, jax.core.Tracer)
+             else jax.device_put)  # in jit, jax.device_put would keep the layout
+      outs[i] = put(leaf, _dst_sharding_of(_API, name, dst, shape, leaf.dtype)
+                    if not isinstance(dst, jax.ShapeDtypeStruct) else dst.sharding)
       logger.debug("reshard: %s delegated to jax.device_put (host data or extended "
                    "dtype)", name)
       continue

@@ -121,14 +121,20 @@ def _lowered(*leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes, out_
   for i in unknown:
     dst = dsts[i]
     dst = dst.sharding if isinstance(dst, jax.ShapeDtypeStruct) else dst
-    outs[i] = (jax.sharding.reshard(outs[i], dst) if _is_explicit(dst) else
-               jax.lax.with_sharding_constraint(outs[i], dst))
+    outs[i] = constrain(outs[i], dst)
   if unknown:
     logger.debug("reshard: delegated %d leaves to XLA's partitioner (in jit, source "
                  "layout not in the type, no src_sharding=, and a destination that "
                  "custom_partitioning cannot place: %s)", len(unknown),
                  [dsts[i] for i in unknown])
   return outs
+
+
+def constrain(v: Any, dst: Any) -> Any:
+  """XLA's move of a traced value to `dst` (jax.device_put inside jit keeps the
+  operand's layout): jax.sharding.reshard on Explicit axes, else a constraint."""
+  return (jax.sharding.reshard(v, dst) if _is_explicit(dst) else
+          jax.lax.with_sharding_constraint(v, dst))
 
 
 def _sharding_of(dst: Any) -> Any:
