@@ -281,8 +281,13 @@ def _conversions(leaves, dsts, out_dtypes, names) -> tuple[list[Any], list[Any]]
     if o is None:
       continue
     have = getattr(leaf, "dtype", None)
-    if have is None:  # a Python scalar: its default dtype
+    if have is None and isinstance(leaf, (bool, int, float, complex)):  # its default
       have = jax.numpy.asarray(leaf).dtype
+    if have is None or not (have == np.bool_ or jax.dtypes.issubdtype(have, np.number)):
+      raise ReshardTypeError(
+          f"{_API}: a leaf of x converted with dtype= must be an array of numbers or "
+          f"bools; got {type(leaf).__name__} {getattr(leaf, 'dtype', '')} at "
+          f"{names()[i]}.")
     want = jax.dtypes.canonicalize_dtype(o)
     if np.dtype(have) == want and not getattr(leaf, "weak_type", False):
       out_dtypes[i] = None

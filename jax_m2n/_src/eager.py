@@ -1101,7 +1101,8 @@ def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
     leaves = list(leaves)
     for i, o in enumerate(out_dtypes):
       if o is not None and (delegated_because(leaves[i], dsts[i]) is not None or
-                            not schedule.fused_conversion(leaves[i].dtype, o)):
+                            not schedule.fused_conversion(leaves[i].dtype, o)) and not (
+          isinstance(leaves[i], jax.Array) and leaves[i].is_deleted()):  # checks say
         leaves[i], out_dtypes[i] = _astype(leaves[i], o), None
   moved, delegated = [], []
   for i in range(n):
