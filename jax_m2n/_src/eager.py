@@ -183,10 +183,6 @@ class _DeviceProgram:
   schedule: np.ndarray
 
 
-def _compile(jitted, in_types) -> Callable[..., Any]:
-  return jitted.lower(*in_types).compile()
-
-
 def _run_device(prog: _DeviceProgram, args: list) -> list:
   """Dispatches one device's program; returns its outputs (not yet ready: errors of
   the transfer surface when they are waited on)."""
@@ -763,7 +759,8 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
 
   # Compile the per-device programs concurrently, on the devices' threads (XLA compiles
   # without the GIL): the first call of a many-device reshard pays about one compile.
-  futures = [_executor(p.device.id).submit(_compile, jitted, in_types)
+  # Lowered here: tracing reads thread-local JAX state (a `jax.enable_x64` context).
+  futures = [_executor(p.device.id).submit(jitted.lower(*in_types).compile)
              for p, (jitted, in_types) in zip(programs, to_compile)]
   compiled, errors = _outcomes(futures)
   for e in errors:
