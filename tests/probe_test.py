@@ -171,7 +171,8 @@ def convert(v, dtype):
 def eager_cases(draw):
   src_ids, dst_ids = draw(device_sets())
   rank = draw(st.integers(0, 4))
-  src, dst = draw(shardings(src_ids, rank)), draw(shardings(dst_ids, rank))
+  src = draw(shardings(src_ids, rank, explicit=draw(st.booleans())))
+  dst = draw(shardings(dst_ids, rank, explicit=draw(st.booleans())))
   shape = shape_for(draw, src, dst, rank)
   if rank and draw(st.integers(0, 9)) == 0:
     shape = (0,) + shape[1:]
@@ -181,7 +182,7 @@ def eager_cases(draw):
           draw(st.sampled_from([None, 1, 7, 64, 4096])), draw(st.booleans()))
 
 
-@hypothesis.settings(SETTINGS, max_examples=60)
+@hypothesis.settings(SETTINGS, max_examples=100)
 @hypothesis.given(eager_cases())
 def test_eager_matches_device_put_of_astype(case):
   shape, dtype, src, dst, out_dtype, route, domain, chunk, donate = case
@@ -192,6 +193,7 @@ def test_eager_matches_device_put_of_astype(case):
   y = jax_m2n.reshard(x, dst, route=route, topology=topology, chunk_bytes=chunk,
                       dtype=out_dtype, donate=donate)
   assert_same(y, ref)
+  assert jax.typeof(y) == jax.typeof(ref)  # Explicit axes: the layout in the type
   assert x.is_deleted() == donate
   if not donate:
     np.testing.assert_array_equal(bits(x), bits(host))
@@ -235,7 +237,7 @@ def jit_cases(draw):
           draw(st.sampled_from([None, 7, 4096])))
 
 
-@hypothesis.settings(SETTINGS, max_examples=40)
+@hypothesis.settings(SETTINGS, max_examples=60)
 @hypothesis.given(jit_cases())
 def test_jit_matches_jax(case):
   mode, shape, dtype, src, dst, out_dtype, route, domain, chunk = case
@@ -307,7 +309,7 @@ def tree_cases(draw):
           draw(st.booleans()), draw(st.integers(0, 1 << 20)))
 
 
-@hypothesis.settings(SETTINGS, max_examples=40)
+@hypothesis.settings(SETTINGS, max_examples=60)
 @hypothesis.given(tree_cases())
 def test_pytree_prefixes_match_device_put(case):
   """Whatever jax.device_put accepts, reshard returns the same; whatever it refuses,
@@ -365,7 +367,7 @@ def transform_cases(draw):
           draw(st.sampled_from(ROUTES)))
 
 
-@hypothesis.settings(SETTINGS, max_examples=30)
+@hypothesis.settings(SETTINGS, max_examples=40)
 @hypothesis.given(transform_cases())
 def test_transformations_match_jax(case):
   """Values as plain JAX computes them without any reshard; a cotangent in the source

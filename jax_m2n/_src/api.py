@@ -330,7 +330,7 @@ def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_byte
         eager._dtype_delegated_because(dtype) is not None):  # typed keys, int4: JAX's
       if out_dtypes[i] is not None:
         leaf = eager._astype(leaf, out_dtypes[i])
-      put = (transforms.constrain if isinstance(leaf, jax.core.Tracer)
+      put = (transforms.constrain if jax_compat.is_staged(leaf)
              else jax.device_put)  # in jit, jax.device_put would keep the layout
       outs[i] = put(leaf, _dst_sharding_of(_API, name, dst, shape, leaf.dtype)
                     if not isinstance(dst, jax.ShapeDtypeStruct) else dst.sharding)
