@@ -500,6 +500,18 @@ def test_dtype_on_deleted_or_non_numeric_leaves_raises_reshard_errors(monkeypatc
               jax.device_put(live.astype(jnp.int32), D[5]))
 
 
+def test_python_scalars_converted_to_their_own_dtype_lose_weak_type():
+  """dtype=int32 on the Python int 3 (weakly typed int32) is astype's: a strong int32
+  (was left weak, since the dtypes already matched)."""
+  for dst in (None, D[2]):
+    for v, dtype in ((3, jnp.int32), (2.5, jnp.float32), (1j, jnp.complex64),
+                     (True, jnp.bool_), (3, jnp.float16)):
+      y = jax_m2n.reshard({"v": v}, dst, dtype=dtype)["v"]
+      ref = jax.device_put(jnp.asarray(v).astype(dtype), dst)
+      assert (y.dtype, y.weak_type, y.committed) == (ref.dtype, ref.weak_type,
+                                                     ref.committed), (v, dtype)
+
+
 # ---------------------------------------------------------------------------------------
 # Errors: a ReshardError (TypeError / ValueError) before anything moves, then a valid
 # call works

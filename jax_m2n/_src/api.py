@@ -280,16 +280,16 @@ def _conversions(leaves, dsts, out_dtypes, names) -> tuple[list[Any], list[Any]]
   for i, (leaf, o) in enumerate(zip(leaves, out_dtypes)):
     if o is None:
       continue
-    have = getattr(leaf, "dtype", None)
-    if have is None and isinstance(leaf, (bool, int, float, complex)):  # its default
-      have = jax.numpy.asarray(leaf).dtype
+    have, weak = getattr(leaf, "dtype", None), getattr(leaf, "weak_type", False)
+    if have is None and isinstance(leaf, (bool, int, float, complex)):  # weakly typed
+      have, weak = jax.typeof(leaf).dtype, jax.typeof(leaf).weak_type
     if have is None or not (have == np.bool_ or jax.dtypes.issubdtype(have, np.number)):
       raise ReshardTypeError(
           f"{_API}: a leaf of x converted with dtype= must be an array of numbers or "
           f"bools; got {type(leaf).__name__} {getattr(leaf, 'dtype', '')} at "
           f"{names()[i]}.")
     want = jax.dtypes.canonicalize_dtype(o)
-    if np.dtype(have) == want and not getattr(leaf, "weak_type", False):
+    if np.dtype(have) == want and not weak:
       out_dtypes[i] = None
     if isinstance(dsts[i], jax.ShapeDtypeStruct):
       dsts[i] = _dst_sharding_of(_API, names()[i], dsts[i], np.shape(leaf),
