@@ -183,6 +183,11 @@ class _DeviceProgram:
   schedule: np.ndarray
 
 
+def _compile(jitted, in_types, x64: bool) -> Callable[..., Any]:
+  with jax.enable_x64(x64):
+    return jitted.lower(*in_types).compile()
+
+
 def _run_device(prog: _DeviceProgram, args: list) -> list:
   """Dispatches one device's program; returns its outputs (not yet ready: errors of
   the transfer surface when they are waited on)."""
@@ -759,8 +764,9 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
 
   # Compile the per-device programs concurrently, on the devices' threads (XLA compiles
   # without the GIL): the first call of a many-device reshard pays about one compile.
-  # Lowered here: tracing reads thread-local JAX state (a `jax.enable_x64` context).
-  futures = [_executor(p.device.id).submit(jitted.lower(*in_types).compile)
+  # The caller's `jax.enable_x64` context is thread-local: the workers trace under it.
+  x64 = bool(jax.config.jax_enable_x64)
+  futures = [_executor(p.device.id).submit(_compile, jitted, in_types, x64)
              for p, (jitted, in_types) in zip(programs, to_compile)]
   compiled, errors = _outcomes(futures)
   for e in errors:
