@@ -163,6 +163,13 @@ def convert(v, dtype):
   return v if dtype is None else v.astype(dtype)
 
 
+def out_dtypes(dtype):
+  """dtype= choices for a source dtype: keep (twice as likely) or any other; complex to
+  real is left out (JAX deprecates that astype: a ValueError in newer releases)."""
+  return st.sampled_from([None, None] + [d for d in DTYPES if np.dtype(dtype).kind != "c"
+                                         or d.kind == "c"])
+
+
 # ---------------------------------------------------------------------------------------
 # Eager: random layouts x dtype= x donate= x route x domains x chunks
 # ---------------------------------------------------------------------------------------
@@ -176,8 +183,8 @@ def eager_cases(draw):
   shape = shape_for(draw, src, dst, rank)
   if rank and draw(st.integers(0, 9)) == 0:
     shape = (0,) + shape[1:]
-  return (shape, draw(st.sampled_from(DTYPES)), src, dst,
-          draw(st.sampled_from([None, None] + DTYPES)), draw(st.sampled_from(ROUTES)),
+  dtype = draw(st.sampled_from(DTYPES))
+  return (shape, dtype, src, dst, draw(out_dtypes(dtype)), draw(st.sampled_from(ROUTES)),
           draw(st.sampled_from([None, 1, 2, 4])),
           draw(st.sampled_from([None, 1, 7, 64, 4096])), draw(st.booleans()))
 
@@ -231,8 +238,8 @@ def jit_cases(draw):
   dst = draw(shardings(ids, rank, explicit, names="xyz"))
   if draw(st.booleans()):
     dst = NamedSharding(src.mesh, draw(specs(src.mesh.axis_names, rank)))
-  return (mode, shape_for(draw, src, dst, rank), draw(st.sampled_from(DTYPES)), src,
-          dst, draw(st.sampled_from([None, None] + DTYPES)),
+  dtype = draw(st.sampled_from(DTYPES))
+  return (mode, shape_for(draw, src, dst, rank), dtype, src, dst, draw(out_dtypes(dtype)),
           draw(st.sampled_from(ROUTES)), draw(st.sampled_from([None, 2, 4])),
           draw(st.sampled_from([None, 7, 4096])))
 
@@ -303,8 +310,9 @@ def top_prefix(x, make):
 def tree_cases(draw):
   src_ids, dst_ids = draw(device_sets())
   src, dst = draw(shardings(src_ids, 2)), draw(shardings(dst_ids, 2))
-  return (draw(trees()), src, dst, shape_for(draw, src, dst, 2, cap=512),
-          draw(st.sampled_from(DTYPES)), draw(st.sampled_from([None] + DTYPES)),
+  dtype = draw(st.sampled_from(DTYPES))
+  return (draw(trees()), src, dst, shape_for(draw, src, dst, 2, cap=512), dtype,
+          draw(out_dtypes(dtype)),
           draw(st.sampled_from(ROUTES)), draw(st.sampled_from(("no", "all", "prefix"))),
           draw(st.booleans()), draw(st.integers(0, 1 << 20)))
 
