@@ -300,8 +300,9 @@ def test_jit_uneven_or_unrefinable_layouts(devs):
   src = NamedSharding(m6a, P("a", "b"))
   dst = NamedSharding(m6b, P("c", "d"))
   x = jax.device_put(np.zeros((6, 6), np.float32), src)
-  with pytest.raises(jax_m2n.ReshardValueError, match="outside jit"):
-    jax.jit(lambda v: jax_m2n.reshard(v, dst, src_sharding=src))(x)
+  # No common refinement for one shard_map: XLA moves it, as with_sharding_constraint.
+  y = jax.jit(lambda v: jax_m2n.reshard(v, dst, src_sharding=src))(x)
+  assert y.sharding.is_equivalent_to(dst, 2)
   # The eager path takes the same layouts.
   y = jax_m2n.reshard(x, dst)
   assert y.sharding == dst

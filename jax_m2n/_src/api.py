@@ -369,11 +369,16 @@ def _conversions(leaves, dsts, out_dtypes, names) -> tuple[list[Any], list[Any]]
   for i, (leaf, o) in enumerate(zip(leaves, out_dtypes)):
     if o is None:
       continue
-    have = getattr(leaf, "dtype", None)
-    if have is None:  # a Python scalar: its default dtype
-      have = jax.numpy.asarray(leaf).dtype
+    have, weak = getattr(leaf, "dtype", None), getattr(leaf, "weak_type", False)
+    if have is None and isinstance(leaf, (bool, int, float, complex)):  # weakly typed
+      have, weak = jax.typeof(leaf).dtype, jax.typeof(leaf).weak_type
+    if have is None or not (have == np.bool_ or jax.dtypes.issubdtype(have, np.number)):
+      raise ReshardTypeError(
+          f"{_API}: a leaf of x converted with dtype= must be an array of numbers or "
+          f"bools; got {type(leaf).__name__} {getattr(leaf, 'dtype', '')} at "
+          f"{names()[i]}.")
     want = jax.dtypes.canonicalize_dtype(o)
-    if np.dtype(have) == want and not getattr(leaf, "weak_type", False):
+    if np.dtype(have) == want and not weak:
       out_dtypes[i] = None
     if isinstance(dsts[i], jax.ShapeDtypeStruct):
       dsts[i] = _dst_sharding_of(_API, names()[i], dsts[i], np.shape(leaf),
@@ -411,12 +416,13 @@ def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_byte
       aval = _leaf_aval(_API, name, leaf)
       shape, dtype = tuple(aval.shape), aval.dtype
     if (not isinstance(leaf, jax.core.Tracer) and not isinstance(leaf, jax.Array)) or (
-        jax.dtypes.issubdtype(dtype, jax.dtypes.extended)):
+        eager._dtype_delegated_because(dtype) is not None):  # typed keys, int4: JAX's
       if out_dtypes[i] is not None:
         leaf = eager._astype(leaf, out_dtypes[i])
-      outs[i] = jax.device_put(leaf, _dst_sharding_of(_API, name, dst, shape, leaf.dtype)
-                               if not isinstance(dst, jax.ShapeDtypeStruct)
-                               else dst.sharding)
+      put = (transforms.constrain if jax_compat.is_staged(leaf)
+             else jax.device_put)  # in jit, jax.device_put would keep the layout
+      outs[i] = put(leaf, _dst_sharding_of(_API, name, dst, shape, leaf.dtype)
+                    if not isinstance(dst, jax.ShapeDtypeStruct) else dst.sharding)
       logger.debug("reshard: %s delegated to jax.device_put (host data or extended "
                    "dtype)", name)
       continue

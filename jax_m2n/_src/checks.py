@@ -63,6 +63,15 @@ def _leaf_names(x: Any) -> list[str]:
           for p, _ in jax.tree_util.tree_flatten_with_path(x)[0]]
 
 
+def _prefix_leaves(prefix: Any, x: Any, is_leaf: Callable[[Any], bool]) -> list[Any]:
+  """Each leaf of `prefix` once per leaf of its subtree of x (jax.device_put's rule:
+  a None node of x has no leaves, so {'b': None} takes any prefix entry there)."""
+  full: list[Any] = []
+  jax.tree.map(lambda p, sub: full.extend([p] * jax.tree.structure(sub).num_leaves),
+               prefix, x, is_leaf=is_leaf)
+  return full
+
+
 def _broadcast_prefix(api: str, what: str, prefix: Any, x: Any, treedef, n: int,
                       names: Callable[[], list[str]]) -> list[Any]:
   """The leaves of `prefix` broadcast onto x's leaves (like jax.device_put's argument)."""
@@ -72,8 +81,7 @@ def _broadcast_prefix(api: str, what: str, prefix: Any, x: Any, treedef, n: int,
   if tree == treedef:
     return flat
   try:
-    full = jax.tree_util.tree_leaves(
-        jax.tree.broadcast(prefix, x, is_leaf=_is_dst_leaf), is_leaf=_is_dst_leaf)
+    full = _prefix_leaves(prefix, x, _is_dst_leaf)
   except (ValueError, TypeError) as e:
     raise ReshardValueError(
         f"{api}: {what} must be one Sharding or a pytree prefix of x (as for "
@@ -160,8 +168,7 @@ def _out_dtypes(api: str, dtype: Any, x: Any, treedef, n: int,
   flat, tree = jax.tree_util.tree_flatten(dtype, is_leaf=_is_dtype_leaf)
   if tree != treedef:
     try:
-      flat = jax.tree_util.tree_leaves(
-          jax.tree.broadcast(dtype, x, is_leaf=_is_dtype_leaf), is_leaf=_is_dtype_leaf)
+      flat = _prefix_leaves(dtype, x, _is_dtype_leaf)
     except (ValueError, TypeError) as e:
       raise ReshardValueError(
           f"{api}: dtype must be one dtype or a pytree prefix of x of dtypes (None: "

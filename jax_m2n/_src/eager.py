@@ -214,8 +214,9 @@ class _DeviceProgram:
     return _tickets(self.device)
 
 
-def _compile(jitted, in_types) -> Callable[..., Any]:
-  return jitted.lower(*in_types).compile()
+def _compile(jitted, in_types, x64: bool) -> Callable[..., Any]:
+  with jax.enable_x64(x64):
+    return jitted.lower(*in_types).compile()
 
 
 def _run_device(prog: _DeviceProgram, args: list) -> list:
@@ -724,7 +725,8 @@ def _donate(leaves: Sequence[jax.Array], donate: bool | Sequence[bool]) -> None:
   has completed; an unmarked leaf is never touched."""
   flags = [donate] * len(leaves) if isinstance(donate, bool) else donate
   for x, flag in zip(leaves, flags):
-    if flag is True and not x.is_deleted():
+    # Host data (numpy, Python scalars) is not JAX's to free: jax.device_put ignores it.
+    if flag is True and isinstance(x, jax.Array) and not x.is_deleted():
       x.delete()
 
 
@@ -820,7 +822,9 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
 
   # Compile the per-device programs concurrently, on the devices' threads (XLA compiles
   # without the GIL): the first call of a many-device reshard pays about one compile.
-  futures = [_executor(p.device.id).submit(_compile, jitted, in_types)
+  # The caller's `jax.enable_x64` context is thread-local: the workers trace under it.
+  x64 = bool(jax.config.jax_enable_x64)
+  futures = [_executor(p.device.id).submit(_compile, jitted, in_types, x64)
              for p, (jitted, in_types) in zip(programs, to_compile)]
   compiled, errors = _outcomes(futures)
   for e in errors:
@@ -1171,7 +1175,8 @@ def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
     leaves = list(leaves)
     for i, o in enumerate(out_dtypes):
       if o is not None and (delegated_because(leaves[i], dsts[i]) is not None or
-                            not schedule.fused_conversion(leaves[i].dtype, o)):
+                            not schedule.fused_conversion(leaves[i].dtype, o)) and not (
+          isinstance(leaves[i], jax.Array) and leaves[i].is_deleted()):  # checks say
         leaves[i], out_dtypes[i] = _astype(leaves[i], o), None
         converted_first = True
   moved, delegated = [], []
@@ -1209,6 +1214,19 @@ def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
     logger.debug("reshard: delegated %d of %d leaves to jax.device_put (%s)",
                  len(delegated), n,
                  sorted({delegated_because(leaves[i], dsts[i]) for i in delegated}))
-  _donate([originals[i] for i in range(n) if outs[i] is not originals[i]],
-          [donate[i] for i in range(n) if outs[i] is not originals[i]])
+  freed = [i for i in range(n) if outs[i] is not originals[i] and not (
+      donate[i] and i in delegated_dsts and _shares_buffers(outs[i], originals[i]))]
+  _donate([originals[i] for i in freed], [donate[i] for i in freed])
   return outs
+
+
+def _shares_buffers(y: Any, x: Any) -> bool:
+  """Whether jax.device_put returned x's own buffers in a new Array (an uncommitted
+  array committed where it already is): deleting x would delete the result."""
+  if not isinstance(x, jax.Array) or not isinstance(y, jax.Array) or x.is_deleted():
+    return False
+  try:
+    mine = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+    return any(s.data.unsafe_buffer_pointer() in mine for s in y.addressable_shards)
+  except Exception:  # noqa: BLE001 - no pointer to compare (a typed key): keep x
+    return True

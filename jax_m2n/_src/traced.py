@@ -41,6 +41,12 @@ logger = logging.getLogger("jax_m2n")
 _jit_sites = itertools.count(1)
 
 
+class Unplaceable(ReshardValueError):
+  """The shard_map lowering cannot hold these layouts together (meshes with no
+  common refinement, a typed source whose concrete mesh is unknown); JAX can still
+  move them, so the caller hands such leaves to XLA (transforms._lowered)."""
+
+
 def _outside_jit_hint() -> str:
   return " Hint: call jax_m2n.reshard outside jit (it accepts any layouts there)."
 
@@ -144,7 +150,7 @@ def _refine(api: str, name: str, shardings: Sequence[NamedSharding],
   chain = sorted(cuts)
   for a, b in zip(chain, chain[1:]):
     if b % a:
-      raise ReshardValueError(
+      raise Unplaceable(
           f"{api}: inside jit the meshes of {name} must refine a common mesh (their "
           f"axis-size prefix products must divide one another); got mesh shapes "
           f"{[tuple(m.devices.shape) for m in meshes]}.{_outside_jit_hint()}")
@@ -199,7 +205,7 @@ def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
               f"{given} for a value typed {typed}.")
         src = g
       elif concrete is None:
-        raise ReshardValueError(
+        raise Unplaceable(
             f"{_API}: inside jit the devices of {name}'s mesh must be known; got a value "
             f"typed {typed} and no concrete mesh for it. Hint: pass src_sharding=, or "
             "use jax.set_mesh(mesh).")

@@ -94,24 +94,47 @@ def _lowered(*leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes, out_
       known.append(i)
     else:
       unknown.append(i)
-  if known:
-    ys = traced._reshard_traced([leaves[i] for i in known], [dsts[i] for i in known],
-                                [srcs[i] for i in known], route, topology, timeout_ms,
-                                chunk_bytes, lambda: [f"x[{i}]" for i in known],
-                                [out_dtypes[i] for i in known])
-    for i, y in zip(known, ys):
-      outs[i] = y
-    logger.debug("reshard: traced shard_map path (in jit) for %d leaves", len(known))
+
+  def traced_path(idx):
+    return traced._reshard_traced([leaves[i] for i in idx], [dsts[i] for i in idx],
+                                  [srcs[i] for i in idx], route, topology, timeout_ms,
+                                  chunk_bytes, lambda: [f"x[{i}]" for i in idx],
+                                  [out_dtypes[i] for i in idx])
+
+  groups = [known] if known else []
+  try:
+    ys = traced_path(known) if known else []
+  except traced.Unplaceable:  # leaf by leaf; what still cannot be placed goes to XLA
+    groups, ys = [], []
+    for i in known:
+      try:
+        ys.extend(traced_path([i]))
+        groups.append([i])
+      except traced.Unplaceable as e:
+        unknown.append(i)
+        logger.debug("reshard: x[%d] handed to XLA's partitioner (in jit): %s", i, e)
+  for i, y in zip([i for g in groups for i in g], ys):
+    outs[i] = y
+  if groups:
+    logger.debug("reshard: traced shard_map path (in jit) for %d leaves",
+                 sum(map(len, groups)))
   for i in unknown:
     dst = dsts[i]
     dst = dst.sharding if isinstance(dst, jax.ShapeDtypeStruct) else dst
-    outs[i] = jax.lax.with_sharding_constraint(outs[i], dst)
+    outs[i] = constrain(outs[i], dst)
   if unknown:
     logger.debug("reshard: delegated %d leaves to XLA's partitioner (in jit, source "
                  "layout not in the type, no src_sharding=, and a destination that "
                  "custom_partitioning cannot place: %s)", len(unknown),
                  [dsts[i] for i in unknown])
   return outs
+
+
+def constrain(v: Any, dst: Any) -> Any:
+  """XLA's move of a traced value to `dst` (jax.device_put inside jit keeps the
+  operand's layout): jax.sharding.reshard on Explicit axes, else a constraint."""
+  return (jax.sharding.reshard(v, dst) if _is_explicit(dst) else
+          jax.lax.with_sharding_constraint(v, dst))
 
 
 def _sharding_of(dst: Any) -> Any:
