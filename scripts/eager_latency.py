@@ -1,4 +1,4 @@
-"""Eager reshard fixed cost on CPU: per-call time of a tiny cached reshard against
+"""Eager reshard fixed cost (CPU devices, or the GPUs where present): per-call time of a tiny cached reshard against
 `jax.device_put` of the same bytes, to return to Python and to completion.
 
   python scripts/eager_latency.py --devices 2                       # default (blocking)
@@ -87,7 +87,7 @@ def main() -> None:
     xs = jax.device_put(host, src)
     cases["4to4"] = (xs, dst, {}, lambda: jax.device_put(xs, dst))
   wanted = [c for c in args.cases.split(",") if c in cases]
-  print(f"{n} CPU devices, {args.iters} calls per row, jax {jax.__version__}, "
+  print(f"{n} {d[0].platform.upper()} devices, {args.iters} calls per row, jax {jax.__version__}, "
         f"JAX_M2N_CPU_ASYNC={int(eager._CPU_ASYNC)}, gap {args.gap_us:g} us; us, "
         "median / min")
   print(f"{'case':8s} {'what':14s} {'return':>14s} {'done':>14s}")
