@@ -1,5 +1,6 @@
-"""Eager reshard fixed cost (CPU devices, or the GPUs where present): per-call time of a tiny cached reshard against
-`jax.device_put` of the same bytes, to return to Python and to completion.
+"""Eager reshard fixed cost (CPU devices, or the GPUs where present): per-call time of a
+tiny cached reshard against `jax.device_put` of the same bytes, to return to Python and
+to completion.
 
   python scripts/eager_latency.py --devices 2                       # default (blocking)
   JAX_M2N_CPU_ASYNC=1 python scripts/eager_latency.py --devices 2   # asynchronous
