@@ -11,6 +11,10 @@ layouts, and checks that the default CPU call returns finished.
 the call returns while that device's transfer has not even started.
 """
 
+import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import jax
@@ -236,3 +240,31 @@ def test_default_cpu_call_returns_finished(devs, monkeypatch):
     fn([x], False, devices=[1])
   np.testing.assert_array_equal(np.asarray(jax_m2n.reshard(x, dst, timeout_s=0.2)),
                                 _host(96))
+
+
+def test_threads_end_before_the_interpreter_finalizes():
+  """The exit hook ends the watcher and the device workers while Python still runs (a
+  daemon thread caught inside a native call at finalization aborts the process: seen as
+  "FATAL: exception not rethrown" on jax 0.11.2). Checked in a fresh process."""
+  script = textwrap.dedent("""
+      import threading, jax
+      jax.config.update("jax_num_cpu_devices", 2)
+      import numpy as np, jax_m2n
+      from jax_m2n._src import eager
+      d = jax.devices()
+      y = jax_m2n.reshard(jax.device_put(np.arange(8.0), d[0]), d[1])
+      jax.block_until_ready(y)
+      names = lambda: sorted(t.name for t in threading.enumerate()
+                             if t.name.startswith("jax_m2n") and t.is_alive())
+      assert names(), "the call started no thread"
+      eager._stop_threads_at_exit()
+      assert not names(), names()
+      print("ended")
+  """)
+  env = dict(os.environ, JAX_M2N_CPU_ASYNC="1", JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(jax_m2n.__file__)))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                        text=True, timeout=120, check=False)
+  assert proc.returncode == 0 and "ended" in proc.stdout, proc.stderr[-3000:]

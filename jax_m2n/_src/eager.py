@@ -7,6 +7,7 @@ into global arrays. Argument rules live in checks.py; it never decides what move
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import dataclasses
@@ -16,6 +17,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from typing import Any, Callable, Hashable, Sequence
 
 import jax
@@ -65,11 +67,17 @@ class _Worker:
   def _loop(self) -> None:
     while True:
       fn, args = self._queue.get()
+      if fn is None:  # stop() at interpreter exit
+        return
       try:
         fn(*args)  # fn reports its own outcome (post) or sets its future's (submit)
       except BaseException:  # noqa: BLE001 - never reached by post/submit's callers;
         logger.exception("reshard: a device worker's task raised")  # keep the thread
       del fn, args
+
+  def stop(self) -> None:
+    """Asks the thread to end once the tasks already posted have run."""
+    self._queue.put((None, None))
 
   def post(self, fn: Callable[..., None], *args: Any) -> None:
     """Runs fn(*args) on this thread; fn must not raise (it records its own errors)."""
@@ -266,8 +274,15 @@ class _Watcher:
   def __init__(self):
     self._pending: collections.deque = collections.deque()
     self._wake = threading.Event()
+    self._stopping = False
     self._thread = threading.Thread(target=self._loop, name="jax_m2n-watch", daemon=True)
     self._thread.start()
+
+  def stop(self) -> None:
+    """Asks the thread to end (at interpreter exit: what it still watches is not
+    settled)."""
+    self._stopping = True
+    self._wake.set()
 
   def add(self, call: "_Call", tokens: Sequence[tuple[int, Any]]) -> None:
     self._pending.append((call, tokens))
@@ -276,9 +291,11 @@ class _Watcher:
   def _loop(self) -> None:
     active: list[tuple[Any, int, Any]] = []
     delay = self._POLL_MIN_S
-    while True:
+    while not self._stopping:
       if not active:
         self._wake.wait()
+      if self._stopping:
+        return
       self._wake.clear()
       while self._pending:
         call, tokens = self._pending.popleft()
@@ -304,6 +321,20 @@ class _Watcher:
 
 
 _watcher_instance: list[_Watcher] = []
+
+
+@atexit.register
+def _stop_threads_at_exit() -> None:
+  """Ends jax_m2n's threads while the interpreter still runs. A daemon thread caught at
+  finalization inside a native call (the watcher polling an output's is_ready) is
+  unwound through C++ frames that do not rethrow, and the process aborts ("FATAL:
+  exception not rethrown", seen with JAX_M2N_CPU_ASYNC=1 on jax 0.11.2)."""
+  threads = [*_watcher_instance, *_executors.values()]
+  for t in threads:
+    t.stop()
+  deadline = time.monotonic() + 2.0  # a thread stuck in a transfer does not hold exit
+  for t in threads:
+    t._thread.join(max(0.0, deadline - time.monotonic()))  # noqa: SLF001 - this module's
 
 
 def _watcher() -> _Watcher:
