@@ -205,7 +205,11 @@ _MAX_IN_FLIGHT = _TICKETS // 2
 @functools.lru_cache(maxsize=None)  # one list per device: bounded by the device count
 def _tickets(device) -> list[jax.Array]:
   """Device scalars 0.._TICKETS-1 on `device`, made once and reused by every call."""
-  return jax.device_put([np.int32(k) for k in range(_TICKETS)], device)
+  # Made under jax.transfer_guard("allow"): these host -> device copies are jax_m2n's
+  # own, not the caller's data, and must not trip a caller's guard (tunix wraps its
+  # weight sync in transfer_guard("disallow_explicit")).
+  with jax.transfer_guard("allow"):
+    return jax.device_put([np.int32(k) for k in range(_TICKETS)], device)
 
 
 @dataclasses.dataclass
@@ -1245,10 +1249,22 @@ def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
     logger.debug("reshard: delegated %d of %d leaves to jax.device_put (%s)",
                  len(delegated), n,
                  sorted({delegated_because(leaves[i], dsts[i]) for i in delegated}))
-  freed = [i for i in range(n) if outs[i] is not originals[i] and not (
-      donate[i] and i in delegated_dsts and _shares_buffers(outs[i], originals[i]))]
-  _donate([originals[i] for i in freed], [donate[i] for i in freed])
+  _donate([originals[i] for i in _donatable(originals, outs, donate, delegated_dsts)],
+          True)
   return outs
+
+
+def _donatable(originals: Sequence[Any], outs: Sequence[Any], donate: Sequence[bool],
+               delegated: Any) -> list[int]:
+  """The leaves whose source may be deleted: marked True, not returned by this call
+  (a None destination returns its source), not also at a leaf marked False (one array
+  twice in x), and sharing no buffer with a delegated result. jax.device_put keeps
+  such an array alive, and so do we: a donation never deletes what the caller keeps."""
+  kept = {id(y) for y in outs}
+  kept.update(id(x) for x, flag in zip(originals, donate) if not flag)
+  return [i for i, x in enumerate(originals)
+          if donate[i] and id(x) not in kept and not (
+              i in delegated and _shares_buffers(outs[i], x))]
 
 
 def _shares_buffers(y: Any, x: Any) -> bool:
