@@ -1,7 +1,7 @@
 """The public entry points `reshard` and `plan`.
 
 Owns the contract users read (docstrings), flattening pytrees and choosing the path:
-the eager per-device programs (eager.py) outside jit, the shard_map lowering
+the eager per-device programs (eager/) outside jit, the shard_map lowering
 (traced.py) inside it. Argument rules live in checks.py; nothing here moves data.
 """
 
