@@ -17,10 +17,10 @@ the module that reads it, not here.
 """
 
 from jax_m2n._src.eager.cache import (_EAGER_CACHE_SIZE, _eager_cache, _eager_key, _Key,
-                                      _LruCache, _reshard_eager, _validate_eager)
+                                      _LruCache, _entry, _validate_eager)
 from jax_m2n._src.eager.calls import (_site_state, _site_states, _stop_threads_at_exit,
                                       _TICKETS, _tickets)
 from jax_m2n._src.eager.delegate import (_astype, _default_memory,
                                          _dtype_delegated_because, delegated_because,
-                                         reshard_leaves)
+                                         reshard, reshard_leaves)
 from jax_m2n._src.eager.programs import _build_eager, _EagerReshard

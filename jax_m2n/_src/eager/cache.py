@@ -1,5 +1,5 @@
 """The eager programs' cache: its key (what a built entry depends on), the rules a call
-must meet before an entry is built or reused, and the lookup-or-build of one reshard.
+must meet before an entry is built or reused, and the lookup-or-build of one entry.
 
 Owns the cache only; what an entry holds and how it runs is programs.py.
 """
@@ -20,6 +20,7 @@ from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_memory
                                  _topology_key)
 from jax_m2n._src.eager.programs import _build_eager
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
+from jax_m2n._src.request import Request
 
 
 # Compiled per-device programs by (tree, shapes, dtypes, shardings, route, topology,
@@ -83,34 +84,35 @@ class _Key(tuple):
     return not self.__eq__(other)
 
 
-def _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms,
-               chunk_bytes, out_dtypes=None):
-  """The cache key (None when it cannot be formed: then validation says why).
+def _eager_key(request: Request) -> _Key | None:
+  """The cache key of `request`'s programs (None when it cannot be formed: then
+  validation says why).
 
   A given src_sharding is part of the key: its agreement with x.sharding was checked
   when the entry was built.
   """
   parts = []
-  for x, d, s in zip(leaves, dsts, src_shardings):
+  for x, d, s in zip(request.leaves, request.dsts, request.srcs):
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
       return None
     parts.append((x.shape, x.dtype, x.sharding, d, s))
+  out_dtypes = request.out_dtypes
   try:
-    converts = out_dtypes is not None and any(o is not None for o in out_dtypes)
-    key = _Key((treedef, tuple(parts), route, _topology_key(topology), timeout_ms,
-                chunk_bytes, tuple(out_dtypes) if converts else ()))
+    converts = any(o is not None for o in out_dtypes)
+    key = _Key((request.treedef, tuple(parts), request.route,
+                _topology_key(request.topology), request.timeout_ms, request.chunk_bytes,
+                tuple(out_dtypes) if converts else ()))
   except TypeError:  # unhashable topology or destination: validation says why
     return None
   return key
 
 
-def _validate_eager(x, leaves, dsts, src_shardings, donate: Sequence[bool], topology,
-                    names) -> list[Sharding]:
-  """Every rule of the eager path (`donate`: one flag per leaf); returns the destination
-  shardings."""
-  _check_topology(_API, topology)
+def _validate_eager(request: Request) -> list[Sharding]:
+  """Every rule of the eager path; returns the destination shardings."""
+  _check_topology(_API, request.topology)
+  names = request.names
   out = []
-  for i, (leaf, dst) in enumerate(zip(leaves, dsts)):
+  for i, (leaf, dst) in enumerate(zip(request.leaves, request.dsts)):
     name = names()[i]
     if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array):
       hint = (" Hint: put host data on devices first with jax.device_put."
@@ -141,7 +143,7 @@ def _validate_eager(x, leaves, dsts, src_shardings, donate: Sequence[bool], topo
           f"{_API}: the destination devices of {name} must be on the source's platform "
           f"({src_platform}); got platform {dst_platform} ({dst_sharding}). Hint: "
           "jax.device_put moves data between platforms.")
-    given = src_shardings[i]
+    given = request.srcs[i]
     if given is not None and not _same_layout(given, src, leaf.shape):
       raise ReshardValueError(
           f"{_API}: src_sharding of {name} must describe the array's actual layout; got "
@@ -154,37 +156,29 @@ def _validate_eager(x, leaves, dsts, src_shardings, donate: Sequence[bool], topo
   return out
 
 
-def _reshard_eager(x, leaves, treedef, dsts, src_shardings, route, topology, donate,
-                   timeout_ms, chunk_bytes, names, out_dtypes=None,
-                   record: list | None = None) -> list[jax.Array]:
-  """Runs (building and caching on first use) the per-device programs of one reshard.
+def _entry(request: Request, record: list | None = None) -> Any:
+  """The per-device programs of `request` (every leaf moved by jax_m2n), from the cache
+  or built now, after every check of the eager path (nothing runs here: the caller
+  calls the entry with the leaves once every other leaf is checked too).
 
-  `donate` (one flag per leaf) is checked here; the caller deletes donated sources.
   `record`: the entry's cache key is appended to it (nothing where none is cached).
   """
-  key = _eager_key(treedef, leaves, dsts, src_shardings, route, topology, timeout_ms,
-                   chunk_bytes, out_dtypes)
+  key = _eager_key(request)
   fn = _eager_cache.get(key) if key is not None else None
   if fn is not None:
-    for i, leaf in enumerate(leaves):  # what may change between calls of one key
+    for leaf in request.leaves:  # what may change between calls of one key
       if leaf.is_deleted() or not leaf.committed:
-        _validate_eager(x, leaves, dsts, src_shardings, donate, topology, names)
-    if any(donate) and len({id(v) for v in leaves}) != len(leaves):
-      _validate_eager(x, leaves, dsts, src_shardings, donate, topology, names)
+        _validate_eager(request)  # raises what is wrong
     if record is not None:
       record.append(key)
-    return fn(leaves, False)
-  dst_shardings = _validate_eager(x, leaves, dsts, src_shardings, donate, topology, names)
-  shapes = [tuple(v.shape) for v in leaves]
-  dtypes = [v.dtype for v in leaves]
-  srcs = [v.sharding for v in leaves]
+    return fn
+  dst_shardings = _validate_eager(request)
   with _eager_cache.lock:
     fn = _eager_cache.get(key) if key is not None else None
     if fn is None:
-      fn = _build_eager(shapes, dtypes, srcs, dst_shardings, route, topology, timeout_ms,
-                        chunk_bytes, out_dtypes)
+      fn = _build_eager(request, dst_shardings)
       if key is not None:
         _eager_cache.put(key, fn)
   if record is not None and key is not None:
     record.append(key)
-  return fn(leaves, False)
+  return fn

@@ -20,9 +20,10 @@ from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
 from jax_m2n._src.checks import (_API, _check_holds, _check_mesh, _check_reduction,
                                  _dst_sharding_of, _same_layout)
-from jax_m2n._src.eager.cache import _reshard_eager
+from jax_m2n._src.eager.cache import _entry
 from jax_m2n._src.eager.programs import _donate
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
+from jax_m2n._src.request import Request
 
 logger = logging.getLogger("jax_m2n")
 
@@ -115,28 +116,43 @@ def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
                    timeout_ms: int, chunk_bytes: int, names: Callable[[], list[str]],
                    out_dtypes: Sequence[Any] | None = None,
                    record: list | None = None) -> list[Any]:
+  """`reshard(Request(...), record)` from loose arguments (transforms.py's eager
+  implementation of the primitive calls this)."""
+  return reshard(Request(leaves=leaves, treedef=treedef, dsts=dsts, srcs=srcs,
+                         out_dtypes=(out_dtypes if out_dtypes is not None
+                                     else [None] * len(leaves)),
+                         donate=donate, route=route, topology=topology,
+                         timeout_ms=timeout_ms, chunk_bytes=chunk_bytes, names=names),
+                 record)
+
+
+def reshard(request: Request, record: list | None = None) -> list[Any]:
   """Eagerly reshards concrete leaves: jax_m2n's programs for device layouts, jax.device_put
   for the rest (see `delegated_because`). Every check runs before anything moves; a
-  donated source is deleted only after every leaf has moved. `out_dtypes`: per leaf the
-  destination dtype (None: keep); converted in flight where schedule.fused_conversion
-  says, else by `astype` first (on the source) and then moved.
+  donated source is deleted only after every leaf has moved. `request.out_dtypes`: per
+  leaf the destination dtype (None: keep); converted in flight where
+  schedule.fused_conversion says, else by `astype` first (on the source) and then moved.
 
   `record` (api's fast path): where one cached entry moved every leaf as it came (no
   delegation, no astype first), (its _eager_cache key, per-leaf weak_type flags or ())
   is appended: calling that entry(leaves, donate) and marking those outputs weak is
   then this call."""
-  n = len(leaves)
-  originals = leaves
-  out_dtypes = list(out_dtypes) if out_dtypes is not None else [None] * n
+  n = len(request)
+  originals = request.leaves
+  names, donate = request.names, request.donate
+  leaves, dsts, srcs = request.leaves, request.dsts, request.srcs
   converted_first = False
-  if any(o is not None for o in out_dtypes):
-    leaves = list(leaves)
+  if any(o is not None for o in request.out_dtypes):
+    leaves, out_dtypes = list(leaves), list(request.out_dtypes)
     for i, o in enumerate(out_dtypes):
       if o is not None and (delegated_because(leaves[i], dsts[i]) is not None or
                             not schedule.fused_conversion(leaves[i].dtype, o)) and not (
           isinstance(leaves[i], jax.Array) and leaves[i].is_deleted()):  # checks say
         leaves[i], out_dtypes[i] = _astype(leaves[i], o), None
         converted_first = True
+    if converted_first:
+      request = request.replace(leaves=leaves, out_dtypes=out_dtypes)
+  out_dtypes = request.out_dtypes
   moved, delegated = [], []
   for i in range(n):
     (moved if delegated_because(leaves[i], dsts[i]) is None else delegated).append(i)
@@ -144,14 +160,8 @@ def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
   outs: list[Any] = [None] * n
   entry: list = [] if record is not None and not delegated and not converted_first else None
   if moved:
-    sub = len(moved) != n
-    sub_names = (lambda: [names()[i] for i in moved]) if sub else names
-    m_leaves = [leaves[i] for i in moved]
-    ys = _reshard_eager(
-        None, m_leaves, jax.tree.structure([0] * len(moved)) if sub else treedef,
-        [dsts[i] for i in moved], [srcs[i] for i in moved], route, topology,
-        [donate[i] for i in moved], timeout_ms, chunk_bytes, sub_names,
-        [out_dtypes[i] for i in moved], entry)
+    sub = request.subset(moved)
+    ys = _entry(sub, entry)(sub.leaves, False)
     weak = [leaves[i].weak_type and out_dtypes[i] is None for i in moved]
     for i, y, w in zip(moved, ys, weak):
       outs[i] = jax_compat.with_weak_type(y) if w else y

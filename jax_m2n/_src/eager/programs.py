@@ -34,6 +34,7 @@ from jax_m2n._src.eager.dispatch import (_check_live, _executor, _Outcomes, _out
 from jax_m2n._src.errors import ReshardError, ReshardRuntimeError, ReshardTimeoutError
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import Plan, plan_reshard
+from jax_m2n._src.request import Request
 from jax_m2n._src.topology import as_topology
 
 logger = logging.getLogger("jax_m2n")
@@ -267,11 +268,16 @@ def _single_device_sharding(device) -> SingleDeviceSharding:
   return SingleDeviceSharding(device)
 
 
-def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
-                 chunk_bytes, out_dtypes=None) -> _EagerReshard:
+def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
+  """The per-device programs of `request` (its leaves' shapes, dtypes and layouts; no
+  reference to the leaves is kept) into destination shardings `dsts`, compiled."""
+  shapes = [tuple(v.shape) for v in request.leaves]
+  dtypes = [v.dtype for v in request.leaves]
+  srcs = [v.sharding for v in request.leaves]
+  route, topology = request.route, request.topology
+  timeout_ms, chunk_bytes = request.timeout_ms, request.chunk_bytes
   # Operands have `dtypes`, results `out_dtypes` (a fused conversion; None: keep).
-  out_dtypes = [o if o is not None else dt
-                for o, dt in zip(out_dtypes or [None] * len(dtypes), dtypes)]
+  out_dtypes = [o if o is not None else dt for o, dt in zip(request.out_dtypes, dtypes)]
   devices = {}
   for s in itertools.chain(srcs, dsts):
     for d in jax_compat.device_assignment(s):
