@@ -89,7 +89,8 @@ def _eager_key(request: Request) -> _Key | None:
   validation says why).
 
   A given src_sharding is part of the key: its agreement with x.sharding was checked
-  when the entry was built.
+  when the entry was built. So is jax_enable_x64, which the programs are traced under
+  (programs._x64_for).
   """
   parts = []
   for x, d, s in zip(request.leaves, request.dsts, request.srcs):
@@ -101,7 +102,7 @@ def _eager_key(request: Request) -> _Key | None:
     converts = any(o is not None for o in out_dtypes)
     key = _Key((request.treedef, tuple(parts), request.route,
                 _topology_key(request.topology), request.timeout_ms, request.chunk_bytes,
-                tuple(out_dtypes) if converts else ()))
+                tuple(out_dtypes) if converts else (), bool(jax.config.jax_enable_x64)))
   except TypeError:  # unhashable topology or destination: validation says why
     return None
   return key

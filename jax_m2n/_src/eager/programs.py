@@ -54,6 +54,14 @@ class _DeviceProgram:
     return _tickets(self.device)
 
 
+def _x64_for(dtypes: Sequence[Any]) -> bool:
+  """The jax_enable_x64 value the programs of these operand and result dtypes are
+  traced under: the caller's, or True where a dtype is 64-bit while x64 is off (the
+  trace would narrow it, and the program would refuse the actual arrays)."""
+  x64 = bool(jax.config.jax_enable_x64)
+  return x64 or any(jax.dtypes.canonicalize_dtype(d) != d for d in dtypes)
+
+
 def _compile(jitted, in_types, x64: bool) -> Callable[..., Any]:
   with jax.enable_x64(x64):
     return jitted.lower(*in_types).compile()
@@ -75,6 +83,7 @@ class _EagerReshard:
   # thread dispatches them one after another; False: each is dispatched from its
   # device's worker thread, concurrently (its dispatch may wait for its peers).
   caller_dispatch: bool = False
+  x64: bool = False  # the jax_enable_x64 value the programs were traced under
   avals: list[Any] = dataclasses.field(default_factory=list)  # per leaf, after call 1
 
   def __post_init__(self):
@@ -242,9 +251,12 @@ class _EagerReshard:
     for t, ((shape, dtype, sharding), slots) in enumerate(zip(self.out_avals,
                                                               self.out_slots)):
       arrays = [results[p][r] for p, r in slots]
-      y = jax_compat.array_from_single_device_arrays(shape, sharding, arrays, dtype,
-                                                     self.avals[t])
-      if self.avals[t] is None:
+      if self.avals[t] is not None:
+        y = jax_compat.array_from_single_device_arrays(shape, sharding, arrays, dtype,
+                                                       self.avals[t])
+      else:  # checked by JAX, under the x64 value the programs were traced under
+        with jax.enable_x64(self.x64):
+          y = jax_compat.array_from_single_device_arrays(shape, sharding, arrays, dtype)
         self.avals[t] = jax_compat.reusable_aval(y)
       out.append(y)
     return out
@@ -357,8 +369,10 @@ def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
 
   # Compile the per-device programs concurrently, on the devices' threads (XLA compiles
   # without the GIL): the first call of a many-device reshard pays about one compile.
-  # The caller's `jax.enable_x64` context is thread-local: the workers trace under it.
-  x64 = bool(jax.config.jax_enable_x64)
+  # The caller's `jax.enable_x64` context is thread-local: the workers trace under it,
+  # or with x64 on where a leaf's dtype needs it (an int64 array made while x64 was on,
+  # moved after it was turned off, as jax.device_put moves it; the key says which).
+  x64 = _x64_for(dtypes + out_dtypes)
   futures = [_executor(p.device.id).submit(_compile, jitted, in_types, x64)
              for p, (jitted, in_types) in zip(programs, to_compile)]
   compiled, errors = _outcomes(futures)
@@ -378,7 +392,7 @@ def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
     out_slots.append([result_index[(t, d.id)] 
                       for d in jax_compat.addressable_device_assignment(dst)])
   return _EagerReshard(plan, programs, out_avals, out_slots, src_shard_index, platform,
-                       site, caller_dispatch)
+                       site, caller_dispatch, x64)
 
 
 # Opt-in asynchronous eager reshards on CPU (docs/design.md, "Dispatch"): the programs
