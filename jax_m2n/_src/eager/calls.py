@@ -180,6 +180,37 @@ def _raise_failed_calls() -> None:
   raise error
 
 
+# Asynchronous CPU calls with peers (JAX_M2N_CPU_ASYNC=1) in flight, by issuing thread.
+# XLA's CPU client runs them on its thread pool, where one device's program waits for
+# its peers on a pool thread: calls issued from two Python threads at once timed out
+# (DEADLINE_EXCEEDED) in most runs of two threads repeating one reshard, and of four
+# sharing one source (issue 26; one thread issuing 8 calls back to back never did). So
+# a thread's call first waits until the calls other threads issued have finished: one
+# issuing thread at a time, each thread's own calls still pipelined.
+_issued_calls: collections.deque = collections.deque()
+_issued_lock = threading.Lock()
+
+
+def _issued(call: "_Call") -> None:
+  """Records an asynchronous CPU call of this thread (under _dispatch_lock); it is
+  forgotten when it has finished (_Call._finalize)."""
+  call.issuer = threading.get_ident()
+  with _issued_lock:
+    _issued_calls.append(call)
+
+
+def _wait_for_other_issuers() -> None:
+  """Waits (interruptibly, under _dispatch_lock) until no asynchronous CPU call that
+  another thread issued is in flight."""
+  me = threading.get_ident()
+  while True:
+    with _issued_lock:
+      other = next((c for c in _issued_calls if c.issuer != me), None)
+    if other is None:
+      return
+    _wait_interruptibly(other.done)
+
+
 class _SiteState:
   """The generations of one CPU site (one plan): the next one to hand out and the calls
   still running. Guarded by _dispatch_lock (begin) and its own lock (end)."""
@@ -246,6 +277,7 @@ class _Call:
     self.error: BaseException | None = None
     self.raised = False                  # raised to the user by jax_m2n already
     self.done = _Latch()
+    self.issuer: int | None = None       # the issuing thread (see _issued)
     self._left = 0
     self._lock = threading.Lock()
 
@@ -339,6 +371,9 @@ class _Call:
     finally:
       if entry.platform == "cpu":
         entry.site_state().end(self)
+      if self.issuer is not None:
+        with _issued_lock:
+          _issued_calls.remove(self)
       self.done.set()
 
   def take_error(self) -> BaseException | None:

@@ -26,9 +26,9 @@ from jax_m2n._src.checks import (_API, _check_in_process, _map_native_error,
                                  _platform_of, _site)
 from jax_m2n._src.eager import dispatch
 from jax_m2n._src.eager.calls import (_Call, _cpu_module, _dispatch_lock, _failure_text,
-                                      _raise_failed_calls, _reached_handler,
+                                      _issued, _raise_failed_calls, _reached_handler,
                                       _run_guarded, _site_state, _SiteState, _TICKETS,
-                                      _tickets)
+                                      _tickets, _wait_for_other_issuers)
 from jax_m2n._src.eager.dispatch import (_check_live, _executor, _Outcomes, _outcomes,
                                          _wait_interruptibly)
 from jax_m2n._src.errors import ReshardError, ReshardRuntimeError, ReshardTimeoutError
@@ -84,6 +84,9 @@ class _EagerReshard:
   # device's worker thread, concurrently (its dispatch may wait for its peers).
   caller_dispatch: bool = False
   x64: bool = False  # the jax_enable_x64 value the programs were traced under
+  # Asynchronous CPU programs with peers (JAX_M2N_CPU_ASYNC=1): one issuing thread at a
+  # time (calls._wait_for_other_issuers).
+  one_issuer: bool = False
   avals: list[Any] = dataclasses.field(default_factory=list)  # per leaf, after call 1
 
   def __post_init__(self):
@@ -137,9 +140,13 @@ class _EagerReshard:
       del shards
       for p, args in zip(programs, arguments):  # before anything is dispatched
         _check_live(p, args)
+      if self.one_issuer:
+        _wait_for_other_issuers()
       call = _Call(self, programs)
       if cpu:
         call.index = self.site_state().begin(_cpu_module(), self.device_ids, call)
+        if self.one_issuer:  # from here on, every way out finalizes the call
+          _issued(call)
         ticket = call.index % _TICKETS
         for p, args in zip(programs, arguments):
           args.append(p.tickets[ticket])
@@ -383,8 +390,8 @@ def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
     p.call = c
   # A reshard within one device (e.g. a dtype conversion in place) has no peer to wait
   # for: the calling thread dispatches it (no hand-off to the device's worker).
-  caller_dispatch = len(plan.devices) == 1 or (
-      platform == "cpu" and _CPU_ASYNC and _cpu_async(compiled))
+  cpu_async = platform == "cpu" and _CPU_ASYNC and _cpu_async(compiled)
+  caller_dispatch = len(plan.devices) == 1 or cpu_async
 
   out_avals, out_slots = [], []
   for t, (shape, dtype, dst) in enumerate(zip(shapes, out_dtypes, dsts)):
@@ -392,7 +399,8 @@ def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
     out_slots.append([result_index[(t, d.id)] 
                       for d in jax_compat.addressable_device_assignment(dst)])
   return _EagerReshard(plan, programs, out_avals, out_slots, src_shard_index, platform,
-                       site, caller_dispatch, x64)
+                       site, caller_dispatch, x64,
+                       one_issuer=cpu_async and len(plan.devices) > 1)
 
 
 # Opt-in asynchronous eager reshards on CPU (docs/design.md, "Dispatch"): the programs
