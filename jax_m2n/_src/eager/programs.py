@@ -49,7 +49,7 @@ class _DeviceProgram:
   schedule: np.ndarray
 
   @functools.cached_property
-  def tickets(self) -> list[jax.Array]:
+  def tickets(self) -> Any:
     """The device's generation tickets (CPU; see _TICKETS)."""
     return _tickets(self.device)
 
