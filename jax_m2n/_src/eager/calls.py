@@ -35,7 +35,8 @@ logger = logging.getLogger("jax_m2n")
 
 # One eager dispatch at a time per process: interleaving two calls' per-device programs
 # from several user threads could order them differently on different devices. Only
-# the dispatch holds it: the programs run (and finish) without it.
+# the dispatch holds it (for worker dispatch: until every program is posted to its
+# device's worker): the programs run (and finish) without it.
 _dispatch_lock = threading.Lock()
 
 # The CPU handler's generation tickets (xla_ffi/cpu_transport.h, CpuCall::ticket): each
@@ -246,15 +247,26 @@ class _SiteState:
     with self.lock:
       idle = not self.in_flight
       self.in_flight.append(call)
+    counts = module.joined(self.site, list(device_ids))
     if idle:
       # Nothing of this site runs: the devices' join counts are final. Bring any device
       # an earlier failure left behind level with the rest (healed).
-      counts = module.joined(self.site, list(device_ids))
       top = max(max(counts, default=0), self.next)
       behind = [d for d, c in zip(device_ids, counts) for _ in range(top - c)]
       if behind:
         module.abandon(self.site, behind, "the device was behind its peers after an "
                        "earlier failed call (healed)")
+      self.next = top
+    elif max(counts, default=0) > self.next:
+      # Calls still run, but a device has passed every generation handed out (no call
+      # can have put it there): the generations up to it are given up on the others
+      # now, by index, which touches none of the calls in flight (issue 22: the next
+      # call waited for timeout_s instead).
+      top = max(counts)
+      for d, c in zip(device_ids, counts):
+        for k in range(max(c, self.next), top):
+          module.abandon_generation(self.site, [d], k, "the device was behind a peer "
+                                    "that an earlier failure put ahead (healed)")
       self.next = top
     index = self.next
     self.next += 1

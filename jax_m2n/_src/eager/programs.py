@@ -135,7 +135,9 @@ class _EagerReshard:
     if devices is not None:
       programs = [p for p in programs if p.device.id in devices]
     cpu = self.platform == "cpu"
-    with _dispatch_lock:
+    _dispatch_lock.acquire()
+    locked = True
+    try:
       arguments = [[shards[t][k] for t, k in p.operands] for p in programs]
       del shards
       for p, args in zip(programs, arguments):  # before anything is dispatched
@@ -164,6 +166,14 @@ class _EagerReshard:
           outcomes = _Outcomes(len(programs))
           for i, (p, args) in enumerate(zip(programs, arguments)):
             _executor(p.device.id).post(_run_guarded, p, args, outcomes, i, call)
+          # Each device's worker runs what is posted to it in order: a later call's
+          # programs queue behind these on every device, so the lock is not held
+          # while they run. Held, a call waiting for a peer that never comes kept
+          # every later call of the process (the one whose ticket would have let
+          # that device skip ahead, failing this call at once) waiting until its
+          # timeout (issue 22, "healing race").
+          _dispatch_lock.release()
+          locked = False
           try:
             _wait_interruptibly(outcomes.done)
           except BaseException as interrupt:
@@ -190,6 +200,9 @@ class _EagerReshard:
         raise error if error is not None else ReshardRuntimeError(
             f"{_API}: {call.name} failed to dispatch.")
       call.watch([(i, outs[-1]) for i, outs in enumerate(results)])
+    finally:
+      if locked:
+        _dispatch_lock.release()
     return results, call
 
   def _stop(self, call: _Call, results: Sequence[Any]) -> None:
