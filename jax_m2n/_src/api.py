@@ -22,7 +22,9 @@ from jax_m2n._src import schedule
 from jax_m2n._src import traced
 from jax_m2n._src import transforms
 from jax_m2n._src.checks import (_API, _broadcast_prefix, _check_dtype, _check_holds,
-                                 _check_mesh, _check_reduction, _check_route,
+                                 _check_mesh, _check_rank, _check_reduction,
+                                 _check_route, _check_src_sharding, _is_format,
+                                 _layout_delegated_because, _uneven,
                                  _check_topology, _chunk_bytes, _donate_flags,
                                  _is_dst_leaf, _LazyName,
                                  _leaf_aval, _out_dtypes,
@@ -263,6 +265,7 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       _check_mesh(_API, _LazyName(names, i), d, "destination")
       _check_reduction(_API, _LazyName(names, i), d, "destination")
     if srcs[i] is not None:
+      _check_src_sharding(_API, _LazyName(names, i), srcs[i])
       _check_reduction(_API, _LazyName(names, i), srcs[i], "source")
     leaf = leaves[i]
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
@@ -410,24 +413,48 @@ def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_byte
       continue
     aval = _leaf_aval(_API, name, leaf)
     shape, dtype = tuple(aval.shape), aval.dtype
+    in_jit = jax_compat.is_staged(leaf)
+    # The destination is checked before any astype (JAX's order: nothing runs first).
+    fmt = dst if _is_format(dst) else None
+    if fmt is not None or (isinstance(dst, jax.ShapeDtypeStruct) and
+                           jax.dtypes.issubdtype(dtype, jax.dtypes.extended)):
+      dst_sharding = dst.sharding  # a typed key's struct: JAX checks it
+    else:
+      dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype if out_dtypes[i]
+                                      is None else out_dtypes[i])
+    if dst_sharding is not None:
+      _check_mesh(_API, name, dst_sharding, "destination")
+      _check_reduction(_API, name, dst_sharding, "destination")
+    uneven = in_jit and _uneven(dst_sharding, shape)
+    if not uneven and dst_sharding is not None:
+      _check_holds(_API, name, dst_sharding, shape, "destination")
     if out_dtypes[i] is not None and not schedule.fused_conversion(dtype, out_dtypes[i]):
       leaf = leaves[i] = eager._astype(leaf, out_dtypes[i])  # unfused: convert, then move
       out_dtypes[i] = None
       aval = _leaf_aval(_API, name, leaf)
       shape, dtype = tuple(aval.shape), aval.dtype
+    why = _layout_delegated_because(shape, dst) or (
+        "uneven shards (JAX pads them inside jit)" if uneven else None)
+    if why is not None:  # XLA's move in jit, jax.device_put's outside
+      if out_dtypes[i] is not None:
+        leaf = eager._astype(leaf, out_dtypes[i])
+      outs[i] = (jax.device_put(leaf, fmt) if fmt is not None or not in_jit
+                 else transforms.constrain(leaf, dst_sharding))
+      logger.debug("reshard: %s delegated to %s (%s)", name,
+                   "jax.device_put" if fmt is not None or not in_jit
+                   else "XLA's partitioner (in jit)", why)
+      continue
     if (not isinstance(leaf, jax.core.Tracer) and not isinstance(leaf, jax.Array)) or (
         eager._dtype_delegated_because(dtype) is not None):  # typed keys, int4: JAX's
       if out_dtypes[i] is not None:
         leaf = eager._astype(leaf, out_dtypes[i])
       put = (transforms.constrain if jax_compat.is_staged(leaf)
              else jax.device_put)  # in jit, jax.device_put would keep the layout
-      outs[i] = put(leaf, _dst_sharding_of(_API, name, dst, shape, leaf.dtype)
-                    if not isinstance(dst, jax.ShapeDtypeStruct) else dst.sharding)
+      outs[i] = put(leaf, dst_sharding)
       logger.debug("reshard: %s delegated to jax.device_put (host data or extended "
                    "dtype)", name)
       continue
     _check_dtype(_API, name, dtype)
-    dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype)
     space = getattr(aval, "memory_space", None)
     host_source = space is not None and "host" in str(space).lower()
     if host_source or not eager._default_memory(dst_sharding):  # device <-> host: JAX's
@@ -437,18 +464,11 @@ def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_byte
       logger.debug("reshard: %s delegated to jax.device_put (memory kind %s)", name,
                    dst_sharding.memory_kind)
       continue
-    _check_mesh(_API, name, dst_sharding, "destination")
-    _check_reduction(_API, name, dst_sharding, "destination")
-    _check_holds(_API, name, dst_sharding, shape, "destination")
     if srcs[i] is not None:
-      if not isinstance(srcs[i], jax.sharding.Sharding):
-        raise ReshardTypeError(
-            f"{_API}: src_sharding of {name} must be a jax.sharding.Sharding; got "
-            f"{type(srcs[i]).__name__}.")
+      _check_src_sharding(_API, name, srcs[i])
       _check_reduction(_API, name, srcs[i], "source")
     typed = getattr(aval, "sharding", None)
     _check_reduction(_API, name, typed, "source")
-    in_jit = jax_compat.is_staged(leaf)
     if in_jit and (isinstance(typed, jax.sharding.NamedSharding) and not typed.mesh.empty and any(
         t == jax.sharding.AxisType.Explicit for t in typed.mesh.axis_types)
         and isinstance(dst_sharding, jax.sharding.NamedSharding) and not any(
@@ -539,6 +559,8 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   """
   api = "plan"
   _check_route(api, route)
+  topology = _check_topology(api, topology)
+  chunk_bytes = _chunk_bytes(api, chunk_bytes, [])
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
   names = lambda: _leaf_names(x)  # noqa: E731
@@ -553,18 +575,34 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
           f"{api}: every leaf of x must be an array or ShapeDtypeStruct; got "
           f"{type(leaf).__name__} at {names()[i]}.")
     shape = tuple(leaf.shape)
+    _check_src_sharding(api, names()[i], src)
     src = src if src is not None else getattr(leaf, "sharding", None)
     if not isinstance(src, Sharding):
       raise ReshardValueError(
           f"{api}: the source sharding of {names()[i]} must be known; got "
           f"{src!r}. Hint: pass src_sharding=.")
+    if dst is None:
+      raise ReshardValueError(
+          f"{api}: the destination of {names()[i]} must be a Sharding, a Device or a "
+          "PartitionSpec (None keeps the layout: reshard moves nothing there, so there "
+          "is nothing to plan); got None.")
+    # What reshard hands to JAX (typed keys, int4, concrete layouts, rank > 8) jax_m2n
+    # does not plan.
+    _check_dtype(api, names()[i], leaf.dtype)
+    why = _layout_delegated_because(shape, dst)
+    if why is not None:
+      raise ReshardValueError(
+          f"{api}: {names()[i]} must be a leaf jax_m2n moves; got one that reshard "
+          f"hands to JAX ({why}), which jax_m2n does not plan.")
     out = out_dtypes[i]
     if out is not None:
       out = jax.dtypes.canonicalize_dtype(out)
     dst = _dst_sharding_of(api, names()[i], dst, shape,
                            leaf.dtype if out is None else out)
-    _check_holds(api, names()[i], src, shape, "source")
-    _check_holds(api, names()[i], dst, shape, "destination")
+    for s, what in ((src, "source"), (dst, "destination")):
+      _check_mesh(api, names()[i], s, what)
+      _check_reduction(api, names()[i], s, what)
+      _check_holds(api, names()[i], s, shape, what)
     for d in itertools.chain(src.device_set, dst.device_set):
       devices[d.id] = d
     src_layouts.append(Layout.from_sharding(src, shape))

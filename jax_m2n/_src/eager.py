@@ -27,7 +27,8 @@ from jax.sharding import Sharding, SingleDeviceSharding
 from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
-from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_in_process,
+from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_host_leaf,
+                                 _check_in_process, _is_format, _layout_delegated_because,
                                  _check_memory_kind, _check_mesh, _check_reduction,
                                  _check_topology, _dst_sharding_of,
                                  _map_native_error, _platform_of, _same_layout, _site,
@@ -1139,7 +1140,8 @@ def delegated_because(leaf: Any, dst: Any) -> str | None:
     return "destination None (keep the layout)"
   if not isinstance(leaf, jax.Array):
     return "host data"
-  reason = _dtype_delegated_because(leaf.dtype)
+  reason = (_dtype_delegated_because(leaf.dtype) or
+            _layout_delegated_because(leaf.shape, dst))
   if reason is not None:
     return reason
   if isinstance(leaf, jax.core.Tracer):
@@ -1168,7 +1170,11 @@ def _check_delegated(name: str, leaf: Any, dst: Any) -> Any:
   if isinstance(leaf, jax.Array) and leaf.is_deleted():
     raise ReshardValueError(
         f"{_API}: {name} must be a live array; got a deleted (or donated) array.")
+  _check_host_leaf(_API, name, leaf)
   shape = np.shape(leaf)
+  if _is_format(dst):  # jax.device_put applies the concrete layout
+    _check_delegated(name, leaf, dst.sharding)
+    return dst
   dtype = getattr(leaf, "dtype", None)
   if dtype is None:
     dtype = jax.numpy.asarray(leaf).dtype  # a Python scalar: its default dtype

@@ -25,6 +25,7 @@ from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
 from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_in_process,
+                                 _check_rank,
                                  _check_topology, _dst_sharding_of, _leaf_aval,
                                  _platform_of, _site)
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
@@ -189,6 +190,7 @@ def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
     _check_dtype(_API, name, dtype)
     dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype)
     _check_holds(_API, name, dst_sharding, shape, "destination")
+    _check_rank(_API, name, shape)
     typed = _typed_sharding(aval)
     given = src_shardings[i]
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
@@ -410,8 +412,10 @@ def reshard_partitioned(leaves, dsts: Sequence[NamedSharding], route, topology,
   for i, (shape, dtype, dst) in enumerate(zip(shapes, dtypes, dsts)):
     _check_dtype(_API, f"x[{i}]", dtype)
     _check_holds(_API, f"x[{i}]", dst, shape, "destination")
+    _check_rank(_API, f"x[{i}]", shape)
   mesh = dsts[0].mesh
-  out_dtypes = list(out_dtypes or [None] * len(leaves))
+  n = len(leaves)  # the callbacks below outlive the trace: they must hold no tracer
+  out_dtypes = list(out_dtypes or [None] * n)
 
   def same(*xs):  # the reference (one device: the layout and dtype are the difference)
     return tuple(x if o is None else x.astype(o) for x, o in zip(xs, out_dtypes))
@@ -425,7 +429,7 @@ def reshard_partitioned(leaves, dsts: Sequence[NamedSharding], route, topology,
     body = _spmd_body(srcs, dsts, shapes, dtypes, route, topology, timeout_ms,
                       chunk_bytes, b"jit", out_dtypes)
     logger.debug("reshard: custom_partitioning path (in jit) for %d leaves, source "
-                 "layouts from XLA's partitioner: %s", len(leaves), srcs)
+                 "layouts from XLA's partitioner: %s", n, srcs)
     return mesh, body, tuple(dsts), tuple(srcs)
 
   def infer(part_mesh, arg_shapes, result_shape):  # GSPMD's propagation
