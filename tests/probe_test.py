@@ -30,6 +30,11 @@ import jax_m2n
 from jax_m2n._src import eager
 
 D = jax.devices()
+if len(D) < 8:  # conftest.py forces 8 CPU devices unless told otherwise
+  pytest.skip(f"needs 8 devices (random meshes over 8); got {len(D)} {D[0].platform} "
+              "device(s). Hint: JAX_PLATFORMS=cpu with "
+              "XLA_FLAGS=--xla_force_host_platform_device_count=8.",
+              allow_module_level=True)
 ROUTES = ("hierarchical", "flat", "gather_bcast")
 DTYPES = [np.dtype(t) for t in (np.bool_, np.int8, np.uint16, np.int32, np.complex64,
                                 jnp.bfloat16, ml_dtypes.float8_e4m3fn,
