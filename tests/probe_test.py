@@ -175,6 +175,18 @@ def out_dtypes(dtype):
                                          or d.kind == "c"])
 
 
+def _log_case(what: str, case) -> None:
+  """With JAX_M2N_PROBE_LOG=<file> (scripts/probe_repeat.py), one line per case,
+  flushed to disk before the case runs: a process abort leaves its case last."""
+  path = os.environ.get("JAX_M2N_PROBE_LOG")
+  if not path:
+    return
+  with open(path, "a") as f:
+    f.write(f"{what} {case!r}\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
 # ---------------------------------------------------------------------------------------
 # Eager: random layouts x dtype= x donate= x route x domains x chunks
 # ---------------------------------------------------------------------------------------
@@ -259,6 +271,7 @@ def test_jit_matches_jax(case):
   kw = dict(route=route, topology=topology, chunk_bytes=chunk, dtype=out_dtype)
   if mode.endswith("_src"):
     kw["src_sharding"] = src
+  _log_case("jit", case)  # before XLA compiles it: an abort then names its case
   y = jax.jit(lambda v: jax_m2n.reshard(v, dst, **kw))(x)
   ref = jax.jit(lambda v: convert(v, out_dtype), out_shardings=dst)(x)
   assert_same(y, ref, exact=False)
