@@ -202,6 +202,9 @@ def test_unfused_dtype_checks_the_destination_before_astype(monkeypatch):
   with pytest.raises(jax_m2n.ReshardValueError, match="hold shape"):  # 8 over 3
     jax.vmap(lambda v: jax_m2n.reshard(v, NamedSharding(mesh, P("x")),
                                        dtype=jnp.int32))(x[None])
+  for leaf in (x, np.arange(8, dtype=np.int8)):  # eagerly: a device array, host data
+    with pytest.raises(jax_m2n.ReshardValueError, match="hold shape"):
+      jax_m2n.reshard(leaf, NamedSharding(mesh, P("x")), dtype=jnp.int32)
   assert calls == []
 
 

@@ -1218,6 +1218,7 @@ def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
       if o is not None and (delegated_because(leaves[i], dsts[i]) is not None or
                             not schedule.fused_conversion(leaves[i].dtype, o)) and not (
           isinstance(leaves[i], jax.Array) and leaves[i].is_deleted()):  # checks say
+        _check_delegated(names()[i], leaves[i], dsts[i])  # the destination before astype
         leaves[i], out_dtypes[i] = _astype(leaves[i], o), None
         converted_first = True
   moved, delegated = [], []
