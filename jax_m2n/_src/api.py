@@ -72,8 +72,12 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       device-to-device layout change of plain bytes): numpy arrays and Python scalars
       (host -> devices), uncommitted arrays, typed PRNG key arrays, sub-byte dtypes
       (int4), host memory kinds (`pinned_host`, `unpinned_host`) as source or
-      destination, and `None` destinations (the source layout is kept, as device_put
-      does).
+      destination, `None` destinations (the source layout is kept, as device_put
+      does), concrete layouts (a `jax.experimental.layout.Format` destination: the
+      handlers write the default layout only) and ranks above 8 (the handlers' bound);
+      inside jit the last two and destinations with uneven shards (e.g. (113003,) over
+      8 devices: XLA pads them, as for `with_sharding_constraint`) go to XLA. Outside
+      jit uneven shards are refused, as jax.device_put refuses them.
 
   Dtype conversion: `reshard(x, dst, dtype=d)` equals `jax.device_put(x.astype(d), dst)`
   bit for bit (XLA's rounding: nearest-even, subnormals kept, overflow to inf, or NaN for
@@ -89,8 +93,11 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   Transformations: `jax.grad` / `vjp` / `jvp` (the cotangent is resharded back to the
   source layout, eagerly by jax_m2n and in jit by the custom call, and converted back to
   the source dtype after a conversion, as astype's), `jax.vmap` (each
-  example lands in the destination layout; the batch dimension is left unsharded, as
-  `with_sharding_constraint` and `jax.sharding.reshard` do under vmap), `jax.jit`.
+  example lands in the destination layout; the batch dimension is sharded as JAX's own
+  rules say: on Explicit axes as in the batched operand's type, as
+  `jax.sharding.reshard`; on Auto axes over `spmd_axis_name`, else not, as
+  `with_sharding_constraint`), `jax.jit`. On Explicit axes the cotangent carries the
+  source's sharded type, as JAX checks.
 
   Not supported (a `ReshardValueError` naming the feature): unreduced / reduced
   shardings (`P(..., unreduced={...})`; jax_m2n moves bytes and does not sum partial
@@ -158,7 +165,8 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       timeout_s, a malformed topology, a donate that is not bools, a dtype that is no
       dtype of numbers or bool).
     ReshardValueError (also ValueError): structures do not match, shapes or dtypes would
-      change, a sharding cannot hold the shape, a mesh lists a device twice or is an
+      change, a sharding cannot hold the shape (outside jit: uneven shards, as
+      jax.device_put), a mesh lists a device twice or is an
       AbstractMesh, unreduced shardings, devices on another platform, an unknown route,
       a timeout_s below 1 ms, devices of another process on CPU, or a layout inside jit
       that needs the eager path. Raised before any data moves; the message names the
@@ -541,6 +549,13 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
 
   Returns:
     The `Plan` (transfers, chunks, bytes per link, cost estimates, workspace).
+
+  Raises:
+    ReshardTypeError, ReshardValueError: what `reshard` refuses, with the same classes
+      (a mesh listing a device twice, an AbstractMesh, unreduced shardings, a bool
+      chunk_bytes...), and what jax_m2n does not plan: leaves `reshard` hands to JAX
+      (typed PRNG keys and int4: ReshardTypeError; concrete layouts, rank above 8) and
+      `None` destinations (nothing moves).
 
   Example:
     >>> import jax, numpy as np
