@@ -22,9 +22,9 @@ from jax_m2n._src import schedule
 from jax_m2n._src import traced
 from jax_m2n._src import transforms
 from jax_m2n._src.checks import (_API, _broadcast_prefix, _check_dtype, _check_holds,
-                                 _check_mesh, _check_rank, _check_reduction,
+                                 _check_mesh, _check_reduction,
                                  _check_route, _check_src_sharding, _is_format,
-                                 _layout_delegated_because, _uneven,
+                                 _layout_delegated_because, _plan_leaf, _uneven,
                                  _check_topology, _chunk_bytes, _donate_flags,
                                  _is_dst_leaf, _LazyName,
                                  _leaf_aval, _out_dtypes,
@@ -585,39 +585,11 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   out_dtypes = _out_dtypes(api, dtype, x, treedef, n, names)
   src_layouts, dst_layouts, itemsizes, devices = [], [], [], {}
   for i, (leaf, dst, src) in enumerate(zip(leaves, dsts, given)):
-    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-      raise ReshardTypeError(
-          f"{api}: every leaf of x must be an array or ShapeDtypeStruct; got "
-          f"{type(leaf).__name__} at {names()[i]}.")
-    shape = tuple(leaf.shape)
-    _check_src_sharding(api, names()[i], src)
-    src = src if src is not None else getattr(leaf, "sharding", None)
-    if not isinstance(src, Sharding):
-      raise ReshardValueError(
-          f"{api}: the source sharding of {names()[i]} must be known; got "
-          f"{src!r}. Hint: pass src_sharding=.")
-    if dst is None:
-      raise ReshardValueError(
-          f"{api}: the destination of {names()[i]} must be a Sharding, a Device or a "
-          "PartitionSpec (None keeps the layout: reshard moves nothing there, so there "
-          "is nothing to plan); got None.")
-    # What reshard hands to JAX (typed keys, int4, concrete layouts, rank > 8) jax_m2n
-    # does not plan.
-    _check_dtype(api, names()[i], leaf.dtype)
-    why = _layout_delegated_because(shape, dst)
-    if why is not None:
-      raise ReshardValueError(
-          f"{api}: {names()[i]} must be a leaf jax_m2n moves; got one that reshard "
-          f"hands to JAX ({why}), which jax_m2n does not plan.")
     out = out_dtypes[i]
     if out is not None:
       out = jax.dtypes.canonicalize_dtype(out)
-    dst = _dst_sharding_of(api, names()[i], dst, shape,
-                           leaf.dtype if out is None else out)
-    for s, what in ((src, "source"), (dst, "destination")):
-      _check_mesh(api, names()[i], s, what)
-      _check_reduction(api, names()[i], s, what)
-      _check_holds(api, names()[i], s, shape, what)
+    shape = tuple(getattr(leaf, "shape", ()))
+    src, dst = _plan_leaf(api, names()[i], leaf, dst, src, out)
     for d in itertools.chain(src.device_set, dst.device_set):
       devices[d.id] = d
     src_layouts.append(Layout.from_sharding(src, shape))

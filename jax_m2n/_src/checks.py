@@ -480,6 +480,43 @@ def _mesh_duplicates(mesh: Any) -> tuple[list[int], list[int]]:
   return ids, sorted({i for i in ids if ids.count(i) > 1})
 
 
+def _plan_leaf(api: str, name: str, leaf: Any, dst: Any, src: Any,
+               out: Any) -> tuple[Sharding, Sharding]:
+  """plan()'s rules for one leaf (reshard's, and no leaf reshard hands to JAX): its
+  source and destination shardings."""
+  if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+    raise ReshardTypeError(
+        f"{api}: every leaf of x must be an array or ShapeDtypeStruct; got "
+        f"{type(leaf).__name__} at {name}.")
+  shape = tuple(leaf.shape)
+  _check_src_sharding(api, name, src)
+  src = src if src is not None else getattr(leaf, "sharding", None)
+  if not isinstance(src, Sharding):
+    raise ReshardValueError(
+        f"{api}: the source sharding of {name} must be known; got "
+        f"{src!r}. Hint: pass src_sharding=.")
+  if dst is None:
+    raise ReshardValueError(
+        f"{api}: the destination of {name} must be a Sharding, a Device or a "
+        "PartitionSpec (None keeps the layout: reshard moves nothing there, so there "
+        "is nothing to plan); got None.")
+  # What reshard hands to JAX (typed keys, int4, concrete layouts, rank > 8) jax_m2n
+  # does not plan.
+  _check_dtype(api, name, leaf.dtype)
+  why = _layout_delegated_because(shape, dst)
+  if why is not None:
+    raise ReshardValueError(
+        f"{api}: {name} must be a leaf jax_m2n moves; got one that reshard "
+        f"hands to JAX ({why}), which jax_m2n does not plan.")
+  dst = _dst_sharding_of(api, name, dst, shape,
+                         leaf.dtype if out is None else out)
+  for s, what in ((src, "source"), (dst, "destination")):
+    _check_mesh(api, name, s, what)
+    _check_reduction(api, name, s, what)
+    _check_holds(api, name, s, shape, what)
+  return src, dst
+
+
 # Measured defaults (docs/cuda_transport.md: each NCCL step costs ~13 us on H200, and
 # 64 MiB chunks came within 5-10% of the best in every case; CPU steps are barriers).
 CPU_CHUNK_BYTES = DEFAULT_CHUNK_BYTES
