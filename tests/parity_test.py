@@ -292,3 +292,20 @@ def test_unreduced_shardings_stay_refused(jit):
   with jax.set_mesh(mesh), pytest.raises(jax_m2n.ReshardValueError, match="unreduced"):
     f(x)
   assert not x.is_deleted()
+
+
+def test_jit_destination_on_other_devices_is_a_reshard_value_error():
+  """Was JAX's plain ValueError ("Received incompatible devices") for a subset."""
+  m8, m4 = Mesh(np.array(D), ("x",)), Mesh(np.array(D[:4]), ("x",))
+  x = jax.device_put(jnp.ones((8, 8)), NamedSharding(m8, P("x")))
+  f = jax.jit(lambda t: jax_m2n.reshard(t, {"w": NamedSharding(m4, P("x"))}))
+  with pytest.raises(jax_m2n.ReshardValueError,
+                     match=r"x\['w'\] must be on the jit's devices.*\[0, 1, 2, 3\].*8 "
+                           r"devices") as e:
+    f({"w": x})
+  assert isinstance(e.value, ValueError)
+  # Known source layout (src_sharding=): any other device set, the same number too.
+  other = NamedSharding(Mesh(np.array(D[4:]), ("x",)), P("x"))
+  y = jax.device_put(jnp.ones((8, 8)), NamedSharding(m4, P("x")))
+  with pytest.raises(jax_m2n.ReshardValueError, match=r"same devices.*\[4, 5, 6, 7\]"):
+    jax.jit(lambda v: jax_m2n.reshard(v, other, src_sharding=y.sharding))(y)

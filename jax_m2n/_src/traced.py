@@ -314,6 +314,19 @@ def check_staged_devices(name: str, aval, given: Sharding | None, dst: Sharding)
   if src is None and typed is not None:
     mesh = _concrete_mesh_for(typed.mesh, [dst])
     src = NamedSharding(mesh, typed.spec) if mesh is not None else None
+  if src is None:
+    # On Auto axes the type still names the source's mesh shape (not its devices): a
+    # destination on another number of devices cannot be on the jit's devices.
+    s = getattr(aval, "sharding", None)
+    mesh = getattr(s, "mesh", None)
+    if (isinstance(mesh, jax.sharding.AbstractMesh) and not mesh.empty and
+        mesh.size != len(dst.device_set)):
+      raise ReshardValueError(
+          f"{_API}: inside jit the destination of {name} must be on the jit's devices "
+          f"(those of its source); got destination devices "
+          f"{[d.id for d in jax_compat.device_assignment(dst)]} for a source on a mesh "
+          f"of {mesh.size} devices {dict(mesh.shape)}. Hint: call jax_m2n.reshard "
+          "outside jit to move arrays between device sets.")
   if src is None or not isinstance(src, (NamedSharding, SingleDeviceSharding)):
     return
   src = _as_named(_API, name, src, "source")
