@@ -8,6 +8,7 @@ config, and the argument errors of reshard and plan (ReshardError classes, the l
 argument named, nothing converted before a destination check).
 """
 
+import logging
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -152,8 +153,9 @@ def test_jit_random_mesh_pairs_move_as_xla_does(shape, src, dst):
 # Uneven shards, concrete layouts, rank 9: what JAX accepts, we accept
 # ---------------------------------------------------------------------------------------
 
-def test_uneven_shards_inside_jit_as_with_sharding_constraint():
+def test_uneven_shards_inside_jit_as_with_sharding_constraint(caplog):
   """Was a ReshardValueError; JAX pads such shards inside jit."""
+  caplog.set_level(logging.DEBUG, logger="jax_m2n")
   mesh = Mesh(np.array(D), ("x",))
   dst = NamedSharding(mesh, P("x"))
   x = jax.device_put(jnp.arange(113003.0), NamedSharding(mesh, P()))
@@ -162,6 +164,7 @@ def test_uneven_shards_inside_jit_as_with_sharding_constraint():
     return jax.jit(lambda v: move(v, dst) * 2)(x)
 
   ref, y = run(jax.lax.with_sharding_constraint), run(jax_m2n.reshard)
+  assert "XLA's partitioner (in jit) (uneven shards" in caplog.text
   assert y.sharding == ref.sharding
   np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
   # Eagerly jax.device_put refuses uneven shards (IndivisibleError): so do we.
@@ -171,13 +174,15 @@ def test_uneven_shards_inside_jit_as_with_sharding_constraint():
     jax_m2n.reshard(x, dst)
 
 
-def test_format_destinations_as_device_put():
+def test_format_destinations_as_device_put(caplog):
   """Was a ReshardTypeError; now delegated to jax.device_put (a debug line says so)."""
+  caplog.set_level(logging.DEBUG, logger="jax_m2n")
   from jax.experimental.layout import Format, Layout
   mesh = Mesh(np.array(D), ("x",))
   x = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("x")))
   fmt = Format(Layout(major_to_minor=(0, 1)), NamedSharding(mesh, P(None, None)))
   ref, y = jax.device_put(x, fmt), jax_m2n.reshard(x, fmt)
+  assert "concrete layout" in caplog.text
   assert y.format == ref.format
   np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
   out = jax_m2n.reshard({"a": x, "b": x}, {"a": fmt, "b": NamedSharding(mesh, P())})
