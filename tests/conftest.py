@@ -34,3 +34,23 @@ def pytest_configure(config):
       jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
     except Exception:  # noqa: BLE001 - a backend already started keeps its devices
       pass
+
+
+def pytest_collection_modifyitems(config, items):
+  """Where the devices are still too few (JAX_PLATFORMS or XLA_FLAGS set otherwise),
+  the CPU-device tests skip with that reason rather than fail on missing devices."""
+  if _gpu_only(config.args):
+    return
+  jax = sys.modules.get("jax")
+  if jax is None:
+    return
+  n = jax.device_count()
+  if n >= CPU_DEVICES:
+    return
+  import pytest
+  skip = pytest.mark.skip(reason=(
+      f"needs {CPU_DEVICES} devices; got {n} {jax.devices()[0].platform} device(s) "
+      "(JAX_PLATFORMS / XLA_FLAGS set otherwise). Hint: JAX_PLATFORMS=cpu."))
+  for item in items:
+    if "gpu" not in os.path.basename(str(item.fspath)):
+      item.add_marker(skip)
