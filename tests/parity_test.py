@@ -84,14 +84,14 @@ def test_vmap_spmd_axis_name_shards_the_batch_dim_as_with_sharding_constraint():
   x = jax.device_put(jnp.arange(64.0).reshape(4, 8, 2), NamedSharding(mesh, P()))
   dst = NamedSharding(mesh, P(None, "y"))
 
-  def run(move, **kw):
-    return jax.jit(jax.vmap(lambda v: move(v, dst), spmd_axis_name="x"), **kw)(x)
+  def run(move, jit):
+    f = jax.vmap(lambda v: move(v, dst), spmd_axis_name="x")
+    return (jax.jit(f) if jit else f)(x)
 
-  want = NamedSharding(mesh, P("x", None, "y"))
-  ref = run(jax.lax.with_sharding_constraint)
-  y = run(jax_m2n.reshard, out_shardings=want)
-  assert y.sharding == want
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
+  for jit in (False, True):
+    ref, y = run(jax.lax.with_sharding_constraint, jit), run(jax_m2n.reshard, jit)
+    assert y.sharding == ref.sharding == NamedSharding(mesh, P("x", None, "y"))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
   hlo = jax.jit(jax.vmap(lambda v: jax_m2n.reshard(v, dst), spmd_axis_name="x")).lower(
       x).compile().as_text()
   assert "jax_m2n_reshard" in hlo
