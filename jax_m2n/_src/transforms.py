@@ -5,8 +5,9 @@ weak_type kept; the destination sharding in the type on Explicit axes), its eage
 implementation (eager.py's per-device programs), its lowering inside jit (traced.py's
 shard_map, or custom_partitioning where only XLA knows the source layout), its JVP and
 transpose (a reshard is linear: the cotangent is resharded back to the source layout,
-and a converting reshard's cotangent converted back to the source dtype, as astype's)
-and its batching rule (the batch dimension is not sharded).
+on Explicit axes the one in the source's type, and a converting reshard's cotangent
+converted back to the source dtype, as astype's) and its batching rule (the batch
+dimension sharded as jax.sharding.reshard / with_sharding_constraint shard it).
 """
 
 from __future__ import annotations
@@ -261,9 +262,9 @@ def _batch_entry(axis_data: Any, sharding: Any, what: str) -> Any:
   sharding = _sharding_of(sharding)
   if not isinstance(sharding, NamedSharding):
     return None
+  explicit_axes, spmd = jax_compat.vmap_batch_axes(axis_data)
   if _is_explicit(sharding):
-    return getattr(axis_data, "explicit_mesh_axis", None)
-  spmd = getattr(axis_data, "spmd_name", None)
+    return explicit_axes
   if spmd is None:
     return None
   spmd = (spmd,) if isinstance(spmd, str) else tuple(spmd)
@@ -296,4 +297,4 @@ reshard_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(reshard_p, _lowering)
 ad.primitive_jvps[reshard_p] = _jvp
 ad.primitive_transposes[reshard_p] = _transpose
-batching.fancy_primitive_batchers[reshard_p] = _batch
+jax_compat.register_batching_rule(reshard_p, _batch)
