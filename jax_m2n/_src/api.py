@@ -141,7 +141,8 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       device ids. Default: the devices of one process form one domain.
     donate: a bool, or a pytree prefix of `x` of bools (as for `jax.device_put`): the
       sources marked True are deleted once every leaf has moved; an unmarked leaf is
-      never touched. Ignored inside jit (use jit's `donate_argnums`).
+      never touched, nor (as by jax.device_put) an array that appears at several
+      leaves of x or that a None destination returns. Ignored inside jit (use jit's `donate_argnums`).
     src_sharding: the source layout (a Sharding or a pytree prefix of them). Inside jit
       optional: without it the layout XLA's partitioner gives the operand is used (see
       above); with it the plan is made at trace time, and the source may be on another

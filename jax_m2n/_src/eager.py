@@ -1013,7 +1013,6 @@ def _validate_eager(x, leaves, dsts, src_shardings, donate: Sequence[bool], topo
   shardings."""
   _check_topology(_API, topology)
   out = []
-  seen: dict[int, str] = {}
   for i, (leaf, dst) in enumerate(zip(leaves, dsts)):
     name = names()[i]
     if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array):
@@ -1054,12 +1053,6 @@ def _validate_eager(x, leaves, dsts, src_shardings, donate: Sequence[bool], topo
     _check_mesh(_API, name, dst_sharding, "destination")
     _check_reduction(_API, name, src, "source")
     _check_reduction(_API, name, dst_sharding, "destination")
-    if donate[i]:
-      if id(leaf) in seen:
-        raise ReshardValueError(
-            f"{_API}: a donated array must appear once in x; got the same array at "
-            f"{seen[id(leaf)]} and {name}.")
-      seen[id(leaf)] = name
     out.append(dst_sharding)
   return out
 
@@ -1263,14 +1256,15 @@ def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
 
 def _donatable(originals: Sequence[Any], outs: Sequence[Any], donate: Sequence[bool],
                delegated: Any) -> list[int]:
-  """The leaves whose source may be deleted: marked True, not returned by this call
-  (a None destination returns its source), not also at a leaf marked False (one array
-  twice in x), and sharing no buffer with a delegated result. jax.device_put keeps
-  such an array alive, and so do we: a donation never deletes what the caller keeps."""
-  kept = {id(y) for y in outs}
-  kept.update(id(x) for x, flag in zip(originals, donate) if not flag)
+  """The leaves whose source may be deleted: marked True, at no other leaf of x, not
+  returned by this call (a None destination returns its source), and sharing no buffer
+  with a delegated result. jax.device_put ignores the donation of an array that appears
+  twice in x (whatever the flags) or is returned, and so do we: a donation never
+  deletes what the caller keeps."""
+  count = collections.Counter(id(x) for x in originals)
+  returned = {id(y) for y in outs}
   return [i for i, x in enumerate(originals)
-          if donate[i] and id(x) not in kept and not (
+          if donate[i] and count[id(x)] == 1 and id(x) not in returned and not (
               i in delegated and _shares_buffers(outs[i], x))]
 
 
