@@ -2,7 +2,7 @@
 program is dispatched, its outputs not ready; errors known only later surface at the
 outputs' block_until_ready / first use and as a ReshardError at the next call.
 
-On CPU this is opt-in (JAX_M2N_CPU_ASYNC=1, here `eager._CPU_ASYNC`, read when a
+On CPU this is opt-in (JAX_M2N_CPU_ASYNC=1, here `eager.programs._CPU_ASYNC`, read when a
 layout's programs are built; docs/design.md, "Dispatch"): this file turns it on for its
 layouts, and checks that the default CPU call returns finished.
 
@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import jax
@@ -28,7 +29,7 @@ from jax_m2n._src import ffi as m2n_ffi
 
 SETTLE_S = 10.0  # how long a failed call may take to be noticed, generously
 
-eager._CPU_ASYNC = True  # before any layout of this file is built
+eager.programs._CPU_ASYNC = True  # before any layout of this file is built
 
 
 @pytest.fixture(scope="module")
@@ -224,10 +225,52 @@ def test_programs_run_asynchronously_in_xla(devs):
   assert entries and all(e.caller_dispatch for e in entries if e.platform == "cpu")
 
 
+def _threads(work, n, join_s=120.0):
+  """Runs work(k) on n threads; returns their exceptions (a thread still running
+  after join_s is a failure: it is left as a daemon)."""
+  errors = []
+
+  def run(k):
+    try:
+      work(k)
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+      errors.append(e)
+  threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(n)]
+  for t in threads:
+    t.start()
+  deadline = time.monotonic() + join_s
+  for t in threads:
+    t.join(max(0.0, deadline - time.monotonic()))
+  assert not any(t.is_alive() for t in threads), "a thread is still waiting"
+  return errors
+
+
+@pytest.mark.parametrize("n_threads,sources", [(2, "own"), (4, "shared")])
+def test_threads_issuing_at_once_are_safe(devs, n_threads, sources):
+  """JAX_M2N_CPU_ASYNC=1 calls from several threads at once: two threads repeating
+  one reshard each on their own source, four sharing one (issue 26: timed out in
+  most runs; now one thread issues at a time). Short timeouts: a hang fails fast."""
+  d = np.array(devs)
+  src = NamedSharding(Mesh(d[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(d[4:], ("y",)), P(None, "y"))
+  host = np.arange(48 * 16, dtype=np.float32).reshape(48, 16)
+  shared = jax.device_put(host, src)
+  xs = [shared if sources == "shared" else jax.device_put(host + k, src)
+        for k in range(n_threads)]
+
+  def work(k):
+    for _ in range(12):
+      y = jax_m2n.reshard(xs[k], dst, timeout_s=5)
+      np.testing.assert_array_equal(np.asarray(y), np.asarray(xs[k]))
+  errors = _threads(work, n_threads)
+  assert not errors, errors[0]
+  _settled()
+
+
 def test_default_cpu_call_returns_finished(devs, monkeypatch):
   """Without the opt-in, a CPU call returns when its transfer has finished, and a
   handler error is raised by the call itself."""
-  monkeypatch.setattr(eager, "_CPU_ASYNC", False)
+  monkeypatch.setattr(eager.programs, "_CPU_ASYNC", False)
   x = jax.device_put(_host(96), devs[0])  # a layout of its own: built without it
   dst = SingleDeviceSharding(devs[1])
   y = jax_m2n.reshard(x, dst, timeout_s=0.2)

@@ -21,6 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
 from jax_m2n._src import eager
+from jax_m2n._src.eager import delegate
 
 D = jax.devices()
 if len(D) < 8:  # conftest.py forces 8 CPU devices unless told otherwise
@@ -208,7 +209,9 @@ def test_rank_9_as_device_put():
 def test_unfused_dtype_checks_the_destination_before_astype(monkeypatch):
   calls = []
   real = eager._astype
-  monkeypatch.setattr(eager, "_astype", lambda v, d: calls.append(d) or real(v, d))
+  spy = lambda v, d: calls.append(d) or real(v, d)  # noqa: E731
+  monkeypatch.setattr(eager, "_astype", spy)  # read by api (traced leaves)
+  monkeypatch.setattr(delegate, "_astype", spy)  # read by the eager path
   mesh = Mesh(np.array(D[:3]), ("x",))
   x = jax.device_put(jnp.arange(8, dtype=jnp.int8), D[0])
   bad = NamedSharding(mesh, P(None, "x"))  # rank 2 for a rank-1 leaf

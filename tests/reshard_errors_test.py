@@ -34,7 +34,7 @@ def no_data_moves(monkeypatch):
   """Fails the test if reshard builds or runs anything (errors come first)."""
   def forbidden(*args, **kwargs):
     raise AssertionError("reshard built a program before rejecting its input")
-  monkeypatch.setattr(eager, "_build_eager", forbidden)
+  monkeypatch.setattr(eager.cache, "_build_eager", forbidden)
   monkeypatch.setattr(eager._EagerReshard, "__call__", forbidden)
 
 

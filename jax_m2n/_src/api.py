@@ -1,7 +1,7 @@
 """The public entry points `reshard` and `plan`.
 
 Owns the contract users read (docstrings), flattening pytrees and choosing the path:
-the eager per-device programs (eager.py) outside jit, the shard_map lowering
+the eager per-device programs (eager/) outside jit, the shard_map lowering
 (traced.py) inside it. Argument rules live in checks.py; nothing here moves data.
 """
 
@@ -33,6 +33,7 @@ from jax_m2n._src.checks import (_API, _broadcast_prefix, _check_dtype, _check_h
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import DEFAULT_CHUNK_BYTES, Plan, plan_reshard
+from jax_m2n._src.request import Request
 from jax_m2n._src.topology import Topology, as_topology
 
 logger = logging.getLogger("jax_m2n")
@@ -290,8 +291,10 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
                             out_dtypes)
   else:
     record = [] if fast is not None else None
-    outs = eager.reshard_leaves(leaves, treedef, dsts, srcs, flags, route, topology,
-                                timeout_ms, chunk, names, out_dtypes, record)
+    outs = eager.reshard(Request(leaves=leaves, treedef=treedef, dsts=dsts, srcs=srcs,
+                                 out_dtypes=out_dtypes, donate=flags, route=route,
+                                 topology=topology, timeout_ms=timeout_ms,
+                                 chunk_bytes=chunk, names=names), record)
     if record:
       with _fast_cache.lock:  # put evicts: two threads putting at once would race
         _fast_cache.put(fast[0], record[0])
