@@ -28,6 +28,10 @@ from jax_m2n._src import jax_compat  # noqa: E402
 SETTINGS = hypothesis.settings(max_examples=15, deadline=None, derandomize=True,
                                suppress_health_check=list(hypothesis.HealthCheck))
 D = np.array(jax.devices())
+if len(D) < 8:  # conftest.py forces 8 CPU devices unless told otherwise
+  pytest.skip(f"needs 8 devices; got {len(D)} {D[0].platform} device(s). Hint: "
+              "JAX_PLATFORMS=cpu with XLA_FLAGS=--xla_force_host_platform_device_count=8.",
+              allow_module_level=True)
 
 
 def mesh(ids, shape, names, explicit=False):

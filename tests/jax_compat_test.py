@@ -104,3 +104,26 @@ def test_with_partitioner_mesh_gives_custom_partitioning_the_devices():
   assert [d.id for d in context.device_assignment] == [d.id for d in m.devices.flat]
   assert context.abstract_mesh == m.abstract_mesh
   assert other is None  # a mesh over another number of devices
+
+
+def test_batching_rule_sees_the_vmaps_batch_axes():
+  from jax.sharding import AxisType
+  jc = jax_compat
+  Prim, _, _, _ = jc.primitive_machinery()
+  p = Prim("jax_m2n_compat_probe")
+  p.def_impl(lambda v: v)
+  p.def_abstract_eval(lambda a: a)
+  seen = []
+
+  def rule(axis_data, args, dims):
+    seen.append(jc.vmap_batch_axes(axis_data))
+    return p.bind(*args), dims[0]
+
+  jc.register_batching_rule(p, rule)
+  jax.vmap(p.bind, spmd_axis_name="x")(np.zeros((2, 3), np.float32))
+  em = Mesh(np.array(jax.devices()[:2]), ("x",), axis_types=(AxisType.Explicit,))
+  xe = jax.device_put(np.zeros((2, 3), np.float32), NamedSharding(em, P("x")))
+  with jax.set_mesh(em):
+    jax.vmap(p.bind)(xe)
+  assert seen[0][1] in ("x", ("x",)) and seen[0][0] is None
+  assert seen[1][0] in ("x", ("x",))

@@ -30,6 +30,11 @@ import jax_m2n
 from jax_m2n._src import eager
 
 D = jax.devices()
+if len(D) < 8:  # conftest.py forces 8 CPU devices unless told otherwise
+  pytest.skip(f"needs 8 devices (random meshes over 8); got {len(D)} {D[0].platform} "
+              "device(s). Hint: JAX_PLATFORMS=cpu with "
+              "XLA_FLAGS=--xla_force_host_platform_device_count=8.",
+              allow_module_level=True)
 ROUTES = ("hierarchical", "flat", "gather_bcast")
 DTYPES = [np.dtype(t) for t in (np.bool_, np.int8, np.uint16, np.int32, np.complex64,
                                 jnp.bfloat16, ml_dtypes.float8_e4m3fn,
@@ -170,6 +175,18 @@ def out_dtypes(dtype):
                                          or d.kind == "c"])
 
 
+def _log_case(what: str, case) -> None:
+  """With JAX_M2N_PROBE_LOG=<file> (scripts/probe_repeat.py), one line per case,
+  flushed to disk before the case runs: a process abort leaves its case last."""
+  path = os.environ.get("JAX_M2N_PROBE_LOG")
+  if not path:
+    return
+  with open(path, "a") as f:
+    f.write(f"{what} {case!r}\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
 # ---------------------------------------------------------------------------------------
 # Eager: random layouts x dtype= x donate= x route x domains x chunks
 # ---------------------------------------------------------------------------------------
@@ -254,6 +271,7 @@ def test_jit_matches_jax(case):
   kw = dict(route=route, topology=topology, chunk_bytes=chunk, dtype=out_dtype)
   if mode.endswith("_src"):
     kw["src_sharding"] = src
+  _log_case("jit", case)  # before XLA compiles it: an abort then names its case
   y = jax.jit(lambda v: jax_m2n.reshard(v, dst, **kw))(x)
   ref = jax.jit(lambda v: convert(v, out_dtype), out_shardings=dst)(x)
   assert_same(y, ref, exact=False)

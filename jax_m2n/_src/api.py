@@ -22,7 +22,9 @@ from jax_m2n._src import schedule
 from jax_m2n._src import traced
 from jax_m2n._src import transforms
 from jax_m2n._src.checks import (_API, _broadcast_prefix, _check_dtype, _check_holds,
-                                 _check_mesh, _check_reduction, _check_route,
+                                 _check_mesh, _check_reduction,
+                                 _check_route, _check_src_sharding, _is_format,
+                                 _layout_delegated_because, _plan_leaf, _uneven,
                                  _check_topology, _chunk_bytes, _donate_flags,
                                  _is_dst_leaf, _LazyName,
                                  _leaf_aval, _out_dtypes,
@@ -71,8 +73,12 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       device-to-device layout change of plain bytes): numpy arrays and Python scalars
       (host -> devices), uncommitted arrays, typed PRNG key arrays, sub-byte dtypes
       (int4), host memory kinds (`pinned_host`, `unpinned_host`) as source or
-      destination, and `None` destinations (the source layout is kept, as device_put
-      does).
+      destination, `None` destinations (the source layout is kept, as device_put
+      does), concrete layouts (a `jax.experimental.layout.Format` destination: the
+      handlers write the default layout only) and ranks above 8 (the handlers' bound);
+      inside jit the last two and destinations with uneven shards (e.g. (113003,) over
+      8 devices: XLA pads them, as for `with_sharding_constraint`) go to XLA. Outside
+      jit uneven shards are refused, as jax.device_put refuses them.
 
   Dtype conversion: `reshard(x, dst, dtype=d)` equals `jax.device_put(x.astype(d), dst)`
   bit for bit (XLA's rounding: nearest-even, subnormals kept, overflow to inf, or NaN for
@@ -88,8 +94,11 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   Transformations: `jax.grad` / `vjp` / `jvp` (the cotangent is resharded back to the
   source layout, eagerly by jax_m2n and in jit by the custom call, and converted back to
   the source dtype after a conversion, as astype's), `jax.vmap` (each
-  example lands in the destination layout; the batch dimension is left unsharded, as
-  `with_sharding_constraint` and `jax.sharding.reshard` do under vmap), `jax.jit`.
+  example lands in the destination layout; the batch dimension is sharded as JAX's own
+  rules say: on Explicit axes as in the batched operand's type, as
+  `jax.sharding.reshard`; on Auto axes over `spmd_axis_name`, else not, as
+  `with_sharding_constraint`), `jax.jit`. On Explicit axes the cotangent carries the
+  source's sharded type, as JAX checks.
 
   Not supported (a `ReshardValueError` naming the feature): unreduced / reduced
   shardings (`P(..., unreduced={...})`; jax_m2n moves bytes and does not sum partial
@@ -158,7 +167,8 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       timeout_s, a malformed topology, a donate that is not bools, a dtype that is no
       dtype of numbers or bool).
     ReshardValueError (also ValueError): structures do not match, shapes or dtypes would
-      change, a sharding cannot hold the shape, a mesh lists a device twice or is an
+      change, a sharding cannot hold the shape (outside jit: uneven shards, as
+      jax.device_put), a mesh lists a device twice or is an
       AbstractMesh, unreduced shardings, devices on another platform, an unknown route,
       a timeout_s below 1 ms, devices of another process on CPU, or a layout inside jit
       that needs the eager path. Raised before any data moves; the message names the
@@ -265,6 +275,7 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       _check_mesh(_API, _LazyName(names, i), d, "destination")
       _check_reduction(_API, _LazyName(names, i), d, "destination")
     if srcs[i] is not None:
+      _check_src_sharding(_API, _LazyName(names, i), srcs[i])
       _check_reduction(_API, _LazyName(names, i), srcs[i], "source")
     leaf = leaves[i]
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
@@ -414,24 +425,48 @@ def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_byte
       continue
     aval = _leaf_aval(_API, name, leaf)
     shape, dtype = tuple(aval.shape), aval.dtype
+    in_jit = jax_compat.is_staged(leaf)
+    # The destination is checked before any astype (JAX's order: nothing runs first).
+    fmt = dst if _is_format(dst) else None
+    if fmt is not None or (isinstance(dst, jax.ShapeDtypeStruct) and
+                           jax.dtypes.issubdtype(dtype, jax.dtypes.extended)):
+      dst_sharding = dst.sharding  # a typed key's struct: JAX checks it
+    else:
+      dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype if out_dtypes[i]
+                                      is None else out_dtypes[i])
+    if dst_sharding is not None:
+      _check_mesh(_API, name, dst_sharding, "destination")
+      _check_reduction(_API, name, dst_sharding, "destination")
+    uneven = in_jit and _uneven(dst_sharding, shape)
+    if not uneven and dst_sharding is not None:
+      _check_holds(_API, name, dst_sharding, shape, "destination")
     if out_dtypes[i] is not None and not schedule.fused_conversion(dtype, out_dtypes[i]):
       leaf = leaves[i] = eager._astype(leaf, out_dtypes[i])  # unfused: convert, then move
       out_dtypes[i] = None
       aval = _leaf_aval(_API, name, leaf)
       shape, dtype = tuple(aval.shape), aval.dtype
+    why = _layout_delegated_because(shape, dst) or (
+        "uneven shards (JAX pads them inside jit)" if uneven else None)
+    if why is not None:  # XLA's move in jit, jax.device_put's outside
+      if out_dtypes[i] is not None:
+        leaf = eager._astype(leaf, out_dtypes[i])
+      outs[i] = (jax.device_put(leaf, fmt) if fmt is not None or not in_jit
+                 else transforms.constrain(leaf, dst_sharding))
+      logger.debug("reshard: %s delegated to %s (%s)", name,
+                   "jax.device_put" if fmt is not None or not in_jit
+                   else "XLA's partitioner (in jit)", why)
+      continue
     if (not isinstance(leaf, jax.core.Tracer) and not isinstance(leaf, jax.Array)) or (
         eager._dtype_delegated_because(dtype) is not None):  # typed keys, int4: JAX's
       if out_dtypes[i] is not None:
         leaf = eager._astype(leaf, out_dtypes[i])
       put = (transforms.constrain if jax_compat.is_staged(leaf)
              else jax.device_put)  # in jit, jax.device_put would keep the layout
-      outs[i] = put(leaf, _dst_sharding_of(_API, name, dst, shape, leaf.dtype)
-                    if not isinstance(dst, jax.ShapeDtypeStruct) else dst.sharding)
+      outs[i] = put(leaf, dst_sharding)
       logger.debug("reshard: %s delegated to jax.device_put (host data or extended "
                    "dtype)", name)
       continue
     _check_dtype(_API, name, dtype)
-    dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype)
     space = getattr(aval, "memory_space", None)
     host_source = space is not None and "host" in str(space).lower()
     if host_source or not eager._default_memory(dst_sharding):  # device <-> host: JAX's
@@ -441,18 +476,11 @@ def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_byte
       logger.debug("reshard: %s delegated to jax.device_put (memory kind %s)", name,
                    dst_sharding.memory_kind)
       continue
-    _check_mesh(_API, name, dst_sharding, "destination")
-    _check_reduction(_API, name, dst_sharding, "destination")
-    _check_holds(_API, name, dst_sharding, shape, "destination")
     if srcs[i] is not None:
-      if not isinstance(srcs[i], jax.sharding.Sharding):
-        raise ReshardTypeError(
-            f"{_API}: src_sharding of {name} must be a jax.sharding.Sharding; got "
-            f"{type(srcs[i]).__name__}.")
+      _check_src_sharding(_API, name, srcs[i])
       _check_reduction(_API, name, srcs[i], "source")
     typed = getattr(aval, "sharding", None)
     _check_reduction(_API, name, typed, "source")
-    in_jit = jax_compat.is_staged(leaf)
     if in_jit and (isinstance(typed, jax.sharding.NamedSharding) and not typed.mesh.empty and any(
         t == jax.sharding.AxisType.Explicit for t in typed.mesh.axis_types)
         and isinstance(dst_sharding, jax.sharding.NamedSharding) and not any(
@@ -526,6 +554,13 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   Returns:
     The `Plan` (transfers, chunks, bytes per link, cost estimates, workspace).
 
+  Raises:
+    ReshardTypeError, ReshardValueError: what `reshard` refuses, with the same classes
+      (a mesh listing a device twice, an AbstractMesh, unreduced shardings, a bool
+      chunk_bytes...), and what jax_m2n does not plan: leaves `reshard` hands to JAX
+      (typed PRNG keys and int4: ReshardTypeError; concrete layouts, rank above 8) and
+      `None` destinations (nothing moves).
+
   Example:
     >>> import jax, numpy as np
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -543,6 +578,8 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   """
   api = "plan"
   _check_route(api, route)
+  topology = _check_topology(api, topology)
+  chunk_bytes = _chunk_bytes(api, chunk_bytes, [])
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
   names = lambda: _leaf_names(x)  # noqa: E731
@@ -552,23 +589,11 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   out_dtypes = _out_dtypes(api, dtype, x, treedef, n, names)
   src_layouts, dst_layouts, itemsizes, devices = [], [], [], {}
   for i, (leaf, dst, src) in enumerate(zip(leaves, dsts, given)):
-    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-      raise ReshardTypeError(
-          f"{api}: every leaf of x must be an array or ShapeDtypeStruct; got "
-          f"{type(leaf).__name__} at {names()[i]}.")
-    shape = tuple(leaf.shape)
-    src = src if src is not None else getattr(leaf, "sharding", None)
-    if not isinstance(src, Sharding):
-      raise ReshardValueError(
-          f"{api}: the source sharding of {names()[i]} must be known; got "
-          f"{src!r}. Hint: pass src_sharding=.")
     out = out_dtypes[i]
     if out is not None:
       out = jax.dtypes.canonicalize_dtype(out)
-    dst = _dst_sharding_of(api, names()[i], dst, shape,
-                           leaf.dtype if out is None else out)
-    _check_holds(api, names()[i], src, shape, "source")
-    _check_holds(api, names()[i], dst, shape, "destination")
+    shape = tuple(getattr(leaf, "shape", ()))
+    src, dst = _plan_leaf(api, names()[i], leaf, dst, src, out)
     for d in itertools.chain(src.device_set, dst.device_set):
       devices[d.id] = d
     src_layouts.append(Layout.from_sharding(src, shape))

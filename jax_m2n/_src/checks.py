@@ -34,7 +34,13 @@ _API = "reshard"
 # Pytree handling and validation (everything here runs before any data moves)
 # ---------------------------------------------------------------------------------------
 
-_DST_TYPES = (Sharding, jax.ShapeDtypeStruct, PartitionSpec, jax.Device)
+try:  # concrete layouts as destinations (jax.device_put accepts them)
+  from jax.experimental.layout import Format as _Format
+except ImportError:  # pragma: no cover - a JAX without it
+  _Format = None
+
+_DST_TYPES = (Sharding, jax.ShapeDtypeStruct, PartitionSpec, jax.Device) + (
+    (_Format,) if _Format is not None else ())
 
 
 def _is_dst_leaf(v: Any) -> bool:
@@ -234,11 +240,65 @@ def _check_holds(api: str, name: str, sharding: Sharding, shape, what: str) -> N
   except Exception as e:  # noqa: BLE001 - JAX raises several types here
     raise ReshardValueError(
         f"{api}: the {what} sharding of {name} must be able to hold shape "
-        f"{tuple(shape)} (sharded dims divisible by their mesh size, rank <= "
-        f"{MAX_RANK}); got {sharding}. JAX says: {e}") from None
+        f"{tuple(shape)} (sharded dims divisible by their mesh size, as "
+        f"jax.device_put requires); got {sharding}. JAX says: {e}") from None
+
+
+def _check_rank(api: str, name: str, shape) -> None:
+  """The native handlers' rank bound (higher ranks are jax.device_put's, see
+  `_layout_delegated_because`)."""
   if len(shape) > MAX_RANK:
     raise ReshardValueError(
         f"{api}: {name} must have rank at most {MAX_RANK}; got shape {tuple(shape)}.")
+
+
+def _is_format(dst: Any) -> bool:
+  """A concrete-layout destination (jax.experimental.layout.Format)."""
+  return _Format is not None and isinstance(dst, _Format)
+
+
+def _uneven(sharding: Any, shape) -> bool:
+  """Whether a NamedSharding of the right rank splits a dim unevenly (JAX pads such
+  shards inside jit, as with_sharding_constraint does; device_put refuses them)."""
+  if not isinstance(sharding, NamedSharding) or len(sharding.spec) > len(shape):
+    return False
+  try:
+    sharding.shard_shape(tuple(shape))
+  except Exception:  # noqa: BLE001 - JAX's IndivisibleError (a ValueError)
+    return True
+  return False
+
+
+def _layout_delegated_because(shape, dst: Any) -> str | None:
+  """Why XLA (in jit) or jax.device_put (eagerly), not jax_m2n, places this leaf:
+  a concrete layout (Format: jax_m2n moves bytes in the default layout only) or a rank
+  above the handlers' bound. None: jax_m2n may move it."""
+  if _is_format(dst):
+    return "concrete layout (jax.experimental.layout.Format)"
+  if len(shape) > MAX_RANK:
+    return f"rank {len(shape)} above {MAX_RANK}"
+  return None
+
+
+def _check_src_sharding(api: str, name: Any, src: Any) -> None:
+  """A src_sharding= leaf must be a Sharding (None: unknown)."""
+  if src is not None and not isinstance(src, Sharding):
+    raise ReshardTypeError(
+        f"{api}: src_sharding of {name} must be a jax.sharding.Sharding or None; got "
+        f"{type(src).__name__} {src!r}.")
+
+
+def _check_host_leaf(api: str, name: Any, leaf: Any) -> None:
+  """Host data handed to jax.device_put must be of a JAX type (no str, no object)."""
+  if isinstance(leaf, (np.ndarray, np.generic)):
+    try:
+      ok = leaf.dtype == np.bool_ or jax.dtypes.issubdtype(leaf.dtype, np.number)
+    except TypeError:
+      ok = False
+    if not ok:
+      raise ReshardTypeError(
+          f"{api}: every leaf of x must be an array of numbers or bools; got "
+          f"{type(leaf).__name__} of dtype {leaf.dtype} at {name}.")
 
 
 def _check_dtype(api: str, name: str, dtype) -> None:
@@ -418,6 +478,43 @@ def _mesh_duplicates(mesh: Any) -> tuple[list[int], list[int]]:
   if len(set(ids)) == len(ids):
     return ids, []
   return ids, sorted({i for i in ids if ids.count(i) > 1})
+
+
+def _plan_leaf(api: str, name: str, leaf: Any, dst: Any, src: Any,
+               out: Any) -> tuple[Sharding, Sharding]:
+  """plan()'s rules for one leaf (reshard's, and no leaf reshard hands to JAX): its
+  source and destination shardings."""
+  if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+    raise ReshardTypeError(
+        f"{api}: every leaf of x must be an array or ShapeDtypeStruct; got "
+        f"{type(leaf).__name__} at {name}.")
+  shape = tuple(leaf.shape)
+  _check_src_sharding(api, name, src)
+  src = src if src is not None else getattr(leaf, "sharding", None)
+  if not isinstance(src, Sharding):
+    raise ReshardValueError(
+        f"{api}: the source sharding of {name} must be known; got "
+        f"{src!r}. Hint: pass src_sharding=.")
+  if dst is None:
+    raise ReshardValueError(
+        f"{api}: the destination of {name} must be a Sharding, a Device or a "
+        "PartitionSpec (None keeps the layout: reshard moves nothing there, so there "
+        "is nothing to plan); got None.")
+  # What reshard hands to JAX (typed keys, int4, concrete layouts, rank > 8) jax_m2n
+  # does not plan.
+  _check_dtype(api, name, leaf.dtype)
+  why = _layout_delegated_because(shape, dst)
+  if why is not None:
+    raise ReshardValueError(
+        f"{api}: {name} must be a leaf jax_m2n moves; got one that reshard "
+        f"hands to JAX ({why}), which jax_m2n does not plan.")
+  dst = _dst_sharding_of(api, name, dst, shape,
+                         leaf.dtype if out is None else out)
+  for s, what in ((src, "source"), (dst, "destination")):
+    _check_mesh(api, name, s, what)
+    _check_reduction(api, name, s, what)
+    _check_holds(api, name, s, shape, what)
+  return src, dst
 
 
 # Measured defaults (docs/cuda_transport.md: each NCCL step costs ~13 us on H200, and

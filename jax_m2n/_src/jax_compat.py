@@ -128,6 +128,21 @@ def primitive_machinery() -> Any:
   return Primitive, ad, batching, mlir
 
 
+def register_batching_rule(primitive: Any, rule: Any) -> None:
+  """Registers `rule(axis_data, args, dims, **params)` as `primitive`'s vmap rule: the
+  form that sees the vmap's axis data (its spmd_axis_name, the mesh axes its batch
+  dimension is sharded over), as jax.sharding.reshard's own rule does."""
+  from jax._src.interpreters import batching  # fancy_primitive_batchers: private
+  batching.fancy_primitive_batchers[primitive] = rule
+
+
+def vmap_batch_axes(axis_data: Any) -> tuple[Any, Any]:
+  """(explicit_mesh_axis, spmd_name) of a vmap's axis data: the Explicit mesh axes of
+  the batch dimension (None: unsharded) and the vmap's spmd_axis_name (None: none)."""
+  return (getattr(axis_data, "explicit_mesh_axis", None),
+          getattr(axis_data, "spmd_name", None))
+
+
 def is_staged(v: Any) -> bool:
   """Whether a traced value is (or wraps) a value being staged into a jaxpr (jit), as
   opposed to a JVP/batch tracer over concrete arrays (eager grad or vmap)."""

@@ -25,6 +25,7 @@ from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
 from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_in_process,
+                                 _check_rank,
                                  _check_topology, _dst_sharding_of, _leaf_aval,
                                  _platform_of, _site)
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
@@ -189,6 +190,7 @@ def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
     _check_dtype(_API, name, dtype)
     dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype)
     _check_holds(_API, name, dst_sharding, shape, "destination")
+    _check_rank(_API, name, shape)
     typed = _typed_sharding(aval)
     given = src_shardings[i]
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
@@ -312,6 +314,19 @@ def check_staged_devices(name: str, aval, given: Sharding | None, dst: Sharding)
   if src is None and typed is not None:
     mesh = _concrete_mesh_for(typed.mesh, [dst])
     src = NamedSharding(mesh, typed.spec) if mesh is not None else None
+  if src is None:
+    # On Auto axes the type still names the source's mesh shape (not its devices): a
+    # destination on another number of devices cannot be on the jit's devices.
+    s = getattr(aval, "sharding", None)
+    mesh = getattr(s, "mesh", None)
+    if (isinstance(mesh, jax.sharding.AbstractMesh) and not mesh.empty and
+        mesh.size != len(dst.device_set)):
+      raise ReshardValueError(
+          f"{_API}: inside jit the destination of {name} must be on the jit's devices "
+          f"(those of its source); got destination devices "
+          f"{[d.id for d in jax_compat.device_assignment(dst)]} for a source on a mesh "
+          f"of {mesh.size} devices {dict(mesh.shape)}. Hint: call jax_m2n.reshard "
+          "outside jit to move arrays between device sets.")
   if src is None or not isinstance(src, (NamedSharding, SingleDeviceSharding)):
     return
   src = _as_named(_API, name, src, "source")
@@ -410,8 +425,10 @@ def reshard_partitioned(leaves, dsts: Sequence[NamedSharding], route, topology,
   for i, (shape, dtype, dst) in enumerate(zip(shapes, dtypes, dsts)):
     _check_dtype(_API, f"x[{i}]", dtype)
     _check_holds(_API, f"x[{i}]", dst, shape, "destination")
+    _check_rank(_API, f"x[{i}]", shape)
   mesh = dsts[0].mesh
-  out_dtypes = list(out_dtypes or [None] * len(leaves))
+  n = len(leaves)  # the callbacks below outlive the trace: they must hold no tracer
+  out_dtypes = list(out_dtypes or [None] * n)
 
   def same(*xs):  # the reference (one device: the layout and dtype are the difference)
     return tuple(x if o is None else x.astype(o) for x, o in zip(xs, out_dtypes))
@@ -425,7 +442,7 @@ def reshard_partitioned(leaves, dsts: Sequence[NamedSharding], route, topology,
     body = _spmd_body(srcs, dsts, shapes, dtypes, route, topology, timeout_ms,
                       chunk_bytes, b"jit", out_dtypes)
     logger.debug("reshard: custom_partitioning path (in jit) for %d leaves, source "
-                 "layouts from XLA's partitioner: %s", len(leaves), srcs)
+                 "layouts from XLA's partitioner: %s", n, srcs)
     return mesh, body, tuple(dsts), tuple(srcs)
 
   def infer(part_mesh, arg_shapes, result_shape):  # GSPMD's propagation

@@ -5,8 +5,9 @@ weak_type kept; the destination sharding in the type on Explicit axes), its eage
 implementation (eager.py's per-device programs), its lowering inside jit (traced.py's
 shard_map, or custom_partitioning where only XLA knows the source layout), its JVP and
 transpose (a reshard is linear: the cotangent is resharded back to the source layout,
-and a converting reshard's cotangent converted back to the source dtype, as astype's)
-and its batching rule (the batch dimension is not sharded).
+on Explicit axes the one in the source's type, and a converting reshard's cotangent
+converted back to the source dtype, as astype's) and its batching rule (the batch
+dimension sharded as jax.sharding.reshard / with_sharding_constraint shard it).
 """
 
 from __future__ import annotations
@@ -216,21 +217,37 @@ def _transpose(cts, *args, dsts, srcs, out_dtypes, **params):
                  (args[i].aval.dtype if ad.is_undefined_primal(args[i])
                   else jax.typeof(args[i]).dtype) for i in live)
     ys = reshard_p.bind(*[ad.instantiate_zeros(cts[i]) for i in live],
-                        dsts=tuple(srcs[i] for i in live),
+                        dsts=tuple(_cotangent_dst(srcs[i], args[i], dsts[i])
+                                   for i in live),
                         srcs=tuple(dsts[i] for i in live), out_dtypes=back, **params)
     for i, y in zip(live, ys):
       out[i] = y
   return out
 
 
-def _batched(sharding: Any, what: str) -> Any:
-  """A sharding for the same layout with an unsharded leading batch dimension."""
+def _cotangent_dst(src: Any, primal: Any, dst: Any) -> Any:
+  """Where a cotangent goes back to: the source layout (src_sharding= or the primal's
+  concrete layout), else, on Explicit axes, the one in the primal's type (JAX checks
+  that the cotangent carries it); None where unknown (left as XLA placed it)."""
+  if src is not None:
+    return src
+  aval = primal.aval if ad.is_undefined_primal(primal) else jax.typeof(primal)
+  typed = traced._typed_sharding(aval)
+  if typed is None:
+    return None
+  mesh = traced._concrete_mesh_for(typed.mesh, [_sharding_of(dst)])
+  return NamedSharding(mesh, typed.spec) if mesh is not None else None
+
+
+def _batched(sharding: Any, what: str, batch_entry: Any = None) -> Any:
+  """A sharding for the same layout with a leading batch dimension sharded as
+  `batch_entry` (None: unsharded)."""
   if sharding is None or isinstance(sharding, SingleDeviceSharding):
     return sharding
   if isinstance(sharding, jax.ShapeDtypeStruct):
     sharding = sharding.sharding
   if isinstance(sharding, NamedSharding):
-    return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec),
+    return NamedSharding(sharding.mesh, PartitionSpec(batch_entry, *sharding.spec),
                          memory_kind=sharding.memory_kind)
   raise ReshardValueError(
       f"{_API}: under jax.vmap the {what} sharding must be a NamedSharding or a "
@@ -238,14 +255,39 @@ def _batched(sharding: Any, what: str) -> Any:
       f"{type(sharding).__name__} {sharding}.")
 
 
-def _batch(args, dims, *, dsts, srcs, **params):
+def _batch_entry(axis_data: Any, sharding: Any, what: str) -> Any:
+  """The batch dimension's spec entry, as JAX's own rules place it: on Explicit axes
+  the mesh axes the batched operand's type gives it (jax.sharding.reshard), on Auto
+  axes the vmap's spmd_axis_name (with_sharding_constraint), else None."""
+  sharding = _sharding_of(sharding)
+  if not isinstance(sharding, NamedSharding):
+    return None
+  explicit_axes, spmd = jax_compat.vmap_batch_axes(axis_data)
+  if _is_explicit(sharding):
+    return explicit_axes
+  if spmd is None:
+    return None
+  spmd = (spmd,) if isinstance(spmd, str) else tuple(spmd)
+  used = {a for e in sharding.spec if e is not None
+          for a in ((e,) if isinstance(e, str) else e)}
+  if set(spmd) & used:
+    raise ReshardValueError(
+        f"{_API}: under jax.vmap(spmd_axis_name={spmd}) the {what} sharding must not "
+        f"name those mesh axes (the batch dimension is sharded over them); got spec "
+        f"{sharding.spec}.")
+  return spmd[0] if len(spmd) == 1 else spmd
+
+
+def _batch(axis_data, args, dims, *, dsts, srcs, **params):
   # An unmapped operand's dim is None (batching.not_mapped in some JAX versions).
   mapped = [d is not None and d is not getattr(batching, "not_mapped", None)
             for d in dims]
   args = [jax.numpy.moveaxis(a, d, 0) if m and d != 0 else a
           for a, d, m in zip(args, dims, mapped)]
-  dsts = tuple(_batched(s, "destination") if m else s for s, m in zip(dsts, mapped))
-  srcs = tuple(_batched(s, "source") if m else s for s, m in zip(srcs, mapped))
+  dsts = tuple(_batched(s, "destination", _batch_entry(axis_data, s, "destination"))
+               if m else s for s, m in zip(dsts, mapped))
+  srcs = tuple(_batched(s, "source", _batch_entry(axis_data, s, "source"))
+               if m else s for s, m in zip(srcs, mapped))
   outs = reshard_p.bind(*args, dsts=dsts, srcs=srcs, **params)
   return outs, [0 if m else None for m in mapped]
 
@@ -255,4 +297,4 @@ reshard_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(reshard_p, _lowering)
 ad.primitive_jvps[reshard_p] = _jvp
 ad.primitive_transposes[reshard_p] = _transpose
-batching.primitive_batchers[reshard_p] = _batch
+jax_compat.register_batching_rule(reshard_p, _batch)

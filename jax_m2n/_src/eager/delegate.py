@@ -18,8 +18,9 @@ from jax.sharding import Sharding
 
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
-from jax_m2n._src.checks import (_API, _check_holds, _check_mesh, _check_reduction,
-                                 _dst_sharding_of, _same_layout)
+from jax_m2n._src.checks import (_API, _check_holds, _check_host_leaf, _check_mesh,
+                                 _check_reduction, _dst_sharding_of, _is_format,
+                                 _layout_delegated_because, _same_layout)
 from jax_m2n._src.eager.cache import _entry
 from jax_m2n._src.eager.programs import _donate
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
@@ -56,14 +57,16 @@ def delegated_because(leaf: Any, dst: Any) -> str | None:
 
   jax_m2n adds nothing where no device-to-device layout change happens: host data,
   uncommitted arrays (a default placement, not a layout), `None` destinations (keep),
-  typed PRNG keys, sub-byte dtypes (int4: the handlers copy whole bytes), and host
-  memory kinds (a device <-> host copy).
+  typed PRNG keys, sub-byte dtypes (int4: the handlers copy whole bytes), host
+  memory kinds (a device <-> host copy), concrete layouts (Format) and ranks above
+  the handlers' bound.
   """
   if dst is None:
     return "destination None (keep the layout)"
   if not isinstance(leaf, jax.Array):
     return "host data"
-  reason = _dtype_delegated_because(leaf.dtype)
+  reason = (_dtype_delegated_because(leaf.dtype) or
+            _layout_delegated_because(leaf.shape, dst))
   if reason is not None:
     return reason
   if isinstance(leaf, jax.core.Tracer):
@@ -98,7 +101,11 @@ def _check_delegated(name: str, leaf: Any, dst: Any, given_src: Any = None) -> A
   if isinstance(leaf, jax.Array) and leaf.is_deleted():
     raise ReshardValueError(
         f"{_API}: {name} must be a live array; got a deleted (or donated) array.")
+  _check_host_leaf(_API, name, leaf)
   shape = np.shape(leaf)
+  if _is_format(dst):  # jax.device_put applies the concrete layout
+    _check_delegated(name, leaf, dst.sharding)
+    return dst
   dtype = getattr(leaf, "dtype", None)
   if dtype is None:
     dtype = jax.numpy.asarray(leaf).dtype  # a Python scalar: its default dtype
@@ -154,6 +161,7 @@ def reshard(request: Request, record: list | None = None) -> list[Any]:
       if o is not None and (delegated_because(leaves[i], dsts[i]) is not None or
                             not schedule.fused_conversion(leaves[i].dtype, o)) and not (
           isinstance(leaves[i], jax.Array) and leaves[i].is_deleted()):  # checks say
+        _check_delegated(names()[i], leaves[i], dsts[i])  # the destination before astype
         leaves[i], out_dtypes[i] = _astype(leaves[i], o), None
         converted_first = True
     if converted_first:
