@@ -36,6 +36,7 @@ from jax_m2n._src.errors import (ReshardError, ReshardRuntimeError, ReshardTimeo
                                  ReshardTypeError, ReshardValueError)
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import Plan, plan_reshard
+from jax_m2n._src.processes import call as processes_call
 from jax_m2n._src.topology import as_topology
 
 logger = logging.getLogger("jax_m2n")
@@ -774,7 +775,8 @@ def _single_device_sharding(device) -> SingleDeviceSharding:
 
 
 def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
-                 chunk_bytes, out_dtypes=None) -> _EagerReshard:
+                 chunk_bytes, out_dtypes=None, treedef=None) -> _EagerReshard:
+  # Devices of several processes on CPU: the cross-process engine (processes/).
   # Operands have `dtypes`, results `out_dtypes` (a fused conversion; None: keep).
   out_dtypes = [o if o is not None else dt
                 for o, dt in zip(out_dtypes or [None] * len(dtypes), dtypes)]
@@ -783,6 +785,9 @@ def _build_eager(shapes, dtypes, srcs, dsts, route, topology, timeout_ms,
     for d in jax_compat.device_assignment(s):
       devices[d.id] = d
   platform = _platform_of(devices.values())
+  if platform == "cpu" and processes_call.spans_processes(devices.values()):
+    return processes_call.CrossProcessReshard(shapes, dtypes, srcs, dsts, route, topology,
+                                              timeout_ms, chunk_bytes, out_dtypes, treedef)
   _check_in_process(_API, platform, devices.values())
   staging = platform != "cpu"
   m2n_ffi.ensure_registered(platform, timeout_ms)
@@ -1091,7 +1096,7 @@ def _reshard_eager(x, leaves, treedef, dsts, src_shardings, route, topology, don
     fn = _eager_cache.get(key) if key is not None else None
     if fn is None:
       fn = _build_eager(shapes, dtypes, srcs, dst_shardings, route, topology, timeout_ms,
-                        chunk_bytes, out_dtypes)
+                        chunk_bytes, out_dtypes, treedef)
       if key is not None:
         _eager_cache.put(key, fn)
   if record is not None and key is not None:
