@@ -33,7 +33,6 @@ def launch(num_processes, devices, scenario, *extra, timeout=240, interrupt=None
   env.pop("XLA_FLAGS", None)
   env.pop("JAX_PLATFORMS", None)
   port = _free_port()
-  logs = [open(os.devnull, "w")] * 0
   procs, files = [], []
   for i in range(num_processes):
     f = open(os.path.join(_tmp(), f"{scenario}_{port}_{i}.log"), "w+")
@@ -103,3 +102,71 @@ def _no_fail(outs, n_ok_processes):
   text = "\n".join(outs)
   assert " FAIL" not in text, text[-6000:]
   assert text.count("DONE process=") >= n_ok_processes, text[-6000:]
+
+
+@pytest.mark.parametrize("num_processes,devices,seed", [(2, 4, 11), (4, 2, 12)])
+def test_random_layout_pairs_bitwise_and_bytes(num_processes, devices, seed):
+  outs = launch(num_processes, devices, "random", "--cases", "30", "--seed", str(seed))
+  _no_fail(outs, num_processes)
+  found = results(outs, "random")
+  assert sorted(p for p, _, _ in found) == list(range(num_processes)), outs[0][-3000:]
+  assert all(int(f["ok"]) == 30 for _, f, _ in found)
+  plan = {int(f["plan_network"]) for _, f, _ in found}
+  assert len(plan) == 1  # every process derived the same plans
+  sent = sum(int(f["sent"]) for _, f, _ in found)
+  assert sent == plan.pop() > 0  # one copy of each planned network byte, no more
+  print("\n".join(line for _, _, line in found))
+
+
+def test_refit_pytree_bf16_donation_routes_and_jit():
+  outs = launch(2, 4, "refit")
+  _no_fail(outs, 2)
+  refit = results(outs, "refit")
+  assert len(refit) == 2 and all(f["donated"] == "True" for _, f, _ in refit)
+  by_route = {}
+  for _, f, _ in results(outs, "bytes"):
+    route = f["route"]
+    got = by_route.setdefault(route, [0, int(f["plan_network"])])
+    got[0] += int(f["sent"])
+  assert set(by_route) == {"hierarchical", "flat", "gather_bcast"}
+  for route, (sent, planned) in by_route.items():
+    assert sent == planned, (route, sent, planned)
+  # 1 source process -> 4 replicas on 1 process: hierarchical sends each byte once.
+  assert by_route["flat"][0] == 4 * by_route["hierarchical"][0]
+  jit = results(outs, "jit")
+  assert len(jit) == 2 and all(f["ok"] == "1" for _, f, _ in jit)
+
+
+def test_mismatched_arguments_fail_on_every_process():
+  outs = launch(2, 4, "mismatch")
+  _no_fail(outs, 2)
+  found = results(outs, "mismatch")
+  fields = {"shape", "dtype", "sharding", "route", "pytree"}
+  for pid in (0, 1):
+    mine = {f["field"] for p, f, _ in found if p == pid and f["ok"] == "1"}
+    assert mine == fields, (pid, mine)
+  assert all("No data moved" in line for _, _, line in found)
+  assert len([1 for _, f, _ in results(outs, "next_call") if f["ok"] == "1"]) == 2
+  print("\n".join(line for _, _, line in found))
+
+
+@pytest.mark.parametrize("kind", ["raise", "die", "absent", "interrupt"])
+def test_failures_reach_every_process_and_the_next_call_works(kind):
+  """The last of 4 processes fails (raises before the call and exits / dies right after
+  offering its bytes / stays alive but never calls), or process 0 is interrupted: the
+  others fail, naming the process, and a later call over the healthy ones works."""
+  outs = launch(4, 2, kind, interrupt=0 if kind == "interrupt" else None)
+  tags = {kind, "interrupt_peer"}
+  found = [r for t in tags for r in results(outs, t)]
+  survivors = [0, 1, 2]
+  assert sorted(p for p, _, _ in found) == survivors, "\n".join(o[-2000:] for o in outs)
+  culprit = "process 0" if kind == "interrupt" else "process 3"
+  for pid, f, line in found:
+    assert f["ok"] == "1", line
+    seconds = float(f["seconds"])
+    assert seconds < 30, line  # generous: the measured times are printed
+    if f["type"] != "KeyboardInterrupt":
+      assert culprit in line, line
+  nxt = [(p, f) for p, f, _ in results(outs, "next_call") if f["after"] == kind]
+  assert sorted(p for p, f in nxt if f["ok"] == "1") == survivors, nxt
+  print("\n".join(line for _, _, line in found))

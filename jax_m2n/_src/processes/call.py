@@ -89,7 +89,9 @@ class CrossProcessReshard:
   def __call__(self, leaves: Sequence[jax.Array], donate: bool | Sequence[bool],
                devices: Sequence[int] | None = None, block: bool = False
                ) -> list[jax.Array]:
-    n = sequence.next_call()
+    if len(self.participants) == 1:  # all in another process: that one runs it alone
+      return self._assemble([[] for _ in self.shapes])
+    n = sequence.next_call()  # every process numbers the calls that span processes
     waits = sequence.CallWaits(n, self.participants, self.timeout_ms)
     if self.me not in self.participants:
       waits.post("fp", self.fingerprint)
@@ -105,8 +107,9 @@ class CrossProcessReshard:
                 for t in range(len(self.shapes))]
       waits.post("done")
       waits.wait("done", self.participants, "the end of the call (every process done)")
-    except ReshardValueError:
-      raise  # arguments disagree: every process sees every fingerprint and raises
+      waits.finish(self.participants)
+    except (ReshardValueError, sequence.PeerFailed):
+      raise  # every process sees every fingerprint / the peer's marker is posted
     except ReshardError as e:
       waits.fail(f"{type(e).__name__}: {e}")
       raise

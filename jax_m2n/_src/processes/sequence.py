@@ -20,6 +20,10 @@ from jax_m2n._src.processes import bootstrap
 
 _API = "reshard"
 
+class PeerFailed(ReshardRuntimeError):
+  """Another process posted its failure of this call (relayed, not posted again)."""
+
+
 _counter = itertools.count(1)
 _counter_lock = threading.Lock()
 
@@ -105,7 +109,7 @@ class CallWaits:
         return got  # what was awaited came: a later failure is the next wait's
       if failed:
         who, v = min(failed.items())
-        raise ReshardRuntimeError(
+        raise PeerFailed(
             f"{_API}: process {who} failed cross-process call #{self.n} while this "
             f"process waited for {stage}, so the call failed here too: {v}")
       missing = [p for p in peers if p not in got] or list(self.peers)
@@ -116,11 +120,13 @@ class CallWaits:
             + "; ".join(dead.values()) + ".")
       now = time.monotonic()
       if now > self.deadline:
-        absent = [p for p in peers if p not in got]
+        absent = [p for p in peers if p not in got] or missing
+        who = ("process " if len(absent) == 1 else "processes ") + ", ".join(
+            map(str, absent))
         raise ReshardTimeoutError(
             f"{_API}: every process of cross-process call #{self.n} must reach "
-            f"{stage} within timeout_s={self.timeout_s:g}; got no sign of process(es) "
-            f"{absent or missing} after {now - self.started:.1f} s (alive, but not "
+            f"{stage} within timeout_s={self.timeout_s:g}; got no sign of {who} after "
+            f"{now - self.started:.1f} s (alive, but not "
             "calling reshard with these devices). Hint: every process must make the "
             "same sequence of reshard calls.")
       time.sleep(delay)  # Python sleep: Ctrl-C interrupts it
@@ -140,11 +146,33 @@ class CallWaits:
           f"multi-controller convention); got different arguments in cross-process call "
           f"#{self.n} on process {self.pid} ({names()}): {detail}. No data moved.")
 
+  def finish(self, participants: Sequence[int]) -> None:
+    """After the call's last wait: marks it finished here; its lowest participant
+    remembers to delete its keys once every participant has finished it."""
+    self.post("fin")
+    if self.pid == min(participants):
+      with _counter_lock:
+        _to_delete.append((self.n, tuple(participants)))
+
   def cleanup(self) -> None:
-    """Deletes the keys of call n - 2 (every participant has finished it: each passed
-    call n - 1's final wait, which needs everyone done with n - 2)."""
-    if self.n > 2:
+    """Deletes the keys of earlier calls that every participant has finished (a
+    participant may still read a call's keys until it has passed its last wait)."""
+    keep = []
+    with _counter_lock:
+      pending, _to_delete[:] = list(_to_delete), []
+    for n, participants in pending:
+      key = f"{bootstrap.PREFIX}/call/{n}"
       try:
-        self.kv.key_value_delete(f"{bootstrap.PREFIX}/call/{self.n - 2}")
+        fin = {k for k, _ in self.kv.key_value_dir_get(f"{key}/fin/")}
+        if len(fin) >= len(participants):
+          self.kv.key_value_delete(key)
+        else:
+          keep.append((n, participants))
       except Exception:  # noqa: BLE001 - best effort: stale keys are never read again
         pass
+    with _counter_lock:
+      _to_delete.extend(keep)
+
+
+# Calls this process is the lowest participant of, whose keys are not deleted yet.
+_to_delete: list[tuple[int, tuple[int, ...]]] = []
