@@ -89,7 +89,7 @@ def main() -> None:
     cases["4to4"] = (xs, dst, {}, lambda: jax.device_put(xs, dst))
   wanted = [c for c in args.cases.split(",") if c in cases]
   print(f"{n} {d[0].platform.upper()} devices, {args.iters} calls per row, jax {jax.__version__}, "
-        f"JAX_M2N_CPU_ASYNC={int(eager._CPU_ASYNC)}, gap {args.gap_us:g} us; us, "
+        f"JAX_M2N_CPU_ASYNC={int(eager.programs._CPU_ASYNC)}, gap {args.gap_us:g} us; us, "
         "median / min")
   print(f"{'case':8s} {'what':14s} {'return':>14s} {'done':>14s}")
   for name in wanted:

@@ -2,7 +2,7 @@
 program is dispatched, its outputs not ready; errors known only later surface at the
 outputs' block_until_ready / first use and as a ReshardError at the next call.
 
-On CPU this is opt-in (JAX_M2N_CPU_ASYNC=1, here `eager._CPU_ASYNC`, read when a
+On CPU this is opt-in (JAX_M2N_CPU_ASYNC=1, here `eager.programs._CPU_ASYNC`, read when a
 layout's programs are built; docs/design.md, "Dispatch"): this file turns it on for its
 layouts, and checks that the default CPU call returns finished.
 
@@ -28,7 +28,7 @@ from jax_m2n._src import ffi as m2n_ffi
 
 SETTLE_S = 10.0  # how long a failed call may take to be noticed, generously
 
-eager._CPU_ASYNC = True  # before any layout of this file is built
+eager.programs._CPU_ASYNC = True  # before any layout of this file is built
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +227,7 @@ def test_programs_run_asynchronously_in_xla(devs):
 def test_default_cpu_call_returns_finished(devs, monkeypatch):
   """Without the opt-in, a CPU call returns when its transfer has finished, and a
   handler error is raised by the call itself."""
-  monkeypatch.setattr(eager, "_CPU_ASYNC", False)
+  monkeypatch.setattr(eager.programs, "_CPU_ASYNC", False)
   x = jax.device_put(_host(96), devs[0])  # a layout of its own: built without it
   dst = SingleDeviceSharding(devs[1])
   y = jax_m2n.reshard(x, dst, timeout_s=0.2)

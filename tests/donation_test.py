@@ -33,6 +33,8 @@ CASES = {
         {"a": True, "b": False}),
     "list_alias_one_kept": (lambda a: [a, a], lambda: D[1], [True, False]),
     "list_alias_kept_first": (lambda a: [a, a], lambda: D[1], [False, True]),
+    "list_alias_both_donated": (lambda a: [a, a], lambda: D[1], True),
+    "list_alias_both_donated_two_dsts": (lambda a: [a, a], lambda: [D[1], D[2]], True),
     "none_destination_donated": (lambda a: {"a": a}, lambda: {"a": None}, True),
     "alias_none_and_move_both_donated": (
         lambda a: {"a": a, "b": a}, lambda: {"a": _two(slice(2, 4)), "b": None},

@@ -100,7 +100,8 @@ def fused_only(monkeypatch):
 
   def refuse(leaf, dtype):
     raise AssertionError(f"astype fallback used for {leaf.dtype} -> {dtype}")
-  monkeypatch.setattr(eager, "_astype", refuse)
+  monkeypatch.setattr(eager, "_astype", refuse)  # api's traced path
+  monkeypatch.setattr(eager.delegate, "_astype", refuse)  # the eager path
 
 
 def values_of(dtype):

@@ -73,9 +73,9 @@ def report(kind, fail_s, heal_s):
 @pytest.fixture
 def hook():
   def install(fn):
-    eager._fault_hook = fn
+    eager.dispatch._fault_hook = fn
   yield install
-  eager._fault_hook = None
+  eager.dispatch._fault_hook = None
 
 
 @pytest.mark.parametrize("kind", ["exception", "keyboard_interrupt"])

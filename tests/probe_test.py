@@ -529,7 +529,7 @@ def test_python_scalars_converted_to_their_own_dtype_lose_weak_type():
 def nothing_runs(monkeypatch):
   def forbidden(*args, **kwargs):
     raise AssertionError("reshard built or ran a program before rejecting its input")
-  monkeypatch.setattr(eager, "_build_eager", forbidden)
+  monkeypatch.setattr(eager.cache, "_build_eager", forbidden)
   monkeypatch.setattr(eager._EagerReshard, "__call__", forbidden)
 
 
@@ -618,7 +618,7 @@ _ASYNC_SCRIPT = textwrap.dedent("""
     import numpy as np, jax.numpy as jnp, jax_m2n
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from jax_m2n._src import eager
-    assert eager._CPU_ASYNC
+    assert eager.programs._CPU_ASYNC
     D = jax.devices()
     rng = np.random.default_rng(0)
     meshes = [Mesh(np.array(D[:4]).reshape(2, 2), ("a", "b")),

@@ -24,6 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
 from jax_m2n._src import checks, eager
+from jax_m2n._src.request import Request
 
 DTYPES = (np.float32, jnp.bfloat16, np.int8, np.bool_, np.complex64, np.uint32)
 ROUTES = ("hierarchical", "flat", "gather_bcast")
@@ -483,8 +484,10 @@ def test_timeout_when_a_peer_never_arrives():
   x = jax.device_put(random_data((13, 4), np.float32, 15)[:, :3], src)
   assert x.shape == shape
   jax_m2n.reshard(x, dst, timeout_s=2)  # builds and caches the programs
-  key = eager._eager_key(jax.tree.structure(x), [x], [dst], [None], "hierarchical", None,
-                       2000, checks.DEFAULT_CHUNK_BYTES)
+  key = eager._eager_key(Request(
+      leaves=[x], treedef=jax.tree.structure(x), dsts=[dst], srcs=[None],
+      out_dtypes=[None], donate=[False], route="hierarchical", topology=None,
+      timeout_ms=2000, chunk_bytes=checks.DEFAULT_CHUNK_BYTES, names=lambda: ["x"]))
   entry = eager._eager_cache[key]
   start = time.monotonic()
   with pytest.raises(jax_m2n.ReshardTimeoutError, match="did not arrive") as e:

@@ -1,7 +1,7 @@
 """The public entry points `reshard` and `plan`.
 
 Owns the contract users read (docstrings), flattening pytrees and choosing the path:
-the eager per-device programs (eager.py) outside jit, the shard_map lowering
+the eager per-device programs (eager/) outside jit, the shard_map lowering
 (traced.py) inside it. Argument rules live in checks.py; nothing here moves data.
 """
 
@@ -31,6 +31,7 @@ from jax_m2n._src.checks import (_API, _broadcast_prefix, _check_dtype, _check_h
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import DEFAULT_CHUNK_BYTES, Plan, plan_reshard
+from jax_m2n._src.request import Request
 from jax_m2n._src.topology import Topology, as_topology
 
 logger = logging.getLogger("jax_m2n")
@@ -132,7 +133,8 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       device ids. Default: the devices of one process form one domain.
     donate: a bool, or a pytree prefix of `x` of bools (as for `jax.device_put`): the
       sources marked True are deleted once every leaf has moved; an unmarked leaf is
-      never touched. Ignored inside jit (use jit's `donate_argnums`).
+      never touched, nor (as by jax.device_put) an array that appears at several
+      leaves of x or that a None destination returns. Ignored inside jit (use jit's `donate_argnums`).
     src_sharding: the source layout (a Sharding or a pytree prefix of them). Inside jit
       optional: without it the layout XLA's partitioner gives the operand is used (see
       above); with it the plan is made at trace time, and the source may be on another
@@ -278,8 +280,10 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
                             out_dtypes)
   else:
     record = [] if fast is not None else None
-    outs = eager.reshard_leaves(leaves, treedef, dsts, srcs, flags, route, topology,
-                                timeout_ms, chunk, names, out_dtypes, record)
+    outs = eager.reshard(Request(leaves=leaves, treedef=treedef, dsts=dsts, srcs=srcs,
+                                 out_dtypes=out_dtypes, donate=flags, route=route,
+                                 topology=topology, timeout_ms=timeout_ms,
+                                 chunk_bytes=chunk, names=names), record)
     if record:
       with _fast_cache.lock:  # put evicts: two threads putting at once would race
         _fast_cache.put(fast[0], record[0])

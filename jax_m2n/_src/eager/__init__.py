@@ -1,0 +1,26 @@
+"""The eager path: one small compiled program per participating device, any device sets.
+
+Owns building (and caching) the per-device programs of a reshard outside jit,
+dispatching them concurrently (one thread per device), and assembling their outputs
+into global arrays. Argument rules live in checks.py; it never decides what moves.
+
+One concern per module, dependencies one way (each imports only those above it):
+  dispatch.py   device worker threads and the waits on them
+  calls.py      a call's lifecycle: dispatch lock, CPU generations, the failure watcher
+  programs.py   building, compiling and running the per-device programs of one layout
+  cache.py      the programs' cache, its key and the checks before an entry is used
+  delegate.py   which leaves jax.device_put keeps; the eager reshard of a list of leaves
+
+The names below are the ones the rest of jax_m2n (and its tests) use as `eager.X`.
+Module state that tests set (`dispatch._fault_hook`, `programs._CPU_ASYNC`) is set on
+the module that reads it, not here.
+"""
+
+from jax_m2n._src.eager.cache import (_EAGER_CACHE_SIZE, _eager_cache, _eager_key, _Key,
+                                      _LruCache, _entry, _validate_eager)
+from jax_m2n._src.eager.calls import (_site_state, _site_states, _stop_threads_at_exit,
+                                      _TICKETS, _tickets)
+from jax_m2n._src.eager.delegate import (_astype, _default_memory,
+                                         _dtype_delegated_because, delegated_because,
+                                         reshard, reshard_leaves)
+from jax_m2n._src.eager.programs import _build_eager, _EagerReshard

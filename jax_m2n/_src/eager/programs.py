@@ -1,0 +1,430 @@
+"""The per-device programs of one layout: building and compiling them (one small jitted
+custom call per participating device), and running them as one reshard (dispatch,
+waiting, errors, assembling the global outputs).
+
+Owns one cache entry's contents; the cache and its key live in cache.py, the call
+lifecycle in calls.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Sharding, SingleDeviceSharding
+
+from jax_m2n._src import ffi as m2n_ffi
+from jax_m2n._src import jax_compat
+from jax_m2n._src import schedule
+from jax_m2n._src.checks import (_API, _check_in_process, _map_native_error,
+                                 _platform_of, _site)
+from jax_m2n._src.eager import dispatch
+from jax_m2n._src.eager.calls import (_Call, _cpu_module, _dispatch_lock, _failure_text,
+                                      _raise_failed_calls, _reached_handler,
+                                      _run_guarded, _site_state, _SiteState, _TICKETS,
+                                      _tickets)
+from jax_m2n._src.eager.dispatch import (_check_live, _executor, _Outcomes, _outcomes,
+                                         _wait_interruptibly)
+from jax_m2n._src.errors import ReshardError, ReshardRuntimeError, ReshardTimeoutError
+from jax_m2n._src.layout import Layout
+from jax_m2n._src.planner import Plan, plan_reshard
+from jax_m2n._src.processes import call as processes_call
+from jax_m2n._src.request import Request
+from jax_m2n._src.topology import as_topology
+
+logger = logging.getLogger("jax_m2n")
+
+
+@dataclasses.dataclass
+class _DeviceProgram:
+  device: Any                                  # jax.Device
+  call: Callable[..., Any]                     # the compiled per-device program
+  operands: tuple[tuple[int, int], ...]        # (leaf, index into leaf's shards)
+  results: tuple[int, ...]                     # leaves this device holds a dst shard of
+  schedule: np.ndarray
+
+  @functools.cached_property
+  def tickets(self) -> list[jax.Array]:
+    """The device's generation tickets (CPU; see _TICKETS)."""
+    return _tickets(self.device)
+
+
+def _compile(jitted, in_types, x64: bool) -> Callable[..., Any]:
+  with jax.enable_x64(x64):
+    return jitted.lower(*in_types).compile()
+
+
+@dataclasses.dataclass
+class _EagerReshard:
+  """Everything one (shapes, dtypes, shardings, route, topology) needs, built once."""
+
+  plan: Plan
+  programs: list[_DeviceProgram]
+  out_avals: list[tuple[tuple[int, ...], Any, Sharding]]  # shape, dtype, dst sharding
+  # Per leaf: for each of dst's addressable devices (in its order): (program, result).
+  out_slots: list[list[tuple[int, int]]]
+  src_shard_index: list[dict[int, int]]      # per leaf: device id -> index in _arrays
+  platform: str
+  site: int
+  # True: the programs run asynchronously in XLA (CPU: PjRt's pool), so the calling
+  # thread dispatches them one after another; False: each is dispatched from its
+  # device's worker thread, concurrently (its dispatch may wait for its peers).
+  caller_dispatch: bool = False
+  avals: list[Any] = dataclasses.field(default_factory=list)  # per leaf, after call 1
+
+  def __post_init__(self):
+    self.avals = [None] * len(self.out_avals)
+    self.device_ids = [p.device.id for p in self.programs]
+    self._site_state: _SiteState | None = None
+
+  def site_state(self) -> "_SiteState":
+    """This site's generations (CPU), shared with every entry of the site."""
+    if self._site_state is None:
+      self._site_state = _site_state(self.site)
+    return self._site_state
+
+  def __call__(self, leaves: Sequence[jax.Array], donate: bool | Sequence[bool],
+               devices: Sequence[int] | None = None,
+               block: bool = False) -> list[jax.Array]:
+    """Dispatches the reshard and returns its outputs (not yet ready); `block` waits
+    for completion and raises the call's error; `devices` (tests only) dispatches a
+    subset (the rest are given up after the others finish) and returns [].
+
+    Raises at once what is known before the programs run (an earlier call's failure,
+    a dead shard, a failed dispatch; no partial outputs)."""
+    _raise_failed_calls()
+    results, call = self._dispatch(leaves, devices)
+    if block:
+      self._wait(call, results)
+    if devices is not None:
+      return []
+    _donate(leaves, donate)
+    return self._assemble(results)
+
+  # -- dispatch, waiting and failure handling -------------------------------------------
+
+  def _dispatch(self, leaves: Sequence[jax.Array], devices: Sequence[int] | None
+                ) -> tuple[list[Any], _Call]:
+    """Dispatches every program and returns their outputs with the call's record, or
+    raises (after the dispatched programs have stopped) if a dispatch failed.
+
+    On CPU each program's last operand is its generation ticket; its outputs end with
+    a token the watchers wait on. A failure before the handler (here, or later inside
+    XLA) gives the device's generation up at once: its peers fail in milliseconds, and
+    every later call of the layout works.
+    """
+    shards = [jax_compat.single_device_arrays(x) for x in leaves]
+    programs = self.programs
+    if devices is not None:
+      programs = [p for p in programs if p.device.id in devices]
+    cpu = self.platform == "cpu"
+    with _dispatch_lock:
+      arguments = [[shards[t][k] for t, k in p.operands] for p in programs]
+      del shards
+      for p, args in zip(programs, arguments):  # before anything is dispatched
+        _check_live(p, args)
+      call = _Call(self, programs)
+      if cpu:
+        call.index = self.site_state().begin(_cpu_module(), self.device_ids, call)
+        ticket = call.index % _TICKETS
+        for p, args in zip(programs, arguments):
+          args.append(p.tickets[ticket])
+      results: list[Any] = [None] * len(programs)
+      try:
+        if self.caller_dispatch:
+          for i, (p, args) in enumerate(zip(programs, arguments)):
+            try:
+              results[i] = dispatch._run_device(p, args)  # tests wrap it
+            except Exception as e:  # noqa: BLE001 - device i's failure
+              call.errors[i] = e
+              break
+            call.dispatched[i] = True
+        else:
+          outcomes = _Outcomes(len(programs))
+          for i, (p, args) in enumerate(zip(programs, arguments)):
+            _executor(p.device.id).post(_run_guarded, p, args, outcomes, i, call)
+          try:
+            _wait_interruptibly(outcomes.done)
+          except BaseException as interrupt:
+            # The dispatches may be waiting for their peers: stop them first.
+            call.abort(f"the calling thread was interrupted ({_failure_text(interrupt)})")
+            outcomes.done.wait()
+            raise
+          finally:
+            results = outcomes.results
+            for i, e in enumerate(outcomes.errors):
+              call.errors[i] = e
+              call.dispatched[i] = e is None
+      except BaseException as interrupt:
+        # Interrupted while dispatching: stop what runs, put every device back in step
+        # (the watchers give up the rest), then let the interrupt through.
+        call.abort(f"the calling thread was interrupted ({_failure_text(interrupt)})")
+        self._stop(call, results)
+        raise
+      del arguments
+      if any(e is not None for e in call.errors):
+        call.abort("another device's program failed to dispatch")
+        self._stop(call, results)
+        error = call.error
+        raise error if error is not None else ReshardRuntimeError(
+            f"{_API}: {call.name} failed to dispatch.")
+      call.watch([(i, outs[-1]) for i, outs in enumerate(results)])
+    return results, call
+
+  def _stop(self, call: _Call, results: Sequence[Any]) -> None:
+    """After a failed dispatch: gives up the devices that did not dispatch, waits until
+    the dispatched programs have stopped (milliseconds: their generation is aborted),
+    and frees their outputs."""
+    for i, d in enumerate(call.dispatched):
+      if not d:
+        call.give_up(i, _failure_text(call.errors[i]) if call.errors[i] is not None
+                     else "its program was not dispatched")
+    call.watch([(i, results[i][-1]) for i, d in enumerate(call.dispatched) if d])
+    call.done.wait()
+    call.take_error()  # raised here, by the caller: not again by the next call
+    for i, d in enumerate(call.dispatched):
+      if d:
+        for o in results[i] or ():
+          o.delete()
+
+  def _wait(self, call: _Call, results: Sequence[Any]) -> None:
+    """block=True: waits (interruptibly) until the call has finished; raises its error
+    (outputs freed). Ctrl-C aborts the call's generation, waits until its programs have
+    stopped and every device is back in step, then raises KeyboardInterrupt."""
+    try:
+      _wait_interruptibly(call.done)
+    except BaseException:
+      call.abort("the calling thread was interrupted while waiting")
+      call.done.wait()
+      call.take_error()
+      for outs in results:
+        for o in outs or ():
+          o.delete()
+      raise
+    error = call.take_error()
+    if error is not None:
+      for outs in results:
+        for o in outs or ():
+          o.delete()
+      raise error
+
+  def _error(self, programs: Sequence[_DeviceProgram],
+             failed: Sequence[BaseException | None],
+             errors: Sequence[BaseException]) -> BaseException:
+    """The error to raise: the root cause first (a device that failed before its
+    handler: its own exception, named and chained, as a ReshardRuntimeError unless it
+    is a ReshardError already), else the handler's (a timeout first)."""
+    for p, e in zip(programs, failed):
+      if e is None or _reached_handler(e):
+        continue
+      if isinstance(e, ReshardError):
+        return e
+      error = ReshardRuntimeError(
+          f"{_API}: device {p.device.id} failed before the transfer started, so the "
+          f"call failed on every device: {_failure_text(e)}")
+      error.__cause__ = e
+      return error
+    mapped = [_map_native_error(e) for e in errors]
+    k = next((i for i, m in enumerate(mapped) if isinstance(m, ReshardTimeoutError)), 0)
+    mapped[k].__cause__ = errors[k]
+    return mapped[k]
+
+  # -- outputs --------------------------------------------------------------------------
+
+  def _assemble(self, results: Sequence[Any]) -> list[jax.Array]:
+    """The global output arrays from the programs' per-device outputs."""
+    out = []
+    for t, ((shape, dtype, sharding), slots) in enumerate(zip(self.out_avals,
+                                                              self.out_slots)):
+      arrays = [results[p][r] for p, r in slots]
+      y = jax_compat.array_from_single_device_arrays(shape, sharding, arrays, dtype,
+                                                     self.avals[t])
+      if self.avals[t] is None:
+        self.avals[t] = jax_compat.reusable_aval(y)
+      out.append(y)
+    return out
+
+
+def _donate(leaves: Sequence[jax.Array], donate: bool | Sequence[bool]) -> None:
+  """Frees the sources marked for donation (one flag, or one per leaf) once the reshard
+  has completed; an unmarked leaf is never touched."""
+  flags = [donate] * len(leaves) if isinstance(donate, bool) else donate
+  for x, flag in zip(leaves, flags):
+    # Host data (numpy, Python scalars) is not JAX's to free: jax.device_put ignores it.
+    if flag is True and isinstance(x, jax.Array) and not x.is_deleted():
+      x.delete()
+
+
+@functools.lru_cache(maxsize=None)  # one per device: bounded by the device count
+def _single_device_sharding(device) -> SingleDeviceSharding:
+  """One SingleDeviceSharding per device, shared by every build: JAX's compile caches
+  keep the shardings of the programs they hold, so fresh ones per build piled up
+  (26k of them after 8,000 layouts, issue 14)."""
+  return SingleDeviceSharding(device)
+
+
+def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
+  """The per-device programs of `request` (its leaves' shapes, dtypes and layouts; no
+  reference to the leaves is kept) into destination shardings `dsts`, compiled."""
+  shapes = [tuple(v.shape) for v in request.leaves]
+  dtypes = [v.dtype for v in request.leaves]
+  srcs = [v.sharding for v in request.leaves]
+  route, topology = request.route, request.topology
+  timeout_ms, chunk_bytes = request.timeout_ms, request.chunk_bytes
+  # Operands have `dtypes`, results `out_dtypes` (a fused conversion; None: keep).
+  out_dtypes = [o if o is not None else dt for o, dt in zip(request.out_dtypes, dtypes)]
+  devices = {}
+  for s in itertools.chain(srcs, dsts):
+    for d in jax_compat.device_assignment(s):
+      devices[d.id] = d
+  platform = _platform_of(devices.values())
+  if platform == "cpu" and processes_call.spans_processes(devices.values()):
+    # Devices of several processes on CPU: the cross-process engine (processes/).
+    return processes_call.CrossProcessReshard(
+        shapes, dtypes, srcs, dsts, route, topology, timeout_ms, chunk_bytes,
+        request.out_dtypes, request.treedef)
+  _check_in_process(_API, platform, devices.values())
+  staging = platform != "cpu"
+  m2n_ffi.ensure_registered(platform, timeout_ms)
+  topo = as_topology(topology, devices.values())
+  src_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(srcs, shapes)]
+  dst_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(dsts, shapes)]
+  itemsizes, types = schedule.wire_itemsizes(dtypes, out_dtypes)
+  plan = plan_reshard(src_layouts, dst_layouts, itemsizes, topo, route, chunk_bytes)
+  if logger.isEnabledFor(logging.DEBUG):  # the traffic summary costs a pass over the plan
+    logger.debug("reshard: planned %d leaves, route %s, %d payload bytes, bytes by link "
+                 "%s, devices %s (eager per-device programs)", len(shapes), route,
+                 plan.payload_bytes, plan.bytes_by_link, list(plan.devices))
+  site = _site(b"eager", schedule.encode(plan, None, staging, types))
+  bufs = schedule.buffers(plan)
+  timeout = np.int64(timeout_ms)
+  extra = m2n_ffi.transport_attrs(platform, topo, plan.devices)
+  if platform == "cpu":
+    extra = {**extra, "tickets": np.int64(_TICKETS)}
+
+  local = [d for d in plan.devices if devices[d].process_index == jax.process_index()]
+  src_shard_index = [
+      {d.id: i for i, d in enumerate(jax_compat.addressable_device_assignment(s))} for s in srcs]
+  programs: list[_DeviceProgram] = []
+  to_compile = []
+  result_index: dict[tuple[int, int], tuple[int, int]] = {}  # (leaf, dev) -> (prog, r)
+  for dev_id in local:
+    device = devices[dev_id]
+    ops = bufs.operands.get(dev_id, {})
+    res = bufs.results.get(dev_id, {})
+    operand_leaves = sorted(ops, key=ops.get)
+    result_leaves = sorted(res, key=res.get)
+    sharding = _single_device_sharding(device)
+    in_types = []
+    for t in operand_leaves:
+      box = src_layouts[t].box_of(dev_id)
+      in_types.append(jax.ShapeDtypeStruct(tuple(hi - lo for lo, hi in box), dtypes[t],
+                                           sharding=sharding))
+    out_types = []
+    for t in result_leaves:
+      box = dst_layouts[t].box_of(dev_id)
+      out_types.append(jax.ShapeDtypeStruct(tuple(hi - lo for lo, hi in box),
+                                            out_dtypes[t]))
+    workspace = max(1, schedule.workspace_bytes(plan, dev_id, staging, types))
+    out_types.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
+    if platform == "cpu":  # the generation ticket, last (see _TICKETS)
+      in_types.append(jax.ShapeDtypeStruct((), np.int32, sharding=sharding))
+    sched = schedule.encode(plan, dev_id, staging, types)
+    # The workspace is a returned output, so XLA keeps the call on every device, even
+    # on a source-only one. has_side_effect=True would do the same but costs 3-8x the
+    # dispatch time (JAX leaves its C++ fast path for programs with effects).
+    call = jax.ffi.ffi_call(m2n_ffi.TARGET_NAME, out_types, has_side_effect=False)
+
+    cpu_async = platform == "cpu" and _CPU_ASYNC
+
+    def body(*shards, call=call, sched=sched, cpu_async=cpu_async):
+      outs = tuple(call(*shards, schedule=sched, site=np.int64(site), timeout_ms=timeout,
+                        **extra))
+      if cpu_async:
+        outs += (_async_token(outs[-1]),)
+      return outs
+
+    n_out = len(out_types) + cpu_async
+    jitted = jax.jit(body, in_shardings=(sharding,) * len(in_types),
+                     out_shardings=(sharding,) * n_out)
+    for r, t in enumerate(result_leaves):
+      result_index[(t, dev_id)] = (len(programs), r)
+    programs.append(_DeviceProgram(
+        device, None,
+        tuple((t, src_shard_index[t][dev_id]) for t in operand_leaves),
+        tuple(result_leaves), sched))
+    to_compile.append((jitted, in_types))
+
+  # Compile the per-device programs concurrently, on the devices' threads (XLA compiles
+  # without the GIL): the first call of a many-device reshard pays about one compile.
+  # The caller's `jax.enable_x64` context is thread-local: the workers trace under it.
+  x64 = bool(jax.config.jax_enable_x64)
+  futures = [_executor(p.device.id).submit(_compile, jitted, in_types, x64)
+             for p, (jitted, in_types) in zip(programs, to_compile)]
+  compiled, errors = _outcomes(futures)
+  for e in errors:
+    if e is not None:
+      raise e
+  for p, c in zip(programs, compiled):
+    p.call = c
+  # A reshard within one device (e.g. a dtype conversion in place) has no peer to wait
+  # for: the calling thread dispatches it (no hand-off to the device's worker).
+  caller_dispatch = len(plan.devices) == 1 or (
+      platform == "cpu" and _CPU_ASYNC and _cpu_async(compiled))
+
+  out_avals, out_slots = [], []
+  for t, (shape, dtype, dst) in enumerate(zip(shapes, out_dtypes, dsts)):
+    out_avals.append((tuple(shape), dtype, dst))
+    out_slots.append([result_index[(t, d.id)] 
+                      for d in jax_compat.addressable_device_assignment(dst)])
+  return _EagerReshard(plan, programs, out_avals, out_slots, src_shard_index, platform,
+                       site, caller_dispatch)
+
+
+# Opt-in asynchronous eager reshards on CPU (docs/design.md, "Dispatch"): the programs
+# then run in XLA's CPU client thread pool, where a program waiting for its peers can
+# deadlock against an XLA multi-device program (a collective) running at the same time
+# (the pool has one thread per device). Off by default: on CPU the call returns when the
+# transfer has finished. Read when a layout's programs are built.
+_CPU_ASYNC = os.environ.get("JAX_M2N_CPU_ASYNC", "") == "1"
+
+# XLA's CPU client runs a program whose cost analysis counts fewer flops than this
+# inline, on the calling thread, until it has finished (xla/pjrt/cpu/cpu_client.cc,
+# `cheap_computation_`); a costlier one is queued on the client's thread pool (behind
+# the device's earlier programs) and the call returns at once, its outputs not ready.
+_XLA_CPU_CHEAP_FLOPS = 1000
+
+
+def _async_token(workspace: jax.Array) -> jax.Array:
+  """A 1-element output computed after the handler (2,048 flops, well under a
+  microsecond): it makes XLA's CPU client run the program asynchronously, and it is what
+  the watcher waits on. The custom call alone counts -1 flops, so XLA would run it
+  inline and the caller would wait for the whole transfer."""
+  v = workspace[:1].astype(np.float32)
+  m = jax.numpy.broadcast_to(v, (16, 64)) @ jax.numpy.broadcast_to(v, (64,))
+  return m[:1]
+
+
+def _cpu_async(compiled: Sequence[Any]) -> bool:
+  """Whether XLA's CPU client runs these programs asynchronously (then the calling
+  thread dispatches them one after another and returns): async dispatch on, and every
+  program costlier than XLA's inline threshold. Otherwise they are dispatched from
+  the devices' worker threads, and a dispatch returns when its program has finished."""
+  try:
+    if not jax.config.values.get("jax_cpu_enable_async_dispatch", True):
+      return False
+    for c in compiled:
+      cost = c.cost_analysis()
+      cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+      if not cost or float(cost.get("flops", 0.0)) < _XLA_CPU_CHEAP_FLOPS:
+        return False
+  except Exception:  # noqa: BLE001 - no cost analysis: the safe (concurrent) dispatch
+    logger.debug("reshard: no cost analysis; per-device worker dispatch", exc_info=True)
+    return False
+  return True
