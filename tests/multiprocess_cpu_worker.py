@@ -131,7 +131,10 @@ def _random_case(jax, rng):
       out = ml_dtypes.bfloat16 if np.dtype(dtype) == np.float32 else np.float32
     route = str(rng.choice(["hierarchical", "flat", "gather_bcast"]))
     pytree = rng.random() < 0.25
-    return shape, np.dtype(dtype), src, dst, out, route, pytree
+    # Small chunks: several steps per transfer (a forward or fan-out of chunk c in the
+    # step after chunk c arrives).
+    chunk = int(rng.choice([8, 24])) if rng.random() < 0.3 else None
+    return shape, np.dtype(dtype), src, dst, out, route, pytree, chunk
 
 
 def scenario_random(jax, jax_m2n, pid, args):
@@ -143,10 +146,11 @@ def scenario_random(jax, jax_m2n, pid, args):
   sent0 = transfer_engine.stats["sent_bytes"]
   t0 = time.perf_counter()
   for c in range(args.cases):
-    shape, dtype, src, dst, out, route, pytree = _random_case(jax, rng)
+    shape, dtype, src, dst, out, route, pytree, chunk = _random_case(jax, rng)
     host = _host(rng, shape, dtype)
     what = f"case {c}: {shape} {dtype} {src.spec}@{[d.id for d in src.mesh.devices.flat]}"
     what += f" -> {dst.spec}@{[d.id for d in dst.mesh.devices.flat]} {route} dtype={out}"
+    what += f" chunk_bytes={chunk}"
     x = _put(jax, host, src)
     if args.verbose:
       _log(pid, what + f" pytree={pytree}")
@@ -158,7 +162,8 @@ def scenario_random(jax, jax_m2n, pid, args):
       dsts = {"w": dst, "v": [jax.sharding.NamedSharding(
           dst.mesh, jax.sharding.PartitionSpec("a") if len(dst.mesh.devices.flat) in (
               1, 2, 4) else jax.sharding.PartitionSpec())]}
-      y = jax_m2n.reshard(tree, dsts, route=route, dtype=out, timeout_s=60)
+      y = jax_m2n.reshard(tree, dsts, route=route, dtype=out, timeout_s=60,
+                          chunk_bytes=chunk)
       plan_bytes += jax_m2n.plan(tree, dsts, route=route, dtype=out).bytes_by_link[
           "network"]
       try:
@@ -168,7 +173,7 @@ def scenario_random(jax, jax_m2n, pid, args):
         print(f"RESULT random process={pid} FAIL {what} pytree: {e}", flush=True)
         return 1
     else:
-      y = jax_m2n.reshard(x, dst, route=route, dtype=out, timeout_s=60)
+      y = jax_m2n.reshard(x, dst, route=route, dtype=out, timeout_s=60, chunk_bytes=chunk)
       try:
         _check(y, host, dst, out)
       except AssertionError as e:

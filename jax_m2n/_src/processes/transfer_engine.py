@@ -20,7 +20,7 @@ from jax import lax
 
 from jax_m2n._src.errors import ReshardRuntimeError
 from jax_m2n._src.layout import Box, Layout, box_size, intersect
-from jax_m2n._src.planner import SRC_SHARD, STAGES, Plan
+from jax_m2n._src.planner import SRC_SHARD, Plan
 from jax_m2n._src.processes import bootstrap
 
 _API = "reshard"
@@ -50,9 +50,9 @@ class Op:
 
 @dataclasses.dataclass
 class Wave:
-  """The transfers of one depth: those inside this process, those it sends (by
-  receiving process) and those it receives (by sending process). `depth` names the
-  wave alike on every process (a process skips the depths it has no part in)."""
+  """The chunks of one step: those inside this process, those it sends (by receiving
+  process) and those it receives (by sending process). `depth` (the step) names the
+  wave alike on every process."""
 
   depth: int = 0
   local: list[Op] = dataclasses.field(default_factory=list)
@@ -61,29 +61,28 @@ class Wave:
 
 
 def waves_of(plan: Plan, me: int, process_of: dict[int, int]) -> list[Wave]:
-  """This process's part of `plan`, one Wave per transfer depth (a transfer reads only
-  what transfers of smaller depth delivered). Every process derives the same waves."""
-  by_depth: dict[int, Wave] = {}
-  for t, tp in enumerate(plan.tensors):
-    tr = tp.transfers
-    for i in range(len(tr)):
-      s, d = int(tr.src[i]), int(tr.dst[i])
-      ps, pd = process_of[s], process_of[d]
-      if me not in (ps, pd):
-        continue
-      op = Op(t, s, d, int(tr.src_kind[i]), int(tr.dst_kind[i]),
-              tr.boxes[int(tr.box[i])], STAGES[int(tr.stage[i])])
-      depth = int(tr.depth[i])
-      w = by_depth.get(depth)
-      if w is None:
-        w = by_depth[depth] = Wave(depth)
-      if ps == pd:
-        w.local.append(op)
-      elif ps == me:
-        w.sends.setdefault(pd, []).append(op)
-      else:
-        w.recvs.setdefault(ps, []).append(op)
-  return [by_depth[k] for k in sorted(by_depth)]
+  """This process's part of `plan`, one Wave per step of its chunked schedule
+  (`Plan.chunks`: a chunk runs one step after the chunks it reads, so a leader forwards
+  chunk c while chunk c + 1 arrives, the paper's PIPE). Every process derives the same
+  waves; a process skips the steps it has no part in."""
+  transfers = plan.transfers
+  by_step: dict[int, Wave] = {}
+  for chunk in plan.chunks:
+    x = transfers[chunk.transfer]
+    ps, pd = process_of[x.src], process_of[x.dst]
+    if me not in (ps, pd):
+      continue
+    op = Op(x.tensor, x.src, x.dst, x.src_kind, x.dst_kind, chunk.box, x.stage)
+    w = by_step.get(chunk.step)
+    if w is None:
+      w = by_step[chunk.step] = Wave(chunk.step)
+    if ps == pd:
+      w.local.append(op)
+    elif ps == me:
+      w.sends.setdefault(pd, []).append(op)
+    else:
+      w.recvs.setdefault(ps, []).append(op)
+  return [by_step[k] for k in sorted(by_step)]
 
 
 def network_bytes(plan: Plan, process_of: dict[int, int]) -> int:
