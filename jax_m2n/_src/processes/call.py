@@ -10,7 +10,8 @@ returns at once. Argument rules stay in checks.py; what moves is the planner's.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+import threading
+from typing import Any, Sequence
 
 import jax
 from jax.sharding import Sharding
@@ -24,6 +25,11 @@ from jax_m2n._src.processes import bootstrap, sequence, transfer_engine
 from jax_m2n._src.topology import as_topology
 
 logger = logging.getLogger("jax_m2n")
+_API = "reshard"
+
+# One cross-process call at a time per process: call numbers are taken in call order,
+# and two threads' calls interleaved differently on two processes would pair wrongly.
+_call_lock = threading.Lock()
 
 
 def spans_processes(devices) -> bool:
@@ -89,6 +95,13 @@ class CrossProcessReshard:
   def __call__(self, leaves: Sequence[jax.Array], donate: bool | Sequence[bool],
                devices: Sequence[int] | None = None, block: bool = False
                ) -> list[jax.Array]:
+    """One call: returns the global outputs once every participant is done (the
+    result is ready: the engine's transfers have completed). `devices`/`block` are the
+    in-process entries' test hooks; here every call blocks and runs every device."""
+    with _call_lock:
+      return self._call(leaves, donate)
+
+  def _call(self, leaves, donate) -> list[jax.Array]:
     if len(self.participants) == 1:  # all in another process: that one runs it alone
       return self._assemble([[] for _ in self.shapes])
     n = sequence.next_call()  # every process numbers the calls that span processes
@@ -139,6 +152,3 @@ class CrossProcessReshard:
     return [jax.make_array_from_single_device_arrays(shape, dst, arrs, dtype=dt)
             for shape, dst, arrs, dt in zip(self.shapes, self.dsts, arrays,
                                             self.out_dtypes)]
-
-
-_API = "reshard"
