@@ -366,17 +366,20 @@ def _platform_of(devices) -> str:
 
 
 def _check_in_process(api: str, platform: str, devices) -> None:
-  """The CPU transport meets its peers in one process: refuse others' devices up front
-  (the handler would otherwise wait for peers that can never arrive)."""
+  """The CPU transport meets its peers in one process. Inside jit (its only caller
+  now: eager calls across processes go to processes/), a CPU mesh spanning processes
+  is handed to XLA's partitioner (its gloo collectives) as an unplaceable layout."""
   if platform != "cpu":
     return
   me = jax.process_index()
   remote = sorted(d.id for d in devices if d.process_index != me)
   if remote:
-    raise ReshardValueError(
-        f"{api}: on CPU every participating device must belong to this process (the CPU "
-        f"transport is in-process); got devices {remote} of other processes. Hint: "
-        "multi-process reshards need GPUs (NCCL), or reshard within each process.")
+    from jax_m2n._src import traced  # the caller's module: loaded already
+    raise traced.Unplaceable(
+        f"{api}: inside jit on CPU every participating device must belong to this "
+        f"process (the CPU custom call is in-process); got devices {remote} of other "
+        "processes: XLA's partitioner moves them (jax_cpu_collectives_implementation="
+        "'gloo').")
 
 
 def _same_layout(a: Sharding, b: Sharding, shape) -> bool:

@@ -34,6 +34,7 @@ from jax_m2n._src.eager.dispatch import (_check_live, _executor, _Outcomes, _out
 from jax_m2n._src.errors import ReshardError, ReshardRuntimeError, ReshardTimeoutError
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import Plan, plan_reshard
+from jax_m2n._src.processes import call as processes_call
 from jax_m2n._src.request import Request
 from jax_m2n._src.topology import as_topology
 
@@ -315,6 +316,11 @@ def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
     for d in jax_compat.device_assignment(s):
       devices[d.id] = d
   platform = _platform_of(devices.values())
+  if platform == "cpu" and processes_call.spans_processes(devices.values()):
+    # Devices of several processes on CPU: the cross-process engine (processes/).
+    return processes_call.CrossProcessReshard(
+        shapes, dtypes, srcs, dsts, route, topology, timeout_ms, chunk_bytes,
+        request.out_dtypes, request.treedef)
   _check_in_process(_API, platform, devices.values())
   staging = platform != "cpu"
   m2n_ffi.ensure_registered(platform, timeout_ms)

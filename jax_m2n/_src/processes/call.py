@@ -1,0 +1,154 @@
+"""One cross-process reshard layout, built once and called many times: the plan every
+process derives alike, this process's waves of it, the fingerprint, the outputs.
+
+Owns the lifecycle of a call across processes: number it, agree on the arguments, run
+this process's waves, wait until every participant is done, assemble the global
+outputs, donate. A process with no participating device posts its fingerprint and
+returns at once. Argument rules stay in checks.py; what moves is the planner's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import Sharding
+
+from jax_m2n._src import jax_compat
+from jax_m2n._src import schedule
+from jax_m2n._src.errors import ReshardError, ReshardRuntimeError, ReshardValueError
+from jax_m2n._src.layout import Layout
+from jax_m2n._src.planner import plan_reshard
+from jax_m2n._src.processes import bootstrap, sequence, transfer_engine
+from jax_m2n._src.topology import as_topology
+
+logger = logging.getLogger("jax_m2n")
+_API = "reshard"
+
+# One cross-process call at a time per process: call numbers are taken in call order,
+# and two threads' calls interleaved differently on two processes would pair wrongly.
+_call_lock = threading.Lock()
+
+
+def spans_processes(devices) -> bool:
+  """Whether some of `devices` belong to another process than this one."""
+  me = jax.process_index()
+  return any(d.process_index != me for d in devices)
+
+
+def _layout_key(layout: Layout) -> tuple:
+  return tuple(layout.shards())
+
+
+class CrossProcessReshard:
+  """Everything one (shapes, dtypes, shardings, route, topology) needs across
+  processes; `entry(leaves, donate)` runs one call (the eager cache's contract)."""
+
+  def __init__(self, shapes, dtypes, srcs: Sequence[Sharding], dsts: Sequence[Sharding],
+               route: str, topology: Any, timeout_ms: int, chunk_bytes: int,
+               out_dtypes=None, treedef: Any = None):
+    out_dtypes = [o if o is not None else dt
+                  for o, dt in zip(out_dtypes or [None] * len(dtypes), dtypes)]
+    devices = {}
+    for s in (*srcs, *dsts):
+      for d in jax_compat.device_assignment(s):
+        devices[d.id] = d
+    self.devices = devices
+    self.timeout_ms = timeout_ms
+    self.shapes = [tuple(s) for s in shapes]
+    self.out_dtypes = out_dtypes
+    self.dsts = list(dsts)
+    self.srcs = list(srcs)
+    process_of = bootstrap.process_of_device()
+    self.process_of = process_of
+    self.me = jax.process_index()
+    self.participants = sorted({process_of[d] for d in devices})
+    topo = as_topology(topology, devices.values())
+    self.src_layouts = [Layout.from_sharding(s, sh) for s, sh in zip(srcs, shapes)]
+    self.dst_layouts = [Layout.from_sharding(s, sh) for s, sh in zip(dsts, shapes)]
+    itemsizes, _ = schedule.wire_itemsizes(dtypes, out_dtypes)
+    self.wire = [schedule.wire_dtype(dt, o) for dt, o in zip(dtypes, out_dtypes)]
+    self.plan = plan_reshard(self.src_layouts, self.dst_layouts, itemsizes, topo, route,
+                             chunk_bytes)
+    self.network_bytes = transfer_engine.network_bytes(self.plan, process_of)
+    self.fingerprint = sequence.fingerprint({
+        "pytree structure": str(treedef) if treedef is not None else len(shapes),
+        "shapes": self.shapes, "dtypes": [str(d) for d in dtypes],
+        "destination dtypes": [str(d) for d in out_dtypes],
+        "source shardings": [_layout_key(l) for l in self.src_layouts],
+        "destination shardings": [_layout_key(l) for l in self.dst_layouts],
+        "route": route, "topology": repr(topo), "chunk_bytes": chunk_bytes})
+    self.waves = (transfer_engine.waves_of(self.plan, self.me, process_of)
+                  if self.me in self.participants else [])
+    self.local_dst = [list(jax_compat.addressable_device_assignment(d)) for d in dsts]
+    self.src_index = [{d.id: i for i, d in enumerate(
+        jax_compat.addressable_device_assignment(s))} for s in srcs]
+    bootstrap.engine()  # every process of the job serves (peers pull from it)
+    if logger.isEnabledFor(logging.DEBUG):
+      logger.debug("reshard: planned %d leaves, route %s, %d payload bytes, bytes by "
+                   "link %s, processes %s, %d bytes across processes (transfer server)",
+                   len(shapes), route, self.plan.payload_bytes, self.plan.bytes_by_link,
+                   self.participants, self.network_bytes)
+
+  def __call__(self, leaves: Sequence[jax.Array], donate: bool | Sequence[bool],
+               devices: Sequence[int] | None = None, block: bool = False
+               ) -> list[jax.Array]:
+    """One call: returns the global outputs once every participant is done (the
+    result is ready: the engine's transfers have completed). `devices`/`block` are the
+    in-process entries' test hooks; here every call blocks and runs every device."""
+    with _call_lock:
+      return self._call(leaves, donate)
+
+  def _call(self, leaves, donate) -> list[jax.Array]:
+    if len(self.participants) == 1:  # all in another process: that one runs it alone
+      return self._assemble([[] for _ in self.shapes])
+    n = sequence.next_call()  # every process numbers the calls that span processes
+    waits = sequence.CallWaits(n, self.participants, self.timeout_ms)
+    if self.me not in self.participants:
+      waits.post("fp", self.fingerprint)
+      return self._assemble([[] for _ in self.shapes])
+    names = lambda: f"{len(leaves)} leaves"  # noqa: E731
+    waits.cleanup()
+    try:
+      waits.agree(self.fingerprint, names)
+      buffers = self._buffers(leaves)
+      transfer_engine.run(self.waves, buffers, waits)
+      arrays = [[buffers.compose(t, d.id, 1, self.dst_layouts[t].box_of(d.id),
+                                 self.out_dtypes[t]) for d in self.local_dst[t]]
+                for t in range(len(self.shapes))]
+      waits.post("done")
+      waits.wait("done", self.participants, "the end of the call (every process done)")
+      waits.finish(self.participants)
+    except (ReshardValueError, sequence.PeerFailed):
+      raise  # every process sees every fingerprint / the peer's marker is posted
+    except ReshardError as e:
+      waits.fail(f"{type(e).__name__}: {e}")
+      raise
+    except BaseException as e:  # Ctrl-C or an engine error: the peers fail at once
+      waits.fail(f"{type(e).__name__}: {e}")
+      if isinstance(e, Exception):
+        raise ReshardRuntimeError(
+            f"{_API}: cross-process call #{n} failed on process {self.me}: "
+            f"{type(e).__name__}: {e}") from e
+      raise
+    out = self._assemble(arrays)
+    flags = [donate] * len(leaves) if isinstance(donate, bool) else donate
+    for x, flag in zip(leaves, flags):
+      if flag is True and not x.is_deleted():
+        x.delete()
+    return out
+
+  def _buffers(self, leaves) -> transfer_engine.Buffers:
+    shards = {}
+    for t, leaf in enumerate(leaves):
+      arrays = jax_compat.single_device_arrays(leaf)
+      for dev_id, i in self.src_index[t].items():
+        shards[(t, dev_id)] = (self.src_layouts[t].box_of(dev_id), arrays[i])
+    return transfer_engine.Buffers(shards, self.wire, self.devices)
+
+  def _assemble(self, arrays) -> list[jax.Array]:
+    return [jax.make_array_from_single_device_arrays(shape, dst, arrs, dtype=dt)
+            for shape, dst, arrs, dt in zip(self.shapes, self.dsts, arrays,
+                                            self.out_dtypes)]

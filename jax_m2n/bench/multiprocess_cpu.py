@@ -1,0 +1,353 @@
+"""The multi-process suite on CPU (`python -m jax_m2n.bench --suite multiprocess` on a
+machine without 2 GPUs): jax_m2n across CPU processes through JAX's transfer server.
+
+Owns the launch of CPU processes under jax.distributed on 127.0.0.1 (spawned by the
+bench itself) and two parts, every output checked bitwise before timing:
+  engine  2 processes x 2 devices: one reshard of S MiB from process 0 to process 1
+          (whole tensor, and P('x') -> P('x') over each process's 2 devices) against
+          the engine's raw transfer of the same arrays in the same run (offer, signal
+          through the key-value store, pull, confirm: what any caller of the transfer
+          server must do). Goal: reshard / raw <= 1.25 for >= 16 MiB.
+  fig4    the paper's Figure 4 over real inter-process transfers: 2 source devices in
+          process 0 (TP over rows) -> TP2 x DP r_d over r_d other processes (one replica
+          each), r_d = 2, 3, routes hierarchical / flat / gather_bcast; measured time,
+          the planner's estimate at the bandwidths measured in the same run, and
+          flat / hierarchical (the paper: about r_d where the source's link is the
+          bottleneck).
+Latency = the maximum over processes of each one's mean over --iters timed calls after
+--warmup, each call started behind a barrier. Usage by hand (the bench starts workers):
+  python -m jax_m2n.bench.multiprocess_cpu --out_dir DIR [--size_mib 16,64] [--iters 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+MIB = 1 << 20
+SCHEMA = 1
+ROUTES = ("hierarchical", "flat", "gather_bcast")
+# Figure 4 in chunks of 2 MiB (as --suite fig4): 4+ steps per source piece, so the
+# hierarchical ring forwards chunk c while chunk c + 1 arrives.
+FIG4_CHUNK_BYTES = 2 << 20
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _launch(part: str, n: int, argv: list[str], timeout_s: float, log_dir: str
+            ) -> list[dict]:
+  """Starts n workers of `part`; returns every MPRESULT dict they printed (or raises
+  RuntimeError with the logs' tails). Children are killed on timeout."""
+  port = _free_port()
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  for k in ("XLA_FLAGS", "JAX_PLATFORMS"):
+    env.pop(k, None)
+  logs = [os.path.join(log_dir, f"multiprocess_cpu_{part}_{n}_{i}.log") for i in range(n)]
+  procs = []
+  for i in range(n):
+    with open(logs[i], "w") as f:
+      procs.append(subprocess.Popen(
+          [sys.executable, "-m", "jax_m2n.bench.multiprocess_cpu", "--worker", part,
+           "--pid", str(i), "--n", str(n), "--port", str(port), *argv],
+          stdout=f, stderr=subprocess.STDOUT, env=env))
+  deadline = time.monotonic() + timeout_s
+  try:
+    for p in procs:
+      p.wait(timeout=max(1.0, deadline - time.monotonic()))
+  except subprocess.TimeoutExpired:
+    pass
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+  out, tails = [], []
+  for path, p in zip(logs, procs):
+    text = open(path).read()
+    out += [json.loads(line[len("MPRESULT "):]) for line in text.splitlines()
+            if line.startswith("MPRESULT ")]
+    if p.returncode:
+      tails.append(f"{path} (rc {p.returncode}): {text[-1500:]}")
+  if tails:
+    raise RuntimeError("\n".join(tails))
+  return out
+
+
+# ---------------------------------------------------------------------------------------
+# Workers
+# ---------------------------------------------------------------------------------------
+
+def _init(args):
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax
+  jax.config.update("jax_num_cpu_devices", 2)
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
+                             num_processes=args.n, process_id=args.pid,
+                             initialization_timeout=120)
+  from jax._src import distributed
+  return jax, distributed.global_state.client
+
+
+def _timed(jax, kv, tag: str, iters: int, warmup: int, fn) -> list[float]:
+  """fn() timed `iters` times after `warmup`, each behind a barrier; ms per call."""
+  times = []
+  for i in range(warmup + iters):
+    kv.wait_at_barrier(f"bench/{tag}/{i}", 120_000)
+    t0 = time.perf_counter()
+    fn(i)
+    if i >= warmup:
+      times.append((time.perf_counter() - t0) * 1e3)
+  return times
+
+
+def _emit(**row) -> None:
+  print("MPRESULT " + json.dumps(row), flush=True)
+
+
+def _check(y, host) -> bool:
+  import numpy as np
+  idx = y.sharding.addressable_devices_indices_map(host.shape)
+  return all(np.array_equal(np.asarray(s.data), host[idx[s.device]])
+             for s in y.addressable_shards)
+
+
+def _raw(jax, kv, eng, tag, arrays_by_pid, specs_fn, iters, warmup):
+  """The engine alone: process 0 offers `arrays`, tells process 1 through the store,
+  process 1 pulls them and confirms. ms per transfer on this process."""
+  pid = jax.process_index()
+  if pid == 1:
+    conn = eng.server.connect(kv.blocking_key_value_get("jax_m2n/addr/0", 60_000))
+
+  def once(i):
+    key = f"bench/raw/{tag}/{i}"
+    if pid == 0:
+      eng.server.await_pull(1_000_000 + i, arrays_by_pid)
+      kv.key_value_set(key + "/offered", "1")
+      kv.blocking_key_value_get(key + "/pulled", 120_000)
+    elif pid == 1:
+      kv.blocking_key_value_get(key + "/offered", 120_000)
+      for a in conn.pull(1_000_000 + i, specs_fn()):
+        a.block_until_ready()
+      kv.key_value_set(key + "/pulled", "1")
+  return _timed(jax, kv, f"raw/{tag}", iters, warmup, once)
+
+
+def worker_engine(args) -> int:
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  jax, kv = _init(args)
+  import jax_m2n
+  from jax_m2n._src.processes import bootstrap
+  eng = bootstrap.engine()
+  pid = jax.process_index()
+  mine = {p: [d for d in jax.devices() if d.process_index == p] for p in (0, 1)}
+  for size_mib in [float(s) for s in args.size_mib.split(",")]:
+    n = int(size_mib * MIB) // 4 // 2 * 2
+    host = np.arange(n, dtype=np.float32)
+    for case, src_devs, dst_devs, spec in (
+        ("whole", mine[0][:1], mine[1][:1], P()),
+        ("sharded", mine[0], mine[1], P("x"))):
+      src = NamedSharding(Mesh(np.array(src_devs), ("x",)), spec)
+      dst = NamedSharding(Mesh(np.array(dst_devs), ("x",)), spec)
+      x = jax.make_array_from_callback(host.shape, src, lambda i: host[i], dtype=host.dtype)
+      ok = _check(jax_m2n.reshard(x, dst, timeout_s=120), host)
+      tag = f"{case}/{size_mib}"
+      t_m2n = _timed(jax, kv, f"m2n/{tag}", args.iters, args.warmup,
+                     lambda i: jax_m2n.reshard(x, dst, timeout_s=120).block_until_ready())
+      shards = [s.data for s in x.addressable_shards]
+      dst_boxes = dst.devices_indices_map(host.shape)
+      specs = [jax.ShapeDtypeStruct(host[dst_boxes[d]].shape, host.dtype,
+                                    sharding=jax.sharding.SingleDeviceSharding(d))
+               for d in dst_devs]
+      t_raw = _raw(jax, kv, eng, tag, shards, lambda: specs, args.iters, args.warmup)
+      _emit(part="engine", case=case, size_mib=size_mib, pid=pid, ok=bool(ok),
+            m2n_ms=float(np.mean(t_m2n)), m2n_min_ms=float(np.min(t_m2n)),
+            raw_ms=float(np.mean(t_raw)), raw_min_ms=float(np.min(t_raw)),
+            bytes=int(host.nbytes))
+  return 0
+
+
+def worker_fig4(args) -> int:
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  jax, kv = _init(args)
+  import jax_m2n
+  from jax_m2n._src.processes import bootstrap, transfer_engine
+  eng = bootstrap.engine()
+  pid = jax.process_index()
+  r_d = args.n - 1
+  by_proc = [[d for d in jax.devices() if d.process_index == p] for p in range(args.n)]
+  n = int(float(args.size_mib.split(",")[0]) * MIB) // 4
+  cols = 1024
+  host = np.arange(n // cols * cols, dtype=np.float32).reshape(-1, cols)
+  src = NamedSharding(Mesh(np.array(by_proc[0]), ("x",)), P("x", None))
+  gen = Mesh(np.array([d for p in by_proc[1:] for d in p]).reshape(r_d, 2), ("dp", "tp"))
+  dst = NamedSharding(gen, P(None, "tp"))
+  x = jax.make_array_from_callback(host.shape, src, lambda i: host[i], dtype=host.dtype)
+  # The link speeds of this run: the engine's raw bandwidth (process 0 -> 1, the whole
+  # tensor) and an in-process copy.
+  whole = jax.device_put(host, by_proc[0][0]) if pid == 0 else None
+  spec = [jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=jax.sharding.
+                               SingleDeviceSharding(by_proc[1][0]))]
+  t_raw = _raw(jax, kv, eng, "fig4", [whole] if pid == 0 else [], lambda: spec,
+               args.iters, 1)
+  raw_ms = float(np.mean(t_raw))
+  t0 = time.perf_counter()
+  for _ in range(3):
+    jax.device_put(x.addressable_shards[0].data if pid == 0 else host,
+                   jax.local_devices()[1]).block_until_ready()
+  copy_ms = (time.perf_counter() - t0) / 3 * 1e3
+  for route in ROUTES:
+    ok = _check(jax_m2n.reshard(x, dst, route=route, timeout_s=300,
+                                chunk_bytes=FIG4_CHUNK_BYTES), host)
+    before = transfer_engine.stats["sent_bytes"]
+    times = _timed(jax, kv, f"fig4/{route}", args.iters, args.warmup,
+                   lambda i: jax_m2n.reshard(x, dst, route=route, timeout_s=300,
+                                             chunk_bytes=FIG4_CHUNK_BYTES)
+                   .block_until_ready())
+    sent = (transfer_engine.stats["sent_bytes"] - before) // max(1, args.iters + args.warmup)
+    plan = jax_m2n.plan(x, dst, route=route)
+    _emit(part="fig4", r_d=r_d, route=route, pid=pid, ok=bool(ok),
+          ms=float(np.mean(times)), min_ms=float(np.min(times)), sent=int(sent),
+          plan_network=int(plan.bytes_by_link["network"]), raw_ms=raw_ms,
+          copy_ms=copy_ms, bytes=int(host.nbytes))
+  return 0
+
+
+# ---------------------------------------------------------------------------------------
+# The suite
+# ---------------------------------------------------------------------------------------
+
+def _estimate_ms(route: str, r_d: int, nbytes: int, nic_gbps: float, copy_gbps: float
+                 ) -> float:
+  """The planner's estimate for the fig4 case at the measured link speeds (host-only:
+  the plan over the same layouts, processes as domains)."""
+  from jax_m2n._src.layout import Layout
+  from jax_m2n._src.planner import plan_reshard
+  from jax_m2n._src.topology import Topology
+  rows = nbytes // 4 // 1024
+  src_boxes = [(d, ((d * rows // 2, (d + 1) * rows // 2), (0, 1024))) for d in range(2)]
+  dst_boxes = []
+  for k in range(r_d):
+    for t in range(2):
+      dst_boxes.append((2 + 2 * k + t, ((0, rows), (t * 512, (t + 1) * 512))))
+  shape = (rows, 1024)
+  src_l = Layout(shape, tuple(d for d, _ in src_boxes), tuple(b for _, b in src_boxes))
+  dst_l = Layout(shape, tuple(d for d, _ in dst_boxes), tuple(b for _, b in dst_boxes))
+  domains = [(0, 1)] + [(2 + 2 * k, 3 + 2 * k) for k in range(r_d)]
+  topo = Topology(domains=domains, nic_gbps=nic_gbps, nvlink_gbps=copy_gbps)
+  # The engine runs the schedule's steps one after another (one wave per step): the
+  # step-by-step estimate.
+  plan = plan_reshard([src_l], [dst_l], [4], topo, route, FIG4_CHUNK_BYTES)
+  return float(plan.step_estimate_ms())
+
+
+def run_suite(out_dir: str, size_mib: float = 64, iters: int = 5, warmup: int = 2,
+              timeout_s: float = 600, echo=print) -> int:
+  """Runs both parts; writes OUT_DIR/multiprocess_cpu.{json,md}; 0, or 1 on a failure."""
+  os.makedirs(out_dir, exist_ok=True)
+  sizes = sorted({16.0, float(size_mib)})
+  common = ["--iters", str(iters), "--warmup", str(warmup)]
+  rows, fig4, errors = [], [], []
+  try:
+    echo("multiprocess (CPU) suite: engine part, 2 processes x 2 devices ...")
+    rows = _launch("engine", 2, common + ["--size_mib", ",".join(map(str, sizes))],
+                   timeout_s, out_dir)
+    for r_d in (2, 3):
+      echo(f"multiprocess (CPU) suite: fig4 part, r_d = {r_d} ...")
+      fig4 += _launch("fig4", 1 + r_d, common + ["--size_mib", str(min(sizes))],
+                      timeout_s, out_dir)
+  except RuntimeError as e:
+    errors.append(str(e))
+  with open(os.path.join(out_dir, "multiprocess_cpu_raw.json"), "w") as f:
+    json.dump({"engine": rows, "fig4": fig4}, f)  # every process's own numbers
+  lines = ["| case | MiB | reshard mean / min ms | raw transfer mean / min ms | ratio |",
+           "| --- | --- | --- | --- | --- |"]
+  table_rows = []
+  for case in ("whole", "sharded"):
+    for s in sizes:
+      mine = [r for r in rows if r["case"] == case and r["size_mib"] == s]
+      if not mine:
+        continue
+      m = max(r["m2n_ms"] for r in mine)
+      w = max(r["raw_ms"] for r in mine)
+      ok = all(r["ok"] for r in mine)
+      table_rows.append({"case": case, "size_mib": s, "m2n_ms": m, "raw_ms": w,
+                         "ratio": m / w, "ok": ok})
+      lines.append(f"| {case}{'' if ok else ' (WRONG)'} | {s:g} | {m:.1f} / "
+                   f"{max(r['m2n_min_ms'] for r in mine):.1f} | {w:.1f} / "
+                   f"{max(r['raw_min_ms'] for r in mine):.1f} | {m / w:.2f} |")
+  lines += ["", "| r_d | route | mean / min ms | estimate ms | measured / estimate | "
+            "bytes sent (plan) | flat / hierarchical |", "| --- | --- | --- | --- | --- | "
+            "--- | --- |"]
+  fig_rows = []
+  for r_d in (2, 3):
+    mine = [r for r in fig4 if r["r_d"] == r_d]
+    if not mine:
+      continue
+    nbytes = mine[0]["bytes"]
+    raw = max(r["raw_ms"] for r in mine)
+    nic = nbytes / (raw * 1e6)
+    copy = nbytes / 2 / (max(r["copy_ms"] for r in mine) * 1e6)
+    means = {}
+    for route in ROUTES:
+      rr = [r for r in mine if r["route"] == route]
+      means[route] = max(r["ms"] for r in rr)
+    for route in ROUTES:
+      rr = [r for r in mine if r["route"] == route]
+      est = _estimate_ms(route, r_d, nbytes, nic, copy)
+      sent = sum(r["sent"] for r in rr)
+      ok = all(r["ok"] for r in rr)
+      fig_rows.append({"r_d": r_d, "route": route, "ms": means[route], "estimate_ms": est,
+                       "sent": sent, "plan_network": rr[0]["plan_network"], "ok": ok,
+                       "nic_gbps": nic, "copy_gbps": copy})
+      ratio = means["flat"] / means["hierarchical"] if route == "flat" else None
+      lines.append(f"| {r_d} | {route}{'' if ok else ' (WRONG)'} | {means[route]:.1f} / "
+                   f"{min(r['min_ms'] for r in rr):.1f} | {est:.1f} | "
+                   f"{means[route] / est:.2f} | {sent} ({rr[0]['plan_network']}) | "
+                   f"{'' if ratio is None else f'{ratio:.2f} (goal >= {0.85 * r_d:.2f})'} |")
+  table = "\n".join(lines)
+  echo(table)
+  for e in errors:
+    echo("multiprocess (CPU) suite error: " + e[-3000:])
+  with open(os.path.join(out_dir, "multiprocess_cpu.json"), "w") as f:
+    json.dump({"schema": SCHEMA, "sizes_mib": sizes, "iters": iters, "warmup": warmup,
+               "engine": table_rows, "fig4": fig_rows, "errors": errors}, f, indent=1)
+  with open(os.path.join(out_dir, "multiprocess_cpu.md"), "w") as f:
+    f.write(table + "\n")
+  bad = errors or not all(r["ok"] for r in table_rows + fig_rows)
+  return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--worker", choices=("engine", "fig4"))
+  ap.add_argument("--pid", type=int, default=0)
+  ap.add_argument("--n", type=int, default=2)
+  ap.add_argument("--port", type=int, default=0)
+  ap.add_argument("--size_mib", default="64")
+  ap.add_argument("--iters", type=int, default=5)
+  ap.add_argument("--warmup", type=int, default=2)
+  ap.add_argument("--out_dir", default="/tmp/jax_m2n_bench")
+  args = ap.parse_args(argv)
+  if args.worker:
+    rc = {"engine": worker_engine, "fig4": worker_fig4}[args.worker](args)
+    sys.stdout.flush()
+    from jax._src import distributed
+    distributed.global_state.client.wait_at_barrier("bench/end", 120_000)
+    os._exit(rc)  # no shutdown barrier: the launcher collects every worker's output
+  return run_suite(args.out_dir, max(float(s) for s in args.size_mib.split(",")),
+                   args.iters, args.warmup)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
