@@ -170,8 +170,9 @@ def _bound_loads(tp: TensorPlan) -> dict[tuple[str, int], float]:
 
 
 def step_ms(plan) -> float:
-  """A plan's time as its schedule runs: step by step, each step as long as its busiest
-  device and direction (bytes / link bandwidth, as the aggregate `Traffic.time_ms`).
+  """A plan's bytes as its schedule runs them: step by step, each step as long as its
+  busiest device and direction (bytes / link bandwidth, as the aggregate
+  `Traffic.time_ms`).
 
   The transports start a step's chunks when the previous step has ended (the CPU
   transport at a barrier of every device; the CUDA transport per device, one NCCL group
@@ -180,9 +181,31 @@ def step_ms(plan) -> float:
   the aggregate bound, which assumes every link busy from start to end. Equal to the
   aggregate for a one-step schedule; never below it. Builds the chunks.
   """
+  return float(_per_step(plan)[0].sum())
+
+
+def schedule_ms(plan) -> float:
+  """The estimate of the schedule that will run: `step_ms` plus the transport's fixed
+  costs (`plan.transport`): one call, every step, and per step the chunks of the device
+  that runs the most of them (a device runs its chunks one after another), plus, on
+  the emulated network, its latency once per step that crosses it."""
+  transport = plan.transport
+  longest, chunks_per_step, network_steps = _per_step(plan)
+  latency = plan.topology.nic_latency_us if plan.topology.emulate_network else 0.0
+  n_steps = len(longest)
+  return float(longest.sum() + 1e-3 * (
+      transport.call_us + n_steps * transport.step_us
+      + chunks_per_step.sum() * transport.chunk_us + network_steps * latency))
+
+
+def _per_step(plan) -> tuple[np.ndarray, np.ndarray, int]:
+  """Per step: the busiest device and direction's ms, and the most chunks one device
+  runs (its destination's); and how many steps cross the network."""
   chunks = plan.chunks
+  n_steps = chunks.n_steps
+  longest = np.zeros(n_steps, np.float64)
   if not len(chunks):
-    return 0.0
+    return longest, np.zeros(0, np.int64), 0
   topo = plan.topology
   src = np.empty(len(chunks), np.int64)
   dst = np.empty(len(chunks), np.int64)
@@ -193,21 +216,24 @@ def step_ms(plan) -> float:
     x = part.transfer[k]
     src[mine], dst[mine] = tp.transfers.src[x], tp.transfers.dst[x]
     ms[mine] = np.prod(part.hi[k] - part.lo[k], axis=1) * (tp.itemsize / 1e6)
+  devices = np.unique(np.concatenate([src, dst]))
+  n_dev = len(devices)
+  d_all = np.searchsorted(devices, dst)
+  keys, per_device = np.unique(chunks.step * n_dev + d_all, return_counts=True)
+  chunks_per_step = np.zeros(n_steps, np.int64)
+  np.maximum.at(chunks_per_step, keys // n_dev, per_device)
   cross = src != dst
   src, dst, ms, step = src[cross], dst[cross], ms[cross], chunks.step[cross]
   if not len(step):
-    return 0.0
-  devices = np.unique(np.concatenate([src, dst]))
+    return longest, chunks_per_step, 0
   domain = np.array([topo.domain_of(d) for d in devices.tolist()], np.int64)
   s_at, d_at = np.searchsorted(devices, src), np.searchsorted(devices, dst)
   network = domain[s_at] != domain[d_at]
   ms = ms / np.where(network, topo.nic_gbps, topo.nvlink_gbps)
-  n_steps, n_dev = chunks.n_steps, len(devices)
-  longest = np.zeros(n_steps, np.float64)
   for at in (s_at, d_at):  # egress, ingress
     for on in (network, ~network):  # per link class
       key = (step[on] * n_dev + at[on]) if on.any() else np.zeros(0, np.int64)
       keys, inverse = np.unique(key, return_inverse=True)
       load = np.bincount(inverse.reshape(-1), weights=ms[on], minlength=len(keys))
       np.maximum.at(longest, keys // n_dev, load)
-  return float(longest.sum())
+  return longest, chunks_per_step, len(np.unique(step[network]))

@@ -22,13 +22,17 @@ from typing import NamedTuple, Sequence
 
 from jax_m2n._src.errors import ReshardValueError
 from jax_m2n._src.layout import Layout, box_size
+from jax_m2n._src.planner import chunking as chunking_lib
 from jax_m2n._src.planner import cost
+from jax_m2n._src.planner.chunking import Chunking, Transport
 from jax_m2n._src.planner.cost import Traffic, sol_ms
 from jax_m2n._src.planner.routes import _shards, route_tensor
 from jax_m2n._src.planner.transfers import ROUTES, STAGES, Transfer, Transfers
 from jax_m2n._src.topology import Topology
 
-DEFAULT_CHUNK_BYTES = 16 << 20
+# The bound on one chunk on CPU (the default chunking stays at or under it; a caller's
+# chunk_bytes= replaces it). Kept under this name for callers.
+DEFAULT_CHUNK_BYTES = chunking_lib.CPU_MAX_CHUNK_BYTES
 
 # Bounds on one plan, checked from the layouts alone before any route is built
 # (`check_plan_size`). A transfer costs ~0.2 us and ~25-50 bytes to plan (columns), but
@@ -232,13 +236,28 @@ class Plan:
     route: `hierarchical`, `flat` or `gather_bcast`.
     topology: the topology planned for.
     tensors: one `TensorPlan` per tensor (pytree leaf), in leaf order.
-    chunk_bytes: bound on the bytes of one chunk (see `chunks`).
+    chunking: the transport the schedule is for and the caller's chunk bytes, if any
+      (`chunk_bytes` is what the chunks use).
   """
 
   route: str
   topology: Topology
   tensors: tuple[TensorPlan, ...]
-  chunk_bytes: int = DEFAULT_CHUNK_BYTES
+  chunking: Chunking = Chunking()
+
+  @functools.cached_property
+  def transport(self) -> Transport:
+    """The transport's fixed costs (per call, step, chunk) the estimate counts."""
+    return chunking_lib.transport_of(self.chunking, self.topology)
+
+  @functools.cached_property
+  def chunk_bytes(self) -> int:
+    """Bound on the bytes of one chunk: the caller's, else chosen for this plan from
+    its bytes on the slowest stage and its forwarding hops
+    (`chunking.default_chunk_bytes`)."""
+    if self.chunking.chunk_bytes is not None:
+      return self.chunking.chunk_bytes
+    return chunking_lib.default_chunk_bytes(self, self.transport)
 
   @functools.cached_property
   def transfers(self) -> Sequence[Transfer]:
@@ -279,17 +298,26 @@ class Plan:
     return self.traffic.time_ms(self.topology)
 
   def step_estimate_ms(self) -> float:
-    """This route's time as its schedule runs, step by step (`cost.step_ms`): pipeline
-    fill and drain and uneven steps included. Builds the chunks."""
+    """The bytes of this route's schedule step by step (`cost.step_ms`): pipeline fill
+    and drain and uneven steps included, the transport's fixed costs not. Builds the
+    chunks."""
     return cost.step_ms(self)
+
+  def schedule_estimate_ms(self) -> float:
+    """This route's time as the schedule that will run takes it (`cost.schedule_ms`):
+    its steps' bytes plus the transport's cost per call, step and chunk. Builds the
+    chunks."""
+    return cost.schedule_ms(self)
 
   @functools.cached_property
   def estimate_ms(self) -> dict[str, float]:
-    """The cost-model estimate of every route for the same tensors and topology."""
+    """Per route, the estimate of the schedule that route would run with the same
+    tensors, topology and chunking (`schedule_estimate_ms`). The aggregate of a route
+    is `route_estimate_ms()`; the bound no route beats, `sol_ms`."""
     out = {}
     for route in ROUTES:
       p = self if route == self.route else self.with_route(route)
-      out[route] = p.route_estimate_ms()
+      out[route] = p.schedule_estimate_ms()
     return out
 
   @functools.cached_property
@@ -298,7 +326,7 @@ class Plan:
 
   def with_route(self, route: str) -> "Plan":
     return plan_reshard([tp.src for tp in self.tensors], [tp.dst for tp in self.tensors],
-                        self.itemsizes, self.topology, route, self.chunk_bytes)
+                        self.itemsizes, self.topology, route, self.chunking)
 
   @functools.cached_property
   def chunks(self):
@@ -342,6 +370,10 @@ class Plan:
       mark = " <-" if route == self.route else ""
       lines.append(f"estimate {route:>12}: {fmt_time(ms):>10}{mark}")
     lines.append(f"bound (sol)         : {fmt_time(self.sol_ms):>10}")
+    lines.append(f"schedule: {len(self.chunks)} chunks of at most "
+                 f"{_fmt_bytes(self.chunk_bytes)} in {self.chunks.n_steps} steps "
+                 f"({self.transport.name} transport: {self.transport.call_us:g} us per "
+                 f"call, {self.transport.step_us:g} us per step)")
     return "\n".join(lines)
 
 
@@ -365,11 +397,11 @@ def _fmt_bytes(n: int) -> str:
 @functools.lru_cache(maxsize=256)
 def _plan_cached(src: tuple[Layout, ...], dst: tuple[Layout, ...],
                  itemsizes: tuple[int, ...], topology: Topology, route: str,
-                 chunk_bytes: int) -> Plan:
+                 chunking: Chunking) -> Plan:
   size = check_plan_size(src, dst, itemsizes, route)
   tensors = tuple(plan_tensor(s, d, i, topology, route)
                   for s, d, i in zip(src, dst, itemsizes))
-  plan = Plan(route, topology, tensors, chunk_bytes)
+  plan = Plan(route, topology, tensors, chunking)
   if logger.isEnabledFor(logging.DEBUG):
     logger.debug("planned %s", plan.describe(size))
   return plan
@@ -378,7 +410,7 @@ def _plan_cached(src: tuple[Layout, ...], dst: tuple[Layout, ...],
 def plan_reshard(src_layouts: Sequence[Layout], dst_layouts: Sequence[Layout],
                  itemsizes: Sequence[int], topology: Topology | None = None,
                  route: str = "hierarchical",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Plan:
+                 chunk_bytes: int | Chunking | None = None) -> Plan:
   """Plans the reshard of several tensors (one pytree) in one call.
 
   Args:
@@ -387,7 +419,10 @@ def plan_reshard(src_layouts: Sequence[Layout], dst_layouts: Sequence[Layout],
     itemsizes: bytes per element of each tensor.
     topology: NVLink domains and bandwidths (default: one domain).
     route: `hierarchical` (the product), `flat` or `gather_bcast` (baselines).
-    chunk_bytes: bound on one chunk of a transfer (pipelining, staging).
+    chunk_bytes: bound on one chunk of a transfer (pipelining, staging): an int, or a
+      `Chunking` (the transport the schedule runs on, and its chunk bytes or None),
+      or None: `Chunking("cpu")`, chunks chosen per plan
+      (`chunking.default_chunk_bytes`).
 
   Returns:
     A `Plan`. Plans are cached: the same arguments return the same object, and every
@@ -406,11 +441,27 @@ def plan_reshard(src_layouts: Sequence[Layout], dst_layouts: Sequence[Layout],
     raise ReshardValueError(
         f"plan: src_layouts, dst_layouts and itemsizes must have equal lengths; got "
         f"{len(src_layouts)}, {len(dst_layouts)} and {len(itemsizes)}.")
-  if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-    raise ReshardValueError(
-        f"plan: chunk_bytes must be a positive int; got {chunk_bytes!r}.")
+  chunking = _chunking(chunk_bytes)
   for i, (s, d) in enumerate(zip(src_layouts, dst_layouts)):
     _check_pair(s, d, f"plan (tensor {i})")
   return _plan_cached(tuple(src_layouts), tuple(dst_layouts),
                       tuple(int(i) for i in itemsizes), topology or Topology(), route,
-                      int(chunk_bytes))
+                      chunking)
+
+
+def _chunking(chunk_bytes) -> Chunking:
+  """`plan_reshard`'s chunk_bytes as a checked `Chunking`."""
+  if chunk_bytes is None:
+    return Chunking()
+  if isinstance(chunk_bytes, Chunking):
+    given = chunk_bytes.chunk_bytes
+    if given is None:
+      return chunk_bytes
+  else:
+    given = chunk_bytes
+  if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+    raise ReshardValueError(
+        f"plan: chunk_bytes must be a positive int; got {given!r}.")
+  if isinstance(chunk_bytes, Chunking):
+    return chunk_bytes
+  return Chunking(chunk_bytes=int(given))
