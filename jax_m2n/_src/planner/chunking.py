@@ -149,20 +149,34 @@ def default_chunk_bytes(plan, transport: Transport) -> int:
   step); never fewer than the waves of `jax_m2n._src.chunks.STEP_CHUNKS` chunks per
   device and step need.
   """
-  from jax_m2n._src.chunks import STEP_CHUNKS
   cap = transport.max_chunk_bytes
-  t_ms, hops, largest, busiest = _pipeline(plan)
+  pipeline = _pipeline(plan)
+  t_ms, hops, largest, _ = pipeline
   if hops == 0 or largest == 0 or t_ms <= 0:
     return cap
-  per_step = busiest if transport.matched_steps else largest
   best, best_ms = cap, math.inf
   c = cap
   while True:
-    n = max(math.ceil(per_step / c), math.ceil(busiest / (STEP_CHUNKS * c)), 1)
-    ms = model_ms(t_ms, hops, n, transport)
+    ms = _model_at(pipeline, c, transport)
     if ms < best_ms * (1 - 1e-9):
       best, best_ms = c, ms
     if c <= MIN_CHUNK_BYTES:
       break
     c = max(MIN_CHUNK_BYTES, c // 2)
   return best
+
+
+def _model_at(pipeline, chunk_bytes: int, transport: Transport) -> float:
+  from jax_m2n._src.chunks import STEP_CHUNKS
+  t_ms, hops, largest, busiest = pipeline
+  per_step = busiest if transport.matched_steps else largest
+  n = max(math.ceil(per_step / chunk_bytes),
+          math.ceil(busiest / (STEP_CHUNKS * chunk_bytes)), 1)
+  return model_ms(t_ms, hops if largest else 0, n, transport)
+
+
+def modelled_ms(plan) -> float:
+  """The rule's model of `plan`'s schedule at its chunk bytes (`model_ms`), from its
+  traffic and transfer columns alone: what `cost.schedule_ms` reports for a plan too
+  large to chunk for an estimate."""
+  return _model_at(_pipeline(plan), plan.chunk_bytes, plan.transport)

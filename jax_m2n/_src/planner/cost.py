@@ -184,11 +184,34 @@ def step_ms(plan) -> float:
   return float(_per_step(plan)[0].sum())
 
 
+# Above this many transfers or chunks (a lower bound from the layouts, `plan_size`) a
+# plan's estimate is the chunking rule's model rather than its chunks step by step,
+# unless the chunks exist already: chunking a DeepSeek-V3-sized refit (~600k transfers
+# per stage) for the three routes' estimates takes minutes of Python (the planner
+# bench's `bound_and_estimates`: 171 s against 3 s for the aggregates).
+EXACT_ESTIMATE_TRANSFERS = 1 << 16
+EXACT_ESTIMATE_CHUNKS = 1 << 15
+
+
 def schedule_ms(plan) -> float:
   """The estimate of the schedule that will run: `step_ms` plus the transport's fixed
   costs (`plan.transport`): one call, every step, and per step the chunks of the device
   that runs the most of them (a device runs its chunks one after another), plus, on
-  the emulated network, its latency once per step that crosses it."""
+  the emulated network, its latency once per step that crosses it.
+
+  For a plan of more than EXACT_ESTIMATE_TRANSFERS transfers or EXACT_ESTIMATE_CHUNKS
+  chunks whose chunks were not built,
+  the chunking rule's model instead (`chunking.modelled_ms`: the aggregate stretched
+  by the pipeline's fill and drain, plus the same fixed costs), never below the
+  aggregate."""
+  if "chunks" not in plan.__dict__:
+    from jax_m2n._src.planner import chunking
+    from jax_m2n._src.planner.plan import plan_size
+    transfers = sum(len(tp.transfers) for tp in plan.tensors)
+    if transfers > EXACT_ESTIMATE_TRANSFERS or plan_size(
+        [tp.src for tp in plan.tensors], [tp.dst for tp in plan.tensors],
+        plan.itemsizes, plan.route, plan.chunk_bytes).chunks > EXACT_ESTIMATE_CHUNKS:
+      return max(chunking.modelled_ms(plan), plan.traffic.time_ms(plan.topology))
   transport = plan.transport
   longest, chunks_per_step, network_steps = _per_step(plan)
   latency = plan.topology.nic_latency_us if plan.topology.emulate_network else 0.0
