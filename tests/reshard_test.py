@@ -484,7 +484,7 @@ def test_timeout_when_a_peer_never_arrives():
   assert x.shape == shape
   jax_m2n.reshard(x, dst, timeout_s=2)  # builds and caches the programs
   key = eager._eager_key(jax.tree.structure(x), [x], [dst], [None], "hierarchical", None,
-                       2000, checks.DEFAULT_CHUNK_BYTES)
+                       2000, checks._chunk_bytes("reshard", None, [dst]))
   entry = eager._eager_cache[key]
   start = time.monotonic()
   with pytest.raises(jax_m2n.ReshardTimeoutError, match="did not arrive") as e:
