@@ -21,8 +21,8 @@ from jax_m2n._src import jax_compat
 from jax_m2n._src.errors import (ReshardError, ReshardRuntimeError, ReshardTimeoutError,
                                  ReshardTypeError, ReshardValueError)
 from jax_m2n._src.layout import MAX_RANK, Layout
-from jax_m2n._src.planner import (CPU_MAX_CHUNK_BYTES, DEFAULT_CHUNK_BYTES,
-                                  GPU_MAX_CHUNK_BYTES, ROUTES, Chunking)
+from jax_m2n._src.planner import (CPU_MAX_CHUNK_BYTES, GPU_MAX_CHUNK_BYTES, ROUTES,
+                                  Chunking)
 from jax_m2n._src.topology import Topology, as_topology
 
 DEFAULT_TIMEOUT_S = 300.0

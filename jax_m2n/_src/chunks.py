@@ -2,7 +2,8 @@
 
 Owns the split of every transfer into chunks of at most `chunk_bytes` and the step of each
 chunk (docs/schedule_format.md, "Ordering contract"): a chunk runs one step after the
-chunks it reads, so a leader forwards or fans out chunk c while chunk c+1 arrives.
+chunks it reads (or later, on the emulated network), so a leader forwards or fans out
+chunk c while chunk c+1 arrives.
 Tensors are started in waves so that no step holds much more than a few chunks' bytes
 per device; on the emulated network steps are matchings instead (`_matched_steps`).
 Per-tensor work is cached on the (shared) TensorPlan; per-plan work is array
