@@ -487,7 +487,8 @@ def test_timeout_when_a_peer_never_arrives():
   key = eager._eager_key(Request(
       leaves=[x], treedef=jax.tree.structure(x), dsts=[dst], srcs=[None],
       out_dtypes=[None], donate=[False], route="hierarchical", topology=None,
-      timeout_ms=2000, chunk_bytes=checks.DEFAULT_CHUNK_BYTES, names=lambda: ["x"]))
+      timeout_ms=2000, chunk_bytes=checks._chunk_bytes("reshard", None, [dst]),
+      names=lambda: ["x"]))
   entry = eager._eager_cache[key]
   start = time.monotonic()
   with pytest.raises(jax_m2n.ReshardTimeoutError, match="did not arrive") as e:

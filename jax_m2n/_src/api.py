@@ -32,7 +32,7 @@ from jax_m2n._src.checks import (_API, _broadcast_prefix, _check_dtype, _check_h
                                  _normalize_dst, _timeout_ms)
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 from jax_m2n._src.layout import Layout
-from jax_m2n._src.planner import DEFAULT_CHUNK_BYTES, Plan, plan_reshard
+from jax_m2n._src.planner import Plan, plan_reshard
 from jax_m2n._src.request import Request
 from jax_m2n._src.topology import Topology, as_topology
 
@@ -152,8 +152,10 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     timeout_s: how long a device waits for its peers: a number of seconds in
       [0.001, 2**40/1000] (default 300 s).
     chunk_bytes: bound on one pipelined chunk of a transfer (a leader forwards chunk c
-      while chunk c+1 arrives), in bytes on the wire. Default: 16 MiB on CPU, 64 MiB on
-      GPU (measured on H200: fewer, larger NCCL groups win; docs/cuda_transport.md).
+      while chunk c+1 arrives), in bytes on the wire. Default: chosen per plan from its
+      bytes on the slowest stage and its forwarding hops, so that forwarding and
+      fan-out overlap injection, at most 16 MiB on CPU, 64 MiB on GPU (docs/design.md,
+      "Chunks and steps").
     dtype: the dtype of the outputs: a dtype (`jnp.bfloat16`, `np.float32`, a name such
       as `"float8_e4m3fn"`), None (keep, the default), or a pytree prefix of x of them
       (as `donate`). A ShapeDtypeStruct destination must then have that dtype.
@@ -538,7 +540,7 @@ def check_errors() -> None:
 
 def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
          topology: Topology | int | Sequence[Sequence[int]] | None = None,
-         src_sharding: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+         src_sharding: Any = None, chunk_bytes: int | None = None,
          dtype: Any = None) -> Plan:
   """The plan `reshard(x, dst_sharding, ...)` would run, without moving anything.
 
@@ -547,7 +549,8 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     dst_sharding: as for `reshard`.
     route, topology: as for `reshard`.
     src_sharding: source layouts, when `x`'s leaves carry none.
-    chunk_bytes: bound on one chunk of a transfer.
+    chunk_bytes: as for `reshard` (default: chosen per plan for the destinations'
+      platform; `Plan.chunk_bytes` says what was chosen).
     dtype: as for `reshard`: a fused conversion is planned with the bytes on the wire
       (the narrower of the two types).
 
@@ -587,13 +590,14 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   given = ([None] * n if src_sharding is None else
            _broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n, names))
   out_dtypes = _out_dtypes(api, dtype, x, treedef, n, names)
-  src_layouts, dst_layouts, itemsizes, devices = [], [], [], {}
+  src_layouts, dst_layouts, itemsizes, devices, resolved = [], [], [], {}, []
   for i, (leaf, dst, src) in enumerate(zip(leaves, dsts, given)):
     out = out_dtypes[i]
     if out is not None:
       out = jax.dtypes.canonicalize_dtype(out)
     shape = tuple(getattr(leaf, "shape", ()))
     src, dst = _plan_leaf(api, names()[i], leaf, dst, src, out)
+    resolved.append(dst)
     for d in itertools.chain(src.device_set, dst.device_set):
       devices[d.id] = d
     src_layouts.append(Layout.from_sharding(src, shape))
@@ -603,4 +607,5 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     else:  # converted with astype on the source first
       itemsizes.append(np.dtype(out).itemsize)
   topo = as_topology(topology, devices.values() if devices else None)
-  return plan_reshard(src_layouts, dst_layouts, itemsizes, topo, route, chunk_bytes)
+  return plan_reshard(src_layouts, dst_layouts, itemsizes, topo, route,
+                      _chunk_bytes(api, chunk_bytes, resolved))

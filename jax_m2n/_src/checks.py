@@ -21,7 +21,8 @@ from jax_m2n._src import jax_compat
 from jax_m2n._src.errors import (ReshardError, ReshardRuntimeError, ReshardTimeoutError,
                                  ReshardTypeError, ReshardValueError)
 from jax_m2n._src.layout import MAX_RANK, Layout
-from jax_m2n._src.planner import DEFAULT_CHUNK_BYTES, ROUTES
+from jax_m2n._src.planner import (CPU_MAX_CHUNK_BYTES, GPU_MAX_CHUNK_BYTES, ROUTES,
+                                  Chunking)
 from jax_m2n._src.topology import Topology, as_topology
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -520,14 +521,16 @@ def _plan_leaf(api: str, name: str, leaf: Any, dst: Any, src: Any,
   return src, dst
 
 
-# Measured defaults (docs/cuda_transport.md: each NCCL step costs ~13 us on H200, and
-# 64 MiB chunks came within 5-10% of the best in every case; CPU steps are barriers).
-CPU_CHUNK_BYTES = DEFAULT_CHUNK_BYTES
-GPU_CHUNK_BYTES = 64 << 20
+# The bounds on one chunk the default chunking stays under (docs/cuda_transport.md: on
+# H200 64 MiB chunks came within 5-10% of the best in every case measured).
+CPU_CHUNK_BYTES = CPU_MAX_CHUNK_BYTES
+GPU_CHUNK_BYTES = GPU_MAX_CHUNK_BYTES
 
 
-def _chunk_bytes(api: str, chunk_bytes: int | None, dsts: Sequence[Any]) -> int:
-  """The chunk size: the caller's, else the measured default of the platform."""
+def _chunk_bytes(api: str, chunk_bytes: int | None, dsts: Sequence[Any]) -> Chunking:
+  """The chunking of a call: for the platform of the destinations (`cuda` for GPUs,
+  `cpu` otherwise), at the caller's chunk bytes, or, without them, chosen per plan from
+  its bytes and forwarding hops (jax_m2n._src.planner.chunking)."""
   if chunk_bytes is not None:
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral):
       raise ReshardTypeError(
@@ -536,10 +539,11 @@ def _chunk_bytes(api: str, chunk_bytes: int | None, dsts: Sequence[Any]) -> int:
     if chunk_bytes < 1:
       raise ReshardValueError(
           f"{api}: chunk_bytes must be a positive int; got {chunk_bytes!r}.")
-    return int(chunk_bytes)
+    chunk_bytes = int(chunk_bytes)
+  transport = "cpu"
   for d in dsts:
     device_set = getattr(d, "device_set", None)
     if device_set:
-      platform = next(iter(device_set)).platform
-      return CPU_CHUNK_BYTES if platform == "cpu" else GPU_CHUNK_BYTES
-  return CPU_CHUNK_BYTES
+      transport = "cpu" if next(iter(device_set)).platform == "cpu" else "cuda"
+      break
+  return Chunking(transport, chunk_bytes)

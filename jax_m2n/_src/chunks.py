@@ -2,10 +2,13 @@
 
 Owns the split of every transfer into chunks of at most `chunk_bytes` and the step of each
 chunk (docs/schedule_format.md, "Ordering contract"): a chunk runs one step after the
-chunks it reads, so a leader forwards or fans out chunk c while chunk c+1 arrives.
+chunks it reads (or later, on the emulated network), so a leader forwards or fans out
+chunk c while chunk c+1 arrives.
 Tensors are started in waves so that no step holds much more than a few chunks' bytes
-per device. Per-tensor work is cached on the (shared) TensorPlan; per-plan work is
-array arithmetic. Pure; no devices, no encodings.
+per device; on the emulated network steps are matchings instead (`_matched_steps`).
+Per-tensor work is cached on the (shared) TensorPlan; per-plan work is array
+arithmetic. Pure; no devices, no encodings. The chunk size is the plan's
+(`Plan.chunk_bytes`: the caller's, or jax_m2n._src.planner.chunking's rule).
 """
 
 from __future__ import annotations
@@ -191,11 +194,35 @@ class Chunks:
 
 
 def schedule_chunks(plan) -> Chunks:
-  """Every chunk of `plan`, with global steps, sorted by step (stable)."""
+  """Every chunk of `plan`, with global steps, sorted by step (stable).
+
+  Steps are each tensor's local steps offset by waves (below), or, where the transport
+  runs matched steps (`plan.transport.matched_steps`: the emulated network), assigned
+  by `_matched_steps`. The chunks themselves (boxes, order within a tensor) are the
+  same either way.
+  """
   limit = plan.chunk_bytes
+  parts = [tensor_chunks(tp, limit) for tp in plan.tensors]
+  if plan.transport.matched_steps:
+    steps = _matched_steps(plan, parts)
+  else:
+    steps = _wave_steps(parts, limit)
+  counts = np.array([len(tc.step) for tc in parts], np.int64)
+  n_transfers = np.array([len(tp.transfers) for tp in plan.tensors], np.int64)
+  tensor = np.repeat(np.arange(len(parts), dtype=np.int64), counts)
+  first_transfer = np.cumsum(n_transfers) - n_transfers
+  index = np.arange(len(tensor), dtype=np.int64) - (np.cumsum(counts) - counts)[tensor]
+  transfer = _cat([tc.transfer for tc in parts]) + first_transfer[tensor]
+  step = _cat(steps)
+  order = np.argsort(step, kind="stable")
+  return Chunks(tensor[order], index[order], transfer[order], step[order], order,
+                tuple(parts))
+
+
+def _wave_steps(parts, limit: int) -> list[np.ndarray]:
+  """Global steps: each tensor's local steps, offset by waves."""
   cap = STEP_CHUNKS * limit
   usage: dict[int, int] = {}
-  parts = [tensor_chunks(tp, limit) for tp in plan.tensors]
   offsets = []
   offset = 0
   for tc in parts:
@@ -209,16 +236,51 @@ def schedule_chunks(plan) -> Chunks:
       for s in range(offset, offset + length):
         usage[s] = usage.get(s, 0) + peak
     offsets.append(offset)
-  counts = np.array([len(tc.step) for tc in parts], np.int64)
-  n_transfers = np.array([len(tp.transfers) for tp in plan.tensors], np.int64)
-  tensor = np.repeat(np.arange(len(parts), dtype=np.int64), counts)
-  first_transfer = np.cumsum(n_transfers) - n_transfers
-  index = np.arange(len(tensor), dtype=np.int64) - (np.cumsum(counts) - counts)[tensor]
-  transfer = _cat([tc.transfer for tc in parts]) + first_transfer[tensor]
-  step = _cat([tc.step for tc in parts]) + np.array(offsets, np.int64)[tensor]
-  order = np.argsort(step, kind="stable")
-  return Chunks(tensor[order], index[order], transfer[order], step[order], order,
-                tuple(parts))
+  return [tc.step + offset for tc, offset in zip(parts, offsets)]
+
+
+def _matched_steps(plan, parts) -> list[np.ndarray]:
+  """Global steps in which the chunks that cross the network form a matching: at most
+  one per device and direction per step.
+
+  The emulated NIC (xla_ffi/nic_emulator.h) reserves a transfer's egress and ingress
+  queues together, in the order each receiving device runs its ops: two receivers that
+  pull from the same two sources in the same order serialize (1.5-1.7x the busiest
+  device's bytes, measured on issue 23's case), and no order within a step avoids it,
+  since the device threads reserve in whatever order they get a core. A matching needs
+  no order. Each chunk goes to the first step after the chunks it reads (a leaf's
+  chunk k, off the network, to step k, as `_tensor_chunks` does) in which its source's
+  egress and its destination's ingress are free, tensors and transfers in plan order
+  (first fit). A Python loop over chunks: emulated plans are small (8 CPU devices).
+  """
+  topo = plan.topology
+  busy: dict[tuple[int, int], set[int]] = {}  # (direction, device) -> steps taken
+  out = []
+  for tp, tc in zip(plan.tensors, parts):
+    xs = list(tp.transfers)
+    network = [topo.domain_of(x.src) != topo.domain_of(x.dst) for x in xs]
+    done: list[list[tuple[tuple, int]]] = [[] for _ in xs]  # per transfer: (box, step)
+    steps = np.empty(len(tc.step), np.int64)
+    lo, hi = tc.lo[:, :tc.rank].tolist(), tc.hi[:, :tc.rank].tolist()
+    for i, t in enumerate(tc.transfer.tolist()):
+      x = xs[t]
+      box = tuple(zip(lo[i], hi[i]))
+      if not x.parents:
+        step = 0 if network[t] else len(done[t])
+      else:
+        step = 1 + max((ps for p in x.parents for pbox, ps in done[p]
+                        if intersect(pbox, box) is not None), default=-1)
+      if network[t]:
+        taken_out = busy.setdefault((0, x.src), set())
+        taken_in = busy.setdefault((1, x.dst), set())
+        while step in taken_out or step in taken_in:
+          step += 1
+        taken_out.add(step)
+        taken_in.add(step)
+      done[t].append((box, step))
+      steps[i] = step
+    out.append(steps)
+  return out
 
 
 def _cat(arrays) -> np.ndarray:

@@ -20,14 +20,15 @@ import numpy as np
 
 from jax_m2n._src.errors import ReshardError
 from jax_m2n._src.layout import MAX_DIM, box_size, check_shape, parse_mesh_spec
-from jax_m2n._src.planner import (DEFAULT_CHUNK_BYTES, ROUTES, check_plan_size, fmt_time,
+from jax_m2n._src.planner import (ROUTES, Chunking, check_plan_size, fmt_time,
                                   plan_reshard)
 from jax_m2n._src.topology import DEFAULT_NIC_GBPS, DEFAULT_NVLINK_GBPS, Topology
 
 USAGE = """python -m jax_m2n plan --shape 4,8 --dtype float32 \\
     --src "mesh(dp=1, tp=4) P(tp, None) @0" --dst "mesh(dp=2, tp=2) P(tp, None) @4" \\
     [--domain-size N] [--nic-gbps X] [--nvlink-gbps Y] \\
-    [--route hierarchical|flat|gather_bcast] [--chunk-bytes B] [--json] [-v]"""
+    [--route hierarchical|flat|gather_bcast] [--chunk-bytes B] [--transport cuda|cpu] \\
+    [--json] [-v]"""
 
 GRAMMAR = """layouts (--src, --dst):
   mesh(NAME=SIZE, ...) P(ENTRY, ...) [@FIRST]
@@ -130,7 +131,11 @@ def _parser() -> argparse.ArgumentParser:
                  f"{MIN_GBPS:g} to {MAX_GBPS:g})")
   p.add_argument("--route", choices=ROUTES, default="hierarchical")
   p.add_argument("--chunk-bytes", type=_number("--chunk-bytes", int, 1),
-                 default=DEFAULT_CHUNK_BYTES, help="bound on one pipelined chunk")
+                 default=None, help="bound on one pipelined chunk (default: chosen per "
+                 "plan from its bytes and forwarding hops, as reshard does)")
+  p.add_argument("--transport", choices=("cuda", "cpu"), default="cuda",
+                 help="the transport whose per-call, per-step and per-chunk costs the "
+                 "estimates count and the default chunking uses (default cuda)")
   p.add_argument("--json", action="store_true",
                  help="one strict JSON object on stdout (a non-finite number is null)")
   p.add_argument("-v", "--verbose", action="store_true",
@@ -165,7 +170,10 @@ def plan_json(plan, dtype: np.dtype) -> dict:
       } for x in plan.transfers],
       "bytes_by_link": plan.bytes_by_link,
       "estimate_ms": _finite(dict(plan.estimate_ms)),
+      "route_estimate_ms": _finite({r: plan.with_route(r).route_estimate_ms()
+                                    for r in ROUTES}),
       "sol_ms": _finite(plan.sol_ms),
+      "chunk_bytes": plan.chunk_bytes,
       "chunks": len(plan.chunks),
       "steps": plan.chunks.n_steps,
       "devices": {str(d): {
@@ -189,7 +197,8 @@ def _plan_command(args) -> int:
   for route in ROUTES:
     check_plan_size([src], [dst], [dtype.itemsize], route,
                     args.chunk_bytes if route == args.route else None)
-  plan = plan_reshard([src], [dst], [dtype.itemsize], topo, args.route, args.chunk_bytes)
+  plan = plan_reshard([src], [dst], [dtype.itemsize], topo, args.route,
+                      Chunking(args.transport, args.chunk_bytes))
   if args.json:
     sys.stdout.write(json.dumps(plan_json(plan, dtype), allow_nan=False))
     sys.stdout.write("\n")
