@@ -38,8 +38,8 @@ import contextlib
 import dataclasses
 import json
 import statistics
-import sys
 import time
+import traceback
 from typing import Any, Optional
 
 from absl import app
@@ -191,10 +191,18 @@ def run_grpo(trainer_mesh: Mesh, rollout_mesh: Mesh, steps: int, use_jax_m2n: bo
   try:
     learner.train(_dataset(steps), None)
   except Exception as e:  # pylint: disable=broad-exception-caught
-    error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]} (in {_where(e)})"
   run = GrpoRun("jax_m2n" if use_jax_m2n else "device_put", syncs, error,
                 m2n_tunix.reshard_count() - calls)
   return run, cluster
+
+
+def _where(e: BaseException) -> str:
+  """The innermost frames of e's traceback outside JAX and jax_m2n: who asked."""
+  frames = [f for f in traceback.extract_tb(e.__traceback__)
+            if not any(p in f.filename for p in ("/jax/", "/jaxlib/", "/jax_m2n/"))]
+  return " <- ".join(f"{'/'.join(f.filename.split('/')[-3:])}:{f.lineno} {f.name}"
+                     for f in reversed(frames[-3:])) or "?"
 
 
 def time_backend(src: Any, dst: Any, use_jax_m2n: bool, reps: int,
