@@ -118,7 +118,8 @@ def reshard(source: Any, target: Any, *, donate: bool = False) -> Any:
   Raises:
     jax_m2n.ReshardError: as `jax_m2n.reshard`, before any data moves.
   """
-  _count[0] += 1
+  with _lock:
+    _count[0] += 1
   target = jax.tree_util.tree_map(_as_sharding, target)
   leaves, treedef = jax.tree_util.tree_flatten(source)
   keys = [i for i, leaf in enumerate(leaves) if _is_typed_key(leaf)]
