@@ -255,9 +255,9 @@ def main(argv):
   nbytes = sum(a.nbytes for a in jax.tree.leaves(src))
   m2n_times = time_backend(src, dst, True, _REPS.value, guard=platform == "cpu")
   put_times = time_backend(src, dst, False, _REPS.value, guard=False)
+  guarded = " under tunix's guard" if platform == "cpu" else ""
   print(f"weight sync of {len(jax.tree.leaves(src))} arrays, {nbytes / 2**20:.2f} MiB "
-        f"(reshard_pytree, median of {_REPS.value}): jax_m2n {_ms(m2n_times)}"
-        f"{' under tunix' + chr(39) + 's guard' if platform == 'cpu' else ''}, "
+        f"(reshard_pytree, median of {_REPS.value}): jax_m2n {_ms(m2n_times)}{guarded}, "
         f"tunix's device_put fallback {_ms(put_times)} (no guard)")
   m2n_tunix.uninstall()
   ok = (runs["jax_m2n"].error is None and len(runs["jax_m2n"].syncs) == _STEPS.value
