@@ -3,7 +3,9 @@
 # (scripts/setup.sh), then runs examples/rl_refit.py from the repository root:
 # on the GPUs when there are GPUs and a CUDA-enabled jax, else on 8 CPU devices.
 #   ./scripts/run_example.sh [rl_refit.py arguments...]
-# Environment: JAX_M2N_CPU_DEVICES=8 (CPU device count), plus setup.sh's.
+#   JAX_M2N_EXAMPLE=tunix_grpo ./scripts/run_example.sh [arguments...]  # another example
+# Environment: JAX_M2N_CPU_DEVICES=8 (CPU device count), JAX_M2N_EXAMPLE=rl_refit
+# (examples/<name>.py to run), plus setup.sh's.
 # Leaves no Bazel server behind that it started (bazel shutdown after the build).
 set -euo pipefail
 
@@ -19,7 +21,7 @@ if [ "$BUILDER" = bazel ] && [ "$_had_server" = 0 ]; then
   (cd "$ROOT" && bazel shutdown 2>/dev/null) || true
 fi
 
-example=$ROOT/examples/rl_refit.py
+example=$ROOT/examples/${JAX_M2N_EXAMPLE:-rl_refit}.py
 [ -f "$example" ] || { echo "run_example: $example not found" >&2; exit 1; }
 
 has_gpu=0
