@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec, Sharding
 from jax_m2n._src import eager
 from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
+from jax_m2n._src import quantize
 from jax_m2n._src import schedule
 from jax_m2n._src import traced
 from jax_m2n._src import transforms
@@ -221,6 +222,10 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     >>> "jax_m2n_reshard" in f.lower(y).compile().as_text()
     True
   """
+  if dtype is not None and quantize.has_spec(dtype):  # values + scales: quantize.py
+    return quantize.reshard(reshard, x, dst_sharding, dtype, route=route,
+                            topology=topology, donate=donate, src_sharding=src_sharding,
+                            timeout_s=timeout_s, chunk_bytes=chunk_bytes)
   fast = _fast_key(x, dst_sharding, route, topology, donate, src_sharding, timeout_s,
                    chunk_bytes, dtype)
   if fast is not None:
@@ -539,6 +544,9 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   """
   api = "plan"
   _check_route(api, route)
+  if dtype is not None and quantize.has_spec(dtype):  # values + scales: quantize.py
+    x, dst_sharding, src_sharding, dtype = quantize.plan_arguments(
+        x, dst_sharding, src_sharding, dtype)
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
   names = lambda: _leaf_names(x)  # noqa: E731
