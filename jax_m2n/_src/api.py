@@ -146,7 +146,9 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       GPU (measured on H200: fewer, larger NCCL groups win; docs/cuda_transport.md).
     dtype: the dtype of the outputs: a dtype (`jnp.bfloat16`, `np.float32`, a name such
       as `"float8_e4m3fn"`), None (keep, the default), or a pytree prefix of x of them
-      (as `donate`). A ShapeDtypeStruct destination must then have that dtype.
+      (as `donate`). A ShapeDtypeStruct destination must then have that dtype. A
+      `jax_m2n.Quantize` spec (alone or in the prefix) quantizes its leaves on the
+      source and returns QArrays (see `jax_m2n.Quantize`).
 
   Returns:
     A pytree like `x` of arrays with the destination shardings.
