@@ -5,8 +5,8 @@ Covers random layouts x qtypes x tilings on every route, eagerly and inside jit 
 and without src_sharding), values with zeros, subnormals, infinities, NaN and all-zero
 tiles; the scale layout (each destination device holds the scales of its own shard);
 pytree prefixes mixing quantized, cast and kept leaves in one plan; the wire bytes the
-plan counts; the node used without qwix; and bad specs, refused naming the leaf before
-any data moves.
+plan counts; the node used without qwix; bad specs, refused naming the leaf before any
+data moves; and examples/rl_refit.py --quantize.
 
 NaN: qwix takes jnp.max(|x|) per tile, which by numpy's and StableHLO's rule is NaN for
 a tile holding a NaN; XLA:CPU's multi-axis max reductions drop NaN (and with it the
@@ -464,3 +464,22 @@ def test_bad_specs_name_the_leaf_before_any_data_moves(leaf, spec, error, match)
 def test_malformed_specs_are_type_errors(kwargs, match):
   with pytest.raises(jax_m2n.ReshardTypeError, match=match):
     jax_m2n.Quantize("float8_e4m3fn", **kwargs)
+
+
+@pytest.mark.parametrize("quantize", ["fp8", "mxfp8"])
+def test_rl_example_refits_qarrays_equal_to_qwix(quantize):
+  """examples/rl_refit.py --quantize: two RL steps on FP8 kernels, each refit checked
+  against the trainer's in-place quantization, the last against qwix.quantize of
+  jax.device_put; a quarter of the float32 kernel bytes (plus scales) on the wire."""
+  from examples import rl_refit  # noqa: PLC0415
+  cfg = rl_refit.RefitConfig(layers=1, d_model=32, heads=2, digits=3, batch_size=32,
+                             group_size=4, steps=2, timing_reps=0, progress=False,
+                             quantize=quantize)
+  result = rl_refit.run(cfg, list(D))
+  assert all(result.checksums_equal) and result.baseline_equal is True
+  kernels = [w for layer in result.generator_params["layers"]
+             for n, w in layer.items() if n in rl_refit.KERNELS]
+  assert kernels and all(isinstance(w, qwix.QArray) for w in kernels)
+  assert all(w.qvalue.dtype == jnp.float8_e4m3fn for w in kernels)
+  assert result.wire_bytes["reshard_quantized"] < result.wire_bytes[
+      "device_put_float32"] / 2

@@ -379,6 +379,17 @@ def _spec_leaves(api: str, dtype: Any, x: Any, treedef, n: int) -> list[Any]:
           for v in flat]
 
 
+def _names_of(x: Any) -> Callable[[], list[str]]:
+  """x's leaf names, formed on first use only (error messages)."""
+  cache: list[list[str]] = []
+
+  def names() -> list[str]:
+    if not cache:
+      cache.append(_leaf_names(x))
+    return cache[0]
+  return names
+
+
 def _leaf_info(api: str, name: str, leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
   try:
     aval = jax.typeof(leaf)
@@ -410,7 +421,7 @@ def reshard(move: Callable[..., Any], x: Any, dst_sharding: Any, dtype: Any, *,
   api = "reshard"
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
-  names = functools.lru_cache(maxsize=1)(lambda: _leaf_names(x))
+  names = _names_of(x)
   specs = _spec_leaves(api, dtype, x, treedef, n)
   dsts = _broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n, names)
   srcs = ([None] * n if src_sharding is None else
@@ -514,7 +525,7 @@ def plan_arguments(x: Any, dst_sharding: Any, src_sharding: Any,
   api = "plan"
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
-  names = functools.lru_cache(maxsize=1)(lambda: _leaf_names(x))
+  names = _names_of(x)
   specs = _spec_leaves(api, dtype, x, treedef, n)
   dsts = _broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n, names)
   srcs = ([None] * n if src_sharding is None else

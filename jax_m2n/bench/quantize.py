@@ -13,7 +13,7 @@ devices (jax_m2n's plan; device_put moves the float32 bytes).
 
 Usage:
   python -m jax_m2n.bench --suite quantize [--size_mib 64] [--iters 10] [--out_dir DIR]
-  (default sizes: 1, 16, 64, 256 MiB on CPU; 1, 16, 256, 1024 MiB on GPU)
+  (default sizes: 1, 16, 64, 256, 1024 MiB on CPU; 1, 16, 256, 1024 MiB on GPU)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Callable
 
 MIB = 1 << 20
 METHODS = ("reshard_quantize", "device_put_qwix")
-CPU_SIZES_MIB = (1, 16, 64, 256)
+CPU_SIZES_MIB = (1, 16, 64, 256, 1024)
 GPU_SIZES_MIB = (1, 16, 256, 1024)
 TILE = 128
 
