@@ -4,7 +4,10 @@ The trainer updates a decoder-only transformer in float32, in its layout (defaul
 x TP on one half of the devices); before every rollout `jax_m2n.reshard(params, dst,
 dtype=...)` moves the whole parameter pytree, in one call, into the generator's layout
 (default TP x DP on the other half) and dtype (bfloat16, or float8_e4m3fn), converting
-on the way; jitted sampling then answers a batch of prompts. With --overlap (the
+on the way; with --quantize the linear kernels arrive as block-scaled FP8 QArrays
+(`dtype=jax_m2n.Quantize(...)` in the pytree prefix of dtypes: quantized on the trainer,
+FP8 values and scales on the wire) and the rollout dequantizes them in its matmuls;
+jitted sampling then answers a batch of prompts. With --overlap (the
 default) the refit runs behind the host's work that needs no new weights. Owns the demo
 loop only: weights reach the generator through `jax_m2n.reshard` alone (`astype` +
 `jax.device_put` runs only at the end, as the baseline it is timed against).
@@ -12,6 +15,7 @@ loop only: weights reach the generator through `jax_m2n.reshard` alone (`astype`
 Usage (from the repository root; without a GPU it runs on 8 CPU devices):
   python -m examples.rl_refit                                   # fsdp2xtp2->tp2xdp2
   python -m examples.rl_refit --generator_dtype=float8_e4m3fn --nooverlap
+  python -m examples.rl_refit --quantize=fp8       # FP8 kernels with 2-D tile scales
   python -m examples.rl_refit --layouts='fsdp4->tp2xdp2@same' --route=flat
   python -m examples.rl_refit --generator_mesh=data=2,model=2 \
       --generator_specs=batch=data,hidden=model,vocab=model
@@ -76,6 +80,9 @@ SEP = NUM_DIGITS      # token between prompt and answer
 VOCAB = 16            # 10 digits + SEP, padded so TP up to 16 divides it
 # The generator's weight dtypes (the trainer keeps float32; float32 here: no conversion).
 GENERATOR_DTYPES = ("bfloat16", "float8_e4m3fn", "float32")
+# --quantize: the kernels the generator receives quantized (the rest: --generator_dtype).
+QUANTIZE = ("none", "fp8", "mxfp8")
+KERNELS = ("wq", "wk", "wv", "wo", "w1", "w2")
 TIMING_BLOCK = 5      # RL steps per timed block in the overlap comparison
 
 
@@ -110,6 +117,12 @@ class RefitConfig:
       "trainer's float32 weights on the way (jax_m2n.reshard(..., dtype=)); 8-bit "
       "weights are widened to bfloat16 where the generator uses them",
       GENERATOR_DTYPES)
+  quantize: str = _option(
+      "none", "quantize the linear kernels (" + ", ".join(KERNELS) + ") in the refit: "
+      "fp8 (float8_e4m3fn, square tiles of up to 128 with bfloat16 scales, "
+      "DeepSeek-style), mxfp8 (tiles of 32 along the input axis, power-of-two scales); "
+      "they arrive as qwix QArrays (jax_m2n.QuantizedArray without qwix) and the "
+      "rollout dequantizes them in its matmuls", QUANTIZE)
   overlap: bool = _option(
       True, "overlap the refit with the work that needs no new weights (drawing the "
       "step's prompts, enqueueing the generation) instead of waiting for it; the "
@@ -309,10 +322,10 @@ def sample(params, prompts, key, *, heads):
   """Answers each prompt autoregressively; returns [batch, seq_len] tokens.
 
   Computes in the weights' dtype; 8-bit weights are widened to bfloat16 first (JAX
-  does not promote float8 implicitly), as weight-only fp8 inference does.
+  does not promote float8 implicitly), as weight-only fp8 inference does; quantized
+  kernels (QArrays) are dequantized (qvalue times its tile's scale) the same way.
   """
-  params = jax.tree.map(
-      lambda w: w.astype(jnp.bfloat16) if w.dtype.itemsize == 1 else w, params)
+  params = jax.tree.map(_dense, params, is_leaf=_is_quantized)
   batch, digits = prompts.shape
   tokens = jnp.zeros((batch, 2 * digits + 1), jnp.int32)
   tokens = tokens.at[:, :digits].set(prompts).at[:, digits].set(SEP)
@@ -324,6 +337,42 @@ def sample(params, prompts, key, *, heads):
     return tokens.at[:, digits + 1 + i].set(token.astype(jnp.int32))
 
   return jax.lax.fori_loop(0, digits, next_token, tokens)
+
+
+def _is_quantized(w) -> bool:
+  return hasattr(w, "qvalue") and hasattr(w, "scale")
+
+
+def _dense(w):
+  """A generator weight as the matmuls use it: QArrays dequantized, 8-bit widened."""
+  if _is_quantized(w):
+    if isinstance(w, jax_m2n.QuantizedArray):
+      return w.dequantize()
+    import qwix  # a QArray came back: qwix is installed
+    return qwix.dequantize(w)
+  return w.astype(jnp.bfloat16) if w.dtype.itemsize == 1 else w
+
+
+def _kernel_spec(shape, quantize):
+  """The Quantize spec of one kernel [in, out] for --quantize."""
+  if quantize == "mxfp8":
+    return jax_m2n.Quantize("mxfp8", tiled_axes={0: 32}, scale_dtype=jnp.bfloat16)
+  tile = math.gcd(128, *shape)  # DeepSeek's 128 x 128 where it divides, else smaller
+  while tile >= min(shape) and tile > 8:  # several tiles per kernel, not one
+    tile //= 2
+  return jax_m2n.Quantize("float8_e4m3fn", tiled_axes={0: tile, 1: tile},
+                          scale_dtype=jnp.bfloat16)
+
+
+def refit_dtypes(shapes, cfg):
+  """`dtype=` of the refit: the generator dtype, or a pytree prefix of it with a
+  Quantize spec for each kernel (--quantize)."""
+  gen = jnp.dtype(cfg.generator_dtype)
+  if cfg.quantize == "none":
+    return gen
+  return {k: [{n: _kernel_spec(w.shape, cfg.quantize) if n in KERNELS else gen
+               for n, w in layer.items()} for layer in v] if k == "layers" else gen
+          for k, v in shapes.items()}
 
 
 def train_step(params, opt_state, tokens, advantages, *, heads, learning_rate):
@@ -467,11 +516,17 @@ def run(cfg: RefitConfig, devices: Optional[list] = None) -> RefitResult:
                jax.device_put(jnp.zeros((), jnp.int32), trainer.sharding(())))
   gen_dtype = jnp.dtype(cfg.generator_dtype)
   converting = gen_dtype != jnp.float32
+  quantizing = cfg.quantize != "none"
+  dtypes = refit_dtypes(shapes, cfg)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
   gen_nbytes = sum(x.size for x in jax.tree.leaves(params)) * gen_dtype.itemsize
+  if quantizing:  # FP8 kernels plus bf16 scales: the plan's destination bytes
+    gen_nbytes = sum(math.prod(t.shape) * jnp.dtype(t.dtype).itemsize
+                     for t in _quantized_shapes(shapes, dtypes))
   log.print(f"policy: {len(jax.tree.leaves(params))} tensors, {nbytes / 2**20:.2f} "
             f"MiB in float32 on the trainer, {gen_nbytes / 2**20:.2f} MiB in "
-            f"{gen_dtype.name} on the generator; task: reverse {cfg.digits} digits; "
+            f"{gen_dtype.name}{' + ' + cfg.quantize + ' kernels' if quantizing else ''} "
+            f"on the generator; task: reverse {cfg.digits} digits; "
             f"refit route: {cfg.route}; overlap: {'on' if cfg.overlap else 'off'}")
 
   train_batch = trainer.sharding(("batch", None))
@@ -488,7 +543,10 @@ def run(cfg: RefitConfig, devices: Optional[list] = None) -> RefitResult:
 
   # The refit: the whole parameter pytree in one call, one transfer plan, converted to
   # the generator's dtype on the way (narrowed before the bytes leave the trainer).
-  refit = lambda p: jax_m2n.reshard(p, gen_shardings, dtype=gen_dtype, route=cfg.route)
+  refit = lambda p: jax_m2n.reshard(p, gen_shardings, dtype=dtypes, route=cfg.route)
+  if quantizing:  # the trainer's own reference: the same quantization, in place
+    trainer_ref = lambda p: jax_m2n.reshard(p, None, dtype=dtypes)  # noqa: E731
+    trainer_checksum_fn = lambda p: checksum_fn(trainer_ref(p))  # noqa: E731
 
   rng = np.random.default_rng(cfg.seed)
   prompts_per_step = cfg.batch_size // cfg.group_size
@@ -596,6 +654,10 @@ def run(cfg: RefitConfig, devices: Optional[list] = None) -> RefitResult:
 
   gen_params = refit(params)
   check_equal(params, gen_params, "after the last step")
+  if quantizing:
+    return _finish_quantized(cfg, params, gen_params, gen_shardings, dtypes, refit,
+                             rewards, exact, equal, times, returned_early, step_ms,
+                             waited_phase_ms, nbytes, gen_nbytes)
   if converting:
     engines = {
         f"jax_m2n.reshard(dtype={gen_dtype.name})": refit,
@@ -618,6 +680,70 @@ def run(cfg: RefitConfig, devices: Optional[list] = None) -> RefitResult:
     result.reward_went_up = bool(
         np.mean(rewards[-cfg.window:]) > np.mean(rewards[:cfg.window]))
   _report(cfg, result, nbytes, gen_nbytes)
+  return result
+
+
+def _quantized_shapes(shapes, dtypes):
+  """What the generator holds: per leaf its array, per quantized kernel values + scales."""
+  out = []
+  for shape, dtype in zip(jax.tree.leaves(shapes),
+                          jax.tree.leaves(dtypes)):
+    if isinstance(dtype, jax_m2n.Quantize):
+      tiles = [dtype.tiled_axes.get(a, d) for a, d in enumerate(shape.shape)]
+      out += [jax.ShapeDtypeStruct(shape.shape, jnp.float8_e4m3fn),
+              jax.ShapeDtypeStruct(tuple(d // t for d, t in zip(shape.shape, tiles)),
+                                   dtype.scale_dtype)]
+    else:
+      out.append(jax.ShapeDtypeStruct(shape.shape, dtype))
+  return out
+
+
+def _finish_quantized(cfg, params, gen_params, gen_shardings, dtypes, refit, rewards,
+                      exact, equal, times, returned_early, step_ms, waited_phase_ms,
+                      nbytes, gen_nbytes):
+  """--quantize: the refit against device_put + qwix.quantize on the generator (bytes
+  between devices from jax_m2n.plan, times), and the QArrays against qwix's."""
+  quantized = lambda d: isinstance(d, jax_m2n.Quantize)  # noqa: E731
+  flat_dtypes = jax.tree.leaves(dtypes)
+  wire = lambda p: sum(v for k, v in p.bytes_by_link.items() if k != "local")  # noqa
+  refit_bytes = wire(jax_m2n.plan(params, gen_shardings, dtype=dtypes))
+  put_bytes = wire(jax_m2n.plan(params, gen_shardings))  # float32, as device_put moves it
+  engines = {f"jax_m2n.reshard(dtype=Quantize {cfg.quantize})": refit}
+  baseline_equal = None
+  try:
+    import qwix
+  except ImportError:
+    qwix = None
+    print("rl_refit: qwix is not installed: no device_put + qwix.quantize baseline")
+  if qwix is not None:
+    def quantize_tree(p):
+      leaves, tree = jax.tree.flatten(p)
+      return jax.tree.unflatten(tree, [
+          qwix.quantize(x, d.qtype, tiled_axes=dict(d.tiled_axes),
+                        scale_dtype=d.scale_dtype) if quantized(d) else x.astype(d)
+          for x, d in zip(leaves, flat_dtypes)])
+    on_generator = jax.jit(quantize_tree)
+    engines["jax.device_put + qwix.quantize (jit, on the generator)"] = (
+        lambda p: on_generator(jax.device_put(p, gen_shardings)))
+    # qwix.quantize_api itself, op by op, on the generator's copy: the reference.
+    reference = quantize_tree(jax.device_put(params, gen_shardings))
+    baseline_equal = all(
+        np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+        for a, b in zip(jax.tree.leaves(gen_params), jax.tree.leaves(reference)))
+  engine_ms = _compare_refits(params, engines, cfg.timing_reps)
+  result = RefitResult(params, gen_params, gen_shardings, rewards, exact, equal, times,
+                       returned_early, step_ms, waited_phase_ms, engine_ms,
+                       baseline_equal)
+  if len(rewards) >= 2 * cfg.window:
+    result.reward_went_up = bool(
+        np.mean(rewards[-cfg.window:]) > np.mean(rewards[:cfg.window]))
+  _report(cfg, result, nbytes, gen_nbytes)
+  print(f"\nrefit bytes between devices (jax_m2n.plan): {refit_bytes / 2**20:.3f} MiB "
+        f"(FP8 kernels + bf16 scales + {cfg.generator_dtype} rest) vs "
+        f"{put_bytes / 2**20:.3f} MiB of float32 for jax.device_put "
+        f"({put_bytes / max(refit_bytes, 1):.2f}x); QArrays equal qwix.quantize of "
+        f"jax.device_put(params) bitwise: {baseline_equal}")
+  result.wire_bytes = {"reshard_quantized": refit_bytes, "device_put_float32": put_bytes}
   return result
 
 

@@ -2,7 +2,8 @@
 
 The public surface: `reshard` (move a pytree of arrays into new layouts, eagerly across
 device sets or inside jit), `plan` (the transfer plan without moving anything),
-`check_errors` (did an in-jit reshard fail?), `Topology`, `Layout` and the
+`check_errors` (did an in-jit reshard fail?), `Quantize` (a `dtype=` that quantizes:
+FP8 values and scales on the wire) and `QuantizedArray`, `Topology`, `Layout` and the
 `ReshardError` family. Internals live in `jax_m2n._src`.
 """
 
@@ -17,12 +18,16 @@ from jax_m2n._src.layout import Layout as Layout
 from jax_m2n._src.api import check_errors as check_errors
 from jax_m2n._src.api import plan as plan
 from jax_m2n._src.api import reshard as reshard
+from jax_m2n._src.quantize import Quantize as Quantize
+from jax_m2n._src.quantize import QuantizedArray as QuantizedArray
 from jax_m2n._src.topology import Topology as Topology
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Layout",
+    "Quantize",
+    "QuantizedArray",
     "ReshardError",
     "ReshardRuntimeError",
     "ReshardTimeoutError",

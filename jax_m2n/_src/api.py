@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec, Sharding
 from jax_m2n._src import eager
 from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
+from jax_m2n._src import quantize
 from jax_m2n._src import schedule
 from jax_m2n._src import traced
 from jax_m2n._src import transforms
@@ -158,7 +159,9 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       "Chunks and steps").
     dtype: the dtype of the outputs: a dtype (`jnp.bfloat16`, `np.float32`, a name such
       as `"float8_e4m3fn"`), None (keep, the default), or a pytree prefix of x of them
-      (as `donate`). A ShapeDtypeStruct destination must then have that dtype.
+      (as `donate`). A ShapeDtypeStruct destination must then have that dtype. A
+      `jax_m2n.Quantize` spec (alone or in the prefix) quantizes its leaves on the
+      source and returns QArrays (see `jax_m2n.Quantize`).
 
   Returns:
     A pytree like `x` of arrays with the destination shardings.
@@ -235,6 +238,10 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     >>> "jax_m2n_reshard" in f.lower(y).compile().as_text()
     True
   """
+  if dtype is not None and quantize.has_spec(dtype):  # values + scales: quantize.py
+    return quantize.reshard(reshard, x, dst_sharding, dtype, route=route,
+                            topology=topology, donate=donate, src_sharding=src_sharding,
+                            timeout_s=timeout_s, chunk_bytes=chunk_bytes)
   fast = _fast_key(x, dst_sharding, route, topology, donate, src_sharding, timeout_s,
                    chunk_bytes, dtype)
   if fast is not None:
@@ -581,6 +588,9 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   """
   api = "plan"
   _check_route(api, route)
+  if dtype is not None and quantize.has_spec(dtype):  # values + scales: quantize.py
+    x, dst_sharding, src_sharding, dtype = quantize.plan_arguments(
+        x, dst_sharding, src_sharding, dtype)
   topology = _check_topology(api, topology)
   chunk_bytes = _chunk_bytes(api, chunk_bytes, [])
   leaves, treedef = jax.tree_util.tree_flatten(x)
