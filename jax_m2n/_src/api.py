@@ -592,7 +592,7 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     x, dst_sharding, src_sharding, dtype = quantize.plan_arguments(
         x, dst_sharding, src_sharding, dtype)
   topology = _check_topology(api, topology)
-  chunk_bytes = _chunk_bytes(api, chunk_bytes, [])
+  _chunk_bytes(api, chunk_bytes, [])  # checked first, as reshard does; chosen below
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
   names = lambda: _leaf_names(x)  # noqa: E731
