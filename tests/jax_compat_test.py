@@ -104,3 +104,9 @@ def test_with_partitioner_mesh_gives_custom_partitioning_the_devices():
   assert [d.id for d in context.device_assignment] == [d.id for d in m.devices.flat]
   assert context.abstract_mesh == m.abstract_mesh
   assert other is None  # a mesh over another number of devices
+
+
+def test_distributed_client_is_none_outside_a_job():
+  # Outside jax.distributed there is no client; inside, processes/ uses its key-value
+  # calls (tests/multiprocess_cpu_test.py runs them).
+  assert jax_compat.distributed_client() is None
