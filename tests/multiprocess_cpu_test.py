@@ -150,10 +150,11 @@ def test_mismatched_arguments_fail_on_every_process():
   print("\n".join(line for _, _, line in found))
 
 
-@pytest.mark.parametrize("kind", ["raise", "die", "absent", "interrupt"])
+@pytest.mark.parametrize("kind", ["raise", "die", "vanish", "absent", "interrupt"])
 def test_failures_reach_every_process_and_the_next_call_works(kind):
   """The last of 4 processes fails (raises before the call and exits / dies right after
-  offering its bytes / stays alive but never calls), or process 0 is interrupted: the
+  offering its bytes / dies before its call / stays alive but never calls), or process
+  0 is interrupted: the
   others fail, naming the process, and a later call over the healthy ones works."""
   outs = launch(4, 2, kind, interrupt=0 if kind == "interrupt" else None)
   tags = {kind, "interrupt_peer"}

@@ -19,6 +19,7 @@ Scenarios:
   raise     the last process raises before the call and exits; the others fail
             naming it, then a call over the remaining processes works.
   die       the last process dies right after offering its bytes (mid-transfer).
+  vanish    the last process dies before its call (no exit hook): its beat stops.
   absent    the last process stays alive but never calls: the others time out.
   interrupt process 0 is sent SIGINT while it waits for an absent peer (Ctrl-C).
 """
@@ -337,6 +338,8 @@ def scenario_failure(jax, jax_m2n, pid, args):
       raise RuntimeError("the user's program failed before its reshard")
     if kind == "absent":
       time.sleep(600)
+    if kind == "vanish":  # killed before its call: no exit hook, its beat stops
+      os._exit(17)
     if kind == "die":
       def die(phase):
         if phase == "offered":
@@ -356,6 +359,7 @@ def scenario_failure(jax, jax_m2n, pid, args):
 SCENARIOS = {"random": scenario_random, "refit": scenario_refit,
              "mismatch": scenario_mismatch, "raise": scenario_failure,
              "die": scenario_failure, "absent": scenario_failure,
+             "vanish": scenario_failure,
              "interrupt": scenario_failure}
 
 
@@ -390,7 +394,7 @@ def main():
     while time.monotonic() < deadline:
       ended = {k for k, _ in kv.key_value_dir_get("test/end/")}
       if len(ended) >= args.num_processes - (args.scenario in (
-          "raise", "die", "absent", "interrupt")):
+          "raise", "die", "absent", "interrupt", "vanish")):
         break
       time.sleep(0.05)
   sys.stdout.flush()
