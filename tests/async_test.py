@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import jax
@@ -222,6 +223,48 @@ def test_programs_run_asynchronously_in_xla(devs):
   jax.block_until_ready(jax_m2n.reshard(x, devs[1]))
   entries = [eager._eager_cache[k] for k in eager._eager_cache]
   assert entries and all(e.caller_dispatch for e in entries if e.platform == "cpu")
+
+
+def _threads(work, n, join_s=120.0):
+  """Runs work(k) on n threads; returns their exceptions (a thread still running
+  after join_s is a failure: it is left as a daemon)."""
+  errors = []
+
+  def run(k):
+    try:
+      work(k)
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+      errors.append(e)
+  threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(n)]
+  for t in threads:
+    t.start()
+  deadline = time.monotonic() + join_s
+  for t in threads:
+    t.join(max(0.0, deadline - time.monotonic()))
+  assert not any(t.is_alive() for t in threads), "a thread is still waiting"
+  return errors
+
+
+@pytest.mark.parametrize("n_threads,sources", [(2, "own"), (4, "shared")])
+def test_threads_issuing_at_once_are_safe(devs, n_threads, sources):
+  """JAX_M2N_CPU_ASYNC=1 calls from several threads at once: two threads repeating
+  one reshard each on their own source, four sharing one (issue 26: timed out in
+  most runs; now one thread issues at a time). Short timeouts: a hang fails fast."""
+  d = np.array(devs)
+  src = NamedSharding(Mesh(d[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(d[4:], ("y",)), P(None, "y"))
+  host = np.arange(48 * 16, dtype=np.float32).reshape(48, 16)
+  shared = jax.device_put(host, src)
+  xs = [shared if sources == "shared" else jax.device_put(host + k, src)
+        for k in range(n_threads)]
+
+  def work(k):
+    for _ in range(12):
+      y = jax_m2n.reshard(xs[k], dst, timeout_s=5)
+      np.testing.assert_array_equal(np.asarray(y), np.asarray(xs[k]))
+  errors = _threads(work, n_threads)
+  assert not errors, errors[0]
+  _settled()
 
 
 def test_default_cpu_call_returns_finished(devs, monkeypatch):

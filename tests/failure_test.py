@@ -236,3 +236,53 @@ def test_a_site_out_of_step_is_brought_level_by_the_next_call(devs):
   heals(x, host, dst)
   assert time.perf_counter() - t < FAST_S
   assert in_step(x, dst)[0], in_step(x, dst)
+
+
+@pytest.mark.parametrize("how", ["peer_missing", "device_ahead"])
+def test_a_call_during_a_failing_call_of_its_site_heals_at_once(devs, how):
+  """Issue 22, the healing race: call A of a layout waits for a device whose program
+  was never dispatched (its peers would wait TIMEOUT_S); meanwhile ("device_ahead":
+  with one device also put ahead of every generation handed out) call B of the same
+  layout starts. B must work at once (its ticket lets the missing device skip A,
+  which then fails at once), not wait for A's timeout; then the site is in step."""
+  host = np.arange(48 * 24, dtype=np.float32).reshape(48, 24)  # a layout of its own
+  x = jax.device_put(host, NamedSharding(Mesh(devs[:4], ("x",)), P("x")))
+  dst = NamedSharding(Mesh(devs[4:], ("y",)), P(None, "y"))
+  heals(x, host, dst, times=1)
+  fn = next(eager._eager_cache[k] for k in eager._eager_cache
+            if eager._eager_cache[k].out_avals[0][:2] == ((48, 24), np.float32)
+            and k[4] == TIMEOUT_S * 1000)
+  state = eager._site_state(fn.site)
+  for call in list(state.in_flight):
+    assert call.done.wait(FAST_S)
+  outcome = {}
+
+  def call_a():
+    t = time.perf_counter()
+    try:
+      fn([x], False, devices=[0, 1, 2, 3, 4, 5, 6], block=True)  # device 7 never runs
+      outcome["a"] = None
+    except jax_m2n.ReshardError as e:
+      outcome["a"] = (e, time.perf_counter() - t)
+  a = threading.Thread(target=call_a, daemon=True)
+  a.start()
+  deadline = time.monotonic() + FAST_S
+  while not state.in_flight:
+    assert time.monotonic() < deadline, "call A never started"
+    time.sleep(0.005)
+  if how == "device_ahead":  # once device 5 has joined A (else A's own would hang)
+    module, index = m2n_ffi.load("cpu"), state.in_flight[0].index
+    while module.joined(fn.site, [5])[0] <= index:
+      assert time.monotonic() < deadline, "device 5 never joined call A"
+      time.sleep(0.005)
+    module.abandon(fn.site, [5, 5], "test: put device 5 ahead")
+  b_s = heals(x, host, dst, times=1)
+  a.join(FAST_S)
+  assert not a.is_alive(), "call A still waits for its timeout"
+  error, a_s = outcome["a"]
+  assert a_s < FAST_S and "ABORTED" in str(error), error
+  assert b_s < FAST_S
+  heals(x, host, dst)
+  assert in_step(x, dst)[0], in_step(x, dst)
+  report(f"healing race ({how}): the call that started during the failing one",
+         a_s, b_s)

@@ -18,7 +18,7 @@ from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_memory
                                  _check_mesh, _check_reduction, _check_topology,
                                  _dst_sharding_of, _platform_of, _same_layout,
                                  _topology_key)
-from jax_m2n._src.eager.programs import _build_eager
+from jax_m2n._src.eager.programs import _build_eager, _donate
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 from jax_m2n._src.request import Request
 
@@ -89,7 +89,8 @@ def _eager_key(request: Request) -> _Key | None:
   validation says why).
 
   A given src_sharding is part of the key: its agreement with x.sharding was checked
-  when the entry was built.
+  when the entry was built. So is jax_enable_x64, which the programs are traced under
+  (programs._x64_for).
   """
   parts = []
   for x, d, s in zip(request.leaves, request.dsts, request.srcs):
@@ -101,7 +102,7 @@ def _eager_key(request: Request) -> _Key | None:
     converts = any(o is not None for o in out_dtypes)
     key = _Key((request.treedef, tuple(parts), request.route,
                 _topology_key(request.topology), request.timeout_ms, request.chunk_bytes,
-                tuple(out_dtypes) if converts else ()))
+                tuple(out_dtypes) if converts else (), bool(jax.config.jax_enable_x64)))
   except TypeError:  # unhashable topology or destination: validation says why
     return None
   return key
@@ -176,9 +177,74 @@ def _entry(request: Request, record: list | None = None) -> Any:
   with _eager_cache.lock:
     fn = _eager_cache.get(key) if key is not None else None
     if fn is None:
-      fn = _build_eager(request, dst_shardings)
+      fn = (_build_eager(request, dst_shardings) if len(request) <= _GROUP_LEAVES
+            else _build_grouped(request, dst_shardings))
       if key is not None:
         _eager_cache.put(key, fn)
   if record is not None and key is not None:
     record.append(key)
   return fn
+
+
+# ---------------------------------------------------------------------------------------
+# Large pytrees: groups of leaves of one layout, each group's programs built once
+# ---------------------------------------------------------------------------------------
+
+# A pytree of more leaves than this is moved in groups of at most this many leaves of
+# one layout (shape, dtype, source and destination sharding, output dtype): the
+# programs of a group are built once and reused by every group of that layout, in this
+# call and in later ones. One program per device over all leaves cost a compile whose
+# time grew with its operand count (2,000 leaves: 4.4 s against 0.30 s for
+# jax.device_put's first call); a model repeats a few layouts per layer.
+_GROUP_LEAVES = 64
+
+
+class _Grouped:
+  """One reshard of many leaves as calls of the group entries, one after another, in
+  the order every process derives from the layouts (so the collective contract
+  holds). Called as an _EagerReshard: (leaves, donate) -> outputs."""
+
+  def __init__(self, n: int, parts: Sequence[tuple[tuple[int, ...], Any]]):
+    self.n = n
+    self.parts = list(parts)  # (leaf indices, entry of those leaves)
+    first = self.parts[0][1]
+    self.platform = first.platform
+    self.caller_dispatch = all(e.caller_dispatch for _, e in self.parts)
+    self.out_avals: list[Any] = [None] * n
+    for index, entry in self.parts:
+      for i, a in zip(index, entry.out_avals):
+        self.out_avals[i] = a
+
+  def __call__(self, leaves: Sequence[jax.Array], donate: bool | Sequence[bool]
+               ) -> list[jax.Array]:
+    """Runs every group (each raises as an _EagerReshard does: an earlier failure or a
+    failed dispatch), then donates: no source is deleted before every group ran."""
+    outs: list[Any] = [None] * self.n
+    for index, entry in self.parts:
+      for i, y in zip(index, entry([leaves[i] for i in index], False)):
+        outs[i] = y
+    _donate(leaves, donate)
+    return outs
+
+
+def _build_grouped(request: Request, dsts: Sequence[Sharding]) -> _Grouped:
+  """The group entries of a checked request (`dsts`: its destination shardings), from
+  the cache or built (under _eager_cache.lock)."""
+  by_layout: dict[Any, list[int]] = {}
+  for i, (x, d, o) in enumerate(zip(request.leaves, dsts, request.out_dtypes)):
+    by_layout.setdefault((x.shape, x.dtype, x.sharding, d, o), []).append(i)
+  parts = []
+  for index in by_layout.values():
+    for k in range(0, len(index), _GROUP_LEAVES):
+      group = index[k:k + _GROUP_LEAVES]
+      sub = request.subset(group).replace(dsts=[dsts[i] for i in group],
+                                          srcs=[None] * len(group),
+                                          donate=[False] * len(group))
+      key = _eager_key(sub)
+      entry = _eager_cache.get(key) if key is not None else None
+      if entry is None:
+        entry = _build_eager(sub, sub.dsts)
+        if key is not None:
+          _eager_cache.put(key, entry)
+      parts.append((tuple(group), entry))
+  return _Grouped(len(request), parts)

@@ -35,7 +35,8 @@ logger = logging.getLogger("jax_m2n")
 
 # One eager dispatch at a time per process: interleaving two calls' per-device programs
 # from several user threads could order them differently on different devices. Only
-# the dispatch holds it: the programs run (and finish) without it.
+# the dispatch holds it (for worker dispatch: until every program is posted to its
+# device's worker): the programs run (and finish) without it.
 _dispatch_lock = threading.Lock()
 
 # The CPU handler's generation tickets (xla_ffi/cpu_transport.h, CpuCall::ticket): each
@@ -47,14 +48,32 @@ _TICKETS = 64
 _MAX_IN_FLIGHT = _TICKETS // 2
 
 
-@functools.lru_cache(maxsize=None)  # one list per device: bounded by the device count
-def _tickets(device) -> list[jax.Array]:
-  """Device scalars 0.._TICKETS-1 on `device`, made once and reused by every call."""
-  # Made under jax.transfer_guard("allow"): these host -> device copies are jax_m2n's
-  # own, not the caller's data, and must not trip a caller's guard (tunix wraps its
-  # weight sync in transfer_guard("disallow_explicit")).
-  with jax.transfer_guard("allow"):
-    return jax.device_put([np.int32(k) for k in range(_TICKETS)], device)
+class _Tickets:
+  """Device scalars 0.._TICKETS-1 on one device, each made on first use and reused by
+  every later call (a first call needs one: making all 64 per device cost 0.27 s of
+  a loaded host's first 2,000-leaf call)."""
+
+  __slots__ = ("_device", "_scalars")
+
+  def __init__(self, device):
+    self._device = device
+    self._scalars: list[jax.Array | None] = [None] * _TICKETS
+
+  def __getitem__(self, k: int) -> jax.Array:
+    scalar = self._scalars[k]
+    if scalar is None:
+      # Made under jax.transfer_guard("allow"): these host -> device copies are
+      # jax_m2n's own, not the caller's data, and must not trip a caller's guard
+      # (tunix wraps its weight sync in transfer_guard("disallow_explicit")).
+      with jax.transfer_guard("allow"):
+        scalar = self._scalars[k] = jax.device_put(np.int32(k), self._device)
+    return scalar
+
+
+@functools.lru_cache(maxsize=None)  # one per device: bounded by the device count
+def _tickets(device) -> _Tickets:
+  """`device`'s generation tickets: _tickets(device)[k] is the scalar k on it."""
+  return _Tickets(device)
 
 
 def _reached_handler(e: BaseException) -> bool:
@@ -180,6 +199,37 @@ def _raise_failed_calls() -> None:
   raise error
 
 
+# Asynchronous CPU calls with peers (JAX_M2N_CPU_ASYNC=1) in flight, by issuing thread.
+# XLA's CPU client runs them on its thread pool, where one device's program waits for
+# its peers on a pool thread: calls issued from two Python threads at once timed out
+# (DEADLINE_EXCEEDED) in most runs of two threads repeating one reshard, and of four
+# sharing one source (issue 26; one thread issuing 8 calls back to back never did). So
+# a thread's call first waits until the calls other threads issued have finished: one
+# issuing thread at a time, each thread's own calls still pipelined.
+_issued_calls: collections.deque = collections.deque()
+_issued_lock = threading.Lock()
+
+
+def _issued(call: "_Call") -> None:
+  """Records an asynchronous CPU call of this thread (under _dispatch_lock); it is
+  forgotten when it has finished (_Call._finalize)."""
+  call.issuer = threading.get_ident()
+  with _issued_lock:
+    _issued_calls.append(call)
+
+
+def _wait_for_other_issuers() -> None:
+  """Waits (interruptibly, under _dispatch_lock) until no asynchronous CPU call that
+  another thread issued is in flight."""
+  me = threading.get_ident()
+  while True:
+    with _issued_lock:
+      other = next((c for c in _issued_calls if c.issuer != me), None)
+    if other is None:
+      return
+    _wait_interruptibly(other.done)
+
+
 class _SiteState:
   """The generations of one CPU site (one plan): the next one to hand out and the calls
   still running. Guarded by _dispatch_lock (begin) and its own lock (end)."""
@@ -197,15 +247,26 @@ class _SiteState:
     with self.lock:
       idle = not self.in_flight
       self.in_flight.append(call)
+    counts = module.joined(self.site, list(device_ids))
     if idle:
       # Nothing of this site runs: the devices' join counts are final. Bring any device
       # an earlier failure left behind level with the rest (healed).
-      counts = module.joined(self.site, list(device_ids))
       top = max(max(counts, default=0), self.next)
       behind = [d for d, c in zip(device_ids, counts) for _ in range(top - c)]
       if behind:
         module.abandon(self.site, behind, "the device was behind its peers after an "
                        "earlier failed call (healed)")
+      self.next = top
+    elif max(counts, default=0) > self.next:
+      # Calls still run, but a device has passed every generation handed out (no call
+      # can have put it there): the generations up to it are given up on the others
+      # now, by index, which touches none of the calls in flight (issue 22: the next
+      # call waited for timeout_s instead).
+      top = max(counts)
+      for d, c in zip(device_ids, counts):
+        for k in range(max(c, self.next), top):
+          module.abandon_generation(self.site, [d], k, "the device was behind a peer "
+                                    "that an earlier failure put ahead (healed)")
       self.next = top
     index = self.next
     self.next += 1
@@ -246,6 +307,7 @@ class _Call:
     self.error: BaseException | None = None
     self.raised = False                  # raised to the user by jax_m2n already
     self.done = _Latch()
+    self.issuer: int | None = None       # the issuing thread (see _issued)
     self._left = 0
     self._lock = threading.Lock()
 
@@ -339,6 +401,9 @@ class _Call:
     finally:
       if entry.platform == "cpu":
         entry.site_state().end(self)
+      if self.issuer is not None:
+        with _issued_lock:
+          _issued_calls.remove(self)
       self.done.set()
 
   def take_error(self) -> BaseException | None:

@@ -77,8 +77,14 @@ def delegated_because(leaf: Any, dst: Any) -> str | None:
   return None
 
 
-def _check_delegated(name: str, leaf: Any, dst: Any) -> Any:
-  """The rules a delegated leaf must meet before anything moves; its destination."""
+def _check_delegated(name: str, leaf: Any, dst: Any, given_src: Any = None) -> Any:
+  """The rules a delegated leaf must meet before anything moves (`given_src`: its
+  src_sharding, or None); its destination."""
+  if given_src is not None and isinstance(leaf, jax.Array) and not leaf.is_deleted() and (
+      not _same_layout(given_src, leaf.sharding, leaf.shape)):
+    raise ReshardValueError(
+        f"{_API}: src_sharding of {name} must describe the array's actual "
+        f"layout; got {given_src} for an array sharded as {leaf.sharding}.")
   if dst is None:
     if isinstance(leaf, jax.Array) and leaf.is_deleted():
       raise ReshardValueError(
@@ -156,12 +162,16 @@ def reshard(request: Request, record: list | None = None) -> list[Any]:
   moved, delegated = [], []
   for i in range(n):
     (moved if delegated_because(leaves[i], dsts[i]) is None else delegated).append(i)
-  delegated_dsts = {i: _check_delegated(names()[i], leaves[i], dsts[i]) for i in delegated}
+  # Every leaf is checked before any moves: the delegated ones here, the moved ones
+  # when their programs are looked up (or built); only then does anything run.
+  delegated_dsts = {i: _check_delegated(names()[i], leaves[i], dsts[i], srcs[i])
+                    for i in delegated}
   outs: list[Any] = [None] * n
   entry: list = [] if record is not None and not delegated and not converted_first else None
   if moved:
     sub = request.subset(moved)
-    ys = _entry(sub, entry)(sub.leaves, False)
+    programs = _entry(sub, entry)
+    ys = programs(sub.leaves, False)
     weak = [leaves[i].weak_type and out_dtypes[i] is None for i in moved]
     for i, y, w in zip(moved, ys, weak):
       outs[i] = jax_compat.with_weak_type(y) if w else y
@@ -169,13 +179,6 @@ def reshard(request: Request, record: list | None = None) -> list[Any]:
       record.append((entry[0], tuple(weak) if any(weak) else ()))
     if logger.isEnabledFor(logging.DEBUG):
       logger.debug("reshard: eager per-device path moved %d of %d leaves", len(moved), n)
-  for i in delegated:
-    given = srcs[i]
-    if given is not None and isinstance(leaves[i], jax.Array) and not _same_layout(
-        given, leaves[i].sharding, leaves[i].shape):
-      raise ReshardValueError(
-          f"{_API}: src_sharding of {names()[i]} must describe the array's actual "
-          f"layout; got {given} for an array sharded as {leaves[i].sharding}.")
   for i in delegated:
     outs[i] = jax.device_put(leaves[i], delegated_dsts[i])
   if delegated:

@@ -174,7 +174,19 @@ def _run_device(prog: _DeviceProgram, args: list) -> list:
   if _fault_hook is not None:
     _fault_hook(prog.device.id, "dispatch")
   _check_live(prog, args)
+  if _DEBUG_NANS.value or _DEBUG_INFS.value:
+    # Moving bytes is no arithmetic: NaN and inf pass through as jax.device_put passes
+    # them (the checkers would raise on the outputs). Read per dispatch (0.1-0.3 us):
+    # a jax.debug_nans context is the dispatching thread's own.
+    with jax.debug_nans(False), jax.debug_infs(False):
+      return prog.call(*args)
   return prog.call(*args)
+
+
+# jax_debug_nans / jax_debug_infs (public config states: `.value` is the calling
+# thread's view, a context's or the global one).
+_DEBUG_NANS = jax.debug_nans
+_DEBUG_INFS = jax.debug_infs
 
 
 def _check_live(prog: _DeviceProgram, args: list) -> None:

@@ -26,9 +26,9 @@ from jax_m2n._src.checks import (_API, _check_in_process, _map_native_error,
                                  _platform_of, _site)
 from jax_m2n._src.eager import dispatch
 from jax_m2n._src.eager.calls import (_Call, _cpu_module, _dispatch_lock, _failure_text,
-                                      _raise_failed_calls, _reached_handler,
+                                      _issued, _raise_failed_calls, _reached_handler,
                                       _run_guarded, _site_state, _SiteState, _TICKETS,
-                                      _tickets)
+                                      _tickets, _wait_for_other_issuers)
 from jax_m2n._src.eager.dispatch import (_check_live, _executor, _Outcomes, _outcomes,
                                          _wait_interruptibly)
 from jax_m2n._src.errors import ReshardError, ReshardRuntimeError, ReshardTimeoutError
@@ -50,9 +50,17 @@ class _DeviceProgram:
   schedule: np.ndarray
 
   @functools.cached_property
-  def tickets(self) -> list[jax.Array]:
+  def tickets(self) -> Any:
     """The device's generation tickets (CPU; see _TICKETS)."""
     return _tickets(self.device)
+
+
+def _x64_for(dtypes: Sequence[Any]) -> bool:
+  """The jax_enable_x64 value the programs of these operand and result dtypes are
+  traced under: the caller's, or True where a dtype is 64-bit while x64 is off (the
+  trace would narrow it, and the program would refuse the actual arrays)."""
+  x64 = bool(jax.config.jax_enable_x64)
+  return x64 or any(jax.dtypes.canonicalize_dtype(d) != d for d in dtypes)
 
 
 def _compile(jitted, in_types, x64: bool) -> Callable[..., Any]:
@@ -76,6 +84,10 @@ class _EagerReshard:
   # thread dispatches them one after another; False: each is dispatched from its
   # device's worker thread, concurrently (its dispatch may wait for its peers).
   caller_dispatch: bool = False
+  x64: bool = False  # the jax_enable_x64 value the programs were traced under
+  # Asynchronous CPU programs with peers (JAX_M2N_CPU_ASYNC=1): one issuing thread at a
+  # time (calls._wait_for_other_issuers).
+  one_issuer: bool = False
   avals: list[Any] = dataclasses.field(default_factory=list)  # per leaf, after call 1
 
   def __post_init__(self):
@@ -124,14 +136,20 @@ class _EagerReshard:
     if devices is not None:
       programs = [p for p in programs if p.device.id in devices]
     cpu = self.platform == "cpu"
-    with _dispatch_lock:
+    _dispatch_lock.acquire()
+    locked = True
+    try:
       arguments = [[shards[t][k] for t, k in p.operands] for p in programs]
       del shards
       for p, args in zip(programs, arguments):  # before anything is dispatched
         _check_live(p, args)
+      if self.one_issuer:
+        _wait_for_other_issuers()
       call = _Call(self, programs)
       if cpu:
         call.index = self.site_state().begin(_cpu_module(), self.device_ids, call)
+        if self.one_issuer:  # from here on, every way out finalizes the call
+          _issued(call)
         ticket = call.index % _TICKETS
         for p, args in zip(programs, arguments):
           args.append(p.tickets[ticket])
@@ -149,6 +167,14 @@ class _EagerReshard:
           outcomes = _Outcomes(len(programs))
           for i, (p, args) in enumerate(zip(programs, arguments)):
             _executor(p.device.id).post(_run_guarded, p, args, outcomes, i, call)
+          # Each device's worker runs what is posted to it in order: a later call's
+          # programs queue behind these on every device, so the lock is not held
+          # while they run. Held, a call waiting for a peer that never comes kept
+          # every later call of the process (the one whose ticket would have let
+          # that device skip ahead, failing this call at once) waiting until its
+          # timeout (issue 22, "healing race").
+          _dispatch_lock.release()
+          locked = False
           try:
             _wait_interruptibly(outcomes.done)
           except BaseException as interrupt:
@@ -175,6 +201,9 @@ class _EagerReshard:
         raise error if error is not None else ReshardRuntimeError(
             f"{_API}: {call.name} failed to dispatch.")
       call.watch([(i, outs[-1]) for i, outs in enumerate(results)])
+    finally:
+      if locked:
+        _dispatch_lock.release()
     return results, call
 
   def _stop(self, call: _Call, results: Sequence[Any]) -> None:
@@ -243,9 +272,12 @@ class _EagerReshard:
     for t, ((shape, dtype, sharding), slots) in enumerate(zip(self.out_avals,
                                                               self.out_slots)):
       arrays = [results[p][r] for p, r in slots]
-      y = jax_compat.array_from_single_device_arrays(shape, sharding, arrays, dtype,
-                                                     self.avals[t])
-      if self.avals[t] is None:
+      if self.avals[t] is not None:
+        y = jax_compat.array_from_single_device_arrays(shape, sharding, arrays, dtype,
+                                                       self.avals[t])
+      else:  # checked by JAX, under the x64 value the programs were traced under
+        with jax.enable_x64(self.x64):
+          y = jax_compat.array_from_single_device_arrays(shape, sharding, arrays, dtype)
         self.avals[t] = jax_compat.reusable_aval(y)
       out.append(y)
     return out
@@ -363,8 +395,10 @@ def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
 
   # Compile the per-device programs concurrently, on the devices' threads (XLA compiles
   # without the GIL): the first call of a many-device reshard pays about one compile.
-  # The caller's `jax.enable_x64` context is thread-local: the workers trace under it.
-  x64 = bool(jax.config.jax_enable_x64)
+  # The caller's `jax.enable_x64` context is thread-local: the workers trace under it,
+  # or with x64 on where a leaf's dtype needs it (an int64 array made while x64 was on,
+  # moved after it was turned off, as jax.device_put moves it; the key says which).
+  x64 = _x64_for(dtypes + out_dtypes)
   futures = [_executor(p.device.id).submit(_compile, jitted, in_types, x64)
              for p, (jitted, in_types) in zip(programs, to_compile)]
   compiled, errors = _outcomes(futures)
@@ -375,8 +409,8 @@ def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
     p.call = c
   # A reshard within one device (e.g. a dtype conversion in place) has no peer to wait
   # for: the calling thread dispatches it (no hand-off to the device's worker).
-  caller_dispatch = len(plan.devices) == 1 or (
-      platform == "cpu" and _CPU_ASYNC and _cpu_async(compiled))
+  cpu_async = platform == "cpu" and _CPU_ASYNC and _cpu_async(compiled)
+  caller_dispatch = len(plan.devices) == 1 or cpu_async
 
   out_avals, out_slots = [], []
   for t, (shape, dtype, dst) in enumerate(zip(shapes, out_dtypes, dsts)):
@@ -384,7 +418,8 @@ def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
     out_slots.append([result_index[(t, d.id)] 
                       for d in jax_compat.addressable_device_assignment(dst)])
   return _EagerReshard(plan, programs, out_avals, out_slots, src_shard_index, platform,
-                       site, caller_dispatch)
+                       site, caller_dispatch, x64,
+                       one_issuer=cpu_async and len(plan.devices) > 1)
 
 
 # Opt-in asynchronous eager reshards on CPU (docs/design.md, "Dispatch"): the programs
