@@ -127,3 +127,9 @@ def test_batching_rule_sees_the_vmaps_batch_axes():
     jax.vmap(p.bind)(xe)
   assert seen[0][1] in ("x", ("x",)) and seen[0][0] is None
   assert seen[1][0] in ("x", ("x",))
+
+
+def test_distributed_client_is_none_outside_a_job():
+  # Outside jax.distributed there is no client; inside, processes/ uses its key-value
+  # calls (tests/multiprocess_cpu_test.py runs them).
+  assert jax_compat.distributed_client() is None

@@ -118,8 +118,14 @@ def test_random_layout_pairs_bitwise_and_bytes(num_processes, devices, seed):
   print("\n".join(line for _, _, line in found))
 
 
-def test_refit_pytree_bf16_donation_routes_and_jit():
-  outs = launch(2, 4, "refit")
+@pytest.fixture(scope="module")
+def refit_outs():
+  """One 2 x 4 launch for the refit and the mismatch checks (start-up is slow here)."""
+  return launch(2, 4, "refit")
+
+
+def test_refit_pytree_bf16_donation_routes_and_jit(refit_outs):
+  outs = refit_outs
   _no_fail(outs, 2)
   refit = results(outs, "refit")
   assert len(refit) == 2 and all(f["donated"] == "True" for _, f, _ in refit)
@@ -133,12 +139,13 @@ def test_refit_pytree_bf16_donation_routes_and_jit():
     assert sent == planned, (route, sent, planned)
   # 1 source process -> 4 replicas on 1 process: hierarchical sends each byte once.
   assert by_route["flat"][0] == 4 * by_route["hierarchical"][0]
+  assert len([1 for _, f, _ in results(outs, "large_pytree") if f["ok"] == "1"]) == 2
   jit = results(outs, "jit")
   assert len(jit) == 2 and all(f["ok"] == "1" for _, f, _ in jit)
 
 
-def test_mismatched_arguments_fail_on_every_process():
-  outs = launch(2, 4, "mismatch")
+def test_mismatched_arguments_fail_on_every_process(refit_outs):
+  outs = refit_outs
   _no_fail(outs, 2)
   found = results(outs, "mismatch")
   fields = {"shape", "dtype", "sharding", "route", "pytree"}
@@ -150,10 +157,11 @@ def test_mismatched_arguments_fail_on_every_process():
   print("\n".join(line for _, _, line in found))
 
 
-@pytest.mark.parametrize("kind", ["raise", "die", "absent", "interrupt"])
+@pytest.mark.parametrize("kind", ["raise", "die", "vanish", "absent", "interrupt"])
 def test_failures_reach_every_process_and_the_next_call_works(kind):
   """The last of 4 processes fails (raises before the call and exits / dies right after
-  offering its bytes / stays alive but never calls), or process 0 is interrupted: the
+  offering its bytes / dies before its call / stays alive but never calls), or process
+  0 is interrupted: the
   others fail, naming the process, and a later call over the healthy ones works."""
   outs = launch(4, 2, kind, interrupt=0 if kind == "interrupt" else None)
   tags = {kind, "interrupt_peer"}

@@ -13,12 +13,14 @@ Scenarios:
             on every process; the bytes this process sent and the plan's network bytes.
   refit     a pytree trainer (process 0's devices) -> generator (the last process's
             devices) with dtype=bfloat16 and donate=True, then every route of a
-            1 -> N-1 replicated refit with bytes sent vs the plan's network bytes.
+            1 -> N-1 replicated refit with bytes sent vs the plan's network bytes,
+            a 70-leaf pytree, jit over a mesh spanning processes; then `mismatch`.
   mismatch  the last process calls with another shape / dtype / sharding / route /
             pytree structure: ReshardValueError everywhere, then a healthy call works.
   raise     the last process raises before the call and exits; the others fail
             naming it, then a call over the remaining processes works.
   die       the last process dies right after offering its bytes (mid-transfer).
+  vanish    the last process dies before its call (no exit hook): its beat stops.
   absent    the last process stays alive but never calls: the others time out.
   interrupt process 0 is sent SIGINT while it waits for an absent peer (Ctrl-C).
 """
@@ -211,6 +213,16 @@ def scenario_refit(jax, jax_m2n, pid, args):
   jax.tree.map(lambda a, h, s: _check(a, h, s, ml_dtypes.bfloat16), y, hosts, dst)
   donated = all(a.is_deleted() for a in jax.tree.leaves(params))
   print(f"RESULT refit process={pid} ok=1 donated={donated}", flush=True)
+  # A large pytree (> 64 leaves: moved in groups of one layout, each a cross-process
+  # call of its own, numbered alike everywhere).
+  many = [_host(rng, (8, 4), np.float32) for _ in range(70)]
+  s_many = NamedSharding(trainer, P("dp", None))
+  d_many = NamedSharding(gen, P(None, "tp"))
+  xs = [_put(jax, h, s_many) for h in many]
+  ys = jax_m2n.reshard(xs, d_many, timeout_s=60)
+  for y, h in zip(ys, many):
+    _check(y, h, d_many)
+  print(f"RESULT large_pytree process={pid} ok=1 leaves={len(ys)}", flush=True)
   # 1 source process -> every other process, replicated: the hierarchical route sends
   # each byte once per destination process, flat once per destination device.
   host = _host(rng, (256, 64), np.float32)
@@ -241,7 +253,7 @@ def scenario_refit(jax, jax_m2n, pid, args):
   _check(y, host * 2, d)
   said = any("XLA's partitioner" in r.getMessage() for r in records)
   print(f"RESULT jit process={pid} ok={int(said)}", flush=True)
-  return 0
+  return scenario_mismatch(jax, jax_m2n, pid, args)  # one launch fewer
 
 
 def _mesh_of_processes(jax, procs, spec_axes=("x",)):
@@ -337,6 +349,8 @@ def scenario_failure(jax, jax_m2n, pid, args):
       raise RuntimeError("the user's program failed before its reshard")
     if kind == "absent":
       time.sleep(600)
+    if kind == "vanish":  # killed before its call: no exit hook, its beat stops
+      os._exit(17)
     if kind == "die":
       def die(phase):
         if phase == "offered":
@@ -356,6 +370,7 @@ def scenario_failure(jax, jax_m2n, pid, args):
 SCENARIOS = {"random": scenario_random, "refit": scenario_refit,
              "mismatch": scenario_mismatch, "raise": scenario_failure,
              "die": scenario_failure, "absent": scenario_failure,
+             "vanish": scenario_failure,
              "interrupt": scenario_failure}
 
 
@@ -390,7 +405,7 @@ def main():
     while time.monotonic() < deadline:
       ended = {k for k, _ in kv.key_value_dir_get("test/end/")}
       if len(ended) >= args.num_processes - (args.scenario in (
-          "raise", "die", "absent", "interrupt")):
+          "raise", "die", "absent", "interrupt", "vanish")):
         break
       time.sleep(0.05)
   sys.stdout.flush()

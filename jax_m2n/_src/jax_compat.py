@@ -200,3 +200,10 @@ def with_partitioner_mesh(ctx: Any, mesh: Any) -> Any:
     # A JAX whose contexts changed shape: the caller falls back to XLA's partitioner
     # (correct, slower); tests/jax_compat_test.py fails loudly on such a JAX.
     return None
+
+
+def distributed_client() -> Any:
+  """The `jax.distributed` key-value client (None before jax.distributed.initialize):
+  the store the multi-controller control plane bootstraps through (processes/)."""
+  from jax._src import distributed  # global_state: no public spelling in 0.10-0.11
+  return distributed.global_state.client

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from jax_m2n._src import jax_compat
 from jax_m2n._src.errors import ReshardRuntimeError
 
 _API = "reshard"
@@ -31,9 +32,8 @@ DEAD_AFTER_S = float(os.environ.get("JAX_M2N_PEER_DEAD_S", "1.5"))
 
 
 def kv_client() -> Any:
-  """The `jax.distributed` key-value client (no public spelling in jax 0.10-0.11)."""
-  from jax._src import distributed  # private: the one place jax_m2n reaches for it
-  client = distributed.global_state.client
+  """The `jax.distributed` key-value client; a ReshardRuntimeError outside a job."""
+  client = jax_compat.distributed_client()
   if client is None:
     raise ReshardRuntimeError(
         f"{_API}: a reshard across processes must run under jax.distributed; got no "

@@ -56,6 +56,12 @@ class CrossProcessReshard:
       for d in jax_compat.device_assignment(s):
         devices[d.id] = d
     self.devices = devices
+    # What the eager cache reads of any entry (eager/cache._Grouped): a large pytree
+    # runs as several such calls, numbered alike on every process.
+    self.platform = "cpu"
+    self.caller_dispatch = False
+    self.out_avals = [(tuple(sh), o, d) for sh, o, d in zip(
+        shapes, out_dtypes, dsts)]
     self.timeout_ms = timeout_ms
     self.shapes = [tuple(s) for s in shapes]
     self.out_dtypes = out_dtypes
