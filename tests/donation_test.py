@@ -87,3 +87,12 @@ def test_unaliased_donation_still_deletes():
   out = jax_m2n.reshard([a, b], D[1], donate=[True, False])
   assert a.is_deleted() and not b.is_deleted()
   np.testing.assert_array_equal(np.asarray(out[0]), np.arange(8.0))
+
+
+def test_a_quantized_leaf_sharing_its_array_with_another_leaf_is_not_donated():
+  a = jax.device_put(np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32), D[0])
+  spec = jax_m2n.Quantize("float8_e4m3fn", channelwise_axes=(0,))
+  out = jax_m2n.reshard({"q": a, "p": a}, D[1], dtype={"q": spec, "p": None},
+                        donate={"q": True, "p": True})
+  assert not a.is_deleted()
+  np.testing.assert_array_equal(np.asarray(out["p"]), np.asarray(a))

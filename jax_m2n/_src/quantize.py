@@ -9,6 +9,7 @@ source layout; moves only through `api.reshard` (passed in: no import of api her
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import numbers
@@ -457,6 +458,10 @@ def reshard(move: Callable[..., Any], x: Any, dst_sharding: Any, dtype: Any, *,
     outs = _run_program([leaves[i] for i in members], [plans[i][0] for i in members])
     quantized.update(zip(members, outs))
   # One plain reshard: plain leaves, then (values, scales) of each quantized leaf.
+  # An array at several leaves of x is never donated (as jax.device_put; the eager
+  # rule, eager/delegate._donatable): the plain call sees only some of its leaves.
+  count = collections.Counter(id(v) for v in leaves)
+  flags = [f and count[id(v)] == 1 for f, v in zip(flags, leaves)]
   in_leaves, in_dsts, in_srcs, in_dtypes, in_flags, slots = [], [], [], [], [], []
   for i in range(n):
     if i in direct:
