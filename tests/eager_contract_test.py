@@ -133,4 +133,7 @@ def test_nan_moves_under_a_debug_nans_context(devs):
     y = jax_m2n.reshard(x, dst)
     y2 = jax_m2n.reshard(x, devs[5], dtype=jnp.bfloat16)  # fused: no astype runs
   np.testing.assert_array_equal(np.asarray(y), host)
-  np.testing.assert_array_equal(np.asarray(y2), host.astype(jnp.bfloat16))
+  # As float32: numpy on ml_dtypes' bfloat16 does not always see NaN == NaN as equal
+  # (numpy 2.5 / jax 0.11.2), the values are what is compared.
+  np.testing.assert_array_equal(np.asarray(y2).astype(np.float32),
+                                host.astype(jnp.bfloat16).astype(np.float32))

@@ -17,6 +17,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+pytest.importorskip("tunix", reason="needs google-tunix (the jax_m2n[tunix] extra)")
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from tunix.generate import utils as generate_utils  # noqa: E402

@@ -12,6 +12,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+pytest.importorskip("tunix", reason="needs google-tunix (the jax_m2n[tunix] extra)")
+pytest.importorskip("grain", reason="needs grain (google-tunix's data loader)")
 from flax import nnx  # noqa: E402
 
 from examples import tunix_grpo  # noqa: E402

@@ -19,9 +19,12 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "tunix_multiprocess_worker.py")
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("jax_m2n._src.processes") is None,
-    reason="this jax_m2n has no cross-process CPU reshard (jax_m2n._src.processes)")
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("jax_m2n._src.processes") is None,
+        reason="this jax_m2n has no cross-process CPU reshard (jax_m2n._src.processes)"),
+    pytest.mark.skipif(importlib.util.find_spec("tunix") is None,
+                       reason="needs google-tunix (the jax_m2n[tunix] extra)")]
 
 
 def _free_port() -> int:
