@@ -47,14 +47,18 @@ def _same(out, ref):
 
 def test_one_layout_builds_its_group_programs_once(devs, builds):
   group = eager.cache._GROUP_LEAVES
-  n = 3 * group + 5  # three full groups and a remainder: two group layouts
+  n = 4 * group  # four groups of one size: one build
   tree = _tree(devs, n, [(8, 12)])
   dst = NamedSharding(Mesh(devs[4:], ("y",)), P(None, "y"))
   _same(jax_m2n.reshard(tree, dst), jax.device_put(tree, dst))
-  assert sorted(builds) == [5, group]
+  assert builds == [group]
   again = jax_m2n.reshard(tree, dst)  # the fast path: no build, same result
   _same(again, jax.device_put(tree, dst))
-  assert sorted(builds) == [5, group]
+  assert builds == [group]
+  odd = _tree(devs, 3 * group + 5, [(8, 12)], offset=7)  # 4 groups: 50, 50, 50, 47
+  _same(jax_m2n.reshard(odd, dst), jax.device_put(odd, dst))
+  size = -(-(3 * group + 5) // 4)
+  assert builds == [group, size, 3 * group + 5 - 3 * size]
   assert len(api._fast_cache)
 
 

@@ -235,8 +235,11 @@ def _build_grouped(request: Request, dsts: Sequence[Sharding]) -> _Grouped:
     by_layout.setdefault((x.shape, x.dtype, x.sharding, d, o), []).append(i)
   parts = []
   for index in by_layout.values():
-    for k in range(0, len(index), _GROUP_LEAVES):
-      group = index[k:k + _GROUP_LEAVES]
+    # Groups of one size as far as it goes (200 leaves: 4 x 50, one build, not
+    # 3 x 64 + 8, two).
+    size = -(-len(index) // -(-len(index) // _GROUP_LEAVES))
+    for k in range(0, len(index), size):
+      group = index[k:k + size]
       sub = request.subset(group).replace(dsts=[dsts[i] for i in group],
                                           srcs=[None] * len(group),
                                           donate=[False] * len(group))
