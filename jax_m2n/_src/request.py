@@ -22,7 +22,8 @@ class Request:
   Per leaf i: `dsts[i]` (a Sharding, a ShapeDtypeStruct with one, or None: keep),
   `srcs[i]` (the src_sharding given for it, or None), `out_dtypes[i]` (the dtype to
   convert to, or None: keep) and `donate[i]`. Per call: `route`, `topology` (as given:
-  None, a domain size, device id lists or a Topology), `timeout_ms`, `chunk_bytes`.
+  None, a domain size, device id lists or a Topology), `timeout_ms`, `chunk_bytes` (the
+  planner's Chunking: a transport and the caller's chunk bytes or None, per plan).
   `names()` returns the leaves' names for messages (formed only when a message needs
   them: that costs more than the checks).
   """
@@ -36,7 +37,7 @@ class Request:
   route: str
   topology: Any
   timeout_ms: int
-  chunk_bytes: int
+  chunk_bytes: Any  # planner.Chunking (checks._chunk_bytes)
   names: Callable[[], list[str]]
 
   def __len__(self) -> int:
