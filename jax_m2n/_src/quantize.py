@@ -407,6 +407,19 @@ def _leaf_info(api: str, name: str, leaf: Any) -> tuple[tuple[int, ...], np.dtyp
   return tuple(aval.shape), np.dtype(aval.dtype)
 
 
+def _per_leaf(api: str, x: Any, dst_sharding: Any, src_sharding: Any, dtype: Any):
+  """x's leaves, treedef and names, with per leaf its spec (Quantize, dtype or None),
+  destination and src_sharding (prefixes broadcast as reshard does)."""
+  leaves, treedef = jax.tree_util.tree_flatten(x)
+  n = len(leaves)
+  names = _names_of(x)
+  specs = _spec_leaves(api, dtype, x, treedef, n)
+  dsts = _broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n, names)
+  srcs = ([None] * n if src_sharding is None else
+          _broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n, names))
+  return leaves, treedef, names, specs, dsts, srcs
+
+
 def reshard(move: Callable[..., Any], x: Any, dst_sharding: Any, dtype: Any, *,
             route: str, topology: Any, donate: Any, src_sharding: Any,
             timeout_s: Any, chunk_bytes: Any) -> Any:
@@ -420,13 +433,9 @@ def reshard(move: Callable[..., Any], x: Any, dst_sharding: Any, dtype: Any, *,
   `scale_sharding(destination)`, and each quantized leaf is returned as a QArray.
   """
   api = "reshard"
-  leaves, treedef = jax.tree_util.tree_flatten(x)
+  leaves, treedef, names, specs, dsts, srcs = _per_leaf(api, x, dst_sharding,
+                                                        src_sharding, dtype)
   n = len(leaves)
-  names = _names_of(x)
-  specs = _spec_leaves(api, dtype, x, treedef, n)
-  dsts = _broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n, names)
-  srcs = ([None] * n if src_sharding is None else
-          _broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n, names))
   flags = _donate_flags(api, donate, x, treedef, n)
   traced = (not jax_compat.trace_state_clean()) or any(
       isinstance(v, jax.core.Tracer) for v in leaves)
@@ -528,13 +537,9 @@ def plan_arguments(x: Any, dst_sharding: Any, src_sharding: Any,
   """`plan`'s arguments with each quantized leaf as its value and scale arrays
   (ShapeDtypeStructs in the layouts a quantized reshard moves them between)."""
   api = "plan"
-  leaves, treedef = jax.tree_util.tree_flatten(x)
+  leaves, treedef, names, specs, dsts, srcs = _per_leaf(api, x, dst_sharding,
+                                                        src_sharding, dtype)
   n = len(leaves)
-  names = _names_of(x)
-  specs = _spec_leaves(api, dtype, x, treedef, n)
-  dsts = _broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n, names)
-  srcs = ([None] * n if src_sharding is None else
-          _broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n, names))
   out_x, out_dst, out_src, out_dtype = [], [], [], []
   for i, spec in enumerate(specs):
     v, dst, src = leaves[i], dsts[i], srcs[i]
