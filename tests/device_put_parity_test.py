@@ -430,21 +430,23 @@ def test_jit_without_src_on_one_mesh_runs_jax_m2n_bitwise_like_the_constraint(ca
 def test_jit_without_src_across_meshes_grad_and_vmap(case):
   src, dst, shape, dtype, seed = case
   x = jax.device_put(data(shape, dtype, seed=seed), src)
-  def like(move, v):  # JAX's own limit: an output layout it cannot name (Shardy)
+  def like(move, *v):  # JAX's own limit: an output layout it cannot name (Shardy)
     try:
-      return move(v)
+      return move(*v)
     except Exception as e:  # noqa: BLE001
       hypothesis.assume(type(e).__name__ != "IndivisibleError")
       raise
 
   constrain = lambda v: jax.lax.with_sharding_constraint(v, dst)  # noqa: E731
-  ref = like(jax.jit(constrain), x)
+  # The jit's output has dst's layout, as with out_shardings=dst (JAX's own constraint
+  # without it may come out in another layout Shardy chose, or an IndivisibleError).
+  ref = jax.jit(constrain, out_shardings=dst)(x)
   f = jax.jit(lambda v: jax_m2n.reshard(v, dst))
   assert 'custom_call_target="jax_m2n_reshard"' in f.lower(x).compile().as_text()
   assert_same(f(x), ref)
   if dtype in (np.float32, jnp.bfloat16):
     w = jax.device_put(data(shape, dtype, seed=seed + 1), dst)
-    g_ref = jax.jit(jax.grad(_loss(jax.device_put, dst)))(x, w)
+    g_ref = like(jax.jit(jax.grad(_loss(jax.device_put, dst))), x, w)
     g = jax.jit(jax.grad(_loss(jax_m2n.reshard, dst)))(x, w)
     np.testing.assert_array_equal(bits(g), bits(g_ref))
   xb = jax.device_put(data((2,) + shape, dtype, seed=seed),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from typing import Any, Sequence
 
 import jax
@@ -38,6 +39,10 @@ from jax_m2n._src.request import Request
 from jax_m2n._src.topology import Topology, as_topology
 
 logger = logging.getLogger("jax_m2n")
+
+# What a reshard stages into a jaxpr is attributed to the user's line, not ours.
+jax_compat.exclude_from_source_info(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
 
 # ---------------------------------------------------------------------------------------
 # Public API
@@ -517,7 +522,7 @@ def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_byte
       if isinstance(y, jax.core.Tracer) and not transforms._is_explicit(dst):
         # The layout the jit's outputs report comes from the jaxpr, not from inside the
         # lowering: state it here too (a no-op for XLA, the value is already there).
-        y = jax.lax.with_sharding_constraint(y, dst)
+        y = traced.state_layout(y, dst)
       outs[i] = y
   return outs
 

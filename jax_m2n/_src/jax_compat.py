@@ -162,6 +162,13 @@ def is_staged(v: Any) -> bool:
   return False
 
 
+def is_jaxpr_tracer(v: Any) -> bool:
+  """Whether `v` is being staged into a jaxpr directly (jit), not through a vmap or JVP
+  tracer."""
+  from jax._src.interpreters import partial_eval as pe  # no public spelling
+  return isinstance(v, pe.DynamicJaxprTracer)
+
+
 def tangent_zero(primal: Any) -> Any:
   """The symbolic zero tangent of a primal value (spelled differently across JAX)."""
   from jax.interpreters import ad
@@ -200,6 +207,14 @@ def with_partitioner_mesh(ctx: Any, mesh: Any) -> Any:
     # A JAX whose contexts changed shape: the caller falls back to XLA's partitioner
     # (correct, slower); tests/jax_compat_test.py fails loudly on such a JAX.
     return None
+
+
+def exclude_from_source_info(path: str) -> None:
+  """Makes JAX attribute operations staged from files under `path` to their caller:
+  the user's line is what JAX's errors (e.g. "Received incompatible devices for jitted
+  computation ... at file:line") and HLO metadata name, as for JAX's own files."""
+  from jax._src import source_info_util  # register_exclusion: no public spelling
+  source_info_util.register_exclusion(path)
 
 
 def distributed_client() -> Any:

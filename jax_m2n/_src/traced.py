@@ -306,6 +306,57 @@ def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
 
 
 
+def _prime_factors(n: int) -> list[int]:
+  out, p = [], 2
+  while n > 1:
+    while n % p == 0:
+      out.append(p)
+      n //= p
+    p += 1
+  return out or [1]
+
+
+def prime_mesh_sharding(dst: NamedSharding) -> NamedSharding:
+  """The same layout as `dst` (Auto axes, a concrete Mesh) on a mesh of the same devices
+  in the same order whose axes are `dst`'s split into prime sizes ((4, 2) -> (2, 2, 2)):
+  `dst` itself where every axis is already prime or 1."""
+  mesh = dst.mesh
+  factors = {a: _prime_factors(n) for a, n in mesh.shape.items()}
+  if all(len(f) == 1 for f in factors.values()):
+    return dst
+  names, sizes, split = [], [], {}
+  for a, f in factors.items():  # no leading "_": Shardy drops such axes
+    split[a] = tuple(f"m2n_{a}_{i}" for i in range(len(f)))
+    names.extend(split[a])
+    sizes.extend(f)
+  prime = Mesh(np.array(mesh.devices.flat, dtype=object).reshape(sizes), tuple(names),
+               axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+  entries = []
+  for e in dst.spec:
+    if e is None or e is PartitionSpec.UNCONSTRAINED:
+      entries.append(e)
+    else:
+      entries.append(tuple(x for a in ((e,) if isinstance(e, str) else e)
+                           for x in split[a]))
+  return NamedSharding(prime, PartitionSpec(*entries), memory_kind=dst.memory_kind)
+
+
+def state_layout(v: Any, dst: Any) -> Any:
+  """A traced value constrained to `dst` where the jit's outputs read their layout
+  from: the jaxpr. On Auto axes two constraints of one layout (no data moves): on
+  `prime_mesh_sharding(dst)`, then on `dst`. XLA's Shardy, given only the second for a
+  value whose operand lives on a mesh of another shape ((2, 4) P('b', 'a') -> (4, 2)
+  P('d', 'c')), gives the jit's output another layout ({devices=[1,2,4]<=[8]
+  last_tile_dim_replicate}) that JAX 0.10.2 cannot name (an IndivisibleError from the
+  jit, for JAX's own with_sharding_constraint too); through the prime mesh it keeps
+  `dst`. Under vmap (or a JVP) only `dst`: the batch rule of spmd_axis_name= names
+  `dst`'s own mesh axes."""
+  if jax_compat.is_jaxpr_tracer(v) and isinstance(dst, NamedSharding) and isinstance(
+      dst.mesh, Mesh) and all(t == jax.sharding.AxisType.Auto for t in dst.mesh.axis_types):
+    v = jax.lax.with_sharding_constraint(v, prime_mesh_sharding(dst))
+  return jax.lax.with_sharding_constraint(v, dst)
+
+
 def check_staged_devices(name: str, aval, given: Sharding | None, dst: Sharding) -> None:
   """At trace time, what lowering would refuse later (after JAX's own device checks
   had raised a less clear error): source and destination on the jit's devices."""
@@ -314,6 +365,18 @@ def check_staged_devices(name: str, aval, given: Sharding | None, dst: Sharding)
   if src is None and typed is not None:
     mesh = _concrete_mesh_for(typed.mesh, [dst])
     src = NamedSharding(mesh, typed.spec) if mesh is not None else None
+  context = jax_compat.context_mesh()
+  if context is not None and isinstance(dst, (NamedSharding, SingleDeviceSharding)):
+    # Under jax.set_mesh the context mesh's device order is the jit's (JAX checks it).
+    want = [d.id for d in context.devices.flat]
+    got = [d.id for d in jax_compat.device_assignment(_as_named(_API, name, dst,
+                                                                "destination"))]
+    if got != want:
+      raise ReshardValueError(
+          f"{_API}: inside jit the destination of {name} must be on the jit's devices "
+          f"in their order (under jax.set_mesh, the context mesh's); got destination "
+          f"devices {got} and context mesh devices {want}. Hint: call "
+          "jax_m2n.reshard outside jit to move arrays between device sets.")
   if src is None:
     # On Auto axes the type still names the source's mesh shape (not its devices): a
     # destination on another number of devices cannot be on the jit's devices.

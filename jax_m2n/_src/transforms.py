@@ -135,7 +135,7 @@ def constrain(v: Any, dst: Any) -> Any:
   """XLA's move of a traced value to `dst` (jax.device_put inside jit keeps the
   operand's layout): jax.sharding.reshard on Explicit axes, else a constraint."""
   return (jax.sharding.reshard(v, dst) if _is_explicit(dst) else
-          jax.lax.with_sharding_constraint(v, dst))
+          traced.state_layout(v, dst))
 
 
 def _sharding_of(dst: Any) -> Any:
