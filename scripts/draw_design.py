@@ -8,11 +8,8 @@ Owns the figure only; rerun after changing the flow:
 
 import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # pylint: disable=g-import-not-at-top,wrong-import-position
+import flow_figure
+from matplotlib.patches import FancyArrowPatch
 
 PLAN, SCHED, RUN, XPORT = "#dbe9f6", "#fde9c8", "#e2f0d9", "#ead9f0"
 
@@ -56,18 +53,8 @@ def _anchor(name, side):
 
 
 def draw(out):
-  plt.rcParams["svg.fonttype"] = "none"  # text stays text: small, diffable
-  fig, ax = plt.subplots(figsize=(8.0, 8.2))
-  ax.set_xlim(0, 10.1)
-  ax.set_ylim(0, 10.0)
-  ax.axis("off")
-  for x, y, w, h, colour, title, detail in BOXES.values():
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.12",
-                                fc=colour, ec="#444444", lw=1.0))
-    ax.text(x + w / 2, y + h - 0.28, title, ha="center", va="center", fontsize=10,
-            fontweight="bold")
-    ax.text(x + w / 2, y + (h - 0.45) / 2, detail, ha="center", va="center", fontsize=8.5,
-            linespacing=1.3)
+  fig, ax = flow_figure.figure((8.0, 8.2), 10.1, 10.0)
+  flow_figure.boxes(ax, BOXES.values(), 10, 8.5, 0.28, 0.45)
   for a, b, sa, sb in ARROWS:
     ax.add_patch(FancyArrowPatch(_anchor(a, sa), _anchor(b, sb), arrowstyle="-|>",
                                  mutation_scale=12, lw=1.1, color="#333333",
@@ -76,8 +63,7 @@ def draw(out):
                    (3.6, "execution"), (1.3, "transports")):
     ax.text(10.05, y, label, ha="right", va="center", fontsize=8, color="#666666",
             rotation=90)
-  fig.savefig(out, bbox_inches="tight", metadata={"Date": None})
-  print(f"wrote {out}")
+  flow_figure.save(fig, out)
 
 
 if __name__ == "__main__":

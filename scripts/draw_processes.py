@@ -7,11 +7,8 @@ Owns the figure only; rerun after changing the flow:
 
 import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # pylint: disable=g-import-not-at-top,wrong-import-position
+import flow_figure
+from matplotlib.patches import FancyArrowPatch
 
 PROC, KV, DEV = "#e2f0d9", "#fde9c8", "#dbe9f6"
 
@@ -50,19 +47,8 @@ def _centre(name):
 
 
 def draw(out):
-  plt.rcParams["svg.fonttype"] = "none"  # text stays text: small, diffable
-  fig, ax = plt.subplots(figsize=(8.4, 7.6))
-  ax.set_xlim(0, 10.1)
-  ax.set_ylim(0, 9.2)
-  ax.axis("off")
-  for x, y, w, h, colour, title, detail in BOXES.values():
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.12",
-                                fc=colour, ec="#444444", lw=1.0))
-    ax.text(x + w / 2, y + h - 0.25, title, ha="center", va="center", fontsize=9,
-            fontweight="bold")
-    if detail:
-      ax.text(x + w / 2, y + (h - 0.4) / 2, detail, ha="center", va="center",
-              fontsize=7.2, linespacing=1.3)
+  fig, ax = flow_figure.figure((8.4, 7.6), 10.1, 9.2)
+  flow_figure.boxes(ax, BOXES.values(), 9, 7.2, 0.25, 0.4)
   for a, b, label, rad in ARROWS:
     (xa, ya), (xb, yb) = _centre(a), _centre(b)
     ya, yb = ya - 0.45, yb - 0.45
@@ -76,8 +62,7 @@ def draw(out):
     ax.add_patch(FancyArrowPatch((x + w / 2, y + h), (x + w / 2, 7.6), arrowstyle="<|-|>",
                                  mutation_scale=10, lw=0.9, color="#996600", shrinkA=1,
                                  shrinkB=1))
-  fig.savefig(out, bbox_inches="tight", metadata={"Date": None})
-  print(f"wrote {out}")
+  flow_figure.save(fig, out)
 
 
 if __name__ == "__main__":

@@ -165,27 +165,33 @@ def _as_dtype(api: str, v: Any) -> np.dtype:
 
 
 def _out_dtypes(api: str, dtype: Any, x: Any, treedef, n: int,
-                names: Callable[[], list[str]]) -> list[np.dtype | None]:
+                names: Callable[[], list[str]] | None = None, *,
+                is_leaf: Callable[[Any], bool] = _is_dtype_leaf,
+                convert: Callable[[Any], Any] | None = None,
+                what: str = "one dtype") -> list[Any]:
   """One destination dtype per leaf (None: keep) from `dtype=`: a dtype, None, or a
-  pytree prefix of x of them, broadcast like `donate` and `dst_sharding`."""
+  pytree prefix of x of them, broadcast like `donate` and `dst_sharding`. `is_leaf`
+  and `convert` (default: `_as_dtype`) widen what a leaf may be (quantize.py adds
+  Quantize specs); `what` names it in errors."""
+  del names  # the rule has no per-leaf error
+  convert = convert or (lambda v: _as_dtype(api, v))
   if dtype is None:
     return [None] * n
-  if _is_dtype_leaf(dtype):
-    return [_as_dtype(api, dtype)] * n
-  flat, tree = jax.tree_util.tree_flatten(dtype, is_leaf=_is_dtype_leaf)
+  if is_leaf(dtype):
+    return [convert(dtype)] * n
+  flat, tree = jax.tree_util.tree_flatten(dtype, is_leaf=is_leaf)
   if tree != treedef:
     try:
-      flat = _prefix_leaves(dtype, x, _is_dtype_leaf)
+      flat = _prefix_leaves(dtype, x, is_leaf)
     except (ValueError, TypeError) as e:
       raise ReshardValueError(
-          f"{api}: dtype must be one dtype or a pytree prefix of x of dtypes (None: "
-          f"keep); got structure {tree} for x of structure {treedef}. Detail: {e}"
-      ) from None
+          f"{api}: dtype must be {what} or a pytree prefix of x of them (None: keep); "
+          f"got structure {tree} for x of structure {treedef}. Detail: {e}") from None
     if len(flat) != n:
       raise ReshardValueError(
-          f"{api}: dtype must be one dtype or a pytree prefix of x; got {len(flat)} "
+          f"{api}: dtype must be {what} or a pytree prefix of x; got {len(flat)} "
           f"leaves after broadcasting onto the {n} leaves of x.")
-  return [None if v is None else _as_dtype(api, v) for v in flat]
+  return [None if v is None else convert(v) for v in flat]
 
 
 def _leaf_aval(api: str, name: Any, leaf: Any) -> Any:

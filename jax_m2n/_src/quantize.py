@@ -27,7 +27,7 @@ from jax_m2n._src import quantize_numerics as numerics
 from jax_m2n._src.checks import (_as_dtype, _broadcast_prefix, _donate_flags,
                                  _dst_sharding_of, _is_dtype_leaf, _LazyName,
                                  _leaf_names,
-                                 _normalize_dst, _prefix_leaves)
+                                 _normalize_dst, _out_dtypes)
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 
 QTYPES = ("float8_e4m3fn", "float8_e5m2", "mxfp8")
@@ -361,23 +361,9 @@ def has_spec(dtype: Any) -> bool:
 
 def _spec_leaves(api: str, dtype: Any, x: Any, treedef, n: int) -> list[Any]:
   """One entry per leaf of x: a Quantize, a dtype or None (checks._out_dtypes' rule)."""
-  if isinstance(dtype, Quantize):
-    return [dtype] * n
-  flat, tree = jax.tree_util.tree_flatten(dtype, is_leaf=_is_spec_leaf)
-  if tree != treedef:
-    try:
-      flat = _prefix_leaves(dtype, x, _is_spec_leaf)
-    except (ValueError, TypeError) as e:
-      raise ReshardValueError(
-          f"{api}: dtype must be one dtype or Quantize, or a pytree prefix of x of them "
-          f"(None: keep); got structure {tree} for x of structure {treedef}. Detail: {e}"
-      ) from None
-    if len(flat) != n:
-      raise ReshardValueError(
-          f"{api}: dtype must be a pytree prefix of x; got {len(flat)} leaves after "
-          f"broadcasting onto the {n} leaves of x.")
-  return [v if v is None or isinstance(v, Quantize) else _as_dtype(api, v)
-          for v in flat]
+  return _out_dtypes(api, dtype, x, treedef, n, is_leaf=_is_spec_leaf,
+                     convert=lambda v: v if isinstance(v, Quantize) else _as_dtype(api, v),
+                     what="one dtype or Quantize")
 
 
 def _names_of(x: Any) -> Callable[[], list[str]]:

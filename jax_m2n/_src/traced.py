@@ -229,13 +229,7 @@ def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
     _check_holds(_API, name, src, shape, "source")
     src = _as_named(_API, name, src, "source")
     dnamed = _as_named(_API, name, dst_sharding, "destination")
-    if jax_compat.device_assignment(src) != jax_compat.device_assignment(dnamed):
-      raise ReshardValueError(
-          f"{_API}: inside jit the source and destination of {name} must be on the same "
-          f"devices in the same order (jit's device assignment); got source devices "
-          f"{[d.id for d in jax_compat.device_assignment(src)]} and destination devices "
-          f"{[d.id for d in jax_compat.device_assignment(dnamed)]}. Hint: call jax_m2n.reshard "
-          "outside jit to move arrays between device sets.")
+    _check_same_devices(name, src, dnamed)
     if srcs and jax_compat.device_assignment(src) != jax_compat.device_assignment(srcs[0]):
       raise ReshardValueError(
           f"{_API}: inside jit every leaf must be on the same devices; got "
@@ -392,14 +386,19 @@ def check_staged_devices(name: str, aval, given: Sharding | None, dst: Sharding)
           "outside jit to move arrays between device sets.")
   if src is None or not isinstance(src, (NamedSharding, SingleDeviceSharding)):
     return
-  src = _as_named(_API, name, src, "source")
-  dnamed = _as_named(_API, name, dst, "destination")
-  if jax_compat.device_assignment(src) != jax_compat.device_assignment(dnamed):
+  _check_same_devices(name, _as_named(_API, name, src, "source"),
+                      _as_named(_API, name, dst, "destination"))
+
+
+def _check_same_devices(name: str, src: NamedSharding, dst: NamedSharding) -> None:
+  """Inside jit: source and destination on the same devices in the same order (the
+  jit's device assignment)."""
+  if jax_compat.device_assignment(src) != jax_compat.device_assignment(dst):
     raise ReshardValueError(
         f"{_API}: inside jit the source and destination of {name} must be on the same "
         f"devices in the same order (jit's device assignment); got source devices "
         f"{[d.id for d in jax_compat.device_assignment(src)]} and destination devices "
-        f"{[d.id for d in jax_compat.device_assignment(dnamed)]}. Hint: call "
+        f"{[d.id for d in jax_compat.device_assignment(dst)]}. Hint: call "
         "jax_m2n.reshard outside jit to move arrays between device sets.")
 
 

@@ -29,6 +29,8 @@ import sys
 import time
 from typing import Callable
 
+from jax_m2n.bench import report
+
 MIB = 1 << 20
 METHODS = ("reshard_dtype", "astype_device_put", "astype_reshard")
 CASES = ("single", "sharded")
@@ -193,12 +195,8 @@ def markdown(doc: dict) -> str:
 def main(jax, out_dir: str, size_bytes: int, iters: int, warmup: int,
          print_fn: Callable[[str], object] = print, target: str = DEFAULT_TARGET) -> int:
   doc = run(jax, size_bytes, iters, warmup, print_fn=print_fn, target=target)
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, "dtype.json"), "w") as f:
-    json.dump(doc, f, indent=1)
   text = markdown(doc)
-  with open(os.path.join(out_dir, "dtype.md"), "w") as f:
-    f.write(text)
+  report.write_suite(doc, text, out_dir, "dtype")
   print_fn(text)
   return 0
 

@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Callable, Sequence
 
+from jax_m2n.bench import report
+
 MB = 1e6
 
 
@@ -136,12 +138,8 @@ def markdown(doc: dict) -> str:
 def main(out_dir: str, checkpoints: Sequence[int],
          print_fn: Callable[[str], object] = print) -> int:
   doc = run(checkpoints, print_fn)
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, "memory.json"), "w") as f:
-    json.dump(doc, f, indent=1)
   text = markdown(doc)
-  with open(os.path.join(out_dir, "memory.md"), "w") as f:
-    f.write(text)
+  report.write_suite(doc, text, out_dir, "memory")
   print_fn(text)
   return 0
 

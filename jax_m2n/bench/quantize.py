@@ -18,11 +18,11 @@ Usage:
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 from typing import Callable
+
+from jax_m2n.bench import report
 
 MIB = 1 << 20
 METHODS = ("reshard_quantize", "device_put_qwix")
@@ -139,11 +139,7 @@ def main(jax, out_dir: str, size_mib: float | None, iters: int, warmup: int,
   on_gpu = jax.devices()[0].platform != "cpu"
   sizes = ([size_mib] if size_mib else GPU_SIZES_MIB if on_gpu else CPU_SIZES_MIB)
   doc = run(jax, [int(s * MIB) for s in sizes], iters, warmup, print_fn)
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, "quantize.json"), "w") as f:
-    json.dump(doc, f, indent=1)
   text = markdown(doc)
-  with open(os.path.join(out_dir, "quantize.md"), "w") as f:
-    f.write(text)
+  report.write_suite(doc, text, out_dir, "quantize")
   print_fn(text)
   return 0

@@ -96,6 +96,13 @@ def write_text(text: str, path: str) -> None:
   os.replace(tmp, path)
 
 
+def write_suite(doc: dict, text: str, out_dir: str, name: str) -> None:
+  """A small suite's outputs: `<name>.json` (doc) and `<name>.md` (text) in out_dir."""
+  os.makedirs(out_dir, exist_ok=True)
+  write_json(doc, os.path.join(out_dir, name + ".json"))
+  write_text(text, os.path.join(out_dir, name + ".md"))
+
+
 # ---------------------------------------------------------------------------------------
 # Tables (shared by markdown and the terminal)
 # ---------------------------------------------------------------------------------------
