@@ -272,7 +272,7 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   srcs = ([None] * n if src_sharding is None else
           _broadcast_prefix(_API, "src_sharding", src_sharding, x, treedef, n, names))
   flags = _donate_flags(_API, donate, x, treedef, n)
-  out_dtypes = _out_dtypes(_API, dtype, x, treedef, n, names)
+  out_dtypes = _out_dtypes(_API, dtype, x, treedef, n)
   if not n:
     return jax.tree_util.tree_unflatten(treedef, [])
   if dtype is not None:
@@ -604,7 +604,7 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   dsts = _broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n, names)
   given = ([None] * n if src_sharding is None else
            _broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n, names))
-  out_dtypes = _out_dtypes(api, dtype, x, treedef, n, names)
+  out_dtypes = _out_dtypes(api, dtype, x, treedef, n)
   src_layouts, dst_layouts, itemsizes, devices, resolved = [], [], [], {}, []
   for i, (leaf, dst, src) in enumerate(zip(leaves, dsts, given)):
     out = out_dtypes[i]

@@ -164,8 +164,7 @@ def _as_dtype(api: str, v: Any) -> np.dtype:
   return dt
 
 
-def _out_dtypes(api: str, dtype: Any, x: Any, treedef, n: int,
-                names: Callable[[], list[str]] | None = None, *,
+def _out_dtypes(api: str, dtype: Any, x: Any, treedef, n: int, *,
                 is_leaf: Callable[[Any], bool] = _is_dtype_leaf,
                 convert: Callable[[Any], Any] | None = None,
                 what: str = "one dtype") -> list[Any]:
@@ -173,7 +172,6 @@ def _out_dtypes(api: str, dtype: Any, x: Any, treedef, n: int,
   pytree prefix of x of them, broadcast like `donate` and `dst_sharding`. `is_leaf`
   and `convert` (default: `_as_dtype`) widen what a leaf may be (quantize.py adds
   Quantize specs); `what` names it in errors."""
-  del names  # the rule has no per-leaf error
   convert = convert or (lambda v: _as_dtype(api, v))
   if dtype is None:
     return [None] * n
