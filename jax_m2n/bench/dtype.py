@@ -30,6 +30,7 @@ import time
 from typing import Callable
 
 from jax_m2n.bench import report
+from jax_m2n.bench import timing
 
 MIB = 1 << 20
 METHODS = ("reshard_dtype", "astype_device_put", "astype_reshard")
@@ -153,12 +154,9 @@ def run(jax, size_bytes: int, iters: int, warmup: int, memory: bool = True,
         ref = np.asarray(y)
       elif not np.array_equal(np.asarray(y).view(bits), ref.view(bits)):
         raise AssertionError(f"dtype/{case}: {method} differs from reshard(dtype=)")
-      times = []
-      for _ in range(iters):
-        t = time.perf_counter()
-        y = jax.block_until_ready(fn(x, dst))
-        times.append((time.perf_counter() - t) * 1e3)
       del y
+      times = [t * 1e3 for t in timing.time_calls(
+          lambda: fn(x, dst), jax.block_until_ready, 0, iters).times_s]
       row = {"case": case, "title": title, "method": method,
              "platform": next(iter(x.sharding.device_set)).platform,
              "payload_bytes": int(x.size * 4), "ms": statistics.median(times),

@@ -19,10 +19,10 @@ Usage:
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Callable
 
 from jax_m2n.bench import report
+from jax_m2n.bench import timing
 
 MIB = 1 << 20
 METHODS = ("reshard_quantize", "device_put_qwix")
@@ -106,12 +106,9 @@ def run(jax, sizes_bytes, iters: int, warmup: int,
         ref = got
       elif not all(np.array_equal(a, b) for a, b in zip(got, ref)):
         raise AssertionError(f"quantize/{size}: {method} differs from reshard_quantize")
-      times = []
-      for _ in range(iters):
-        t = time.perf_counter()
-        y = jax.block_until_ready(fn(x, dst))
-        times.append((time.perf_counter() - t) * 1e3)
       del y
+      times = [t * 1e3 for t in timing.time_calls(
+          lambda: fn(x, dst), jax.block_until_ready, 0, iters).times_s]
       rows.append({"size_bytes": int(x.size * 4), "title": title, "method": method,
                    "platform": next(iter(x.sharding.device_set)).platform,
                    "ms": statistics.median(times), "ms_min": min(times),
