@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 from jax_m2n._src import jax_compat
 from jax_m2n._src import quantize_numerics as numerics
 from jax_m2n._src.checks import (_as_dtype, _broadcast_prefix, _donate_flags,
-                                 _dst_sharding_of, _is_dtype_leaf, _LazyName,
+                                 _dst_sharding_of, _is_dtype_leaf, _LazyName, _leaf_aval,
                                  _leaf_names,
                                  _normalize_dst, _out_dtypes)
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
@@ -378,14 +378,7 @@ def _names_of(x: Any) -> Callable[[], list[str]]:
 
 
 def _leaf_info(api: str, name: str, leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
-  try:
-    aval = jax.typeof(leaf)
-  except TypeError:
-    aval = None
-  if aval is None or not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
-    raise ReshardTypeError(
-        f"{api}: {name} quantized with dtype=Quantize(...) must be an array; got "
-        f"{type(leaf).__name__}.")
+  aval = _leaf_aval(api, name, leaf)
   if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
     raise ReshardTypeError(
         f"{api}: {name} quantized with dtype=Quantize(...) must be bfloat16, float16, "
