@@ -176,7 +176,7 @@ def test_unwaited_failure_is_raised_by_the_next_call_once(devs):
   jax.block_until_ready(jax_m2n.reshard(x, dst, timeout_s=0.2))
   jax.block_until_ready(jax_m2n.reshard(other, devs[3]))
   fn = next(eager._eager_cache[k] for k in eager._eager_cache
-            if k[4] == 200 and eager._eager_cache[k].out_avals[0][2] == dst)
+            if k[2].timeout_ms == 200 and eager._eager_cache[k].out_avals[0][2] == dst)
   assert fn([x], False, devices=[1]) == []  # device 0 never comes; returns at once
   _settled()
   with pytest.raises(jax_m2n.ReshardTimeoutError, match=r"devices \[0\] did not arrive"):
@@ -206,7 +206,7 @@ def test_block_waits_and_raises_the_calls_own_error(devs):
   dst = SingleDeviceSharding(devs[1])
   jax.block_until_ready(jax_m2n.reshard(x, dst, timeout_s=0.2))
   fn = next(eager._eager_cache[k] for k in eager._eager_cache
-            if k[4] == 200 and eager._eager_cache[k].out_avals[0][2] == dst)
+            if k[2].timeout_ms == 200 and eager._eager_cache[k].out_avals[0][2] == dst)
   (y,) = fn([x], False, block=True)
   assert y.is_ready()
   np.testing.assert_array_equal(np.asarray(y), _host())
@@ -277,7 +277,7 @@ def test_default_cpu_call_returns_finished(devs, monkeypatch):
   assert y.is_ready()
   np.testing.assert_array_equal(np.asarray(y), _host(96))
   fn = next(eager._eager_cache[k] for k in eager._eager_cache
-            if k[4] == 200 and eager._eager_cache[k].out_avals[0][0] == (96,))
+            if k[2].timeout_ms == 200 and eager._eager_cache[k].out_avals[0][0] == (96,))
   assert not fn.caller_dispatch
   with pytest.raises(jax_m2n.ReshardTimeoutError, match=r"devices \[0\] did not arrive"):
     fn([x], False, devices=[1])

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
 import plan_sim
-from jax_m2n._src import checks
+from jax_m2n._src import call_plan, checks
 from jax_m2n._src.layout import parse_layout
 from jax_m2n._src.planner import (CPU_MAX_CHUNK_BYTES, GPU_MAX_CHUNK_BYTES, ROUTES,
                                   Chunking, plan_reshard)
@@ -84,8 +84,12 @@ def test_without_hops_the_transport_bound_and_chunk_bytes_overrides():
 def test_the_api_default_is_the_platforms_chunking():
   devs = np.array(jax.devices()[:8])
   dst = NamedSharding(Mesh(devs[2:6].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
-  assert checks._chunk_bytes("reshard", None, [dst]) == Chunking("cpu", None)
-  assert checks._chunk_bytes("reshard", 4096, [dst]) == Chunking("cpu", 4096)
+  src = NamedSharding(Mesh(devs[:2], ("x",)), P("x", None))
+  for chunk_bytes in (None, 4096):
+    options = checks.options("reshard", chunk_bytes=chunk_bytes)
+    call = call_plan.plan_call([ISSUE_SHAPE], [np.float32], [src], [dst], options,
+                               path="test")
+    assert call.plan.chunking == Chunking("cpu", chunk_bytes)
   x = jax.ShapeDtypeStruct(ISSUE_SHAPE, np.float32,
                            sharding=NamedSharding(Mesh(devs[:2], ("x",)), P("x", None)))
   p = jax_m2n.plan(x, dst, topology=ISSUE_TOPO)

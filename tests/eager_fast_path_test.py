@@ -39,7 +39,7 @@ def full_path_forbidden(monkeypatch):
   def forbid():
     def refuse(*args, **kwargs):
       raise AssertionError("the repeated call took the full path")
-    monkeypatch.setattr(eager, "reshard_leaves", refuse)
+    monkeypatch.setattr(eager, "reshard", refuse)
   return forbid
 
 

@@ -126,7 +126,7 @@ def test_peer_that_never_comes_times_out_then_heals(devs):
   heals(x, host, dst, times=1)
   # A reshard with a short timeout, device 7's program never dispatched.
   short = jax_m2n.reshard(x, dst, timeout_s=0.5)  # builds the 0.5 s entry
-  fn = next(eager._eager_cache[k] for k in eager._eager_cache if k[4] == 500)
+  fn = next(eager._eager_cache[k] for k in eager._eager_cache if k[2].timeout_ms == 500)
   t = time.perf_counter()
   with pytest.raises(jax_m2n.ReshardTimeoutError, match=r"devices \[7\] did not arrive"):
     fn([x], False, devices=[p.device.id for p in fn.programs if p.device.id != 7])
@@ -143,7 +143,7 @@ def test_ctrl_c_while_waiting_interrupts_within_a_second_then_heals(devs):
   dst = dest(devs)
   heals(x, host, dst, times=1)
   fn = next(eager._eager_cache[k] for k in eager._eager_cache
-            if eager._eager_cache[k].out_avals[0][2] == dst and k[4] == TIMEOUT_S * 1000)
+            if eager._eager_cache[k].out_avals[0][2] == dst and k[2].timeout_ms == TIMEOUT_S * 1000)
   sent = []
 
   def interrupt():
@@ -225,7 +225,7 @@ def test_a_site_out_of_step_is_brought_level_by_the_next_call(devs):
   dst = dest(devs)
   heals(x, host, dst, times=1)
   fn = next(eager._eager_cache[k] for k in eager._eager_cache
-            if eager._eager_cache[k].out_avals[0][2] == dst and k[4] == TIMEOUT_S * 1000)
+            if eager._eager_cache[k].out_avals[0][2] == dst and k[2].timeout_ms == TIMEOUT_S * 1000)
   # The first call is finished when its watcher thread has ended it (under load, after
   # block_until_ready returned): until then the site is busy and no call heals it.
   for call in list(eager._site_state(fn.site).in_flight):
@@ -251,7 +251,7 @@ def test_a_call_during_a_failing_call_of_its_site_heals_at_once(devs, how):
   heals(x, host, dst, times=1)
   fn = next(eager._eager_cache[k] for k in eager._eager_cache
             if eager._eager_cache[k].out_avals[0][:2] == ((48, 24), np.float32)
-            and k[4] == TIMEOUT_S * 1000)
+            and k[2].timeout_ms == TIMEOUT_S * 1000)
   state = eager._site_state(fn.site)
   for call in list(state.in_flight):
     assert call.done.wait(FAST_S)

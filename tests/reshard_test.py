@@ -24,7 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
 from jax_m2n._src import checks, eager
-from jax_m2n._src.request import Request
+from jax_m2n._src.request import Options, Request
 
 DTYPES = (np.float32, jnp.bfloat16, np.int8, np.bool_, np.complex64, np.uint32)
 ROUTES = ("hierarchical", "flat", "gather_bcast")
@@ -486,8 +486,9 @@ def test_timeout_when_a_peer_never_arrives():
   jax_m2n.reshard(x, dst, timeout_s=2)  # builds and caches the programs
   key = eager._eager_key(Request(
       leaves=[x], treedef=jax.tree.structure(x), dsts=[dst], srcs=[None],
-      out_dtypes=[None], donate=[False], route="hierarchical", topology=None,
-      timeout_ms=2000, chunk_bytes=checks._chunk_bytes("reshard", None, [dst]),
+      out_dtypes=[None], donate=[False],
+      options=Options(route="hierarchical", topology=None, timeout_ms=2000,
+                      chunk_bytes=None),
       names=lambda: ["x"]))
   entry = eager._eager_cache[key]
   start = time.monotonic()

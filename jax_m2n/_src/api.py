@@ -7,7 +7,6 @@ the eager per-device programs (eager/) outside jit, the shard_map lowering
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 from typing import Any, Sequence
@@ -16,6 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec, Sharding
 
+from jax_m2n._src import call_plan
+from jax_m2n._src import checks
 from jax_m2n._src import eager
 from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
@@ -25,18 +26,17 @@ from jax_m2n._src import traced
 from jax_m2n._src import transforms
 from jax_m2n._src.checks import (_API, _broadcast_prefix, _check_dtype, _check_holds,
                                  _check_mesh, _check_reduction,
-                                 _check_route, _check_src_sharding, _is_format,
+                                 _check_src_sharding, _is_format,
                                  _layout_delegated_because, _plan_leaf, _uneven,
-                                 _check_topology, _chunk_bytes, _donate_flags,
+                                 _donate_flags,
                                  _is_dst_leaf, _LazyName,
                                  _leaf_aval, _out_dtypes,
                                  _dst_sharding_of, _leaf_names, _map_native_error,
-                                 _normalize_dst, _timeout_ms)
+                                 _normalize_dst)
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
-from jax_m2n._src.layout import Layout
-from jax_m2n._src.planner import Plan, plan_reshard
-from jax_m2n._src.request import Request
-from jax_m2n._src.topology import Topology, as_topology
+from jax_m2n._src.planner import Plan
+from jax_m2n._src.request import Options, Request
+from jax_m2n._src.topology import Topology
 
 logger = logging.getLogger("jax_m2n")
 
@@ -256,9 +256,7 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       outs = _fast_call(hit, leaves, donate)
       if outs is not None:
         return jax.tree_util.tree_unflatten(treedef, outs)
-  _check_route(_API, route)
-  timeout_ms = _timeout_ms(_API, timeout_s)
-  topology = _check_topology(_API, topology)
+  options = checks.options(_API, route, topology, timeout_s, chunk_bytes)
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
   name_cache: list[list[str]] = []
@@ -297,18 +295,15 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       if id(s) not in seen:
         seen.add(id(s))
         _check_reduction(_API, _LazyName(names, i), s, "source")
-  chunk = _chunk_bytes(_API, chunk_bytes, dsts)
   traced = (not jax_compat.trace_state_clean()) or any(
       isinstance(v, jax.core.Tracer) for v in leaves)
   if traced:
-    outs = _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk, names,
-                            out_dtypes)
+    outs = _reshard_tracers(leaves, dsts, srcs, options, names, out_dtypes)
   else:
     record = [] if fast is not None else None
     outs = eager.reshard(Request(leaves=leaves, treedef=treedef, dsts=dsts, srcs=srcs,
-                                 out_dtypes=out_dtypes, donate=flags, route=route,
-                                 topology=topology, timeout_ms=timeout_ms,
-                                 chunk_bytes=chunk, names=names), record)
+                                 out_dtypes=out_dtypes, donate=flags, options=options,
+                                 names=names), record)
     if record:
       with _fast_cache.lock:  # put evicts: two threads putting at once would race
         _fast_cache.put(fast[0], record[0])
@@ -415,8 +410,8 @@ def _conversions(leaves, dsts, out_dtypes, names) -> tuple[list[Any], list[Any]]
   return out_dtypes, dsts
 
 
-def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes,
-                     names, out_dtypes=None) -> list[Any]:
+def _reshard_tracers(leaves, dsts, srcs, options: Options, names,
+                     out_dtypes=None) -> list[Any]:
   """Traced leaves (jit, grad, vmap): checks what the types tell, then one primitive.
   A conversion is fused into the primitive where schedule.fused_conversion says, else
   it is `astype` in the traced program before the reshard."""
@@ -516,8 +511,8 @@ def _reshard_tracers(leaves, dsts, srcs, route, topology, timeout_ms, chunk_byte
     staged.append((i, dst_sharding))
   if staged:
     ys = transforms.bind([leaves[i] for i, _ in staged], [d for _, d in staged],
-                         [srcs[i] for i, _ in staged], route, topology, timeout_ms,
-                         chunk_bytes, [out_dtypes[i] for i, _ in staged])
+                         [srcs[i] for i, _ in staged], options,
+                         [out_dtypes[i] for i, _ in staged])
     for (i, dst), y in zip(staged, ys):
       if isinstance(y, jax.core.Tracer) and not transforms._is_explicit(dst):
         # The layout the jit's outputs report comes from the jaxpr, not from inside the
@@ -592,12 +587,10 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     {'local': 0, 'nvlink': 128, 'network': 0}
   """
   api = "plan"
-  _check_route(api, route)
+  options = checks.options(api, route, topology, None, chunk_bytes)
   if dtype is not None and quantize.has_spec(dtype):  # values + scales: quantize.py
     x, dst_sharding, src_sharding, dtype = quantize.plan_arguments(
         x, dst_sharding, src_sharding, dtype)
-  topology = _check_topology(api, topology)
-  _chunk_bytes(api, chunk_bytes, [])  # checked first, as reshard does; chosen below
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
   names = lambda: _leaf_names(x)  # noqa: E731
@@ -605,22 +598,20 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   given = ([None] * n if src_sharding is None else
            _broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n, names))
   out_dtypes = _out_dtypes(api, dtype, x, treedef, n)
-  src_layouts, dst_layouts, itemsizes, devices, resolved = [], [], [], {}, []
+  shapes, dtypes, srcs, resolved, wire_out = [], [], [], [], []
   for i, (leaf, dst, src) in enumerate(zip(leaves, dsts, given)):
     out = out_dtypes[i]
     if out is not None:
       out = jax.dtypes.canonicalize_dtype(out)
-    shape = tuple(getattr(leaf, "shape", ()))
     src, dst = _plan_leaf(api, names()[i], leaf, dst, src, out)
+    shapes.append(tuple(getattr(leaf, "shape", ())))
+    srcs.append(src)
     resolved.append(dst)
-    for d in itertools.chain(src.device_set, dst.device_set):
-      devices[d.id] = d
-    src_layouts.append(Layout.from_sharding(src, shape))
-    dst_layouts.append(Layout.from_sharding(dst, shape))
     if out is None or schedule.fused_conversion(leaf.dtype, out):
-      itemsizes.append(schedule.wire_itemsizes([leaf.dtype], [out])[0][0])
-    else:  # converted with astype on the source first
-      itemsizes.append(np.dtype(out).itemsize)
-  topo = as_topology(topology, devices.values() if devices else None)
-  return plan_reshard(src_layouts, dst_layouts, itemsizes, topo, route,
-                      _chunk_bytes(api, chunk_bytes, resolved))
+      dtypes.append(leaf.dtype)
+      wire_out.append(out)
+    else:  # converted with astype on the source first, then moved as `out`
+      dtypes.append(out)
+      wire_out.append(None)
+  return call_plan.plan_call(shapes, dtypes, srcs, resolved, options, wire_out,
+                             path="jax_m2n.plan").plan

@@ -21,11 +21,11 @@ from jax_m2n._src import jax_compat
 from jax_m2n._src.errors import (ReshardError, ReshardRuntimeError, ReshardTimeoutError,
                                  ReshardTypeError, ReshardValueError)
 from jax_m2n._src.layout import MAX_RANK, Layout
-from jax_m2n._src.planner import (CPU_MAX_CHUNK_BYTES, GPU_MAX_CHUNK_BYTES, ROUTES,
-                                  Chunking)
+from jax_m2n._src.planner import CPU_MAX_CHUNK_BYTES, GPU_MAX_CHUNK_BYTES, ROUTES
+from jax_m2n._src.request import DEFAULT_TIMEOUT_MS, Options
 from jax_m2n._src.topology import Topology, as_topology
 
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = DEFAULT_TIMEOUT_MS / 1000
 _MAX_TIMEOUT_S = float(2**40 // 1000)  # the handlers' bound on the timeout_ms attribute
 _MIN_TIMEOUT_S = 1e-3  # the handlers' resolution: one millisecond
 
@@ -360,12 +360,6 @@ def _timeout_ms(api: str, timeout_s: Any) -> int:
   return max(1, int(round(float(timeout_s) * 1000)))
 
 
-def _topology_key(topology: Any) -> Any:
-  if isinstance(topology, list):
-    return tuple(tuple(g) for g in topology)
-  return topology
-
-
 def _platform_of(devices) -> str:
   return next(iter(devices)).platform
 
@@ -531,23 +525,25 @@ CPU_CHUNK_BYTES = CPU_MAX_CHUNK_BYTES
 GPU_CHUNK_BYTES = GPU_MAX_CHUNK_BYTES
 
 
-def _chunk_bytes(api: str, chunk_bytes: int | None, dsts: Sequence[Any]) -> Chunking:
-  """The chunking of a call: for the platform of the destinations (`cuda` for GPUs,
-  `cpu` otherwise), at the caller's chunk bytes, or, without them, chosen per plan from
-  its bytes and forwarding hops (jax_m2n._src.planner.chunking)."""
-  if chunk_bytes is not None:
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral):
-      raise ReshardTypeError(
-          f"{api}: chunk_bytes must be a positive int; got {type(chunk_bytes).__name__} "
-          f"{chunk_bytes!r}.")
-    if chunk_bytes < 1:
-      raise ReshardValueError(
-          f"{api}: chunk_bytes must be a positive int; got {chunk_bytes!r}.")
-    chunk_bytes = int(chunk_bytes)
-  transport = "cpu"
-  for d in dsts:
-    device_set = getattr(d, "device_set", None)
-    if device_set:
-      transport = "cpu" if next(iter(device_set)).platform == "cpu" else "cuda"
-      break
-  return Chunking(transport, chunk_bytes)
+def _check_chunk_bytes(api: str, chunk_bytes: Any) -> int | None:
+  """chunk_bytes as a positive int, or None (chosen per plan: planner/chunking.py)."""
+  if chunk_bytes is None:
+    return None
+  if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral):
+    raise ReshardTypeError(
+        f"{api}: chunk_bytes must be a positive int; got {type(chunk_bytes).__name__} "
+        f"{chunk_bytes!r}.")
+  if chunk_bytes < 1:
+    raise ReshardValueError(
+        f"{api}: chunk_bytes must be a positive int; got {chunk_bytes!r}.")
+  return int(chunk_bytes)
+
+
+def options(api: str, route: Any = "hierarchical", topology: Any = None,
+            timeout_s: Any = None, chunk_bytes: Any = None) -> Options:
+  """The call's `Options` after every per-call rule (route, timeout, topology, chunk
+  bytes), each checked here once, before any leaf is looked at."""
+  _check_route(api, route)
+  timeout_ms = _timeout_ms(api, timeout_s)
+  return Options(route, _check_topology(api, topology), timeout_ms,
+                 _check_chunk_bytes(api, chunk_bytes))

@@ -1,10 +1,10 @@
-"""One reshard call's arguments, checked and flattened: what travels from api.reshard to
-the eager path as one frozen object instead of a dozen loose parameters.
+"""One reshard call as values: its options (`Options`, frozen and hashable, carried whole
+by every path) and its leaves with their per-leaf arguments (`Request`, the eager path's
+one argument).
 
-Owns the shape of a call (per leaf: the array, its destination, its given source
-layout, its output dtype, its donation flag; per call: route, topology, timeout, chunk
-size, leaf names for messages). It checks nothing (checks.py does, before a Request is
-made) and moves nothing.
+Owns the shape of a call (per call: route, topology, timeout, chunk size; per leaf: the
+array, its destination, its given source layout, its output dtype, its donation flag).
+It checks nothing (checks.py makes both, after every rule) and moves nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +14,36 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+# The timeout a call waits for its peers when the caller names none (`timeout_s=None`).
+DEFAULT_TIMEOUT_MS = 300_000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Options:
+  """The per-call options of a reshard, checked (`checks.options` makes them).
+
+  Frozen and hashable: the eager path keys its program cache on it, the traced path
+  carries it as one parameter of the `jax_m2n_reshard` primitive, the cross-process path
+  fingerprints it. Adding an option means adding a field here and its rule in
+  `checks.options`, not editing the signatures between them.
+
+  Attributes:
+    route: `hierarchical`, `flat` or `gather_bcast`.
+    topology: as given, in a hashable spelling: None (one domain per process), a
+      domain size (int), device-id tuples per domain, or a `jax_m2n.Topology`.
+    timeout_ms: how long a device waits for its peers, whole milliseconds.
+    chunk_bytes: the caller's bound on one chunk, or None (chosen per plan).
+
+  Example:
+    >>> Options(route="flat", timeout_ms=2000) == Options("flat", None, 2000, None)
+    True
+  """
+
+  route: str = "hierarchical"
+  topology: Any = None
+  timeout_ms: int = DEFAULT_TIMEOUT_MS
+  chunk_bytes: int | None = None
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Request:
@@ -21,11 +51,9 @@ class Request:
 
   Per leaf i: `dsts[i]` (a Sharding, a ShapeDtypeStruct with one, or None: keep),
   `srcs[i]` (the src_sharding given for it, or None), `out_dtypes[i]` (the dtype to
-  convert to, or None: keep) and `donate[i]`. Per call: `route`, `topology` (as given:
-  None, a domain size, device id lists or a Topology), `timeout_ms`, `chunk_bytes` (the
-  planner's Chunking: a transport and the caller's chunk bytes or None, per plan).
-  `names()` returns the leaves' names for messages (formed only when a message needs
-  them: that costs more than the checks).
+  convert to, or None: keep) and `donate[i]`. Per call: `options`. `names()` returns
+  the leaves' names for messages (formed only when a message needs them: that costs
+  more than the checks).
   """
 
   leaves: Sequence[Any]
@@ -34,10 +62,7 @@ class Request:
   srcs: Sequence[Any]
   out_dtypes: Sequence[Any]
   donate: Sequence[bool]
-  route: str
-  topology: Any
-  timeout_ms: int
-  chunk_bytes: Any  # planner.Chunking (checks._chunk_bytes)
+  options: Options
   names: Callable[[], list[str]]
 
   def __len__(self) -> int:
@@ -60,6 +85,5 @@ class Request:
         srcs=[self.srcs[i] for i in index],
         out_dtypes=[self.out_dtypes[i] for i in index],
         donate=[self.donate[i] for i in index],
-        route=self.route, topology=self.topology, timeout_ms=self.timeout_ms,
-        chunk_bytes=self.chunk_bytes,
+        options=self.options,
         names=lambda: [names()[i] for i in index])

@@ -21,17 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
+from jax_m2n._src import call_plan
 from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
 from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_in_process,
-                                 _check_rank,
-                                 _check_topology, _dst_sharding_of, _leaf_aval,
-                                 _platform_of, _site)
+                                 _check_rank, _dst_sharding_of, _leaf_aval, _platform_of,
+                                 _site)
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
-from jax_m2n._src.layout import Layout
-from jax_m2n._src.planner import plan_reshard
-from jax_m2n._src.topology import as_topology
+from jax_m2n._src.request import Options
 
 logger = logging.getLogger("jax_m2n")
 
@@ -170,11 +168,10 @@ def _refine(api: str, name: str, shardings: Sequence[NamedSharding],
   return _Refinement(mesh, axes)
 
 
-def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
-                    chunk_bytes, names, out_dtypes=None) -> list:
+def _reshard_traced(leaves, dsts, src_shardings, options: Options, names,
+                    out_dtypes=None) -> list:
   """`out_dtypes`: per leaf the destination dtype of a fused conversion, None: keep."""
   out_dtypes = list(out_dtypes or [None] * len(leaves))
-  _check_topology(_API, topology)
   context = jax.sharding.get_abstract_mesh()
   if not context.empty and getattr(context, "manual_axes", ()):
     raise ReshardValueError(
@@ -255,8 +252,7 @@ def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
     live = [i for i, e in enumerate(empty) if not e]
     live_outs = iter(_reshard_traced(
         [leaves[i] for i in live], [dsts[i] for i in live], [srcs[i] for i in live],
-        route, topology, timeout_ms, chunk_bytes,
-        lambda: [names()[i] for i in live], [out_dtypes[i] for i in live])
+        options, lambda: [names()[i] for i in live], [out_dtypes[i] for i in live])
         if live else [])
     result = []
     for i, e in enumerate(empty):
@@ -272,8 +268,7 @@ def _reshard_traced(leaves, dsts, src_shardings, route, topology, timeout_ms,
       result.append(y)
     return result
 
-  body = _spmd_body(srcs, dst_named, shapes, dtypes, route, topology, timeout_ms,
-                    chunk_bytes, b"jit", out_dtypes)
+  body = _spmd_body(srcs, dst_named, shapes, dtypes, options, b"jit", out_dtypes)
 
   mesh = refinement.mesh
   if typed_any:  # a type-level cast onto the refined mesh: the same bytes, no copy
@@ -403,8 +398,7 @@ def _check_same_devices(name: str, src: NamedSharding, dst: NamedSharding) -> No
 
 
 def _spmd_body(srcs: Sequence[Sharding], dsts: Sequence[Sharding], shapes, dtypes,
-               route, topology, timeout_ms: int, chunk_bytes: int, tag: bytes,
-               out_dtypes=None):
+               options: Options, tag: bytes, out_dtypes=None):
   """The per-device body of an in-jit reshard: one custom call over local shards, run
   by every device of the SPMD program (the schedule names each device's ops). Operands
   have `dtypes`, results `out_dtypes` (None: the same): the call converts in flight."""
@@ -412,26 +406,19 @@ def _spmd_body(srcs: Sequence[Sharding], dsts: Sequence[Sharding], shapes, dtype
   platform = _platform_of(devices)
   _check_in_process(_API, platform, devices)
   staging = platform != "cpu"
-  m2n_ffi.ensure_registered(platform, timeout_ms)
-  topo = as_topology(topology, devices)
-  src_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(srcs, shapes)]
-  dst_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(dsts, shapes)]
-  out_dtypes = [o if o is not None else dt
-                for o, dt in zip(out_dtypes or [None] * len(dtypes), dtypes)]
-  itemsizes, types = schedule.wire_itemsizes(dtypes, out_dtypes)
-  plan = plan_reshard(src_layouts, dst_layouts, itemsizes, topo, route, chunk_bytes)
-  if logger.isEnabledFor(logging.DEBUG):  # the traffic summary costs a pass over the plan
-    logger.debug("reshard: planned %d leaves, route %s, %d payload bytes, bytes by link "
-                 "%s (in-jit custom call)", len(shapes), route, plan.payload_bytes,
-                 plan.bytes_by_link)
+  m2n_ffi.ensure_registered(platform, options.timeout_ms)
+  planned = call_plan.plan_call(shapes, dtypes, srcs, dsts, options, out_dtypes,
+                                path="in-jit custom call")
+  plan, types = planned.plan, planned.types
   sched = schedule.encode(plan, None, staging, types)
   site = _site(tag, sched, next(_jit_sites))
   workspace = max(1, schedule.workspace_bytes(plan, None, staging, types))
   out_types = [jax.ShapeDtypeStruct(s.shard_shape(shape), dt)
-               for s, shape, dt in zip(dsts, shapes, out_dtypes)]
+               for s, shape, dt in zip(dsts, shapes, planned.out_dtypes)]
   out_types.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
   call = jax.ffi.ffi_call(m2n_ffi.TARGET_NAME, out_types)
-  extra = m2n_ffi.transport_attrs(platform, topo, plan.devices)
+  extra = m2n_ffi.transport_attrs(platform, planned.topology, plan.devices)
+  timeout_ms = options.timeout_ms
 
   def body(*shards):
     outs = call(*shards, schedule=sched, site=np.int64(site),
@@ -471,8 +458,8 @@ def _factor_rule(shapes: Sequence[tuple[int, ...]]) -> str:
   return ", ".join(ins) + " -> " + ", ".join(outs)
 
 
-def reshard_partitioned(leaves, dsts: Sequence[NamedSharding], route, topology,
-                        timeout_ms, chunk_bytes, out_dtypes=None) -> list:
+def reshard_partitioned(leaves, dsts: Sequence[NamedSharding], options: Options,
+                        out_dtypes=None) -> list:
   """Inside jit, leaves whose source layout only XLA's partitioner knows, every
   destination on one mesh (whose device order is the jit's): one custom_partitioning
   op whose partition callback reads each operand's sharding (any layout over the jit's
@@ -481,7 +468,6 @@ def reshard_partitioned(leaves, dsts: Sequence[NamedSharding], route, topology,
   lowered with `jax_compat.with_partitioner_mesh(ctx, dsts[0].mesh)`."""
   from jax.experimental.custom_partitioning import custom_partitioning
 
-  _check_topology(_API, topology)
   shapes = [tuple(jax.typeof(v).shape) for v in leaves]
   dtypes = [jax.typeof(v).dtype for v in leaves]
   for i, (shape, dtype, dst) in enumerate(zip(shapes, dtypes, dsts)):
@@ -501,8 +487,7 @@ def reshard_partitioned(leaves, dsts: Sequence[NamedSharding], route, topology,
     # JAX refuses a jit whose shardings (here the constraint that api.reshard puts on
     # each output) order its devices differently.
     srcs = [a.sharding for a in arg_shapes]
-    body = _spmd_body(srcs, dsts, shapes, dtypes, route, topology, timeout_ms,
-                      chunk_bytes, b"jit", out_dtypes)
+    body = _spmd_body(srcs, dsts, shapes, dtypes, options, b"jit", out_dtypes)
     logger.debug("reshard: custom_partitioning path (in jit) for %d leaves, source "
                  "layouts from XLA's partitioner: %s", n, srcs)
     return mesh, body, tuple(dsts), tuple(srcs)

@@ -23,6 +23,7 @@ from jax_m2n._src import eager
 from jax_m2n._src import traced
 from jax_m2n._src.checks import _API
 from jax_m2n._src.errors import ReshardValueError
+from jax_m2n._src.request import Options, Request
 
 logger = logging.getLogger("jax_m2n")
 
@@ -32,29 +33,29 @@ reshard_p = Primitive("jax_m2n_reshard")
 reshard_p.multiple_results = True
 
 
-def bind(leaves: Sequence[Any], dsts: Sequence[Any], srcs: Sequence[Any], route: str,
-         topology: Any, timeout_ms: int, chunk_bytes: int,
-         out_dtypes: Sequence[Any] | None = None) -> list[Any]:
+def bind(leaves: Sequence[Any], dsts: Sequence[Any], srcs: Sequence[Any],
+         options: Options, out_dtypes: Sequence[Any] | None = None) -> list[Any]:
   """Stages (or, on concrete values, runs) one reshard of `leaves`; `out_dtypes`: per
-  leaf the dtype of a fused conversion (schedule.fused_conversion), None: keep."""
+  leaf the dtype of a fused conversion (schedule.fused_conversion), None: keep. The
+  call's options travel whole, as one parameter of the primitive."""
   out_dtypes = tuple(out_dtypes) if out_dtypes is not None else (None,) * len(leaves)
-  return reshard_p.bind(*leaves, dsts=tuple(dsts), srcs=tuple(srcs), route=route,
-                        topology=topology, timeout_ms=timeout_ms,
-                        chunk_bytes=chunk_bytes, out_dtypes=out_dtypes)
+  return reshard_p.bind(*leaves, dsts=tuple(dsts), srcs=tuple(srcs), options=options,
+                        out_dtypes=out_dtypes)
 
 
 def _names(n: int):
   return lambda: [f"x[{i}]" for i in range(n)]
 
 
-def _impl(*leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes, out_dtypes):
+def _impl(*leaves, dsts, srcs, options, out_dtypes):
   # Concrete values (a JVP's primal, a transpose's cotangent, a vmapped batch): the
   # eager path, from the arrays' actual layouts (a cotangent's layout is whatever the
   # backward pass produced, not necessarily the forward destination).
   n = len(leaves)
-  return eager.reshard_leaves(list(leaves), jax.tree.structure([0] * n), list(dsts),
-                              [None] * n, [False] * n, route, topology, timeout_ms,
-                              chunk_bytes, _names(n), list(out_dtypes))
+  return eager.reshard(Request(
+      leaves=list(leaves), treedef=jax.tree.structure([0] * n), dsts=list(dsts),
+      srcs=[None] * n, out_dtypes=list(out_dtypes), donate=[False] * n,
+      options=options, names=_names(n)))
 
 
 def _is_explicit(sharding: Any) -> bool:
@@ -62,9 +63,8 @@ def _is_explicit(sharding: Any) -> bool:
       t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
 
 
-def _abstract_eval(*avals, dsts, srcs, route, topology, timeout_ms, chunk_bytes,
-                   out_dtypes):
-  del srcs, route, topology, timeout_ms, chunk_bytes
+def _abstract_eval(*avals, dsts, srcs, options, out_dtypes):
+  del srcs, options
   outs = []
   for aval, dst, out_dtype in zip(avals, dsts, out_dtypes):
     if out_dtype is not None:  # as astype: the new dtype, never weak
@@ -80,7 +80,7 @@ def _abstract_eval(*avals, dsts, srcs, route, topology, timeout_ms, chunk_bytes,
   return outs
 
 
-def _lowered(*leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes, out_dtypes):
+def _lowered(*leaves, dsts, srcs, options, out_dtypes):
   """Inside jit: jax_m2n's shard_map where the source layout is known (its type on
   Explicit axes, or src_sharding=); XLA's partitioner (a sharding constraint) where it is
   not, since only XLA knows then where the operand lives (a conversion is then XLA's
@@ -98,8 +98,8 @@ def _lowered(*leaves, dsts, srcs, route, topology, timeout_ms, chunk_bytes, out_
 
   def traced_path(idx):
     return traced._reshard_traced([leaves[i] for i in idx], [dsts[i] for i in idx],
-                                  [srcs[i] for i in idx], route, topology, timeout_ms,
-                                  chunk_bytes, lambda: [f"x[{i}]" for i in idx],
+                                  [srcs[i] for i in idx], options,
+                                  lambda: [f"x[{i}]" for i in idx],
                                   [out_dtypes[i] for i in idx])
 
   groups = [known] if known else []
@@ -142,7 +142,7 @@ def _sharding_of(dst: Any) -> Any:
   return dst.sharding if isinstance(dst, jax.ShapeDtypeStruct) else dst
 
 
-def _lowering(ctx, *values, dsts, srcs, out_dtypes, **params):
+def _lowering(ctx, *values, dsts, srcs, out_dtypes, options):
   """Inside jit: leaves whose source layout only XLA's partitioner knows (no
   src_sharding=, not in the type) and whose destination is a device-memory
   NamedSharding on Auto axes go through custom_partitioning (traced.reshard_partitioned,
@@ -172,14 +172,13 @@ def _lowering(ctx, *values, dsts, srcs, out_dtypes, **params):
       rest.extend(idx)
       continue
     lower(lambda *xs, idx=idx: traced.reshard_partitioned(
-        list(xs), [_sharding_of(dsts[i]) for i in idx],
-        params["route"], params["topology"], params["timeout_ms"],
-        params["chunk_bytes"], [out_dtypes[i] for i in idx]), sub, idx)
+        list(xs), [_sharding_of(dsts[i]) for i in idx], options,
+        [out_dtypes[i] for i in idx]), sub, idx)
   if rest:
     rest.sort()
     lower(_lowered, ctx, rest, dsts=tuple(dsts[i] for i in rest),
           srcs=tuple(srcs[i] for i in rest),
-          out_dtypes=tuple(out_dtypes[i] for i in rest), **params)
+          out_dtypes=tuple(out_dtypes[i] for i in rest), options=options)
   return outs
 
 

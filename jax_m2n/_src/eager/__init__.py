@@ -22,5 +22,5 @@ from jax_m2n._src.eager.calls import (_site_state, _site_states, _stop_threads_a
                                       _TICKETS, _tickets)
 from jax_m2n._src.eager.delegate import (_astype, _default_memory,
                                          _dtype_delegated_because, delegated_because,
-                                         reshard, reshard_leaves)
+                                         reshard)
 from jax_m2n._src.eager.programs import _build_eager, _EagerReshard

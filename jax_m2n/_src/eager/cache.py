@@ -15,16 +15,14 @@ import numpy as np
 from jax.sharding import Sharding
 
 from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_memory_kind,
-                                 _check_mesh, _check_reduction, _check_topology,
-                                 _dst_sharding_of, _platform_of, _same_layout,
-                                 _topology_key)
+                                 _check_mesh, _check_reduction, _dst_sharding_of,
+                                 _platform_of, _same_layout)
 from jax_m2n._src.eager.programs import _build_eager, _donate
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 from jax_m2n._src.request import Request
 
 
-# Compiled per-device programs by (tree, shapes, dtypes, shardings, route, topology,
-# timeout, chunk size). A model's refit is one entry; the bound only stops growth when
+# Compiled per-device programs by (tree, shapes, dtypes, shardings, options). A model's refit is one entry; the bound only stops growth when
 # layouts keep changing.
 class _LruCache:
   """A bounded least-recently-used map, safe across threads (functools.lru_cache keys on
@@ -100,17 +98,15 @@ def _eager_key(request: Request) -> _Key | None:
   out_dtypes = request.out_dtypes
   try:
     converts = any(o is not None for o in out_dtypes)
-    key = _Key((request.treedef, tuple(parts), request.route,
-                _topology_key(request.topology), request.timeout_ms, request.chunk_bytes,
+    key = _Key((request.treedef, tuple(parts), request.options,
                 tuple(out_dtypes) if converts else (), bool(jax.config.jax_enable_x64)))
-  except TypeError:  # unhashable topology or destination: validation says why
+  except TypeError:  # an unhashable destination: validation says why
     return None
   return key
 
 
 def _validate_eager(request: Request) -> list[Sharding]:
   """Every rule of the eager path; returns the destination shardings."""
-  _check_topology(_API, request.topology)
   names = request.names
   out = []
   for i, (leaf, dst) in enumerate(zip(request.leaves, request.dsts)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -122,21 +122,6 @@ def _check_delegated(name: str, leaf: Any, dst: Any, given_src: Any = None) -> A
 def _astype(leaf: Any, dtype: Any) -> Any:
   """`leaf.astype(dtype)` where it runs today (a jax.Array's devices, numpy on host)."""
   return leaf.astype(dtype) if hasattr(leaf, "astype") else np.asarray(leaf).astype(dtype)
-
-
-def reshard_leaves(leaves: Sequence[Any], treedef: Any, dsts: Sequence[Any],
-                   srcs: Sequence[Any], donate: Sequence[bool], route: str, topology: Any,
-                   timeout_ms: int, chunk_bytes: int, names: Callable[[], list[str]],
-                   out_dtypes: Sequence[Any] | None = None,
-                   record: list | None = None) -> list[Any]:
-  """`reshard(Request(...), record)` from loose arguments (transforms.py's eager
-  implementation of the primitive calls this)."""
-  return reshard(Request(leaves=leaves, treedef=treedef, dsts=dsts, srcs=srcs,
-                         out_dtypes=(out_dtypes if out_dtypes is not None
-                                     else [None] * len(leaves)),
-                         donate=donate, route=route, topology=topology,
-                         timeout_ms=timeout_ms, chunk_bytes=chunk_bytes, names=names),
-                 record)
 
 
 def reshard(request: Request, record: list | None = None) -> list[Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
 import os
 from typing import Any, Callable, Sequence
@@ -19,11 +18,11 @@ import jax
 import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
+from jax_m2n._src import call_plan
 from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
-from jax_m2n._src.checks import (_API, _check_in_process, _map_native_error,
-                                 _platform_of, _site)
+from jax_m2n._src.checks import _API, _map_native_error, _site
 from jax_m2n._src.eager import dispatch
 from jax_m2n._src.eager.calls import (_Call, _cpu_module, _dispatch_lock, _failure_text,
                                       _issued, _raise_failed_calls, _reached_handler,
@@ -32,13 +31,15 @@ from jax_m2n._src.eager.calls import (_Call, _cpu_module, _dispatch_lock, _failu
 from jax_m2n._src.eager.dispatch import (_check_live, _executor, _Outcomes, _outcomes,
                                          _wait_interruptibly)
 from jax_m2n._src.errors import ReshardError, ReshardRuntimeError, ReshardTimeoutError
-from jax_m2n._src.layout import Layout
-from jax_m2n._src.planner import Plan, plan_reshard
+from jax_m2n._src.planner import Plan
 from jax_m2n._src.processes import call as processes_call
 from jax_m2n._src.request import Request
-from jax_m2n._src.topology import as_topology
 
 logger = logging.getLogger("jax_m2n")
+
+# The plan's debug line names the path: per-device programs, or across processes the
+# transfer server (processes/ logs its part).
+_PATH = "eager"
 
 
 @dataclasses.dataclass
@@ -304,39 +305,25 @@ def _single_device_sharding(device) -> SingleDeviceSharding:
 def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
   """The per-device programs of `request` (its leaves' shapes, dtypes and layouts; no
   reference to the leaves is kept) into destination shardings `dsts`, compiled."""
-  shapes = [tuple(v.shape) for v in request.leaves]
-  dtypes = [v.dtype for v in request.leaves]
-  srcs = [v.sharding for v in request.leaves]
-  route, topology = request.route, request.topology
-  timeout_ms, chunk_bytes = request.timeout_ms, request.chunk_bytes
-  # Operands have `dtypes`, results `out_dtypes` (a fused conversion; None: keep).
-  out_dtypes = [o if o is not None else dt for o, dt in zip(request.out_dtypes, dtypes)]
-  devices = {}
-  for s in itertools.chain(srcs, dsts):
-    for d in jax_compat.device_assignment(s):
-      devices[d.id] = d
-  platform = _platform_of(devices.values())
+  options = request.options
+  planned = call_plan.plan_call([v.shape for v in request.leaves],
+                                [v.dtype for v in request.leaves],
+                                [v.sharding for v in request.leaves], dsts, options,
+                                request.out_dtypes, path=_PATH)
+  devices, platform, plan = planned.devices, planned.platform, planned.plan
   if platform == "cpu" and processes_call.spans_processes(devices.values()):
     # Devices of several processes on CPU: the cross-process engine (processes/).
-    return processes_call.CrossProcessReshard(
-        shapes, dtypes, srcs, dsts, route, topology, timeout_ms, chunk_bytes,
-        request.out_dtypes, request.treedef)
-  _check_in_process(_API, platform, devices.values())
+    return processes_call.CrossProcessReshard(planned, request.treedef)
+  shapes, dtypes, out_dtypes = planned.shapes, planned.dtypes, planned.out_dtypes
+  srcs, types = planned.srcs, planned.types
+  src_layouts, dst_layouts = planned.src_layouts, planned.dst_layouts
+  timeout_ms = options.timeout_ms
   staging = platform != "cpu"
   m2n_ffi.ensure_registered(platform, timeout_ms)
-  topo = as_topology(topology, devices.values())
-  src_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(srcs, shapes)]
-  dst_layouts = [Layout.from_sharding(s, shape) for s, shape in zip(dsts, shapes)]
-  itemsizes, types = schedule.wire_itemsizes(dtypes, out_dtypes)
-  plan = plan_reshard(src_layouts, dst_layouts, itemsizes, topo, route, chunk_bytes)
-  if logger.isEnabledFor(logging.DEBUG):  # the traffic summary costs a pass over the plan
-    logger.debug("reshard: planned %d leaves, route %s, %d payload bytes, bytes by link "
-                 "%s, devices %s (eager per-device programs)", len(shapes), route,
-                 plan.payload_bytes, plan.bytes_by_link, list(plan.devices))
   site = _site(b"eager", schedule.encode(plan, None, staging, types))
   bufs = schedule.buffers(plan)
   timeout = np.int64(timeout_ms)
-  extra = m2n_ffi.transport_attrs(platform, topo, plan.devices)
+  extra = m2n_ffi.transport_attrs(platform, planned.topology, plan.devices)
   if platform == "cpu":
     extra = {**extra, "tickets": np.int64(_TICKETS)}
 

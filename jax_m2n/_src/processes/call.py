@@ -14,15 +14,12 @@ import threading
 from typing import Any, Sequence
 
 import jax
-from jax.sharding import Sharding
 
+from jax_m2n._src import call_plan
 from jax_m2n._src import jax_compat
-from jax_m2n._src import schedule
 from jax_m2n._src.errors import ReshardError, ReshardRuntimeError, ReshardValueError
 from jax_m2n._src.layout import Layout
-from jax_m2n._src.planner import plan_reshard
 from jax_m2n._src.processes import bootstrap, sequence, transfer_engine
-from jax_m2n._src.topology import as_topology
 
 logger = logging.getLogger("jax_m2n")
 _API = "reshard"
@@ -43,60 +40,52 @@ def _layout_key(layout: Layout) -> tuple:
 
 
 class CrossProcessReshard:
-  """Everything one (shapes, dtypes, shardings, route, topology) needs across
+  """Everything one planned call (shapes, dtypes, shardings, options) needs across
   processes; `entry(leaves, donate)` runs one call (the eager cache's contract)."""
 
-  def __init__(self, shapes, dtypes, srcs: Sequence[Sharding], dsts: Sequence[Sharding],
-               route: str, topology: Any, timeout_ms: int, chunk_bytes: int,
-               out_dtypes=None, treedef: Any = None):
-    out_dtypes = [o if o is not None else dt
-                  for o, dt in zip(out_dtypes or [None] * len(dtypes), dtypes)]
-    devices = {}
-    for s in (*srcs, *dsts):
-      for d in jax_compat.device_assignment(s):
-        devices[d.id] = d
+  def __init__(self, call: call_plan.CallPlan, treedef: Any = None):
+    """`call`: the call's plan (`call_plan.plan_call`); `treedef`: its pytree structure
+    (part of the fingerprint every participant compares)."""
+    options, topo = call.options, call.topology
+    devices = call.devices
     self.devices = devices
     # What the eager cache reads of any entry (eager/cache._Grouped): a large pytree
     # runs as several such calls, numbered alike on every process.
     self.platform = "cpu"
     self.caller_dispatch = False
-    self.out_avals = [(tuple(sh), o, d) for sh, o, d in zip(
-        shapes, out_dtypes, dsts)]
-    self.timeout_ms = timeout_ms
-    self.shapes = [tuple(s) for s in shapes]
-    self.out_dtypes = out_dtypes
-    self.dsts = list(dsts)
-    self.srcs = list(srcs)
+    self.out_avals = [(sh, o, d) for sh, o, d in zip(call.shapes, call.out_dtypes,
+                                                       call.dsts)]
+    self.timeout_ms = options.timeout_ms
+    self.shapes = list(call.shapes)
+    self.out_dtypes = list(call.out_dtypes)
+    self.dsts = list(call.dsts)
+    self.srcs = list(call.srcs)
     process_of = bootstrap.process_of_device()
     self.process_of = process_of
     self.me = jax.process_index()
     self.participants = sorted({process_of[d] for d in devices})
-    topo = as_topology(topology, devices.values())
-    self.src_layouts = [Layout.from_sharding(s, sh) for s, sh in zip(srcs, shapes)]
-    self.dst_layouts = [Layout.from_sharding(s, sh) for s, sh in zip(dsts, shapes)]
-    itemsizes, _ = schedule.wire_itemsizes(dtypes, out_dtypes)
-    self.wire = [schedule.wire_dtype(dt, o) for dt, o in zip(dtypes, out_dtypes)]
-    self.plan = plan_reshard(self.src_layouts, self.dst_layouts, itemsizes, topo, route,
-                             chunk_bytes)
+    self.src_layouts = list(call.src_layouts)
+    self.dst_layouts = list(call.dst_layouts)
+    self.wire = call.wire_dtypes
+    self.plan = call.plan
     self.network_bytes = transfer_engine.network_bytes(self.plan, process_of)
     self.fingerprint = sequence.fingerprint({
-        "pytree structure": str(treedef) if treedef is not None else len(shapes),
-        "shapes": self.shapes, "dtypes": [str(d) for d in dtypes],
-        "destination dtypes": [str(d) for d in out_dtypes],
+        "pytree structure": str(treedef) if treedef is not None else len(call.shapes),
+        "shapes": self.shapes, "dtypes": [str(d) for d in call.dtypes],
+        "destination dtypes": [str(d) for d in call.out_dtypes],
         "source shardings": [_layout_key(l) for l in self.src_layouts],
         "destination shardings": [_layout_key(l) for l in self.dst_layouts],
-        "route": route, "topology": repr(topo), "chunk_bytes": chunk_bytes})
+        "route": options.route, "topology": repr(topo),
+        "chunk_bytes": self.plan.chunking})
     self.waves = (transfer_engine.waves_of(self.plan, self.me, process_of)
                   if self.me in self.participants else [])
-    self.local_dst = [list(jax_compat.addressable_device_assignment(d)) for d in dsts]
+    self.local_dst = [list(jax_compat.addressable_device_assignment(d)) for d in self.dsts]
     self.src_index = [{d.id: i for i, d in enumerate(
-        jax_compat.addressable_device_assignment(s))} for s in srcs]
+        jax_compat.addressable_device_assignment(s))} for s in self.srcs]
     bootstrap.engine()  # every process of the job serves (peers pull from it)
     if logger.isEnabledFor(logging.DEBUG):
-      logger.debug("reshard: planned %d leaves, route %s, %d payload bytes, bytes by "
-                   "link %s, processes %s, %d bytes across processes (transfer server)",
-                   len(shapes), route, self.plan.payload_bytes, self.plan.bytes_by_link,
-                   self.participants, self.network_bytes)
+      logger.debug("reshard: %d of the planned bytes cross processes %s (transfer "
+                   "server)", self.network_bytes, self.participants)
 
   def __call__(self, leaves: Sequence[jax.Array], donate: bool | Sequence[bool],
                devices: Sequence[int] | None = None, block: bool = False

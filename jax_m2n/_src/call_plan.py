@@ -1,0 +1,126 @@
+"""From a call to its plan: the one way every path (eager, in jit, across processes,
+`jax_m2n.plan`) turns a call's leaves, shardings and options into the plan it runs.
+
+Owns the steps between the caller's shardings and the planner: the participating
+devices and their platform, the topology, the layouts, the bytes on the wire, the plan
+and its debug line. Checks no argument (checks.py did, before), touches no device
+state, compiles and moves nothing; what moves is the planner's decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+from jax.sharding import Sharding
+
+from jax_m2n._src import jax_compat
+from jax_m2n._src import schedule
+from jax_m2n._src.layout import Layout
+from jax_m2n._src.planner import Chunking, Plan, plan_reshard
+from jax_m2n._src.request import Options
+from jax_m2n._src.topology import Topology, as_topology
+
+logger = logging.getLogger("jax_m2n")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CallPlan:
+  """A call's plan with what it was planned from (`plan_call` makes it).
+
+  Attributes:
+    shapes: per leaf, the global shape.
+    dtypes: per leaf, the dtype of the operand (what the source holds).
+    out_dtypes: per leaf, the dtype of the result (the operand's where nothing
+      converts; a different one is converted in flight, `schedule.fused_conversion`).
+    srcs, dsts: per leaf, the source and destination shardings.
+    devices: every participating device (of any leaf, source or destination) by id.
+    platform: their platform (`cpu`, `gpu`, `cuda`).
+    topology: the topology planned for (`options.topology` resolved on `devices`).
+    src_layouts, dst_layouts: per leaf, the layouts (`Layout.from_sharding`).
+    types: `schedule.encode`'s `types` (the conversion codes; None: none).
+    options: the call's options.
+    plan: the plan (`planner.plan_reshard`; cached: equal calls share one).
+  """
+
+  shapes: tuple[tuple[int, ...], ...]
+  dtypes: tuple[np.dtype, ...]
+  out_dtypes: tuple[np.dtype, ...]
+  srcs: tuple[Sharding, ...]
+  dsts: tuple[Sharding, ...]
+  devices: dict[int, Any]
+  platform: str
+  topology: Topology
+  src_layouts: tuple[Layout, ...]
+  dst_layouts: tuple[Layout, ...]
+  types: tuple | None
+  options: Options
+  plan: Plan
+
+  @property
+  def wire_dtypes(self) -> list[np.dtype]:
+    """Per leaf, the type its bytes cross links in (`schedule.wire_dtype`)."""
+    return [schedule.wire_dtype(d, o) for d, o in zip(self.dtypes, self.out_dtypes)]
+
+
+def chunking(platform: str, chunk_bytes: int | None) -> Chunking:
+  """The planner's chunking of a call on `platform`: the CPU or the CUDA transport's
+  costs and bounds, at the caller's chunk bytes (None: chosen per plan)."""
+  return Chunking("cpu" if platform == "cpu" else "cuda", chunk_bytes)
+
+
+def plan_call(shapes: Sequence[Sequence[int]], dtypes: Sequence[Any],
+              srcs: Sequence[Sharding], dsts: Sequence[Sharding], options: Options,
+              out_dtypes: Sequence[Any] | None = None, *, path: str) -> CallPlan:
+  """The plan of one reshard call: every path's one way from a call to its plan.
+
+  Pure in its arguments (plans are cached, so every process and every path derives the
+  same plan from the same call); the arguments were checked by checks.py before.
+
+  Args:
+    shapes: per leaf, the global shape.
+    dtypes: per leaf, the operand dtype.
+    srcs: per leaf, the source sharding (concrete devices).
+    dsts: per leaf, the destination sharding (concrete devices, the same platform).
+    options: the call's `Options` (route, topology, timeout, chunk bytes).
+    out_dtypes: per leaf, the result dtype of a conversion fused into the copies
+      (`schedule.fused_conversion`), None (or the list) to keep the operand's.
+    path: which path plans, for the debug line (e.g. `eager per-device programs`).
+
+  Returns:
+    The `CallPlan`: devices, platform, topology, layouts, wire types and the `Plan`.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from jax_m2n._src.request import Options
+    >>> devs = np.array(jax.devices()[:8])
+    >>> src = NamedSharding(jax.sharding.Mesh(devs[:4], ("x",)), P("x"))
+    >>> dst = NamedSharding(jax.sharding.Mesh(devs[4:], ("x",)), P())
+    >>> call = plan_call([(8,)], [np.float32], [src], [dst], Options(), path="doc")
+    >>> call.platform, call.plan.payload_bytes, sorted(call.devices) == list(range(8))
+    ('cpu', 32, True)
+  """
+  shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+  dtypes = tuple(np.dtype(d) for d in dtypes)
+  out_dtypes = tuple(dt if o is None else np.dtype(o)
+                     for dt, o in zip(dtypes, out_dtypes or [None] * len(dtypes)))
+  devices: dict[int, Any] = {}
+  for s in (*srcs, *dsts):
+    for d in jax_compat.device_assignment(s):
+      devices[d.id] = d
+  platform = next(iter(devices.values())).platform if devices else "cpu"
+  topology = as_topology(options.topology, devices.values() if devices else None)
+  src_layouts = tuple(Layout.from_sharding(s, shape) for s, shape in zip(srcs, shapes))
+  dst_layouts = tuple(Layout.from_sharding(s, shape) for s, shape in zip(dsts, shapes))
+  itemsizes, types = schedule.wire_itemsizes(dtypes, out_dtypes)
+  plan = plan_reshard(src_layouts, dst_layouts, itemsizes, topology, options.route,
+                      chunking(platform, options.chunk_bytes))
+  if logger.isEnabledFor(logging.DEBUG):  # the traffic summary costs a pass over the plan
+    logger.debug("reshard: planned %d leaves, route %s, %d payload bytes, bytes by link "
+                 "%s, devices %s (%s)", len(shapes), options.route, plan.payload_bytes,
+                 plan.bytes_by_link, list(plan.devices), path)
+  return CallPlan(shapes, dtypes, out_dtypes, tuple(srcs), tuple(dsts), devices,
+                  platform, topology, src_layouts, dst_layouts, types, options, plan)
