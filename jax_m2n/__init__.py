@@ -11,6 +11,7 @@ from jax_m2n._src.errors import (
     ReshardError as ReshardError,
     ReshardRuntimeError as ReshardRuntimeError,
     ReshardTimeoutError as ReshardTimeoutError,
+    ReshardTransferGuardError as ReshardTransferGuardError,
     ReshardTypeError as ReshardTypeError,
     ReshardValueError as ReshardValueError,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "ReshardError",
     "ReshardRuntimeError",
     "ReshardTimeoutError",
+    "ReshardTransferGuardError",
     "ReshardTypeError",
     "ReshardValueError",
     "Topology",

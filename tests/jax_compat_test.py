@@ -133,3 +133,21 @@ def test_distributed_client_is_none_outside_a_job():
   # Outside jax.distributed there is no client; inside, processes/ uses its key-value
   # calls (tests/multiprocess_cpu_test.py runs them).
   assert jax_compat.distributed_client() is None
+
+
+def test_device_to_device_guard_reads_every_way_of_setting_it():
+  assert jax_compat.device_to_device_guard() == "allow"
+  with jax.transfer_guard_device_to_device("log_explicit"):
+    assert jax_compat.device_to_device_guard() == "log_explicit"
+  with jax.transfer_guard("disallow_explicit"):
+    assert jax_compat.device_to_device_guard() == "disallow_explicit"
+    with jax.transfer_guard_device_to_device("log"):
+      assert jax_compat.device_to_device_guard() == "log"
+  with jax.transfer_guard_host_to_device("disallow"):
+    assert jax_compat.device_to_device_guard() == "allow"
+  jax.config.update("jax_transfer_guard_device_to_device", "disallow")
+  try:
+    assert jax_compat.device_to_device_guard() == "disallow"
+  finally:
+    jax.config.update("jax_transfer_guard_device_to_device", None)
+  assert jax_compat.device_to_device_guard() == "allow"

@@ -278,6 +278,16 @@ def test_jit_cross_device_set(devs):
     jax.jit(lambda v: jax_m2n.reshard(v, gen(devs), src_sharding=src))(x)
 
 
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host", "device"])
+def test_jit_cross_device_set_to_any_memory_kind(devs, kind):
+  """The device-set rule comes before the memory-kind delegation: a host-memory
+  destination on other devices is the same ReshardValueError, not JAX's ValueError."""
+  x = sharded(devs)
+  dst = NamedSharding(gen(devs).mesh, gen(devs).spec, memory_kind=kind)
+  with pytest.raises(jax_m2n.ReshardValueError, match="outside jit"):
+    jax.jit(lambda v: jax_m2n.reshard(v, dst, src_sharding=x.sharding))(x)
+
+
 def test_jit_explicit_source_to_auto_destination(devs):
   mesh = Mesh(devs[:4], ("x",), axis_types=(AxisType.Explicit,))
   x = jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(mesh, P("x")))

@@ -1,13 +1,20 @@
 """jax_m2n.reshard under every transfer-guard level (allow, log, disallow, log_explicit,
 disallow_explicit), set for all transfers or for one direction at a time.
 
-A reshard between devices moves no host data, so it runs under every guard, logs
-nothing and equals jax.device_put's result: eager across disjoint, overlapping and
-identical device sets, every route, dtype=, pytrees; inside jit. The first call of a
-process (when jax_m2n makes its own per-device state) runs under the strictest guard,
-in a fresh interpreter, blocking and asynchronous. Where jax_m2n hands a leaf to
-jax.device_put (host -> device, device <-> host memory kinds, typed PRNG keys), the
-guard applies exactly as to device_put: both succeed with equal results, or both raise.
+A reshard between devices moves no host data, so it runs under every host guard, logs
+nothing there and equals jax.device_put's result: eager across disjoint, overlapping and
+identical device sets, every route, dtype=, pytrees; inside jit under every guard. Its
+move between devices is an explicit device-to-device transfer, as jax.device_put's: the
+device-to-device guard refuses it under disallow_explicit (before anything moves) and
+logs it under log_explicit, on the fast path too; a reshard that copies only within
+devices meets no guard. (Where jax.device_put goes through the host, e.g. onto one
+device of a sharded array, its host guards apply and jax_m2n's device-to-device guard
+does: each meets the guard of the path it takes.) The first call of a process (when
+jax_m2n makes its own per-device state) runs under the strictest host guards, in a
+fresh interpreter, blocking and asynchronous. Where jax_m2n hands a leaf to
+jax.device_put (host -> device, device <-> host memory kinds, typed PRNG keys, Python
+scalars), the guard applies exactly as to device_put: both succeed with equal results,
+or both raise.
 """
 
 import os
@@ -36,8 +43,21 @@ GUARDS = {
     "device_to_device": jax.transfer_guard_device_to_device,
 }
 ROUTES = ("hierarchical", "flat", "gather_bcast")
-# What JAX's guard prints (absl, to stderr) for a logged transfer.
+# What JAX's guard prints (absl, to stderr) for a logged transfer; jax_m2n's log line
+# (the "jax_m2n" logger) says the same.
 GUARD_LOG = "transfer: aval="
+# The levels at which the device-to-device guard acts on an explicit transfer.
+EXPLICIT = ("log_explicit", "disallow_explicit")
+
+
+def _d2d_level(guard, level):
+  """The device-to-device guard's level under GUARDS[guard](level)."""
+  return level if guard in ("all", "device_to_device") else "allow"
+
+
+# (level, guard) pairs under which a move between devices is neither refused nor logged.
+QUIET = [(level, guard) for level in LEVELS for guard in sorted(GUARDS)
+         if _d2d_level(guard, level) not in EXPLICIT]
 
 
 def _mesh(ids, shape, names):
@@ -100,8 +120,7 @@ def test_the_log_check_sees_a_logged_transfer(capfd):
   assert GUARD_LOG in capfd.readouterr().err
 
 
-@pytest.mark.parametrize("guard", sorted(GUARDS))
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level,guard", QUIET)
 def test_eager_between_devices_moves_no_host_data(params, level, guard, capfd):
   refs = {k: jax.device_put(params, _dst(m)) for k, m in DSTS.items()}
   ref_bf16 = jax.device_put(jax.tree.map(lambda a: a.astype(jnp.bfloat16), params),
@@ -125,8 +144,7 @@ def test_eager_between_devices_moves_no_host_data(params, level, guard, capfd):
   _assert_same(out_f32, ref_f32)
 
 
-@pytest.mark.parametrize("guard", sorted(GUARDS))
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level,guard", QUIET)
 def test_donated_eager_reshard_moves_no_host_data(level, guard, capfd):
   src = _params()
   ref = jax.device_put(src, _dst(DSTS["overlapping"]))
@@ -138,6 +156,69 @@ def test_donated_eager_reshard_moves_no_host_data(level, guard, capfd):
   assert GUARD_LOG not in capfd.readouterr().err
   assert all(a.is_deleted() for a in jax.tree.leaves(src))
   _assert_same(out, ref)
+
+
+@pytest.mark.parametrize("guard", ["all", "device_to_device"])
+def test_device_to_device_guard_refuses_the_move_as_device_puts(params, guard):
+  """Under disallow_explicit every move between devices is refused before anything
+  moves (sources kept, even donated), first call and repeated (fast path) alike, as
+  jax.device_put refuses its device-to-device copies; a reshard that only copies
+  within devices (a dtype conversion in place) runs."""
+  x = params["w"]
+  same_layout = NamedSharding(DSTS["disjoint"], P())
+  put_src = jax.device_put(params["layers"][1], NamedSharding(SRC, P()))
+  jax_m2n.reshard(params, _dst(DSTS["overlapping"]))  # cached: the next is the fast path
+  in_place = jax_m2n.reshard(x, x.sharding, dtype=jnp.bfloat16)
+  for _ in range(2):
+    for name, mesh in DSTS.items():
+      with GUARDS[guard]("disallow_explicit"):
+        with pytest.raises(jax_m2n.ReshardTransferGuardError,
+                           match="Disallowed device-to-device transfer") as e:
+          jax_m2n.reshard(params, _dst(mesh), donate=True)
+      assert isinstance(e.value, jax.errors.JaxRuntimeError), name
+      assert not any(a.is_deleted() for a in jax.tree.leaves(params)), name
+    with GUARDS[guard]("disallow_explicit"):
+      # jax.device_put copies shard for shard here, and refuses it too.
+      with pytest.raises(jax.errors.JaxRuntimeError, match="device-to-device"):
+        jax.device_put(put_src, same_layout)
+      with pytest.raises(jax.errors.JaxRuntimeError, match="device-to-device"):
+        jax_m2n.reshard(put_src, same_layout)
+      out = jax_m2n.reshard(x, x.sharding, dtype=jnp.bfloat16)
+      jax.block_until_ready(out)
+    _assert_same(out, in_place)
+
+
+@pytest.mark.parametrize("guard", ["all", "device_to_device"])
+def test_device_to_device_guard_logs_the_move_as_device_puts(params, guard, caplog):
+  """Under log_explicit a move between devices runs and is logged (the jax_m2n logger,
+  JAX's words), first call and repeated alike; a copy within devices is not."""
+  ref = jax.device_put(params, _dst(DSTS["disjoint"]))
+  x = params["w"]
+  for _ in range(2):
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jax_m2n"), GUARDS[guard]("log_explicit"):
+      out = jax.block_until_ready(jax_m2n.reshard(params, _dst(DSTS["disjoint"])))
+    assert "device-to-device " + GUARD_LOG in caplog.text
+    _assert_same(out, ref)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jax_m2n"), GUARDS[guard]("log_explicit"):
+      jax.block_until_ready(jax_m2n.reshard(x, x.sharding, dtype=jnp.bfloat16))
+    assert GUARD_LOG not in caplog.text
+
+
+@pytest.mark.parametrize("level", ["disallow", "disallow_explicit"])
+@pytest.mark.parametrize("scalar", [3.0, 2, True, 1.5j], ids=lambda v: type(v).__name__)
+def test_python_scalars_follow_device_puts_guard(scalar, level):
+  """A Python scalar goes to jax.device_put (an explicit host -> device transfer): it
+  runs where device_put runs (under "disallow": no implicit transfer of jax_m2n's own
+  first) and is refused where device_put is refused."""
+  for guard in ("all", "host_to_device"):
+    ref, ref_err = _outcome(jax.device_put, scalar, D[1], guard, level)
+    out, err = _outcome(jax_m2n.reshard, scalar, D[1], guard, level)
+    assert err == ref_err, (guard, level, err, ref_err)
+    if ref is not None:
+      assert out.sharding == ref.sharding and out.dtype == ref.dtype
+      assert out.weak_type == ref.weak_type and out.item() == ref.item()
 
 
 MESH8 = _mesh(range(8), (2, 4), ("a", "b"))
@@ -237,7 +318,11 @@ FIRST_CALL = textwrap.dedent("""
                        NamedSharding(a, P("fsdp", "tp")))
     ref = jax.device_put(x, NamedSharding(b, P(None, "tp")))
     jax.block_until_ready(ref)
-    with jax.transfer_guard("disallow_explicit"):
+    # The strictest host guards; device to device, the move itself is the explicit
+    # transfer the caller asked for ("disallow" refuses implicit ones only).
+    with jax.transfer_guard_host_to_device("disallow_explicit"), \
+         jax.transfer_guard_device_to_host("disallow_explicit"), \
+         jax.transfer_guard_device_to_device("disallow"):
         out = jax_m2n.reshard(x, NamedSharding(b, P(None, "tp")))
         back = jax_m2n.reshard(out, x.sharding, route="flat")
         jax.block_until_ready((out, back))
@@ -251,7 +336,7 @@ FIRST_CALL = textwrap.dedent("""
 @pytest.mark.parametrize("cpu_async", ["0", "1"])
 def test_first_call_of_a_process_under_disallow_explicit(cpu_async):
   """jax_m2n's own per-device state (the CPU generation tickets, programs) is made on
-  the first call touching a device: under the caller's strictest guard here."""
+  the first call touching a device: under the caller's strictest host guards here."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_M2N_CPU_ASYNC=cpu_async)
   env.pop("XLA_FLAGS", None)
   root = os.path.dirname(os.path.dirname(os.path.abspath(jax_m2n.__file__)))

@@ -185,6 +185,10 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       leaf.
     ReshardTimeoutError (also ReshardRuntimeError, TimeoutError): a peer did not arrive
       within `timeout_s`.
+    ReshardTransferGuardError (also ReshardRuntimeError, jax.errors.JaxRuntimeError):
+      `jax.transfer_guard_device_to_device("disallow_explicit")` refuses the move
+      between devices, as it refuses jax.device_put's (raised before anything moves;
+      "log_explicit" logs it instead; see docs/design.md, "Transfer guards").
     ReshardRuntimeError (also RuntimeError): the native handler failed (its message
       included), or (asynchronous calls) an earlier call failed after returning. No
       partial outputs are returned. Inside jit on GPU a failure can surface
@@ -476,6 +480,8 @@ def _reshard_tracers(leaves, dsts, srcs, options: Options, names,
                    "dtype)", name)
       continue
     _check_dtype(_API, name, dtype)
+    if in_jit:  # before the memory-kind delegation: JAX's own device check names less
+      traced.check_staged_devices(name, aval, srcs[i], dst_sharding)
     space = getattr(aval, "memory_space", None)
     host_source = space is not None and "host" in str(space).lower()
     if host_source or not eager._default_memory(dst_sharding):  # device <-> host: JAX's
@@ -485,9 +491,6 @@ def _reshard_tracers(leaves, dsts, srcs, options: Options, names,
       logger.debug("reshard: %s delegated to jax.device_put (memory kind %s)", name,
                    dst_sharding.memory_kind)
       continue
-    if srcs[i] is not None:
-      _check_src_sharding(_API, name, srcs[i])
-      _check_reduction(_API, name, srcs[i], "source")
     typed = getattr(aval, "sharding", None)
     _check_reduction(_API, name, typed, "source")
     if in_jit and (isinstance(typed, jax.sharding.NamedSharding) and not typed.mesh.empty and any(
@@ -500,8 +503,6 @@ def _reshard_tracers(leaves, dsts, srcs, options: Options, names,
           f"destination mesh axis types {dst_sharding.mesh.axis_types}. Hint: build the "
           "destination mesh with axis_types=(AxisType.Explicit, ...), or call reshard "
           "outside jit.")
-    if in_jit:
-      traced.check_staged_devices(name, aval, srcs[i], dst_sharding)
     if (jax_compat.trace_state_clean() and not isinstance(leaf, jax.core.Tracer)
         and isinstance(leaf, jax.Array) and eager.delegated_because(leaf, dst_sharding)):
       if out_dtypes[i] is not None:

@@ -60,6 +60,13 @@ class CallPlan:
   plan: Plan
 
   @property
+  def crossing(self) -> tuple[int, ...]:
+    """The leaves whose bytes move from one device to another (the device-to-device
+    transfer guard applies to them; a leaf copied within each device does not)."""
+    return tuple(t for t, tp in enumerate(self.plan.tensors)
+                 if len(tp.transfers) and bool((tp.transfers.src != tp.transfers.dst).any()))
+
+  @property
   def wire_dtypes(self) -> list[np.dtype]:
     """Per leaf, the type its bytes cross links in (`schedule.wire_dtype`)."""
     return [schedule.wire_dtype(d, o) for d, o in zip(self.dtypes, self.out_dtypes)]

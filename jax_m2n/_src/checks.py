@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import re
+import logging
 import numbers
-from typing import Any, Callable, Sequence
+import re
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -19,7 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 
 from jax_m2n._src import jax_compat
 from jax_m2n._src.errors import (ReshardError, ReshardRuntimeError, ReshardTimeoutError,
-                                 ReshardTypeError, ReshardValueError)
+                                 ReshardTransferGuardError, ReshardTypeError,
+                                 ReshardValueError)
 from jax_m2n._src.layout import MAX_RANK, Layout
 from jax_m2n._src.planner import CPU_MAX_CHUNK_BYTES, GPU_MAX_CHUNK_BYTES, ROUTES
 from jax_m2n._src.request import DEFAULT_TIMEOUT_MS, Options
@@ -30,6 +32,8 @@ _MAX_TIMEOUT_S = float(2**40 // 1000)  # the handlers' bound on the timeout_ms a
 _MIN_TIMEOUT_S = 1e-3  # the handlers' resolution: one millisecond
 
 _API = "reshard"
+
+logger = logging.getLogger("jax_m2n")
 
 # ---------------------------------------------------------------------------------------
 # Pytree handling and validation (everything here runs before any data moves)
@@ -547,3 +551,22 @@ def options(api: str, route: Any = "hierarchical", topology: Any = None,
   timeout_ms = _timeout_ms(api, timeout_s)
   return Options(route, _check_topology(api, topology), timeout_ms,
                  _check_chunk_bytes(api, chunk_bytes))
+
+
+def check_transfer_guard(api: str, crossing: Callable[[], str]) -> None:
+  """The device-to-device transfer guard, applied to a move between devices as JAX
+  applies it to jax.device_put's (an explicit transfer): refused under
+  `disallow_explicit`, logged under `log_explicit`, allowed otherwise. `crossing()`
+  describes what moves (formed only when needed). A move that jax.device_put makes
+  through the host (its host guards apply) and jax_m2n between devices meets this
+  guard instead (docs/design.md, "Transfer guards")."""
+  level = jax_compat.device_to_device_guard()
+  if level == "disallow_explicit":
+    raise ReshardTransferGuardError(
+        f"{api}: a move between devices must be allowed by the device-to-device "
+        f"transfer guard (jax_m2n moves device to device, an explicit transfer as "
+        f"jax.device_put's); got level {level!r}. Disallowed device-to-device "
+        f"transfer: {crossing()}. Hint: 'log_explicit' logs it instead; inside jit "
+        "no transfer guard applies.")
+  if level == "log_explicit":
+    logger.warning("device-to-device transfer: %s (jax_m2n.reshard)", crossing())

@@ -6,6 +6,8 @@ Argument errors are raised before data moves and are also ValueError / TypeError
 convention); failures while data moves are also RuntimeError, timeouts TimeoutError.
 """
 
+import jax
+
 
 class ReshardError(Exception):
   """Base class of every error jax_m2n raises on purpose."""
@@ -25,3 +27,9 @@ class ReshardRuntimeError(ReshardError, RuntimeError):
 
 class ReshardTimeoutError(ReshardRuntimeError, TimeoutError):
   """A participating device did not arrive within the configured timeout."""
+
+
+class ReshardTransferGuardError(ReshardRuntimeError, jax.errors.JaxRuntimeError):
+  """A transfer guard (`jax.transfer_guard_device_to_device("disallow_explicit")`)
+  refuses the move between devices, as it refuses jax.device_put's; also the
+  `jax.errors.JaxRuntimeError` JAX raises there. Raised before any data moves."""

@@ -217,6 +217,18 @@ def exclude_from_source_info(path: str) -> None:
   source_info_util.register_exclusion(path)
 
 
+def device_to_device_guard() -> str:
+  """The device-to-device transfer guard level in effect on this thread: `allow`,
+  `log`, `disallow`, `log_explicit` or `disallow_explicit` (what
+  `jax.transfer_guard_device_to_device` / `jax.transfer_guard` set; the thread's
+  setting, else the global one, else JAX's default `allow`)."""
+  from jax._src.lib import guard_lib  # the guards' state: no public reader
+  level = guard_lib.thread_local_state().device_to_device
+  if level is None:
+    level = guard_lib.global_state().device_to_device
+  return "allow" if level is None else level.name.lower()
+
+
 def distributed_client() -> Any:
   """The `jax.distributed` key-value client (None before jax.distributed.initialize):
   the store the multi-controller control plane bootstraps through (processes/)."""

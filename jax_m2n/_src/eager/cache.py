@@ -16,8 +16,8 @@ from jax.sharding import Sharding
 
 from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_memory_kind,
                                  _check_mesh, _check_reduction, _dst_sharding_of,
-                                 _platform_of, _same_layout)
-from jax_m2n._src.eager.programs import _build_eager, _donate
+                                 _platform_of, _same_layout, check_transfer_guard)
+from jax_m2n._src.eager.programs import _build_eager, _donate, crossing_text
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 from jax_m2n._src.request import Request
 
@@ -210,11 +210,16 @@ class _Grouped:
     for index, entry in self.parts:
       for i, a in zip(index, entry.out_avals):
         self.out_avals[i] = a
+    self.crossing = tuple(sorted(index[t] for index, entry in self.parts
+                                 for t in entry.crossing))
 
   def __call__(self, leaves: Sequence[jax.Array], donate: bool | Sequence[bool]
                ) -> list[jax.Array]:
     """Runs every group (each raises as an _EagerReshard does: an earlier failure or a
-    failed dispatch), then donates: no source is deleted before every group ran."""
+    failed dispatch), then donates: no source is deleted before every group ran. The
+    transfer guard is asked before the first group runs."""
+    if self.crossing:
+      check_transfer_guard(_API, lambda: crossing_text(self.out_avals, self.crossing))
     outs: list[Any] = [None] * self.n
     for index, entry in self.parts:
       for i, y in zip(index, entry([leaves[i] for i in index], False)):

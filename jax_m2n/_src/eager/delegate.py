@@ -107,8 +107,9 @@ def _check_delegated(name: str, leaf: Any, dst: Any, given_src: Any = None) -> A
     _check_delegated(name, leaf, dst.sharding)
     return dst
   dtype = getattr(leaf, "dtype", None)
-  if dtype is None:
-    dtype = jax.numpy.asarray(leaf).dtype  # a Python scalar: its default dtype
+  if dtype is None:  # a Python scalar: its default dtype, read from its type (making
+    # an array of it would be an implicit host-to-device transfer of our own)
+    dtype = jax.typeof(leaf).dtype
   dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype) if not (
       jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
       and isinstance(dst, jax.ShapeDtypeStruct)) else dst.sharding

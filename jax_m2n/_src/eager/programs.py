@@ -22,7 +22,7 @@ from jax_m2n._src import call_plan
 from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
-from jax_m2n._src.checks import _API, _map_native_error, _site
+from jax_m2n._src.checks import _API, _map_native_error, _site, check_transfer_guard
 from jax_m2n._src.eager import dispatch
 from jax_m2n._src.eager.calls import (_Call, _cpu_module, _dispatch_lock, _failure_text,
                                       _issued, _raise_failed_calls, _reached_handler,
@@ -89,6 +89,9 @@ class _EagerReshard:
   # Asynchronous CPU programs with peers (JAX_M2N_CPU_ASYNC=1): one issuing thread at a
   # time (calls._wait_for_other_issuers).
   one_issuer: bool = False
+  # The leaves whose bytes move between devices: the device-to-device transfer guard
+  # applies to a call that moves any (call_plan.CallPlan.crossing).
+  crossing: tuple[int, ...] = ()
   avals: list[Any] = dataclasses.field(default_factory=list)  # per leaf, after call 1
 
   def __post_init__(self):
@@ -112,6 +115,8 @@ class _EagerReshard:
     Raises at once what is known before the programs run (an earlier call's failure,
     a dead shard, a failed dispatch; no partial outputs)."""
     _raise_failed_calls()
+    if self.crossing:
+      check_transfer_guard(_API, lambda: crossing_text(self.out_avals, self.crossing))
     results, call = self._dispatch(leaves, devices)
     if block:
       self._wait(call, results)
@@ -284,6 +289,16 @@ class _EagerReshard:
     return out
 
 
+def crossing_text(out_avals: Sequence[tuple[Any, Any, Sharding]],
+                  crossing: Sequence[int]) -> str:
+  """What a call moves between devices, for the transfer guard's error or log line:
+  the first such leaf (JAX's form, `aval=..., dst_sharding=...`) and how many more."""
+  shape, dtype, sharding = out_avals[crossing[0]]
+  more = f" (and {len(crossing) - 1} more leaves)" if len(crossing) > 1 else ""
+  aval = jax.core.ShapedArray(shape, dtype)
+  return f"aval={aval!r}, dst_sharding={sharding}{more}"
+
+
 def _donate(leaves: Sequence[jax.Array], donate: bool | Sequence[bool]) -> None:
   """Frees the sources marked for donation (one flag, or one per leaf) once the reshard
   has completed; an unmarked leaf is never touched."""
@@ -406,7 +421,8 @@ def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
                       for d in jax_compat.addressable_device_assignment(dst)])
   return _EagerReshard(plan, programs, out_avals, out_slots, src_shard_index, platform,
                        site, caller_dispatch, x64,
-                       one_issuer=cpu_async and len(plan.devices) > 1)
+                       one_issuer=cpu_async and len(plan.devices) > 1,
+                       crossing=planned.crossing)
 
 
 # Opt-in asynchronous eager reshards on CPU (docs/design.md, "Dispatch"): the programs

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import jax
 
 from jax_m2n._src import call_plan
+from jax_m2n._src import checks
 from jax_m2n._src import jax_compat
 from jax_m2n._src.errors import ReshardError, ReshardRuntimeError, ReshardValueError
 from jax_m2n._src.layout import Layout
@@ -56,6 +57,7 @@ class CrossProcessReshard:
     self.out_avals = [(sh, o, d) for sh, o, d in zip(call.shapes, call.out_dtypes,
                                                        call.dsts)]
     self.timeout_ms = options.timeout_ms
+    self.crossing = call.crossing
     self.shapes = list(call.shapes)
     self.out_dtypes = list(call.out_dtypes)
     self.dsts = list(call.dsts)
@@ -92,7 +94,12 @@ class CrossProcessReshard:
                ) -> list[jax.Array]:
     """One call: returns the global outputs once every participant is done (the
     result is ready: the engine's transfers have completed). `devices`/`block` are the
-    in-process entries' test hooks; here every call blocks and runs every device."""
+    in-process entries' test hooks; here every call blocks and runs every device.
+    The device-to-device transfer guard is asked first (every process must set it
+    alike, as every other argument: a refusing process fails its peers by timeout)."""
+    if self.crossing:
+      checks.check_transfer_guard(_API, lambda: f"{len(self.crossing)} leaves across "
+                                  f"processes {self.participants}")
     with _call_lock:
       return self._call(leaves, donate)
 
