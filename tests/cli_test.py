@@ -176,7 +176,7 @@ def test_json_is_strict_json_at_the_bandwidth_limits(capsys):
 def test_verbose_logs_what_was_planned(capsys):
   import logging
   from jax_m2n._src import planner
-  planner._plan_cached.cache_clear()  # a cached plan is not planned (nor logged) again
+  planner.clear_caches()  # a cached plan is not planned (nor logged) again
   log = logging.getLogger("jax_m2n")
   handlers, level = list(log.handlers), log.level
   try:

@@ -11,7 +11,7 @@ import hypothesis
 import numpy as np
 from hypothesis import strategies as st
 
-from jax_m2n._src import chunks as chunks_lib
+from jax_m2n._src.planner import chunks as chunks_lib
 from jax_m2n._src import schedule as schedule_lib
 from jax_m2n._src.layout import MAX_RANK, box_size, intersect, parse_layout
 from jax_m2n._src.planner import FULL_TMP, SRC_SHARD, ROUTES, plan_reshard

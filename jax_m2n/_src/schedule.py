@@ -15,7 +15,7 @@ import functools
 import ml_dtypes
 import numpy as np
 
-from jax_m2n._src import chunks as chunks_lib
+from jax_m2n._src.planner import chunks as chunks_lib
 from jax_m2n._src.layout import MAX_RANK
 from jax_m2n._src.planner import DST_SHARD, FULL_TMP, SRC_SHARD, STAGES, Plan
 

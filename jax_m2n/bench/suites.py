@@ -442,10 +442,8 @@ def _parse_stages(model: PlannerModel, stages) -> list[tuple[list, list]]:
 
 def _clear_planner_caches() -> None:
   from jax_m2n._src import planner
-  planner.plan_tensor.cache_clear()
   # The bench measures cold planning, the size check from the layouts included.
-  for cache in (planner._plan_cached, planner._tensor_size, planner._shards):  # noqa: SLF001
-    cache.cache_clear()
+  planner.clear_caches()
 
 
 def _plan_stages(model: PlannerModel, layouts, itemsize: int, topo, route="hierarchical"):

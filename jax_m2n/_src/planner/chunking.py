@@ -4,7 +4,7 @@ Owns what a call, a step and a chunk cost on each transport (measured: figures a
 commands below) and the rule that picks a plan's chunk bytes when the caller gives none:
 enough chunks that forwarding and fan-out overlap injection, none so small that the
 per-step cost dominates. Reads a plan's traffic and transfers; builds no chunks
-(jax_m2n._src.chunks cuts them).
+(planner/chunks.py cuts them).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from jax_m2n._src.errors import ReshardValueError
+from jax_m2n._src.planner.chunks import STEP_CHUNKS
 
 # Bound on one chunk on CPU, and the bound the planner's own callers default to.
 CPU_MAX_CHUNK_BYTES = 16 << 20
@@ -146,7 +147,7 @@ def default_chunk_bytes(plan, transport: Transport) -> int:
   c: the largest transfer that others read, in chunks (each step moves one chunk of
   every transfer at once), or, where steps are matched (`Transport.matched_steps`), the
   busiest device's bytes in chunks (one network chunk per device and direction per
-  step); never fewer than the waves of `jax_m2n._src.chunks.STEP_CHUNKS` chunks per
+  step); never fewer than the waves of `chunks.STEP_CHUNKS` chunks per
   device and step need.
   """
   cap = transport.max_chunk_bytes
@@ -167,7 +168,6 @@ def default_chunk_bytes(plan, transport: Transport) -> int:
 
 
 def _model_at(pipeline, chunk_bytes: int, transport: Transport) -> float:
-  from jax_m2n._src.chunks import STEP_CHUNKS
   t_ms, hops, largest, busiest = pipeline
   per_step = busiest if transport.matched_steps else largest
   n = max(math.ceil(per_step / chunk_bytes),

@@ -9,16 +9,19 @@ Reads transfers and chunks; builds neither.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from jax_m2n._src.layout import box_size, intersect
+from jax_m2n._src.planner import chunking
+from jax_m2n._src.planner.size import plan_size
 from jax_m2n._src.planner.transfers import LINKS, Transfers
 from jax_m2n._src.topology import Topology
 
-if TYPE_CHECKING:
-  from jax_m2n._src.planner.plan import TensorPlan
+# Tensors and plans arrive as plan.py's TensorPlan and Plan (which import this module):
+# read by their attributes, not imported.
+TensorPlan = Any
 
 
 def _ms(nbytes: float, gbps: float) -> float:
@@ -205,8 +208,6 @@ def schedule_ms(plan) -> float:
   by the pipeline's fill and drain, plus the same fixed costs), never below the
   aggregate."""
   if "chunks" not in plan.__dict__:
-    from jax_m2n._src.planner import chunking
-    from jax_m2n._src.planner.plan import plan_size
     transfers = sum(len(tp.transfers) for tp in plan.tensors)
     if transfers > EXACT_ESTIMATE_TRANSFERS or plan_size(
         [tp.src for tp in plan.tensors], [tp.dst for tp in plan.tensors],

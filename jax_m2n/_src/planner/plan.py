@@ -1,16 +1,15 @@
-"""The plan of a reshard call: the `Plan` container, its cache and the plan-size limits.
+"""The plan of a reshard call: the `Plan` container and its cache.
 
-Owns `plan_reshard` (checks, then one cached `TensorPlan` per tensor by the chosen
-route), what a `Plan` answers (transfers, traffic, estimates, chunks, summaries) and the
-bounds that refuse a plan from the layouts alone before any route is built. Pure and
-deterministic: every rank derives the same plan; never touches devices, buffers or JAX
-runtime state. Chunks and steps are derived lazily (`Plan.chunks`) by
-`jax_m2n._src.chunks`, only when a schedule is needed.
+Owns `plan_reshard` (checks, the size limits of size.py, then one cached `TensorPlan`
+per tensor by the chosen route) and what a `Plan` answers (transfers, traffic,
+estimates, chunks, summaries). Pure and deterministic: every rank derives the same
+plan; never touches devices, buffers or JAX runtime state. Chunks and steps are derived
+lazily (`Plan.chunks`) by planner/chunks.py, only when a schedule is needed.
 """
 
 from __future__ import annotations
 
-import bisect
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -18,30 +17,19 @@ import gc
 import itertools
 import logging
 import math
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 from jax_m2n._src.errors import ReshardValueError
-from jax_m2n._src.layout import Layout, box_size
+from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import chunking as chunking_lib
+from jax_m2n._src.planner import chunks as chunks_lib
 from jax_m2n._src.planner import cost
 from jax_m2n._src.planner.chunking import Chunking, Transport
 from jax_m2n._src.planner.cost import Traffic, sol_ms
-from jax_m2n._src.planner.routes import _shards, route_tensor
+from jax_m2n._src.planner.routes import route_tensor
+from jax_m2n._src.planner.size import PlanSize, check_plan_size
 from jax_m2n._src.planner.transfers import ROUTES, STAGES, Transfer, Transfers
 from jax_m2n._src.topology import Topology
-
-# The bound on one chunk on CPU (the default chunking stays at or under it; a caller's
-# chunk_bytes= replaces it). Kept under this name for callers.
-DEFAULT_CHUNK_BYTES = chunking_lib.CPU_MAX_CHUNK_BYTES
-
-# Bounds on one plan, checked from the layouts alone before any route is built
-# (`check_plan_size`). A transfer costs ~0.2 us and ~25-50 bytes to plan (columns), but
-# ~1 us and ~0.3 KB once chunked and encoded (per transfer in Python): 8M transfers are
-# seconds and a few GB of schedule, beyond which a plan is refused rather than left to
-# run for minutes into a MemoryError (a 100,000-way replication would be 10**10
-# transfers). A DeepSeek-V3-sized refit over 4,096 devices is ~3M per stage.
-MAX_PLAN_TRANSFERS = 1 << 23
-MAX_PLAN_CHUNKS = 1 << 24
 
 logger = logging.getLogger("jax_m2n")
 
@@ -74,119 +62,6 @@ def _check_pair(src: Layout, dst: Layout, where: str) -> None:
     raise ReshardValueError(
         f"{where}: source and destination must have the same global shape; got "
         f"{src.shape} and {dst.shape}.")
-
-
-# ---------------------------------------------------------------------------------------
-# Plan size, from the layouts alone (linear in devices)
-# ---------------------------------------------------------------------------------------
-
-class PlanSize(NamedTuple):
-  """Lower bounds on the size of a plan (exact for `flat` on JAX's grid layouts).
-
-  transfers: transfers of the distinct tensor routes (what the planner builds).
-  chunks: chunks of the schedule of every tensor (what `Plan.chunks` and the schedule
-    encoding build), for the plan's chunk_bytes.
-  """
-
-  transfers: int
-  chunks: int
-
-
-def _overlap_counter(shards, ndim: int):
-  """Per dim, a function counting the source intervals that overlap [lo, hi); None
-  where a dim's distinct intervals overlap each other (not a grid: count 1)."""
-  counters = []
-  for k in range(ndim):
-    intervals = sorted({b[k] for b, _ in shards})
-    starts = [lo for lo, _ in intervals]
-    ends = [hi for _, hi in intervals]
-    if any(ends[i] > starts[i + 1] for i in range(len(intervals) - 1)):
-      counters.append(None)
-    else:
-      counters.append((starts, ends))
-  return counters
-
-
-@functools.lru_cache(maxsize=4096)
-def _tensor_size(src: Layout, dst: Layout, itemsize: int, route: str) -> tuple[int, int]:
-  """(transfers, bytes written into destination buffers) of one tensor's route, at
-  least. Every destination replica receives each source piece of its box by at least
-  one transfer (a local copy if it holds it), so transfers >= sum over destination
-  shards of replicas x intersecting source shards; on a grid the latter is the product
-  over dims of overlapping source intervals (two binary searches per dim)."""
-  src_shards = _shards(src)
-  dst_shards = _shards(dst)
-  if route == "gather_bcast":
-    devices = {t for _, ts in dst_shards for t in ts}
-    chain = len(devices - {src.devices[0]}) if src.devices else len(devices)
-    nbytes = math.prod(src.shape) * itemsize
-    return (len(src_shards) + chain + len(devices),
-            chain * nbytes + sum(len(ts) * box_size(b) for b, ts in dst_shards) * itemsize)
-  counters = _overlap_counter(src_shards, src.ndim)
-  transfers = received = 0
-  for dbox, replicas in dst_shards:
-    pieces = 1
-    for (lo, hi), counter in zip(dbox, counters):
-      if counter is not None:
-        starts, ends = counter
-        pieces *= bisect.bisect_left(starts, hi) - bisect.bisect_right(ends, lo)
-    transfers += len(replicas) * max(pieces, 1)
-    received += len(replicas) * box_size(dbox) * itemsize
-  return transfers, received
-
-
-def plan_size(src_layouts: Sequence[Layout], dst_layouts: Sequence[Layout],
-              itemsizes: Sequence[int], route: str = "hierarchical",
-              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> PlanSize:
-  """Lower bounds on the transfers and chunks of a plan, without building it.
-
-  Time linear in the devices of the layouts (times rank and log of the shard count),
-  cached per distinct (layouts, itemsize, route). Transfers count each distinct tensor
-  route once (equal layouts share one); chunks count every tensor.
-  """
-  from jax_m2n._src.chunks import LEAF_CHUNK_FACTOR
-  seen = set()
-  transfers = chunks = 0
-  for s, d, i in zip(src_layouts, dst_layouts, itemsizes):
-    n, received = _tensor_size(s, d, int(i), route)
-    if (s, d, i) not in seen:
-      seen.add((s, d, i))
-      transfers += n
-    chunks += max(n, -(-received // (LEAF_CHUNK_FACTOR * chunk_bytes)))
-  return PlanSize(transfers, chunks)
-
-
-def check_plan_size(src_layouts: Sequence[Layout], dst_layouts: Sequence[Layout],
-                    itemsizes: Sequence[int], route: str = "hierarchical",
-                    chunk_bytes: int | None = None) -> PlanSize:
-  """Refuses, before any planning, a plan over `MAX_PLAN_TRANSFERS` transfers (or, with
-  `chunk_bytes`, over `MAX_PLAN_CHUNKS` chunks).
-
-  Called by `plan_reshard` (transfers) and `Plan.chunks` (chunks) on a cache miss;
-  callers that want to fail before other work (the CLI, the public API's argument
-  checks) may call it first. Takes well under a second for a million devices.
-
-  Returns:
-    The `PlanSize` (lower bounds) when within the limits.
-
-  Raises:
-    ReshardValueError: one line naming the size, the limit and what to change.
-  """
-  size = plan_size(src_layouts, dst_layouts, itemsizes, route,
-                   chunk_bytes or DEFAULT_CHUNK_BYTES)
-  if size.transfers > MAX_PLAN_TRANSFERS:
-    devices = len({d for l in dst_layouts for d in l.devices})
-    raise ReshardValueError(
-        f"plan: a plan must have at most {MAX_PLAN_TRANSFERS} transfers "
-        f"(MAX_PLAN_TRANSFERS); got at least {size.transfers} for route {route!r} "
-        f"({len(src_layouts)} tensor(s), {devices} destination devices). Use fewer "
-        f"destination replicas or fewer source shards per destination shard.")
-  if chunk_bytes is not None and size.chunks > MAX_PLAN_CHUNKS:
-    raise ReshardValueError(
-        f"plan: a plan must have at most {MAX_PLAN_CHUNKS} chunks (MAX_PLAN_CHUNKS); got "
-        f"at least {size.chunks} with chunk_bytes={chunk_bytes}. Use a larger "
-        f"chunk_bytes.")
-  return size
 
 
 @functools.lru_cache(maxsize=4096)
@@ -330,19 +205,17 @@ class Plan:
 
   @functools.cached_property
   def chunks(self):
-    """The chunked, step-assigned schedule (a `jax_m2n._src.chunks.Chunks`).
+    """The chunked, step-assigned schedule (a `planner.chunks.Chunks`).
 
     Raises ReshardValueError, before building anything, over MAX_PLAN_CHUNKS chunks.
     """
-    from jax_m2n._src import chunks
     check_plan_size([tp.src for tp in self.tensors], [tp.dst for tp in self.tensors],
                     self.itemsizes, self.route, self.chunk_bytes)
-    return chunks.schedule_chunks(self)
+    return chunks_lib.schedule_chunks(self)
 
   def describe(self, size: PlanSize | None = None) -> str:
     """One line: route, tensors, devices, transfers by stage, bytes by link."""
-    from collections import Counter
-    stages: Counter = Counter()
+    stages: collections.Counter = collections.Counter()
     for tp in self.tensors:
       stages.update(tp.transfers.stage_counts())
     links = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.bytes_by_link.items())
@@ -354,9 +227,8 @@ class Plan:
 
   def summary(self) -> str:
     """A readable summary (the `plan` command without --json)."""
-    from collections import Counter
     lines = []
-    stages: Counter = Counter()
+    stages: collections.Counter = collections.Counter()
     for tp in self.tensors:
       stages.update(tp.transfers.stage_counts())
     lines.append(f"route: {self.route}   tensors: {len(self.tensors)}   payload: "
@@ -395,7 +267,7 @@ def _fmt_bytes(n: int) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_cached(src: tuple[Layout, ...], dst: tuple[Layout, ...],
+def plan_cached(src: tuple[Layout, ...], dst: tuple[Layout, ...],
                  itemsizes: tuple[int, ...], topology: Topology, route: str,
                  chunking: Chunking) -> Plan:
   size = check_plan_size(src, dst, itemsizes, route)
@@ -444,7 +316,7 @@ def plan_reshard(src_layouts: Sequence[Layout], dst_layouts: Sequence[Layout],
   chunking = _chunking(chunk_bytes)
   for i, (s, d) in enumerate(zip(src_layouts, dst_layouts)):
     _check_pair(s, d, f"plan (tensor {i})")
-  return _plan_cached(tuple(src_layouts), tuple(dst_layouts),
+  return plan_cached(tuple(src_layouts), tuple(dst_layouts),
                       tuple(int(i) for i in itemsizes), topology or Topology(), route,
                       chunking)
 

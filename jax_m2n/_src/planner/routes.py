@@ -5,7 +5,7 @@ per piece, leaders per destination shard and domain, a ring forwarding between d
 fan-out inside each), `flat` (every destination replica sent from a source) and
 `gather_bcast` (the legacy refit: gather on one device, broadcast along a chain). Pure
 and deterministic (every rank derives the same transfers); prices nothing (cost.py),
-chunks nothing (jax_m2n._src.chunks).
+chunks nothing (planner/chunks.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def route_tensor(src: Layout, dst: Layout, itemsize: int, topo: Topology,
 
 
 @functools.lru_cache(maxsize=256)
-def _shards(layout: Layout) -> tuple[tuple[Box, tuple[int, ...]], ...]:
+def shards(layout: Layout) -> tuple[tuple[Box, tuple[int, ...]], ...]:
   """`layout.shards()`, once per distinct layout: the size check and the route both need
   it, and a model's tensors repeat a few layouts (~3 ms each over 4,096 devices)."""
   return tuple(layout.shards())
@@ -191,7 +191,7 @@ def route_gather_bcast(src: Layout, dst: Layout, itemsize: int,
   """Gathers the whole tensor on the first source device, then broadcasts it along a
   chain through every destination device (a ring broadcast, as NCCL's); each
   destination keeps its box."""
-  src_shards, dst_shards = _shards(src), _shards(dst)
+  src_shards, dst_shards = shards(src), shards(dst)
   if not dst_shards:
     return Transfers.empty()
   out = _Rows()
@@ -228,7 +228,7 @@ def route_flat(src: Layout, dst: Layout, itemsize: int, topo: Topology) -> Trans
   """Every destination replica receives each piece of its box from a source: its own
   local copy if it holds the piece, else from the least-loaded holder, one in its domain
   where there is one."""
-  src_shards, dst_shards = _shards(src), _shards(dst)
+  src_shards, dst_shards = shards(src), shards(dst)
   if not dst_shards:
     return Transfers.empty()
   out = _Rows()
@@ -267,7 +267,7 @@ def route_hierarchical(src: Layout, dst: Layout, itemsize: int,
     3. fan out (`_Arrivals`, `_with_fanout`): every leader copies what it leads to the
        other replicas of the shard in its domain, skipping those that hold it.
   """
-  src_shards, dst_shards = _shards(src), _shards(dst)
+  src_shards, dst_shards = shards(src), shards(dst)
   if not dst_shards:
     return Transfers.empty()
   out = _Rows()

@@ -8,7 +8,7 @@ Tensors are started in waves so that no step holds much more than a few chunks' 
 per device; on the emulated network steps are matchings instead (`_matched_steps`).
 Per-tensor work is cached on the (shared) TensorPlan; per-plan work is array
 arithmetic. Pure; no devices, no encodings. The chunk size is the plan's
-(`Plan.chunk_bytes`: the caller's, or jax_m2n._src.planner.chunking's rule).
+(`Plan.chunk_bytes`: the caller's, or chunking.py's rule).
 """
 
 from __future__ import annotations
