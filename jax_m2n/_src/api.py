@@ -24,16 +24,16 @@ from jax_m2n._src import quantize
 from jax_m2n._src import schedule
 from jax_m2n._src import traced
 from jax_m2n._src import transforms
-from jax_m2n._src.checks import (_API, _broadcast_prefix, _check_dtype, _check_holds,
-                                 _check_mesh, _check_reduction,
-                                 _check_src_sharding, _is_format,
-                                 _layout_delegated_because, _plan_leaf, _uneven,
-                                 _donate_flags,
-                                 _is_dst_leaf, _LazyName,
-                                 _leaf_aval, _out_dtypes,
-                                 _dst_sharding_of, _leaf_names, _map_native_error,
-                                 _normalize_dst)
-from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
+from jax_m2n._src.checks import (broadcast_prefix, check_dtype, check_holds,
+                                 check_mesh, check_reduction,
+                                 check_src_sharding, is_format,
+                                 layout_delegated_because, plan_leaf, is_uneven,
+                                 donate_flags,
+                                 is_dst_leaf, LazyName,
+                                 leaf_aval, dtypes_per_leaf,
+                                 dst_sharding_of, leaf_names, map_native_error,
+                                 normalize_dst)
+from jax_m2n._src.errors import API, ReshardTypeError, ReshardValueError
 from jax_m2n._src.planner import Plan
 from jax_m2n._src.request import Options, Request
 from jax_m2n._src.topology import Topology
@@ -260,45 +260,45 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       outs = _fast_call(hit, leaves, donate)
       if outs is not None:
         return jax.tree_util.tree_unflatten(treedef, outs)
-  options = checks.options(_API, route, topology, timeout_s, chunk_bytes)
+  options = checks.options(API, route, topology, timeout_s, chunk_bytes)
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
   name_cache: list[list[str]] = []
 
   def names() -> list[str]:
     if not name_cache:
-      name_cache.append(_leaf_names(x))
+      name_cache.append(leaf_names(x))
     return name_cache[0]
 
-  dsts = _broadcast_prefix(_API, "dst_sharding", dst_sharding, x, treedef, n, names)
+  dsts = broadcast_prefix(API, "dst_sharding", dst_sharding, x, treedef, n, names)
   srcs = ([None] * n if src_sharding is None else
-          _broadcast_prefix(_API, "src_sharding", src_sharding, x, treedef, n, names))
-  flags = _donate_flags(_API, donate, x, treedef, n)
-  out_dtypes = _out_dtypes(_API, dtype, x, treedef, n)
+          broadcast_prefix(API, "src_sharding", src_sharding, x, treedef, n, names))
+  flags = donate_flags(API, donate, x, treedef, n)
+  out_dtypes = dtypes_per_leaf(API, dtype, x, treedef, n)
   if not n:
     return jax.tree_util.tree_unflatten(treedef, [])
   if dtype is not None:
     out_dtypes, dsts = _conversions(leaves, dsts, out_dtypes, names)
-  # Leaf names only where a message needs one (_LazyName): forming them costs more than
+  # Leaf names only where a message needs one (LazyName): forming them costs more than
   # these checks.
-  dsts = [d if isinstance(d, Sharding) else _normalize_dst(_API, _LazyName(names, i), d)
+  dsts = [d if isinstance(d, Sharding) else normalize_dst(API, LazyName(names, i), d)
           for i, d in enumerate(dsts)]
   seen: set[int] = set()  # a prefix repeats one sharding object: check it once
   for i, d in enumerate(dsts):  # before anything asks these shardings for devices
     d = d.sharding if isinstance(d, jax.ShapeDtypeStruct) else d
     if id(d) not in seen:
       seen.add(id(d))
-      _check_mesh(_API, _LazyName(names, i), d, "destination")
-      _check_reduction(_API, _LazyName(names, i), d, "destination")
+      check_mesh(API, LazyName(names, i), d, "destination")
+      check_reduction(API, LazyName(names, i), d, "destination")
     if srcs[i] is not None:
-      _check_src_sharding(_API, _LazyName(names, i), srcs[i])
-      _check_reduction(_API, _LazyName(names, i), srcs[i], "source")
+      check_src_sharding(API, LazyName(names, i), srcs[i])
+      check_reduction(API, LazyName(names, i), srcs[i], "source")
     leaf = leaves[i]
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
       s = leaf.sharding
       if id(s) not in seen:
         seen.add(id(s))
-        _check_reduction(_API, _LazyName(names, i), s, "source")
+        check_reduction(API, LazyName(names, i), s, "source")
   traced = (not jax_compat.trace_state_clean()) or any(
       isinstance(v, jax.core.Tracer) for v in leaves)
   if traced:
@@ -357,7 +357,7 @@ def _fast_key(x, dst_sharding, route, topology, donate, src_sharding, timeout_s,
   if isinstance(dst_sharding, Sharding):
     dst = dst_sharding
   else:
-    flat, tree = jax.tree_util.tree_flatten(dst_sharding, is_leaf=_is_dst_leaf)
+    flat, tree = jax.tree_util.tree_flatten(dst_sharding, is_leaf=is_dst_leaf)
     if any(isinstance(d, PartitionSpec) for d in flat):  # depends on the context mesh
       return None
     dst = (tree, tuple(flat))
@@ -402,14 +402,14 @@ def _conversions(leaves, dsts, out_dtypes, names) -> tuple[list[Any], list[Any]]
       have, weak = jax.typeof(leaf).dtype, jax.typeof(leaf).weak_type
     if have is None or not (have == np.bool_ or jax.dtypes.issubdtype(have, np.number)):
       raise ReshardTypeError(
-          f"{_API}: a leaf of x converted with dtype= must be an array of numbers or "
+          f"{API}: a leaf of x converted with dtype= must be an array of numbers or "
           f"bools; got {type(leaf).__name__} {getattr(leaf, 'dtype', '')} at "
           f"{names()[i]}.")
     want = jax.dtypes.canonicalize_dtype(o)
     if np.dtype(have) == want and not weak:
       out_dtypes[i] = None
     if isinstance(dsts[i], jax.ShapeDtypeStruct):
-      dsts[i] = _dst_sharding_of(_API, names()[i], dsts[i], np.shape(leaf),
+      dsts[i] = dst_sharding_of(API, names()[i], dsts[i], np.shape(leaf),
                                  want if out_dtypes[i] is not None else have)
   return out_dtypes, dsts
 
@@ -424,7 +424,7 @@ def _reshard_tracers(leaves, dsts, srcs, options: Options, names,
   context = jax.sharding.get_abstract_mesh()
   if not context.empty and getattr(context, "manual_axes", ()):
     raise ReshardValueError(
-        f"{_API}: reshard must be called outside shard_map (it lowers to its own SPMD "
+        f"{API}: reshard must be called outside shard_map (it lowers to its own SPMD "
         f"program over whole arrays); got a call under manual mesh axes "
         f"{tuple(context.manual_axes)}. Hint: call it on the global arrays, inside jit "
         "or eagerly.")
@@ -436,29 +436,29 @@ def _reshard_tracers(leaves, dsts, srcs, options: Options, names,
       if out_dtypes[i] is not None:
         outs[i] = eager._astype(leaf, out_dtypes[i])
       continue
-    aval = _leaf_aval(_API, name, leaf)
+    aval = leaf_aval(API, name, leaf)
     shape, dtype = tuple(aval.shape), aval.dtype
     in_jit = jax_compat.is_staged(leaf)
     # The destination is checked before any astype (JAX's order: nothing runs first).
-    fmt = dst if _is_format(dst) else None
+    fmt = dst if is_format(dst) else None
     if fmt is not None or (isinstance(dst, jax.ShapeDtypeStruct) and
                            jax.dtypes.issubdtype(dtype, jax.dtypes.extended)):
       dst_sharding = dst.sharding  # a typed key's struct: JAX checks it
     else:
-      dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype if out_dtypes[i]
+      dst_sharding = dst_sharding_of(API, name, dst, shape, dtype if out_dtypes[i]
                                       is None else out_dtypes[i])
     if dst_sharding is not None:
-      _check_mesh(_API, name, dst_sharding, "destination")
-      _check_reduction(_API, name, dst_sharding, "destination")
-    uneven = in_jit and _uneven(dst_sharding, shape)
+      check_mesh(API, name, dst_sharding, "destination")
+      check_reduction(API, name, dst_sharding, "destination")
+    uneven = in_jit and is_uneven(dst_sharding, shape)
     if not uneven and dst_sharding is not None:
-      _check_holds(_API, name, dst_sharding, shape, "destination")
+      check_holds(API, name, dst_sharding, shape, "destination")
     if out_dtypes[i] is not None and not schedule.fused_conversion(dtype, out_dtypes[i]):
       leaf = leaves[i] = eager._astype(leaf, out_dtypes[i])  # unfused: convert, then move
       out_dtypes[i] = None
-      aval = _leaf_aval(_API, name, leaf)
+      aval = leaf_aval(API, name, leaf)
       shape, dtype = tuple(aval.shape), aval.dtype
-    why = _layout_delegated_because(shape, dst) or (
+    why = layout_delegated_because(shape, dst) or (
         "uneven shards (JAX pads them inside jit)" if uneven else None)
     if why is not None:  # XLA's move in jit, jax.device_put's outside
       if out_dtypes[i] is not None:
@@ -479,7 +479,7 @@ def _reshard_tracers(leaves, dsts, srcs, options: Options, names,
       logger.debug("reshard: %s delegated to jax.device_put (host data or extended "
                    "dtype)", name)
       continue
-    _check_dtype(_API, name, dtype)
+    check_dtype(API, name, dtype)
     if in_jit:  # before the memory-kind delegation: JAX's own device check names less
       traced.check_staged_devices(name, aval, srcs[i], dst_sharding)
     space = getattr(aval, "memory_space", None)
@@ -492,13 +492,13 @@ def _reshard_tracers(leaves, dsts, srcs, options: Options, names,
                    dst_sharding.memory_kind)
       continue
     typed = getattr(aval, "sharding", None)
-    _check_reduction(_API, name, typed, "source")
+    check_reduction(API, name, typed, "source")
     if in_jit and (isinstance(typed, jax.sharding.NamedSharding) and not typed.mesh.empty and any(
         t == jax.sharding.AxisType.Explicit for t in typed.mesh.axis_types)
         and isinstance(dst_sharding, jax.sharding.NamedSharding) and not any(
             t == jax.sharding.AxisType.Explicit for t in dst_sharding.mesh.axis_types)):
       raise ReshardValueError(
-          f"{_API}: inside jit, {name} typed on Explicit mesh axes must go to a "
+          f"{API}: inside jit, {name} typed on Explicit mesh axes must go to a "
           f"destination on Explicit axes (JAX keeps the layout in the type there); got "
           f"destination mesh axis types {dst_sharding.mesh.axis_types}. Hint: build the "
           "destination mesh with axis_types=(AxisType.Explicit, ...), or call reshard "
@@ -543,7 +543,7 @@ def check_errors() -> None:
   for platform in ("cuda", "gpu", "cpu"):
     sticky = m2n_ffi.sticky_error(platform)
     if sticky is not None:
-      raise _map_native_error(RuntimeError(sticky))
+      raise map_native_error(RuntimeError(sticky))
 
 
 def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
@@ -594,17 +594,17 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
         x, dst_sharding, src_sharding, dtype)
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
-  names = lambda: _leaf_names(x)  # noqa: E731
-  dsts = _broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n, names)
+  names = lambda: leaf_names(x)  # noqa: E731
+  dsts = broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n, names)
   given = ([None] * n if src_sharding is None else
-           _broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n, names))
-  out_dtypes = _out_dtypes(api, dtype, x, treedef, n)
+           broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n, names))
+  out_dtypes = dtypes_per_leaf(api, dtype, x, treedef, n)
   shapes, dtypes, srcs, resolved, wire_out = [], [], [], [], []
   for i, (leaf, dst, src) in enumerate(zip(leaves, dsts, given)):
     out = out_dtypes[i]
     if out is not None:
       out = jax.dtypes.canonicalize_dtype(out)
-    src, dst = _plan_leaf(api, names()[i], leaf, dst, src, out)
+    src, dst = plan_leaf(api, names()[i], leaf, dst, src, out)
     shapes.append(tuple(getattr(leaf, "shape", ())))
     srcs.append(src)
     resolved.append(dst)

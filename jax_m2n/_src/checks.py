@@ -19,9 +19,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from jax_m2n._src import jax_compat
-from jax_m2n._src.errors import (ReshardError, ReshardRuntimeError, ReshardTimeoutError,
+from jax_m2n._src.errors import (API, ReshardError, ReshardRuntimeError, ReshardTimeoutError,
                                  ReshardTransferGuardError, ReshardTypeError,
-                                 ReshardValueError)
+                                 ReshardValueError, Unplaceable)
 from jax_m2n._src.layout import MAX_RANK, Layout
 from jax_m2n._src.planner import CPU_MAX_CHUNK_BYTES, GPU_MAX_CHUNK_BYTES, ROUTES
 from jax_m2n._src.request import DEFAULT_TIMEOUT_MS, Options
@@ -30,8 +30,6 @@ from jax_m2n._src.topology import Topology, as_topology
 DEFAULT_TIMEOUT_S = DEFAULT_TIMEOUT_MS / 1000
 _MAX_TIMEOUT_S = float(2**40 // 1000)  # the handlers' bound on the timeout_ms attribute
 _MIN_TIMEOUT_S = 1e-3  # the handlers' resolution: one millisecond
-
-_API = "reshard"
 
 logger = logging.getLogger("jax_m2n")
 
@@ -48,11 +46,11 @@ _DST_TYPES = (Sharding, jax.ShapeDtypeStruct, PartitionSpec, jax.Device) + (
     (_Format,) if _Format is not None else ())
 
 
-def _is_dst_leaf(v: Any) -> bool:
+def is_dst_leaf(v: Any) -> bool:
   return v is None or isinstance(v, _DST_TYPES)
 
 
-class _LazyName:
+class LazyName:
   """Leaf i's name, formed only when a message is formatted (`f"{name}"`): forming the
   names flattens x with paths, which costs more than the whole check on success."""
 
@@ -68,7 +66,7 @@ class _LazyName:
     return format(str(self), spec)
 
 
-def _leaf_names(x: Any) -> list[str]:
+def leaf_names(x: Any) -> list[str]:
   """`x['w'][0]`-style names of the leaves of x, in leaf order (error messages only)."""
   return ["x" + jax.tree_util.keystr(p)
           for p, _ in jax.tree_util.tree_flatten_with_path(x)[0]]
@@ -83,16 +81,16 @@ def _prefix_leaves(prefix: Any, x: Any, is_leaf: Callable[[Any], bool]) -> list[
   return full
 
 
-def _broadcast_prefix(api: str, what: str, prefix: Any, x: Any, treedef, n: int,
+def broadcast_prefix(api: str, what: str, prefix: Any, x: Any, treedef, n: int,
                       names: Callable[[], list[str]]) -> list[Any]:
   """The leaves of `prefix` broadcast onto x's leaves (like jax.device_put's argument)."""
   if prefix is None or isinstance(prefix, _DST_TYPES):
     return [prefix] * n
-  flat, tree = jax.tree_util.tree_flatten(prefix, is_leaf=_is_dst_leaf)
+  flat, tree = jax.tree_util.tree_flatten(prefix, is_leaf=is_dst_leaf)
   if tree == treedef:
     return flat
   try:
-    full = _prefix_leaves(prefix, x, _is_dst_leaf)
+    full = _prefix_leaves(prefix, x, is_dst_leaf)
   except (ValueError, TypeError) as e:
     raise ReshardValueError(
         f"{api}: {what} must be one Sharding or a pytree prefix of x (as for "
@@ -105,7 +103,7 @@ def _broadcast_prefix(api: str, what: str, prefix: Any, x: Any, treedef, n: int,
   return full
 
 
-def _normalize_dst(api: str, name: str, dst: Any) -> Any:
+def normalize_dst(api: str, name: str, dst: Any) -> Any:
   """A jax.Device as its SingleDeviceSharding, a PartitionSpec on the context mesh (as
   jax.device_put reads them); anything else unchanged (checked later)."""
   if isinstance(dst, jax.Device):
@@ -121,7 +119,7 @@ def _normalize_dst(api: str, name: str, dst: Any) -> Any:
   return dst
 
 
-def _donate_flags(api: str, donate: Any, x: Any, treedef, n: int) -> list[bool]:
+def donate_flags(api: str, donate: Any, x: Any, treedef, n: int) -> list[bool]:
   """One flag per leaf from a bool or a pytree prefix of x of bools (jax.device_put's
   `donate`); anything else is refused, so no leaf is deleted by accident."""
   if isinstance(donate, (bool, np.bool_)):
@@ -148,12 +146,12 @@ def _donate_flags(api: str, donate: Any, x: Any, treedef, n: int) -> list[bool]:
   return [bool(v) for v in full]
 
 
-def _is_dtype_leaf(v: Any) -> bool:
+def is_dtype_leaf(v: Any) -> bool:
   """A leaf of a `dtype=` prefix: None (keep), a np.dtype, a scalar type or a name."""
   return v is None or isinstance(v, (np.dtype, type, str))
 
 
-def _as_dtype(api: str, v: Any) -> np.dtype:
+def as_dtype(api: str, v: Any) -> np.dtype:
   """One `dtype=` value as a numpy dtype of JAX arrays (bool or a number type)."""
   try:
     dt = np.dtype(v)
@@ -168,15 +166,15 @@ def _as_dtype(api: str, v: Any) -> np.dtype:
   return dt
 
 
-def _out_dtypes(api: str, dtype: Any, x: Any, treedef, n: int, *,
-                is_leaf: Callable[[Any], bool] = _is_dtype_leaf,
+def dtypes_per_leaf(api: str, dtype: Any, x: Any, treedef, n: int, *,
+                is_leaf: Callable[[Any], bool] = is_dtype_leaf,
                 convert: Callable[[Any], Any] | None = None,
                 what: str = "one dtype") -> list[Any]:
   """One destination dtype per leaf (None: keep) from `dtype=`: a dtype, None, or a
   pytree prefix of x of them, broadcast like `donate` and `dst_sharding`. `is_leaf`
-  and `convert` (default: `_as_dtype`) widen what a leaf may be (quantize.py adds
+  and `convert` (default: `as_dtype`) widen what a leaf may be (quantize.py adds
   Quantize specs); `what` names it in errors."""
-  convert = convert or (lambda v: _as_dtype(api, v))
+  convert = convert or (lambda v: as_dtype(api, v))
   if dtype is None:
     return [None] * n
   if is_leaf(dtype):
@@ -196,7 +194,7 @@ def _out_dtypes(api: str, dtype: Any, x: Any, treedef, n: int, *,
   return [None if v is None else convert(v) for v in flat]
 
 
-def _leaf_aval(api: str, name: Any, leaf: Any) -> Any:
+def leaf_aval(api: str, name: Any, leaf: Any) -> Any:
   """The abstract value of a (possibly traced) leaf; a leaf that is no array raises."""
   try:
     aval = jax.typeof(leaf)
@@ -209,7 +207,7 @@ def _leaf_aval(api: str, name: Any, leaf: Any) -> Any:
   return aval
 
 
-def _dst_sharding_of(api: str, name: str, dst: Any, shape, dtype) -> Sharding:
+def dst_sharding_of(api: str, name: str, dst: Any, shape, dtype) -> Sharding:
   """The destination sharding of one leaf; checks a ShapeDtypeStruct's shape/dtype."""
   if isinstance(dst, jax.ShapeDtypeStruct):
     if tuple(dst.shape) != tuple(shape) or np.dtype(dst.dtype) != np.dtype(dtype):
@@ -223,7 +221,7 @@ def _dst_sharding_of(api: str, name: str, dst: Any, shape, dtype) -> Sharding:
       raise ReshardTypeError(
           f"{api}: a ShapeDtypeStruct destination of {name} must carry a sharding; got "
           "sharding=None.")
-  dst = _normalize_dst(api, name, dst)
+  dst = normalize_dst(api, name, dst)
   if not isinstance(dst, Sharding):
     raise ReshardTypeError(
         f"{api}: the destination of {name} must be a jax.sharding.Sharding, a "
@@ -232,7 +230,7 @@ def _dst_sharding_of(api: str, name: str, dst: Any, shape, dtype) -> Sharding:
   return dst
 
 
-def _check_holds(api: str, name: str, sharding: Sharding, shape, what: str) -> None:
+def check_holds(api: str, name: str, sharding: Sharding, shape, what: str) -> None:
   """A sharding must be able to hold `shape`: right rank, divisible dims."""
   if isinstance(sharding, NamedSharding):
     spec = sharding.spec
@@ -253,20 +251,20 @@ def _check_holds(api: str, name: str, sharding: Sharding, shape, what: str) -> N
         f"jax.device_put requires); got {sharding}. JAX says: {e}") from None
 
 
-def _check_rank(api: str, name: str, shape) -> None:
+def check_rank(api: str, name: str, shape) -> None:
   """The native handlers' rank bound (higher ranks are jax.device_put's, see
-  `_layout_delegated_because`)."""
+  `layout_delegated_because`)."""
   if len(shape) > MAX_RANK:
     raise ReshardValueError(
         f"{api}: {name} must have rank at most {MAX_RANK}; got shape {tuple(shape)}.")
 
 
-def _is_format(dst: Any) -> bool:
+def is_format(dst: Any) -> bool:
   """A concrete-layout destination (jax.experimental.layout.Format)."""
   return _Format is not None and isinstance(dst, _Format)
 
 
-def _uneven(sharding: Any, shape) -> bool:
+def is_uneven(sharding: Any, shape) -> bool:
   """Whether a NamedSharding of the right rank splits a dim unevenly (JAX pads such
   shards inside jit, as with_sharding_constraint does; device_put refuses them)."""
   if not isinstance(sharding, NamedSharding) or len(sharding.spec) > len(shape):
@@ -278,18 +276,18 @@ def _uneven(sharding: Any, shape) -> bool:
   return False
 
 
-def _layout_delegated_because(shape, dst: Any) -> str | None:
+def layout_delegated_because(shape, dst: Any) -> str | None:
   """Why XLA (in jit) or jax.device_put (eagerly), not jax_m2n, places this leaf:
   a concrete layout (Format: jax_m2n moves bytes in the default layout only) or a rank
   above the handlers' bound. None: jax_m2n may move it."""
-  if _is_format(dst):
+  if is_format(dst):
     return "concrete layout (jax.experimental.layout.Format)"
   if len(shape) > MAX_RANK:
     return f"rank {len(shape)} above {MAX_RANK}"
   return None
 
 
-def _check_src_sharding(api: str, name: Any, src: Any) -> None:
+def check_src_sharding(api: str, name: Any, src: Any) -> None:
   """A src_sharding= leaf must be a Sharding (None: unknown)."""
   if src is not None and not isinstance(src, Sharding):
     raise ReshardTypeError(
@@ -297,7 +295,7 @@ def _check_src_sharding(api: str, name: Any, src: Any) -> None:
         f"{type(src).__name__} {src!r}.")
 
 
-def _check_host_leaf(api: str, name: Any, leaf: Any) -> None:
+def check_host_leaf(api: str, name: Any, leaf: Any) -> None:
   """Host data handed to jax.device_put must be of a JAX type (no str, no object)."""
   if isinstance(leaf, (np.ndarray, np.generic)):
     try:
@@ -310,7 +308,7 @@ def _check_host_leaf(api: str, name: Any, leaf: Any) -> None:
           f"{type(leaf).__name__} of dtype {leaf.dtype} at {name}.")
 
 
-def _check_dtype(api: str, name: str, dtype) -> None:
+def check_dtype(api: str, name: str, dtype) -> None:
   """Whole bytes per element, no extended dtypes: the handler copies plain bytes."""
   if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
     raise ReshardTypeError(
@@ -323,7 +321,7 @@ def _check_dtype(api: str, name: str, dtype) -> None:
         "to uint8 first.")
 
 
-def _check_memory_kind(api: str, name: str, sharding: Sharding, what: str) -> None:
+def check_memory_kind(api: str, name: str, sharding: Sharding, what: str) -> None:
   kind = sharding.memory_kind
   if kind is None:
     return
@@ -364,11 +362,11 @@ def _timeout_ms(api: str, timeout_s: Any) -> int:
   return max(1, int(round(float(timeout_s) * 1000)))
 
 
-def _platform_of(devices) -> str:
+def platform_of(devices) -> str:
   return next(iter(devices)).platform
 
 
-def _check_in_process(api: str, platform: str, devices) -> None:
+def check_in_process(api: str, platform: str, devices) -> None:
   """The CPU transport meets its peers in one process. Inside jit (its only caller
   now: eager calls across processes go to processes/), a CPU mesh spanning processes
   is handed to XLA's partitioner (its gloo collectives) as an unplaceable layout."""
@@ -377,22 +375,21 @@ def _check_in_process(api: str, platform: str, devices) -> None:
   me = jax.process_index()
   remote = sorted(d.id for d in devices if d.process_index != me)
   if remote:
-    from jax_m2n._src import traced  # the caller's module: loaded already
-    raise traced.Unplaceable(
+    raise Unplaceable(
         f"{api}: inside jit on CPU every participating device must belong to this "
         f"process (the CPU custom call is in-process); got devices {remote} of other "
         "processes: XLA's partitioner moves them (jax_cpu_collectives_implementation="
         "'gloo').")
 
 
-def _same_layout(a: Sharding, b: Sharding, shape) -> bool:
+def same_layout(a: Sharding, b: Sharding, shape) -> bool:
   """Whether two shardings place `shape` identically (same devices, same boxes)."""
   if a == b:
     return True
   return Layout.from_sharding(a, shape) == Layout.from_sharding(b, shape)
 
 
-def _site(tag: bytes, sched: np.ndarray, salt: int = 0) -> int:
+def site_key(tag: bytes, sched: np.ndarray, salt: int = 0) -> int:
   """A rendezvous key: equal for every participant of one call, stable across processes."""
   h = hashlib.blake2b(digest_size=8)
   h.update(tag)
@@ -412,7 +409,7 @@ def _status_code(msg: str) -> str | None:
 _CUDA_WATCHDOG_TIMEOUT = "did not complete within timeout_ms="
 
 
-def _map_native_error(e: BaseException) -> ReshardError:
+def map_native_error(e: BaseException) -> ReshardError:
   """A native handler error as the jax_m2n exception (the native message kept).
 
   Timeouts are told by their status code (DEADLINE_EXCEEDED, what the CPU handler
@@ -424,11 +421,11 @@ def _map_native_error(e: BaseException) -> ReshardError:
   if (isinstance(e, TimeoutError) or _status_code(msg) == "DEADLINE_EXCEEDED"
       or _CUDA_WATCHDOG_TIMEOUT in msg):
     return ReshardTimeoutError(
-        f"{_API}: a participating device did not arrive in time; the handler says: "
+        f"{API}: a participating device did not arrive in time; the handler says: "
         f"{msg}. Hint: every participating device must call reshard with identical "
         "layouts in the same order (the collective contract); raise timeout_s if a "
         "peer is merely slow.")
-  return ReshardRuntimeError(f"{_API}: the native handler failed: {msg}")
+  return ReshardRuntimeError(f"{API}: the native handler failed: {msg}")
 
 
 def _check_topology(api: str, topology: Any) -> Any:
@@ -448,7 +445,7 @@ def _check_topology(api: str, topology: Any) -> Any:
   return topology
 
 
-def _check_reduction(api: str, name: str, sharding: Any, what: str) -> None:
+def check_reduction(api: str, name: str, sharding: Any, what: str) -> None:
   """Unreduced / reduced specs (partial sums) are refused, by name, before data moves."""
   spec = getattr(sharding, "spec", None)
   for kind in ("unreduced", "reduced"):
@@ -461,7 +458,7 @@ def _check_reduction(api: str, name: str, sharding: Any, what: str) -> None:
           f"{kind}=, or a psum), then reshard.")
 
 
-def _check_mesh(api: str, name: str, sharding: Any, what: str) -> None:
+def check_mesh(api: str, name: str, sharding: Any, what: str) -> None:
   """A concrete device set with no device listed twice."""
   mesh = getattr(sharding, "mesh", None)
   if mesh is not None and isinstance(mesh, jax.sharding.AbstractMesh):
@@ -486,7 +483,7 @@ def _mesh_duplicates(mesh: Any) -> tuple[list[int], list[int]]:
   return ids, sorted({i for i in ids if ids.count(i) > 1})
 
 
-def _plan_leaf(api: str, name: str, leaf: Any, dst: Any, src: Any,
+def plan_leaf(api: str, name: str, leaf: Any, dst: Any, src: Any,
                out: Any) -> tuple[Sharding, Sharding]:
   """plan()'s rules for one leaf (reshard's, and no leaf reshard hands to JAX): its
   source and destination shardings."""
@@ -495,7 +492,7 @@ def _plan_leaf(api: str, name: str, leaf: Any, dst: Any, src: Any,
         f"{api}: every leaf of x must be an array or ShapeDtypeStruct; got "
         f"{type(leaf).__name__} at {name}.")
   shape = tuple(leaf.shape)
-  _check_src_sharding(api, name, src)
+  check_src_sharding(api, name, src)
   src = src if src is not None else getattr(leaf, "sharding", None)
   if not isinstance(src, Sharding):
     raise ReshardValueError(
@@ -508,18 +505,18 @@ def _plan_leaf(api: str, name: str, leaf: Any, dst: Any, src: Any,
         "is nothing to plan); got None.")
   # What reshard hands to JAX (typed keys, int4, concrete layouts, rank > 8) jax_m2n
   # does not plan.
-  _check_dtype(api, name, leaf.dtype)
-  why = _layout_delegated_because(shape, dst)
+  check_dtype(api, name, leaf.dtype)
+  why = layout_delegated_because(shape, dst)
   if why is not None:
     raise ReshardValueError(
         f"{api}: {name} must be a leaf jax_m2n moves; got one that reshard "
         f"hands to JAX ({why}), which jax_m2n does not plan.")
-  dst = _dst_sharding_of(api, name, dst, shape,
+  dst = dst_sharding_of(api, name, dst, shape,
                          leaf.dtype if out is None else out)
   for s, what in ((src, "source"), (dst, "destination")):
-    _check_mesh(api, name, s, what)
-    _check_reduction(api, name, s, what)
-    _check_holds(api, name, s, shape, what)
+    check_mesh(api, name, s, what)
+    check_reduction(api, name, s, what)
+    check_holds(api, name, s, shape, what)
   return src, dst
 
 

@@ -24,10 +24,9 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 
 from jax_m2n._src import jax_compat
 from jax_m2n._src import quantize_numerics as numerics
-from jax_m2n._src.checks import (_as_dtype, _broadcast_prefix, _donate_flags,
-                                 _dst_sharding_of, _is_dtype_leaf, _LazyName, _leaf_aval,
-                                 _leaf_names,
-                                 _normalize_dst, _out_dtypes)
+from jax_m2n._src.checks import (LazyName, as_dtype, broadcast_prefix, donate_flags,
+                                 dst_sharding_of, dtypes_per_leaf, is_dtype_leaf,
+                                 leaf_aval, leaf_names, normalize_dst)
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 
 QTYPES = ("float8_e4m3fn", "float8_e5m2", "mxfp8")
@@ -102,7 +101,7 @@ class Quantize:
           "Quantize: channelwise_axes must be a sequence of int axes; got "
           f"{type(channelwise_axes).__name__} {channelwise_axes!r}.")
     if scale_dtype is not None:
-      scale_dtype = _as_dtype("Quantize", scale_dtype)
+      scale_dtype = as_dtype("Quantize", scale_dtype)
       if not jnp.issubdtype(scale_dtype, jnp.floating):
         raise ReshardTypeError(
             f"Quantize: scale_dtype must be a floating dtype or None; got {scale_dtype}.")
@@ -346,7 +345,7 @@ def scale_sharding(sharding: Sharding, leaf: _Leaf) -> Sharding:
 # ---------------------------------------------------------------------------------------
 
 def _is_spec_leaf(v: Any) -> bool:
-  return _is_dtype_leaf(v) or isinstance(v, Quantize)
+  return is_dtype_leaf(v) or isinstance(v, Quantize)
 
 
 def has_spec(dtype: Any) -> bool:
@@ -360,9 +359,9 @@ def has_spec(dtype: Any) -> bool:
 
 
 def _spec_leaves(api: str, dtype: Any, x: Any, treedef, n: int) -> list[Any]:
-  """One entry per leaf of x: a Quantize, a dtype or None (checks._out_dtypes' rule)."""
-  return _out_dtypes(api, dtype, x, treedef, n, is_leaf=_is_spec_leaf,
-                     convert=lambda v: v if isinstance(v, Quantize) else _as_dtype(api, v),
+  """One entry per leaf of x: a Quantize, a dtype or None (checks.dtypes_per_leaf' rule)."""
+  return dtypes_per_leaf(api, dtype, x, treedef, n, is_leaf=_is_spec_leaf,
+                     convert=lambda v: v if isinstance(v, Quantize) else as_dtype(api, v),
                      what="one dtype or Quantize")
 
 
@@ -372,13 +371,13 @@ def _names_of(x: Any) -> Callable[[], list[str]]:
 
   def names() -> list[str]:
     if not cache:
-      cache.append(_leaf_names(x))
+      cache.append(leaf_names(x))
     return cache[0]
   return names
 
 
 def _leaf_info(api: str, name: str, leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
-  aval = _leaf_aval(api, name, leaf)
+  aval = leaf_aval(api, name, leaf)
   if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
     raise ReshardTypeError(
         f"{api}: {name} quantized with dtype=Quantize(...) must be bfloat16, float16, "
@@ -393,9 +392,9 @@ def _per_leaf(api: str, x: Any, dst_sharding: Any, src_sharding: Any, dtype: Any
   n = len(leaves)
   names = _names_of(x)
   specs = _spec_leaves(api, dtype, x, treedef, n)
-  dsts = _broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n, names)
+  dsts = broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n, names)
   srcs = ([None] * n if src_sharding is None else
-          _broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n, names))
+          broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n, names))
   return leaves, treedef, names, specs, dsts, srcs
 
 
@@ -415,18 +414,18 @@ def reshard(move: Callable[..., Any], x: Any, dst_sharding: Any, dtype: Any, *,
   leaves, treedef, names, specs, dsts, srcs = _per_leaf(api, x, dst_sharding,
                                                         src_sharding, dtype)
   n = len(leaves)
-  flags = _donate_flags(api, donate, x, treedef, n)
+  flags = donate_flags(api, donate, x, treedef, n)
   traced = (not jax_compat.trace_state_clean()) or any(
       isinstance(v, jax.core.Tracer) for v in leaves)
   plans = {}  # leaf index -> (_Leaf, dst Sharding or None)
   for i, spec in enumerate(specs):
     if not isinstance(spec, Quantize):
       continue
-    shape, leaf_dtype = _leaf_info(api, _LazyName(names, i), leaves[i])
+    shape, leaf_dtype = _leaf_info(api, LazyName(names, i), leaves[i])
     leaf = _resolve(api, names, i, spec, shape, leaf_dtype)
     dst = dsts[i]
     if dst is not None:
-      dst = _dst_sharding_of(api, _LazyName(names, i), dst, shape, leaf.qdtype)
+      dst = dst_sharding_of(api, LazyName(names, i), dst, shape, leaf.qdtype)
     plans[i] = (leaf, dst)
   # Quantize where each leaf lives: committed arrays grouped by device assignment.
   quantized: dict[int, tuple[Any, Any]] = {}
@@ -469,7 +468,7 @@ def reshard(move: Callable[..., Any], x: Any, dst_sharding: Any, dtype: Any, *,
     in_dsts += [dst, None if dst is None else scale_sharding(dst, leaf)]
     src = srcs[i]
     in_srcs += [src, None if src is None else scale_sharding(
-        _normalize_dst(api, _LazyName(names, i), src), leaf)]
+        normalize_dst(api, LazyName(names, i), src), leaf)]
     in_dtypes += [None, None]
     in_flags += [False, False]  # ours: dropped when this call returns
   moved = move(in_leaves, in_dsts, route=route, topology=topology,
@@ -528,14 +527,14 @@ def plan_arguments(x: Any, dst_sharding: Any, src_sharding: Any,
       out_src.append(src)
       out_dtype.append(spec)
       continue
-    shape, leaf_dtype = _leaf_info(api, _LazyName(names, i), v)
+    shape, leaf_dtype = _leaf_info(api, LazyName(names, i), v)
     leaf = _resolve(api, names, i, spec, shape, leaf_dtype)
     src = src if src is not None else getattr(v, "sharding", None)
     if not isinstance(src, Sharding):
       raise ReshardValueError(
-          f"{api}: the source sharding of {_LazyName(names, i)} must be known; got {src!r}. "
+          f"{api}: the source sharding of {LazyName(names, i)} must be known; got {src!r}. "
           "Hint: pass src_sharding=.")
-    dst = _dst_sharding_of(api, _LazyName(names, i), dst, shape, leaf.qdtype)
+    dst = dst_sharding_of(api, LazyName(names, i), dst, shape, leaf.qdtype)
     out_x += [jax.ShapeDtypeStruct(shape, leaf.qdtype, sharding=src),
               jax.ShapeDtypeStruct(leaf.scale_shape, leaf.scale_dtype,
                                    sharding=scale_sharding(src, leaf))]

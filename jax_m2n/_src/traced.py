@@ -25,10 +25,10 @@ from jax_m2n._src import call_plan
 from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
-from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_in_process,
-                                 _check_rank, _dst_sharding_of, _leaf_aval, _platform_of,
-                                 _site)
-from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
+from jax_m2n._src.checks import (check_dtype, check_holds, check_in_process,
+                                 check_rank, dst_sharding_of, leaf_aval, platform_of,
+                                 site_key)
+from jax_m2n._src.errors import API, ReshardTypeError, ReshardValueError, Unplaceable
 from jax_m2n._src.request import Options
 
 logger = logging.getLogger("jax_m2n")
@@ -38,12 +38,6 @@ logger = logging.getLogger("jax_m2n")
 # ---------------------------------------------------------------------------------------
 
 _jit_sites = itertools.count(1)
-
-
-class Unplaceable(ReshardValueError):
-  """The shard_map lowering cannot hold these layouts together (meshes with no
-  common refinement, a typed source whose concrete mesh is unknown); JAX can still
-  move them, so the caller hands such leaves to XLA (transforms._lowered)."""
 
 
 def _outside_jit_hint() -> str:
@@ -175,19 +169,19 @@ def _reshard_traced(leaves, dsts, src_shardings, options: Options, names,
   context = jax.sharding.get_abstract_mesh()
   if not context.empty and getattr(context, "manual_axes", ()):
     raise ReshardValueError(
-        f"{_API}: reshard must be called outside shard_map (it lowers to its own SPMD "
+        f"{API}: reshard must be called outside shard_map (it lowers to its own SPMD "
         f"program over whole arrays); got a call under manual mesh axes "
         f"{tuple(context.manual_axes)}. Hint: call it on the global arrays, inside jit "
         "or eagerly.")
   shapes, dtypes, srcs, dst_named, typed_any = [], [], [], [], False
   for i, (leaf, dst) in enumerate(zip(leaves, dsts)):
     name = names()[i]
-    aval = _leaf_aval(_API, name, leaf)
+    aval = leaf_aval(API, name, leaf)
     shape, dtype = tuple(aval.shape), aval.dtype
-    _check_dtype(_API, name, dtype)
-    dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype)
-    _check_holds(_API, name, dst_sharding, shape, "destination")
-    _check_rank(_API, name, shape)
+    check_dtype(API, name, dtype)
+    dst_sharding = dst_sharding_of(API, name, dst, shape, dtype)
+    check_holds(API, name, dst_sharding, shape, "destination")
+    check_rank(API, name, shape)
     typed = _typed_sharding(aval)
     given = src_shardings[i]
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
@@ -196,16 +190,16 @@ def _reshard_traced(leaves, dsts, src_shardings, options: Options, names,
       typed_any = True
       concrete = _concrete_mesh_for(typed.mesh, [given, dst_sharding])
       if given is not None:
-        g = _as_named(_API, name, given, "source")
+        g = _as_named(API, name, given, "source")
         if (g.mesh.abstract_mesh != typed.mesh or
             _spec_entries(g.spec, len(shape)) != _spec_entries(typed.spec, len(shape))):
           raise ReshardValueError(
-              f"{_API}: src_sharding of {name} must match the sharding in its type; got "
+              f"{API}: src_sharding of {name} must match the sharding in its type; got "
               f"{given} for a value typed {typed}.")
         src = g
       elif concrete is None:
         raise Unplaceable(
-            f"{_API}: inside jit the devices of {name}'s mesh must be known; got a value "
+            f"{API}: inside jit the devices of {name}'s mesh must be known; got a value "
             f"typed {typed} and no concrete mesh for it. Hint: pass src_sharding=, or "
             "use jax.set_mesh(mesh).")
       else:
@@ -213,23 +207,23 @@ def _reshard_traced(leaves, dsts, src_shardings, options: Options, names,
     elif given is not None:
       if not isinstance(given, Sharding):
         raise ReshardTypeError(
-            f"{_API}: src_sharding of {name} must be a jax.sharding.Sharding; got "
+            f"{API}: src_sharding of {name} must be a jax.sharding.Sharding; got "
             f"{type(given).__name__}.")
       src = given
     else:
       raise ReshardValueError(
-          f"{_API}: inside jit the source sharding of {name} must be known; got a value "
+          f"{API}: inside jit the source sharding of {name} must be known; got a value "
           f"whose type carries no sharding ({aval.str_short() if hasattr(aval, 'str_short') else aval}). "
           "Hint: pass src_sharding= (the layout x has inside the jit), or use "
           "explicit-sharding meshes (jax.make_mesh(..., axis_types=Explicit)) so JAX "
           "knows it.")
-    _check_holds(_API, name, src, shape, "source")
-    src = _as_named(_API, name, src, "source")
-    dnamed = _as_named(_API, name, dst_sharding, "destination")
+    check_holds(API, name, src, shape, "source")
+    src = _as_named(API, name, src, "source")
+    dnamed = _as_named(API, name, dst_sharding, "destination")
     _check_same_devices(name, src, dnamed)
     if srcs and jax_compat.device_assignment(src) != jax_compat.device_assignment(srcs[0]):
       raise ReshardValueError(
-          f"{_API}: inside jit every leaf must be on the same devices; got "
+          f"{API}: inside jit every leaf must be on the same devices; got "
           f"{[d.id for d in jax_compat.device_assignment(src)]} for {name} and "
           f"{[d.id for d in jax_compat.device_assignment(srcs[0])]} for {names()[0]}."
           f"{_outside_jit_hint()}")
@@ -240,7 +234,7 @@ def _reshard_traced(leaves, dsts, src_shardings, options: Options, names,
   if not leaves:
     return []
 
-  refinement = _refine(_API, names()[0] if len(leaves) == 1 else "x",
+  refinement = _refine(API, names()[0] if len(leaves) == 1 else "x",
                        srcs + dst_named, typed_any)
   src_specs = [refinement.spec(s, len(shape)) for s, shape in zip(srcs, shapes)]
   dst_specs = [refinement.spec(s, len(shape)) for s, shape in zip(dst_named, shapes)]
@@ -358,11 +352,11 @@ def check_staged_devices(name: str, aval, given: Sharding | None, dst: Sharding)
   if context is not None and isinstance(dst, (NamedSharding, SingleDeviceSharding)):
     # Under jax.set_mesh the context mesh's device order is the jit's (JAX checks it).
     want = [d.id for d in context.devices.flat]
-    got = [d.id for d in jax_compat.device_assignment(_as_named(_API, name, dst,
+    got = [d.id for d in jax_compat.device_assignment(_as_named(API, name, dst,
                                                                 "destination"))]
     if got != want:
       raise ReshardValueError(
-          f"{_API}: inside jit the destination of {name} must be on the jit's devices "
+          f"{API}: inside jit the destination of {name} must be on the jit's devices "
           f"in their order (under jax.set_mesh, the context mesh's); got destination "
           f"devices {got} and context mesh devices {want}. Hint: call "
           "jax_m2n.reshard outside jit to move arrays between device sets.")
@@ -374,15 +368,15 @@ def check_staged_devices(name: str, aval, given: Sharding | None, dst: Sharding)
     if (isinstance(mesh, jax.sharding.AbstractMesh) and not mesh.empty and
         mesh.size != len(dst.device_set)):
       raise ReshardValueError(
-          f"{_API}: inside jit the destination of {name} must be on the jit's devices "
+          f"{API}: inside jit the destination of {name} must be on the jit's devices "
           f"(those of its source); got destination devices "
           f"{[d.id for d in jax_compat.device_assignment(dst)]} for a source on a mesh "
           f"of {mesh.size} devices {dict(mesh.shape)}. Hint: call jax_m2n.reshard "
           "outside jit to move arrays between device sets.")
   if src is None or not isinstance(src, (NamedSharding, SingleDeviceSharding)):
     return
-  _check_same_devices(name, _as_named(_API, name, src, "source"),
-                      _as_named(_API, name, dst, "destination"))
+  _check_same_devices(name, _as_named(API, name, src, "source"),
+                      _as_named(API, name, dst, "destination"))
 
 
 def _check_same_devices(name: str, src: NamedSharding, dst: NamedSharding) -> None:
@@ -390,7 +384,7 @@ def _check_same_devices(name: str, src: NamedSharding, dst: NamedSharding) -> No
   jit's device assignment)."""
   if jax_compat.device_assignment(src) != jax_compat.device_assignment(dst):
     raise ReshardValueError(
-        f"{_API}: inside jit the source and destination of {name} must be on the same "
+        f"{API}: inside jit the source and destination of {name} must be on the same "
         f"devices in the same order (jit's device assignment); got source devices "
         f"{[d.id for d in jax_compat.device_assignment(src)]} and destination devices "
         f"{[d.id for d in jax_compat.device_assignment(dst)]}. Hint: call "
@@ -403,15 +397,15 @@ def _spmd_body(srcs: Sequence[Sharding], dsts: Sequence[Sharding], shapes, dtype
   by every device of the SPMD program (the schedule names each device's ops). Operands
   have `dtypes`, results `out_dtypes` (None: the same): the call converts in flight."""
   devices = jax_compat.device_assignment(srcs[0])
-  platform = _platform_of(devices)
-  _check_in_process(_API, platform, devices)
+  platform = platform_of(devices)
+  check_in_process(API, platform, devices)
   staging = platform != "cpu"
   m2n_ffi.ensure_registered(platform, options.timeout_ms)
   planned = call_plan.plan_call(shapes, dtypes, srcs, dsts, options, out_dtypes,
                                 path="in-jit custom call")
   plan, types = planned.plan, planned.types
   sched = schedule.encode(plan, None, staging, types)
-  site = _site(tag, sched, next(_jit_sites))
+  site = site_key(tag, sched, next(_jit_sites))
   workspace = max(1, schedule.workspace_bytes(plan, None, staging, types))
   out_types = [jax.ShapeDtypeStruct(s.shard_shape(shape), dt)
                for s, shape, dt in zip(dsts, shapes, planned.out_dtypes)]
@@ -442,7 +436,7 @@ def partitionable(dst: Any) -> bool:
           all(t == jax.sharding.AxisType.Auto for t in dst.mesh.axis_types) and
           dst.memory_kind in (None, "device")):
     return False
-  platform = _platform_of(dst.mesh.devices.flat)
+  platform = platform_of(dst.mesh.devices.flat)
   if platform == "cpu":
     return dst.is_fully_addressable
   return platform in ("gpu", "cuda")
@@ -471,9 +465,9 @@ def reshard_partitioned(leaves, dsts: Sequence[NamedSharding], options: Options,
   shapes = [tuple(jax.typeof(v).shape) for v in leaves]
   dtypes = [jax.typeof(v).dtype for v in leaves]
   for i, (shape, dtype, dst) in enumerate(zip(shapes, dtypes, dsts)):
-    _check_dtype(_API, f"x[{i}]", dtype)
-    _check_holds(_API, f"x[{i}]", dst, shape, "destination")
-    _check_rank(_API, f"x[{i}]", shape)
+    check_dtype(API, f"x[{i}]", dtype)
+    check_holds(API, f"x[{i}]", dst, shape, "destination")
+    check_rank(API, f"x[{i}]", shape)
   mesh = dsts[0].mesh
   n = len(leaves)  # the callbacks below outlive the trace: they must hold no tracer
   out_dtypes = list(out_dtypes or [None] * n)

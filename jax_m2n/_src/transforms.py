@@ -21,8 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jax_m2n._src import jax_compat
 from jax_m2n._src import eager
 from jax_m2n._src import traced
-from jax_m2n._src.checks import _API
-from jax_m2n._src.errors import ReshardValueError
+from jax_m2n._src.errors import API, ReshardValueError, Unplaceable
 from jax_m2n._src.request import Options, Request
 
 logger = logging.getLogger("jax_m2n")
@@ -105,13 +104,13 @@ def _lowered(*leaves, dsts, srcs, options, out_dtypes):
   groups = [known] if known else []
   try:
     ys = traced_path(known) if known else []
-  except traced.Unplaceable:  # leaf by leaf; what still cannot be placed goes to XLA
+  except Unplaceable:  # leaf by leaf; what still cannot be placed goes to XLA
     groups, ys = [], []
     for i in known:
       try:
         ys.extend(traced_path([i]))
         groups.append([i])
-      except traced.Unplaceable as e:
+      except Unplaceable as e:
         unknown.append(i)
         logger.debug("reshard: x[%d] handed to XLA's partitioner (in jit): %s", i, e)
   for i, y in zip([i for g in groups for i in g], ys):
@@ -249,7 +248,7 @@ def _batched(sharding: Any, what: str, batch_entry: Any = None) -> Any:
     return NamedSharding(sharding.mesh, PartitionSpec(batch_entry, *sharding.spec),
                          memory_kind=sharding.memory_kind)
   raise ReshardValueError(
-      f"{_API}: under jax.vmap the {what} sharding must be a NamedSharding or a "
+      f"{API}: under jax.vmap the {what} sharding must be a NamedSharding or a "
       f"SingleDeviceSharding (the batch dimension is added to its spec); got "
       f"{type(sharding).__name__} {sharding}.")
 
@@ -271,7 +270,7 @@ def _batch_entry(axis_data: Any, sharding: Any, what: str) -> Any:
           for a in ((e,) if isinstance(e, str) else e)}
   if set(spmd) & used:
     raise ReshardValueError(
-        f"{_API}: under jax.vmap(spmd_axis_name={spmd}) the {what} sharding must not "
+        f"{API}: under jax.vmap(spmd_axis_name={spmd}) the {what} sharding must not "
         f"name those mesh axes (the batch dimension is sharded over them); got spec "
         f"{sharding.spec}.")
   return spmd[0] if len(spmd) == 1 else spmd

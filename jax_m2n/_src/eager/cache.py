@@ -14,11 +14,11 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from jax_m2n._src.checks import (_API, _check_dtype, _check_holds, _check_memory_kind,
-                                 _check_mesh, _check_reduction, _dst_sharding_of,
-                                 _platform_of, _same_layout, check_transfer_guard)
+from jax_m2n._src.checks import (check_dtype, check_holds, check_memory_kind,
+                                 check_mesh, check_reduction, check_transfer_guard,
+                                 dst_sharding_of, platform_of, same_layout)
 from jax_m2n._src.eager.programs import _build_eager, _donate, crossing_text
-from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
+from jax_m2n._src.errors import API, ReshardTypeError, ReshardValueError
 from jax_m2n._src.request import Request
 
 
@@ -116,39 +116,39 @@ def _validate_eager(request: Request) -> list[Sharding]:
               if isinstance(leaf, (np.ndarray, np.generic, int, float, complex, bool))
               else "")
       raise ReshardTypeError(
-          f"{_API}: every leaf of x must be a jax.Array; got {type(leaf).__name__} at "
+          f"{API}: every leaf of x must be a jax.Array; got {type(leaf).__name__} at "
           f"{name}.{hint}")
     if leaf.is_deleted():
       raise ReshardValueError(
-          f"{_API}: {name} must be a live array; got a deleted (or donated) array.")
+          f"{API}: {name} must be a live array; got a deleted (or donated) array.")
     if not leaf.committed:
       raise ReshardValueError(
-          f"{_API}: {name} must be committed to its devices (its sharding is then "
+          f"{API}: {name} must be committed to its devices (its sharding is then "
           f"what the source layout is); got an uncommitted array on {leaf.sharding}. "
           "Hint: jax.device_put(x, sharding) commits it.")
-    _check_dtype(_API, name, leaf.dtype)
-    dst_sharding = _dst_sharding_of(_API, name, dst, leaf.shape, leaf.dtype)
+    check_dtype(API, name, leaf.dtype)
+    dst_sharding = dst_sharding_of(API, name, dst, leaf.shape, leaf.dtype)
     src = leaf.sharding
-    _check_holds(_API, name, dst_sharding, leaf.shape, "destination")
-    _check_memory_kind(_API, name, src, "source")
-    _check_memory_kind(_API, name, dst_sharding, "destination")
-    src_platform = _platform_of(src.device_set)
-    dst_platform = _platform_of(dst_sharding.device_set)
+    check_holds(API, name, dst_sharding, leaf.shape, "destination")
+    check_memory_kind(API, name, src, "source")
+    check_memory_kind(API, name, dst_sharding, "destination")
+    src_platform = platform_of(src.device_set)
+    dst_platform = platform_of(dst_sharding.device_set)
     if src_platform != dst_platform or any(
         d.platform != dst_platform for d in dst_sharding.device_set):
       raise ReshardValueError(
-          f"{_API}: the destination devices of {name} must be on the source's platform "
+          f"{API}: the destination devices of {name} must be on the source's platform "
           f"({src_platform}); got platform {dst_platform} ({dst_sharding}). Hint: "
           "jax.device_put moves data between platforms.")
     given = request.srcs[i]
-    if given is not None and not _same_layout(given, src, leaf.shape):
+    if given is not None and not same_layout(given, src, leaf.shape):
       raise ReshardValueError(
-          f"{_API}: src_sharding of {name} must describe the array's actual layout; got "
+          f"{API}: src_sharding of {name} must describe the array's actual layout; got "
           f"{given} for an array sharded as {src}. Hint: outside jit, src_sharding can "
           "be left out.")
-    _check_mesh(_API, name, dst_sharding, "destination")
-    _check_reduction(_API, name, src, "source")
-    _check_reduction(_API, name, dst_sharding, "destination")
+    check_mesh(API, name, dst_sharding, "destination")
+    check_reduction(API, name, src, "source")
+    check_reduction(API, name, dst_sharding, "destination")
     out.append(dst_sharding)
   return out
 
@@ -219,7 +219,7 @@ class _Grouped:
     failed dispatch), then donates: no source is deleted before every group ran. The
     transfer guard is asked before the first group runs."""
     if self.crossing:
-      check_transfer_guard(_API, lambda: crossing_text(self.out_avals, self.crossing))
+      check_transfer_guard(API, lambda: crossing_text(self.out_avals, self.crossing))
     outs: list[Any] = [None] * self.n
     for index, entry in self.parts:
       for i, y in zip(index, entry([leaves[i] for i in index], False)):

@@ -21,11 +21,10 @@ import jax
 import numpy as np
 
 from jax_m2n._src import ffi as m2n_ffi
-from jax_m2n._src.checks import _API
 from jax_m2n._src.eager import dispatch
 from jax_m2n._src.eager.dispatch import (_executors, _executors_lock, _Latch, _Outcomes,
                                          _wait_interruptibly)
-from jax_m2n._src.errors import ReshardError, ReshardRuntimeError
+from jax_m2n._src.errors import API, ReshardError, ReshardRuntimeError
 
 if TYPE_CHECKING:  # annotations only: programs.py imports this module
   from jax_m2n._src.eager.programs import _DeviceProgram
@@ -193,7 +192,7 @@ def _raise_failed_calls() -> None:
   more = (f" ({len(calls) - 1} later call(s) failed too: "
           f"{', '.join(c.name for c in calls[1:])})" if len(calls) > 1 else "")
   error = type(first.error)(
-      f"{_API}: an earlier asynchronous call, {first.name}, failed after it returned "
+      f"{API}: an earlier asynchronous call, {first.name}, failed after it returned "
       f"(its outputs carry the error); this call did not run{more}: {first.error}")
   error.__cause__ = first.error
   raise error
@@ -397,7 +396,7 @@ class _Call:
             _failed_calls.append(self)
     except BaseException as e:  # noqa: BLE001 - never leave a waiter hanging
       self.error = self.error or ReshardRuntimeError(
-          f"{_API}: {self.name} could not be checked: {_failure_text(e)}")
+          f"{API}: {self.name} could not be checked: {_failure_text(e)}")
     finally:
       if entry.platform == "cpu":
         entry.site_state().end(self)

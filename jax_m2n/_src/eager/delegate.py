@@ -18,12 +18,12 @@ from jax.sharding import Sharding
 
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
-from jax_m2n._src.checks import (_API, _check_holds, _check_host_leaf, _check_mesh,
-                                 _check_reduction, _dst_sharding_of, _is_format,
-                                 _layout_delegated_because, _same_layout)
+from jax_m2n._src.checks import (check_holds, check_host_leaf, check_mesh,
+                                 check_reduction, dst_sharding_of, is_format,
+                                 layout_delegated_because, same_layout)
 from jax_m2n._src.eager.cache import _entry
 from jax_m2n._src.eager.programs import _donate
-from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
+from jax_m2n._src.errors import API, ReshardTypeError, ReshardValueError
 from jax_m2n._src.request import Request
 
 logger = logging.getLogger("jax_m2n")
@@ -66,7 +66,7 @@ def delegated_because(leaf: Any, dst: Any) -> str | None:
   if not isinstance(leaf, jax.Array):
     return "host data"
   reason = (_dtype_delegated_because(leaf.dtype) or
-            _layout_delegated_because(leaf.shape, dst))
+            layout_delegated_because(leaf.shape, dst))
   if reason is not None:
     return reason
   if isinstance(leaf, jax.core.Tracer):
@@ -84,39 +84,39 @@ def _check_delegated(name: str, leaf: Any, dst: Any, given_src: Any = None) -> A
   """The rules a delegated leaf must meet before anything moves (`given_src`: its
   src_sharding, or None); its destination."""
   if given_src is not None and isinstance(leaf, jax.Array) and not leaf.is_deleted() and (
-      not _same_layout(given_src, leaf.sharding, leaf.shape)):
+      not same_layout(given_src, leaf.sharding, leaf.shape)):
     raise ReshardValueError(
-        f"{_API}: src_sharding of {name} must describe the array's actual "
+        f"{API}: src_sharding of {name} must describe the array's actual "
         f"layout; got {given_src} for an array sharded as {leaf.sharding}.")
   if dst is None:
     if isinstance(leaf, jax.Array) and leaf.is_deleted():
       raise ReshardValueError(
-          f"{_API}: {name} must be a live array; got a deleted (or donated) array.")
+          f"{API}: {name} must be a live array; got a deleted (or donated) array.")
     return None
   if not isinstance(leaf, jax.Array) and not isinstance(leaf, _HOST_TYPES) and not hasattr(
       leaf, "__jax_array__"):
     raise ReshardTypeError(
-        f"{_API}: every leaf of x must be an array (a jax.Array, a numpy array or a "
+        f"{API}: every leaf of x must be an array (a jax.Array, a numpy array or a "
         f"Python/numpy scalar); got {type(leaf).__name__} at {name}.")
   if isinstance(leaf, jax.Array) and leaf.is_deleted():
     raise ReshardValueError(
-        f"{_API}: {name} must be a live array; got a deleted (or donated) array.")
-  _check_host_leaf(_API, name, leaf)
+        f"{API}: {name} must be a live array; got a deleted (or donated) array.")
+  check_host_leaf(API, name, leaf)
   shape = np.shape(leaf)
-  if _is_format(dst):  # jax.device_put applies the concrete layout
+  if is_format(dst):  # jax.device_put applies the concrete layout
     _check_delegated(name, leaf, dst.sharding)
     return dst
   dtype = getattr(leaf, "dtype", None)
   if dtype is None:  # a Python scalar: its default dtype, read from its type (making
     # an array of it would be an implicit host-to-device transfer of our own)
     dtype = jax.typeof(leaf).dtype
-  dst_sharding = _dst_sharding_of(_API, name, dst, shape, dtype) if not (
+  dst_sharding = dst_sharding_of(API, name, dst, shape, dtype) if not (
       jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
       and isinstance(dst, jax.ShapeDtypeStruct)) else dst.sharding
-  _check_mesh(_API, name, dst_sharding, "destination")
-  _check_reduction(_API, name, dst_sharding, "destination")
+  check_mesh(API, name, dst_sharding, "destination")
+  check_reduction(API, name, dst_sharding, "destination")
   if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-    _check_holds(_API, name, dst_sharding, shape, "destination")
+    check_holds(API, name, dst_sharding, shape, "destination")
   return dst_sharding
 
 

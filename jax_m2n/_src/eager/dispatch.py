@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 
-from jax_m2n._src.checks import _API
-from jax_m2n._src.errors import ReshardValueError
+from jax_m2n._src.errors import API, ReshardValueError
 
 if TYPE_CHECKING:  # annotations only: programs.py imports this module
   from jax_m2n._src.eager.programs import _DeviceProgram
@@ -196,6 +195,6 @@ def _check_live(prog: _DeviceProgram, args: list) -> None:
   for (leaf, _), a in zip(prog.operands, args):
     if a.is_deleted():
       raise ReshardValueError(
-          f"{_API}: every source shard must be alive; got a deleted buffer for leaf "
+          f"{API}: every source shard must be alive; got a deleted buffer for leaf "
           f"{leaf} on device {prog.device.id} (deleted or donated behind the array's "
           "back, e.g. by another jit's donate_argnums).")

@@ -22,7 +22,7 @@ from jax_m2n._src import call_plan
 from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
-from jax_m2n._src.checks import _API, _map_native_error, _site, check_transfer_guard
+from jax_m2n._src.checks import check_transfer_guard, map_native_error, site_key
 from jax_m2n._src.eager import dispatch
 from jax_m2n._src.eager.calls import (_Call, _cpu_module, _dispatch_lock, _failure_text,
                                       _issued, _raise_failed_calls, _reached_handler,
@@ -30,7 +30,7 @@ from jax_m2n._src.eager.calls import (_Call, _cpu_module, _dispatch_lock, _failu
                                       _tickets, _wait_for_other_issuers)
 from jax_m2n._src.eager.dispatch import (_check_live, _executor, _Outcomes, _outcomes,
                                          _wait_interruptibly)
-from jax_m2n._src.errors import ReshardError, ReshardRuntimeError, ReshardTimeoutError
+from jax_m2n._src.errors import API, ReshardError, ReshardRuntimeError, ReshardTimeoutError
 from jax_m2n._src.planner import Plan
 from jax_m2n._src.processes import call as processes_call
 from jax_m2n._src.request import Request
@@ -116,7 +116,7 @@ class _EagerReshard:
     a dead shard, a failed dispatch; no partial outputs)."""
     _raise_failed_calls()
     if self.crossing:
-      check_transfer_guard(_API, lambda: crossing_text(self.out_avals, self.crossing))
+      check_transfer_guard(API, lambda: crossing_text(self.out_avals, self.crossing))
     results, call = self._dispatch(leaves, devices)
     if block:
       self._wait(call, results)
@@ -205,7 +205,7 @@ class _EagerReshard:
         self._stop(call, results)
         error = call.error
         raise error if error is not None else ReshardRuntimeError(
-            f"{_API}: {call.name} failed to dispatch.")
+            f"{API}: {call.name} failed to dispatch.")
       call.watch([(i, outs[-1]) for i, outs in enumerate(results)])
     finally:
       if locked:
@@ -261,11 +261,11 @@ class _EagerReshard:
       if isinstance(e, ReshardError):
         return e
       error = ReshardRuntimeError(
-          f"{_API}: device {p.device.id} failed before the transfer started, so the "
+          f"{API}: device {p.device.id} failed before the transfer started, so the "
           f"call failed on every device: {_failure_text(e)}")
       error.__cause__ = e
       return error
-    mapped = [_map_native_error(e) for e in errors]
+    mapped = [map_native_error(e) for e in errors]
     k = next((i for i, m in enumerate(mapped) if isinstance(m, ReshardTimeoutError)), 0)
     mapped[k].__cause__ = errors[k]
     return mapped[k]
@@ -335,7 +335,7 @@ def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
   timeout_ms = options.timeout_ms
   staging = platform != "cpu"
   m2n_ffi.ensure_registered(platform, timeout_ms)
-  site = _site(b"eager", schedule.encode(plan, None, staging, types))
+  site = site_key(b"eager", schedule.encode(plan, None, staging, types))
   bufs = schedule.buffers(plan)
   timeout = np.int64(timeout_ms)
   extra = m2n_ffi.transport_attrs(platform, planned.topology, plan.devices)

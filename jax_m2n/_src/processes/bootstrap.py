@@ -19,7 +19,7 @@ import jax
 from jax_m2n._src import jax_compat
 from jax_m2n._src.errors import ReshardRuntimeError
 
-_API = "reshard"
+from jax_m2n._src.errors import API as _API
 PREFIX = "jax_m2n"
 
 # Liveness through the key-value store: every process that took part in a cross-process

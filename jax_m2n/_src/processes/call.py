@@ -18,12 +18,12 @@ import jax
 from jax_m2n._src import call_plan
 from jax_m2n._src import checks
 from jax_m2n._src import jax_compat
-from jax_m2n._src.errors import ReshardError, ReshardRuntimeError, ReshardValueError
+from jax_m2n._src.errors import (API, PeerFailed, ReshardError,
+                                 ReshardRuntimeError, ReshardValueError)
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.processes import bootstrap, sequence, transfer_engine
 
 logger = logging.getLogger("jax_m2n")
-_API = "reshard"
 
 # One cross-process call at a time per process: call numbers are taken in call order,
 # and two threads' calls interleaved differently on two processes would pair wrongly.
@@ -98,7 +98,7 @@ class CrossProcessReshard:
     The device-to-device transfer guard is asked first (every process must set it
     alike, as every other argument: a refusing process fails its peers by timeout)."""
     if self.crossing:
-      checks.check_transfer_guard(_API, lambda: f"{len(self.crossing)} leaves across "
+      checks.check_transfer_guard(API, lambda: f"{len(self.crossing)} leaves across "
                                   f"processes {self.participants}")
     with _call_lock:
       return self._call(leaves, donate)
@@ -123,7 +123,7 @@ class CrossProcessReshard:
       waits.post("done")
       waits.wait("done", self.participants, "the end of the call (every process done)")
       waits.finish(self.participants)
-    except (ReshardValueError, sequence.PeerFailed):
+    except (ReshardValueError, PeerFailed):
       raise  # every process sees every fingerprint / the peer's marker is posted
     except ReshardError as e:
       waits.fail(f"{type(e).__name__}: {e}")
@@ -132,7 +132,7 @@ class CrossProcessReshard:
       waits.fail(f"{type(e).__name__}: {e}")
       if isinstance(e, Exception):
         raise ReshardRuntimeError(
-            f"{_API}: cross-process call #{n} failed on process {self.me}: "
+            f"{API}: cross-process call #{n} failed on process {self.me}: "
             f"{type(e).__name__}: {e}") from e
       raise
     out = self._assemble(arrays)

@@ -14,14 +14,10 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError,
+from jax_m2n._src.errors import API as _API
+from jax_m2n._src.errors import (PeerFailed, ReshardRuntimeError, ReshardTimeoutError,
                                  ReshardValueError)
 from jax_m2n._src.processes import bootstrap
-
-_API = "reshard"
-
-class PeerFailed(ReshardRuntimeError):
-  """Another process posted its failure of this call (relayed, not posted again)."""
 
 
 _counter = itertools.count(1)

@@ -23,7 +23,7 @@ from jax_m2n._src.layout import Box, Layout, box_size, intersect
 from jax_m2n._src.planner import SRC_SHARD, Plan
 from jax_m2n._src.processes import bootstrap
 
-_API = "reshard"
+from jax_m2n._src.errors import API as _API
 
 # Bytes this process put on / took off the engine (every call; tests and the benchmark
 # compare them with the plan's network bytes).
