@@ -95,14 +95,14 @@ def main() -> None:
   for name in wanted:
     x, dst, kwargs, reference = cases[name]
     call = lambda x=x, dst=dst, kwargs=kwargs: jax_m2n.reshard(x, dst, **kwargs)  # noqa: E731
-    before = set(eager._eager_cache)
+    before = set(eager.eager_cache)
     for _ in range(20):
       jax.block_until_ready(call())
       jax.block_until_ready(reference())
-    new = [k for k in eager._eager_cache if k not in before]
+    new = [k for k in eager.eager_cache if k not in before]
     rows = {"reshard": call, "device_put": reference}
     if len(new) == 1:  # the entry this case built: its programs without the front end
-      entry = eager._eager_cache[new[0]]
+      entry = eager.eager_cache[new[0]]
       leaves = jax.tree.leaves(x)
       rows["entry"] = lambda entry=entry, leaves=leaves: entry(leaves, False)
       if len(entry.programs) == 1:
@@ -114,8 +114,8 @@ def main() -> None:
         def bare(prog=prog, operands=operands, entry=entry):
           # The CPU program's last operand: its generation ticket, one per call, as
           # the entry hands them out (the site is idle between these calls).
-          state = eager._site_state(entry.site)
-          ticket = eager._tickets(prog.device)[state.next % eager._TICKETS]
+          state = eager.state_of_site(entry.site)
+          ticket = eager.tickets_of(prog.device)[state.next % eager.TICKETS]
           state.next += 1
           return prog.call(*operands, ticket)
         if entry.platform == "cpu":

@@ -58,7 +58,7 @@ def hold():
 def _settled():
   """Waits until every eager call has finished (the watcher has seen all outputs)."""
   deadline = time.monotonic() + SETTLE_S
-  while any(s.in_flight for s in eager._site_states.values()):
+  while any(s.in_flight for s in eager.site_states.values()):
     assert time.monotonic() < deadline, "calls still in flight"
     time.sleep(0.01)
 
@@ -175,8 +175,8 @@ def test_unwaited_failure_is_raised_by_the_next_call_once(devs):
   other = jax.device_put(_host(64), devs[2])
   jax.block_until_ready(jax_m2n.reshard(x, dst, timeout_s=0.2))
   jax.block_until_ready(jax_m2n.reshard(other, devs[3]))
-  fn = next(eager._eager_cache[k] for k in eager._eager_cache
-            if k[2].timeout_ms == 200 and eager._eager_cache[k].out_avals[0][2] == dst)
+  fn = next(eager.eager_cache[k] for k in eager.eager_cache
+            if k[2].timeout_ms == 200 and eager.eager_cache[k].out_avals[0][2] == dst)
   assert fn([x], False, devices=[1]) == []  # device 0 never comes; returns at once
   _settled()
   with pytest.raises(jax_m2n.ReshardTimeoutError, match=r"devices \[0\] did not arrive"):
@@ -205,8 +205,8 @@ def test_block_waits_and_raises_the_calls_own_error(devs):
   x = jax.device_put(_host(), devs[0])
   dst = SingleDeviceSharding(devs[1])
   jax.block_until_ready(jax_m2n.reshard(x, dst, timeout_s=0.2))
-  fn = next(eager._eager_cache[k] for k in eager._eager_cache
-            if k[2].timeout_ms == 200 and eager._eager_cache[k].out_avals[0][2] == dst)
+  fn = next(eager.eager_cache[k] for k in eager.eager_cache
+            if k[2].timeout_ms == 200 and eager.eager_cache[k].out_avals[0][2] == dst)
   (y,) = fn([x], False, block=True)
   assert y.is_ready()
   np.testing.assert_array_equal(np.asarray(y), _host())
@@ -221,7 +221,7 @@ def test_programs_run_asynchronously_in_xla(devs):
   (else it would run each inline, and the caller would wait for the transfer)."""
   x = jax.device_put(_host(), devs[0])
   jax.block_until_ready(jax_m2n.reshard(x, devs[1]))
-  entries = [eager._eager_cache[k] for k in eager._eager_cache]
+  entries = [eager.eager_cache[k] for k in eager.eager_cache]
   assert entries and all(e.caller_dispatch for e in entries if e.platform == "cpu")
 
 
@@ -276,8 +276,8 @@ def test_default_cpu_call_returns_finished(devs, monkeypatch):
   y = jax_m2n.reshard(x, dst, timeout_s=0.2)
   assert y.is_ready()
   np.testing.assert_array_equal(np.asarray(y), _host(96))
-  fn = next(eager._eager_cache[k] for k in eager._eager_cache
-            if k[2].timeout_ms == 200 and eager._eager_cache[k].out_avals[0][0] == (96,))
+  fn = next(eager.eager_cache[k] for k in eager.eager_cache
+            if k[2].timeout_ms == 200 and eager.eager_cache[k].out_avals[0][0] == (96,))
   assert not fn.caller_dispatch
   with pytest.raises(jax_m2n.ReshardTimeoutError, match=r"devices \[0\] did not arrive"):
     fn([x], False, devices=[1])
@@ -300,7 +300,7 @@ def test_threads_end_before_the_interpreter_finalizes():
       names = lambda: sorted(t.name for t in threading.enumerate()
                              if t.name.startswith("jax_m2n") and t.is_alive())
       assert names(), "the call started no thread"
-      eager._stop_threads_at_exit()
+      eager.stop_threads_at_exit()
       assert not names(), names()
       print("ended")
   """)

@@ -100,8 +100,8 @@ def fused_only(monkeypatch):
 
   def refuse(leaf, dtype):
     raise AssertionError(f"astype fallback used for {leaf.dtype} -> {dtype}")
-  monkeypatch.setattr(eager, "_astype", refuse)  # api's traced path
-  monkeypatch.setattr(eager.delegate, "_astype", refuse)  # the eager path
+  monkeypatch.setattr(eager, "astype", refuse)  # the traced path (traced_leaves.py)
+  monkeypatch.setattr(eager.delegate, "astype", refuse)  # the eager path
 
 
 def values_of(dtype):

@@ -35,7 +35,7 @@ def _sharded(devs, ids, spec):
 def count_moves(monkeypatch):
   """Counts the eager programs run and the jax.device_put calls of delegated leaves."""
   runs = []
-  run = eager._EagerReshard.__call__
+  run = eager.EagerReshard.__call__
   put = jax.device_put
 
   def counted_run(self, *args, **kwargs):
@@ -45,7 +45,7 @@ def count_moves(monkeypatch):
   def counted_put(*args, **kwargs):
     runs.append("device_put")
     return put(*args, **kwargs)
-  monkeypatch.setattr(eager._EagerReshard, "__call__", counted_run)
+  monkeypatch.setattr(eager.EagerReshard, "__call__", counted_run)
   monkeypatch.setattr(eager.delegate.jax, "device_put", counted_put)
   return runs
 

@@ -1,4 +1,4 @@
-"""The repeated eager call (api._fast_key / _fast_call): a later call with the same
+"""The repeated eager call (fast_path.key / fast_path.call): a later call with the same
 arguments and layouts goes straight to the cached per-device programs, and still gives
 exactly what the full path gives, errors included: deleted or uncommitted leaves, an
 array donated twice, dead shards, bool arguments, context-mesh destinations, tracing,
@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import jax_m2n
-from jax_m2n._src import api, eager, jax_compat
+from jax_m2n._src import eager, fast_path, jax_compat
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +136,8 @@ def test_an_evicted_entry_is_rebuilt(devs):
   dst = SingleDeviceSharding(devs[7])
   jax_m2n.reshard(x, dst)
   jax_m2n.reshard(x, dst)
-  assert len(api._fast_cache)
-  eager._eager_cache.clear()  # the fast path keeps no entry alive by itself
+  assert len(fast_path.cache)
+  eager.eager_cache.clear()  # the fast path keeps no entry alive by itself
   same(jax_m2n.reshard(x, dst), jax.device_put(x, dst))
-  assert len(eager._eager_cache) == 1
+  assert len(eager.eager_cache) == 1
   same(jax_m2n.reshard(x, dst), jax.device_put(x, dst))

@@ -59,7 +59,7 @@ def heals(x, host, dst, times=3, **kwargs):
 
 def in_step(x, dst):
   """Every device of the site has joined equally many generations."""
-  fn = next(v for k in eager._eager_cache for v in [eager._eager_cache[k]]
+  fn = next(v for k in eager.eager_cache for v in [eager.eager_cache[k]]
             if v.out_avals[0][2] == dst and v.out_avals[0][0] == x.shape)
   counts = m2n_ffi.load("cpu").joined(fn.site, [p.device.id for p in fn.programs])
   return len(set(counts)) == 1, counts
@@ -126,7 +126,7 @@ def test_peer_that_never_comes_times_out_then_heals(devs):
   heals(x, host, dst, times=1)
   # A reshard with a short timeout, device 7's program never dispatched.
   short = jax_m2n.reshard(x, dst, timeout_s=0.5)  # builds the 0.5 s entry
-  fn = next(eager._eager_cache[k] for k in eager._eager_cache if k[2].timeout_ms == 500)
+  fn = next(eager.eager_cache[k] for k in eager.eager_cache if k[2].timeout_ms == 500)
   t = time.perf_counter()
   with pytest.raises(jax_m2n.ReshardTimeoutError, match=r"devices \[7\] did not arrive"):
     fn([x], False, devices=[p.device.id for p in fn.programs if p.device.id != 7])
@@ -142,8 +142,8 @@ def test_ctrl_c_while_waiting_interrupts_within_a_second_then_heals(devs):
   host, x = source(devs)
   dst = dest(devs)
   heals(x, host, dst, times=1)
-  fn = next(eager._eager_cache[k] for k in eager._eager_cache
-            if eager._eager_cache[k].out_avals[0][2] == dst and k[2].timeout_ms == TIMEOUT_S * 1000)
+  fn = next(eager.eager_cache[k] for k in eager.eager_cache
+            if eager.eager_cache[k].out_avals[0][2] == dst and k[2].timeout_ms == TIMEOUT_S * 1000)
   sent = []
 
   def interrupt():
@@ -224,11 +224,11 @@ def test_a_site_out_of_step_is_brought_level_by_the_next_call(devs):
   host, x = source(devs)
   dst = dest(devs)
   heals(x, host, dst, times=1)
-  fn = next(eager._eager_cache[k] for k in eager._eager_cache
-            if eager._eager_cache[k].out_avals[0][2] == dst and k[2].timeout_ms == TIMEOUT_S * 1000)
+  fn = next(eager.eager_cache[k] for k in eager.eager_cache
+            if eager.eager_cache[k].out_avals[0][2] == dst and k[2].timeout_ms == TIMEOUT_S * 1000)
   # The first call is finished when its watcher thread has ended it (under load, after
   # block_until_ready returned): until then the site is busy and no call heals it.
-  for call in list(eager._site_state(fn.site).in_flight):
+  for call in list(eager.state_of_site(fn.site).in_flight):
     assert call.done.wait(FAST_S)
   m2n_ffi.load("cpu").abandon(fn.site, [5, 5], "test: put device 5 ahead")
   assert not in_step(x, dst)[0]
@@ -249,10 +249,10 @@ def test_a_call_during_a_failing_call_of_its_site_heals_at_once(devs, how):
   x = jax.device_put(host, NamedSharding(Mesh(devs[:4], ("x",)), P("x")))
   dst = NamedSharding(Mesh(devs[4:], ("y",)), P(None, "y"))
   heals(x, host, dst, times=1)
-  fn = next(eager._eager_cache[k] for k in eager._eager_cache
-            if eager._eager_cache[k].out_avals[0][:2] == ((48, 24), np.float32)
+  fn = next(eager.eager_cache[k] for k in eager.eager_cache
+            if eager.eager_cache[k].out_avals[0][:2] == ((48, 24), np.float32)
             and k[2].timeout_ms == TIMEOUT_S * 1000)
-  state = eager._site_state(fn.site)
+  state = eager.state_of_site(fn.site)
   for call in list(state.in_flight):
     assert call.done.wait(FAST_S)
   outcome = {}

@@ -187,7 +187,7 @@ def main():
     record("4.5KiB 0->1", f"m2n-{engine}", None,
            timed(lambda: jax_m2n.reshard(small, d1), 200, 20), 1e-3, ok)
     spans = []
-    inner = m2n_eager.dispatch._run_device
+    inner = m2n_eager.dispatch.run_device
 
     def run_device(prog, args, inner=inner):
       t0 = time.perf_counter()
@@ -195,7 +195,7 @@ def main():
       spans.append((time.perf_counter() - t0) * 1e3)
       return out
 
-    m2n_eager.dispatch._run_device = run_device
+    m2n_eager.dispatch.run_device = run_device
     try:
       total = []
       for _ in range(200):
@@ -204,7 +204,7 @@ def main():
         jax.block_until_ready(jax_m2n.reshard(small, d1))
         total.append(((time.perf_counter() - t0) * 1e3, max(spans)))
     finally:
-      m2n_eager.dispatch._run_device = inner
+      m2n_eager.dispatch.run_device = inner
     total.sort()
     med = total[len(total) // 2]
     print(f"4.5KiB breakdown ({engine}): median total {med[0]:.3f} ms, of which the slowest "

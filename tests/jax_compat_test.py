@@ -49,7 +49,7 @@ def test_fast_array_construction_matches_the_checked_one():
   assert aval is not None, "jax.Array is no longer jax._src.array.ArrayImpl"
   z = jax_compat.array_from_single_device_arrays((2, 3), s, arrays, np.float32, aval)
   assert type(z) is type(y) and z.sharding == s and z.committed
-  # The fast path's type test (api._fast_key): concrete arrays only, never a tracer.
+  # The fast path's type test (fast_path.key): concrete arrays only, never a tracer.
   assert jax_compat.array_type() is not None and type(x) is jax_compat.array_type()
   kinds = []
   jax.jit(lambda a: kinds.append(type(a) is jax_compat.array_type()) or a)(x)

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
-from jax_m2n._src import api, eager
+from jax_m2n._src import eager, fast_path
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +23,12 @@ def devs():
 def builds(monkeypatch):
   """The leaf counts of the entries built during the test."""
   built = []
-  build = eager.cache._build_eager
+  build = eager.cache.build_programs
 
   def counted(request, dsts):
     built.append(len(request))
     return build(request, dsts)
-  monkeypatch.setattr(eager.cache, "_build_eager", counted)
+  monkeypatch.setattr(eager.cache, "build_programs", counted)
   return built
 
 
@@ -59,7 +59,7 @@ def test_one_layout_builds_its_group_programs_once(devs, builds):
   _same(jax_m2n.reshard(odd, dst), jax.device_put(odd, dst))
   size = -(-(3 * group + 5) // 4)
   assert builds == [group, size, 3 * group + 5 - 3 * size]
-  assert len(api._fast_cache)
+  assert len(fast_path.cache)
 
 
 def test_mixed_layouts_donation_and_a_delegated_leaf(devs, builds):

@@ -245,14 +245,20 @@ def test_rank_9_as_device_put():
   _same(jax.jit(lambda v: jax_m2n.reshard(v, dst))(x), ref)
   with pytest.raises(jax_m2n.ReshardValueError, match="does not plan"):
     jax_m2n.plan(x, dst)
+  # Under jvp outside jit the leaf goes to jax.device_put's destination too (it was
+  # put with destination None there, so it stayed on the source's layout).
+  y, t = jax.jvp(lambda v: jax_m2n.reshard(v, dst), (x,), (x,))
+  ry, rt = jax.jvp(lambda v: jax.device_put(v, dst), (x,), (x,))
+  _same(y, ry)
+  _same(t, rt)
 
 
 def test_unfused_dtype_checks_the_destination_before_astype(monkeypatch):
   calls = []
-  real = eager._astype
+  real = eager.astype
   spy = lambda v, d: calls.append(d) or real(v, d)  # noqa: E731
-  monkeypatch.setattr(eager, "_astype", spy)  # read by api (traced leaves)
-  monkeypatch.setattr(delegate, "_astype", spy)  # read by the eager path
+  monkeypatch.setattr(eager, "astype", spy)  # read by traced_leaves.py
+  monkeypatch.setattr(delegate, "astype", spy)  # read by the eager path
   mesh = Mesh(np.array(D[:3]), ("x",))
   x = jax.device_put(jnp.arange(8, dtype=jnp.int8), D[0])
   bad = NamedSharding(mesh, P(None, "x"))  # rank 2 for a rank-1 leaf

@@ -547,8 +547,8 @@ def test_python_scalars_converted_to_their_own_dtype_lose_weak_type():
 def nothing_runs(monkeypatch):
   def forbidden(*args, **kwargs):
     raise AssertionError("reshard built or ran a program before rejecting its input")
-  monkeypatch.setattr(eager.cache, "_build_eager", forbidden)
-  monkeypatch.setattr(eager._EagerReshard, "__call__", forbidden)
+  monkeypatch.setattr(eager.cache, "build_programs", forbidden)
+  monkeypatch.setattr(eager.EagerReshard, "__call__", forbidden)
 
 
 def _good():

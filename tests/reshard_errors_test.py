@@ -34,8 +34,8 @@ def no_data_moves(monkeypatch):
   """Fails the test if reshard builds or runs anything (errors come first)."""
   def forbidden(*args, **kwargs):
     raise AssertionError("reshard built a program before rejecting its input")
-  monkeypatch.setattr(eager.cache, "_build_eager", forbidden)
-  monkeypatch.setattr(eager._EagerReshard, "__call__", forbidden)
+  monkeypatch.setattr(eager.cache, "build_programs", forbidden)
+  monkeypatch.setattr(eager.EagerReshard, "__call__", forbidden)
 
 
 def sharded(devs, shape=(8, 4), dtype=np.float32, spec=P("x"), ids=slice(0, 4)):
@@ -259,11 +259,11 @@ def test_donating_one_array_twice_is_ignored_as_device_put_does(devs):
 
 def test_errors_are_raised_before_data_moves(devs):
   """A bad leaf anywhere in the tree: nothing is built, the sources are untouched."""
-  n = len(eager._eager_cache)
+  n = len(eager.eager_cache)
   x = {"a": sharded(devs), "b": sharded(devs, shape=(5,), spec=P())}
   with pytest.raises(jax_m2n.ReshardValueError, match=r"x\['b'\]"):
     jax_m2n.reshard(x, gen(devs, P("y")), donate=True)
-  assert len(eager._eager_cache) == n
+  assert len(eager.eager_cache) == n
   assert not x["a"].is_deleted()
 
 

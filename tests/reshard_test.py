@@ -396,8 +396,8 @@ def test_pytree_one_plan_one_program_per_device():
   for yl, xl, d in zip(jax.tree.leaves(y), jax.tree.leaves(x), jax.tree.leaves(full)):
     assert_same_as_device_put(yl, xl, d)
   # One plan for the whole tree, one compiled program per participating device.
-  key = next(k for k in eager._eager_cache if k[0] == jax.tree.structure(x))
-  entry = eager._eager_cache[key]
+  key = next(k for k in eager.eager_cache if k[0] == jax.tree.structure(x))
+  entry = eager.eager_cache[key]
   assert len(entry.plan.tensors) == 4
   assert sorted(p.device.id for p in entry.programs) == list(range(8))
 
@@ -433,10 +433,10 @@ def test_cached_second_call_builds_nothing():
   dst = NamedSharding(Mesh(devs[2:5], ("y",)), P())
   x = jax.device_put(random_data((10,), np.float32, 11), src)
   jax_m2n.reshard(x, dst)
-  n = len(eager._eager_cache)
+  n = len(eager.eager_cache)
   x2 = jax.device_put(random_data((10,), np.float32, 12), src)
   y = jax_m2n.reshard(x2, dst)
-  assert len(eager._eager_cache) == n
+  assert len(eager.eager_cache) == n
   assert_same_as_device_put(y, x2, dst)
 
 
@@ -484,13 +484,13 @@ def test_timeout_when_a_peer_never_arrives():
   x = jax.device_put(random_data((13, 4), np.float32, 15)[:, :3], src)
   assert x.shape == shape
   jax_m2n.reshard(x, dst, timeout_s=2)  # builds and caches the programs
-  key = eager._eager_key(Request(
+  key = eager.eager_key(Request(
       leaves=[x], treedef=jax.tree.structure(x), dsts=[dst], srcs=[None],
       out_dtypes=[None], donate=[False],
       options=Options(route="hierarchical", topology=None, timeout_ms=2000,
                       chunk_bytes=None),
       names=lambda: ["x"]))
-  entry = eager._eager_cache[key]
+  entry = eager.eager_cache[key]
   start = time.monotonic()
   with pytest.raises(jax_m2n.ReshardTimeoutError, match="did not arrive") as e:
     entry([x], False, devices=[0, 1, 5])  # device 6 never runs its program

@@ -1,44 +1,32 @@
-"""The public entry points `reshard` and `plan`.
+"""The public entry points `reshard`, `plan` and `check_errors`.
 
-Owns the contract users read (docstrings), flattening pytrees and choosing the path:
-the eager per-device programs (eager/) outside jit, the shard_map lowering
-(traced.py) inside it. Argument rules live in checks.py; nothing here moves data.
+Owns the contract users read (the docstrings), flattening pytrees and choosing the path:
+the repeated call's fast path (fast_path.py), the eager per-device programs (eager/)
+outside jit, the traced leaves (traced_leaves.py) inside jit or a transformation, the
+quantized expansion (quantize.py). Argument rules live in checks.py, the way from a call
+to its plan in call_plan.py; nothing here moves data.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any, Sequence
 
 import jax
-import numpy as np
-from jax.sharding import PartitionSpec, Sharding
 
 from jax_m2n._src import call_plan
 from jax_m2n._src import checks
 from jax_m2n._src import eager
+from jax_m2n._src import fast_path
 from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
 from jax_m2n._src import quantize
 from jax_m2n._src import schedule
-from jax_m2n._src import traced
-from jax_m2n._src import transforms
-from jax_m2n._src.checks import (broadcast_prefix, check_dtype, check_holds,
-                                 check_mesh, check_reduction,
-                                 check_src_sharding, is_format,
-                                 layout_delegated_because, plan_leaf, is_uneven,
-                                 donate_flags,
-                                 is_dst_leaf, LazyName,
-                                 leaf_aval, dtypes_per_leaf,
-                                 dst_sharding_of, leaf_names, map_native_error,
-                                 normalize_dst)
-from jax_m2n._src.errors import API, ReshardTypeError, ReshardValueError
+from jax_m2n._src import traced_leaves
+from jax_m2n._src.errors import API
 from jax_m2n._src.planner import Plan
-from jax_m2n._src.request import Options, Request
+from jax_m2n._src.request import Request
 from jax_m2n._src.topology import Topology
-
-logger = logging.getLogger("jax_m2n")
 
 # What a reshard stages into a jaxpr is attributed to the user's line, not ours.
 jax_compat.exclude_from_source_info(
@@ -251,15 +239,13 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     return quantize.reshard(reshard, x, dst_sharding, dtype, route=route,
                             topology=topology, donate=donate, src_sharding=src_sharding,
                             timeout_s=timeout_s, chunk_bytes=chunk_bytes)
-  fast = _fast_key(x, dst_sharding, route, topology, donate, src_sharding, timeout_s,
-                   chunk_bytes, dtype)
+  fast = fast_path.key(x, dst_sharding, route, topology, donate, src_sharding, timeout_s,
+                       chunk_bytes, dtype)
   if fast is not None:
     key, leaves, treedef = fast
-    hit = _fast_cache.get(key)
-    if hit is not None:
-      outs = _fast_call(hit, leaves, donate)
-      if outs is not None:
-        return jax.tree_util.tree_unflatten(treedef, outs)
+    outs = fast_path.call(key, leaves, donate)
+    if outs is not None:
+      return jax.tree_util.tree_unflatten(treedef, outs)
   options = checks.options(API, route, topology, timeout_s, chunk_bytes)
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
@@ -267,260 +253,30 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
 
   def names() -> list[str]:
     if not name_cache:
-      name_cache.append(leaf_names(x))
+      name_cache.append(checks.leaf_names(x))
     return name_cache[0]
 
-  dsts = broadcast_prefix(API, "dst_sharding", dst_sharding, x, treedef, n, names)
+  dsts = checks.broadcast_prefix(API, "dst_sharding", dst_sharding, x, treedef, n, names)
   srcs = ([None] * n if src_sharding is None else
-          broadcast_prefix(API, "src_sharding", src_sharding, x, treedef, n, names))
-  flags = donate_flags(API, donate, x, treedef, n)
-  out_dtypes = dtypes_per_leaf(API, dtype, x, treedef, n)
+          checks.broadcast_prefix(API, "src_sharding", src_sharding, x, treedef, n, names))
+  flags = checks.donate_flags(API, donate, x, treedef, n)
+  out_dtypes = checks.dtypes_per_leaf(API, dtype, x, treedef, n)
   if not n:
     return jax.tree_util.tree_unflatten(treedef, [])
   if dtype is not None:
-    out_dtypes, dsts = _conversions(leaves, dsts, out_dtypes, names)
-  # Leaf names only where a message needs one (LazyName): forming them costs more than
-  # these checks.
-  dsts = [d if isinstance(d, Sharding) else normalize_dst(API, LazyName(names, i), d)
-          for i, d in enumerate(dsts)]
-  seen: set[int] = set()  # a prefix repeats one sharding object: check it once
-  for i, d in enumerate(dsts):  # before anything asks these shardings for devices
-    d = d.sharding if isinstance(d, jax.ShapeDtypeStruct) else d
-    if id(d) not in seen:
-      seen.add(id(d))
-      check_mesh(API, LazyName(names, i), d, "destination")
-      check_reduction(API, LazyName(names, i), d, "destination")
-    if srcs[i] is not None:
-      check_src_sharding(API, LazyName(names, i), srcs[i])
-      check_reduction(API, LazyName(names, i), srcs[i], "source")
-    leaf = leaves[i]
-    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-      s = leaf.sharding
-      if id(s) not in seen:
-        seen.add(id(s))
-        check_reduction(API, LazyName(names, i), s, "source")
-  traced = (not jax_compat.trace_state_clean()) or any(
-      isinstance(v, jax.core.Tracer) for v in leaves)
-  if traced:
-    outs = _reshard_tracers(leaves, dsts, srcs, options, names, out_dtypes)
+    out_dtypes, dsts = checks.conversions(API, leaves, dsts, out_dtypes, names)
+  dsts = checks.check_call_shardings(API, leaves, dsts, srcs, names)
+  if not jax_compat.trace_state_clean() or any(
+      isinstance(v, jax.core.Tracer) for v in leaves):
+    outs = traced_leaves.reshard(leaves, dsts, srcs, options, names, out_dtypes)
   else:
     record = [] if fast is not None else None
     outs = eager.reshard(Request(leaves=leaves, treedef=treedef, dsts=dsts, srcs=srcs,
                                  out_dtypes=out_dtypes, donate=flags, options=options,
                                  names=names), record)
     if record:
-      with _fast_cache.lock:  # put evicts: two threads putting at once would race
-        _fast_cache.put(fast[0], record[0])
+      fast_path.remember(fast[0], record)
   return jax.tree_util.tree_unflatten(treedef, outs)
-
-
-# ---------------------------------------------------------------------------------------
-# The repeated eager call: one lookup in place of the argument work
-# ---------------------------------------------------------------------------------------
-
-# A refit calls reshard with the same arguments and layouts every step. The first call
-# runs every check above; where its whole outcome follows from the arguments' types and
-# values and the leaves' types and layouts (every leaf moved by one cached eager entry,
-# nothing delegated, no astype first), that entry's key is remembered under the call's
-# key (the entry itself stays in eager's bounded cache only), and a later call with an
-# equal key goes straight to it (docs/benchmarks.md, "Fixed cost"). Checked on every
-# call still: what can differ between arrays of one layout (committed, deleted, one
-# array donated twice) and the trace state; any doubt takes the full path, which
-# raises what it must.
-_fast_cache = eager._LruCache(eager._EAGER_CACHE_SIZE)
-
-# Argument types whose equal values mean equal outcomes (bool is no int here: the full
-# path refuses a bool timeout_s, chunk_bytes or dtype).
-_FAST_NUMBER = (type(None), int, float)
-
-
-def _fast_key(x, dst_sharding, route, topology, donate, src_sharding, timeout_s,
-              chunk_bytes, dtype) -> tuple[Any, list[Any], Any] | None:
-  """(key, leaves, treedef) of an eager call that may take the fast path; None where
-  it may not (traced, host data, a PartitionSpec destination read from the context
-  mesh, a pytree of dtypes or donate flags, src_sharding, debug logging...)."""
-  array_type = jax_compat.array_type()
-  if (array_type is None or src_sharding is not None or type(donate) is not bool
-      or type(route) is not str or type(timeout_s) not in _FAST_NUMBER
-      or type(chunk_bytes) not in (type(None), int)
-      or not (topology is None or type(topology) is int or isinstance(topology, Topology))
-      or not (dtype is None or isinstance(dtype, (np.dtype, type, str)))
-      or logger.isEnabledFor(logging.DEBUG) or not jax_compat.trace_state_clean()):
-    return None
-  leaves, treedef = jax.tree_util.tree_flatten(x)
-  parts = []
-  for leaf in leaves:
-    if type(leaf) is not array_type:  # no tracer, numpy array or scalar
-      return None
-    parts.append(leaf.aval)  # shape, dtype, weak_type
-    parts.append(leaf.sharding)
-  if isinstance(dst_sharding, Sharding):
-    dst = dst_sharding
-  else:
-    flat, tree = jax.tree_util.tree_flatten(dst_sharding, is_leaf=is_dst_leaf)
-    if any(isinstance(d, PartitionSpec) for d in flat):  # depends on the context mesh
-      return None
-    dst = (tree, tuple(flat))
-  try:  # hashed once: the cache's get and move_to_end would hash it twice more
-    key = eager._Key((treedef, dst, route, topology, donate, type(timeout_s), timeout_s,
-                      chunk_bytes, type(dtype), dtype,
-                      jax.config.jax_enable_x64 if dtype is not None else None,
-                      tuple(parts)))
-  except TypeError:  # an unhashable destination or topology: the full path says why
-    return None
-  return key, leaves, treedef
-
-
-def _fast_call(hit, leaves: list[Any], donate: bool) -> list[Any] | None:
-  """Runs a remembered call's entry; None where the full path must run instead (it
-  raises what is wrong: a deleted or uncommitted leaf, an array donated twice)."""
-  key, weak = hit
-  entry = eager._eager_cache.get(key)  # only what that bounded cache still holds
-  if entry is None:
-    return None
-  for leaf in leaves:
-    if leaf.is_deleted() or not leaf.committed:
-      return None
-  if donate and len({id(v) for v in leaves}) != len(leaves):
-    return None
-  outs = entry(leaves, donate)
-  if weak:
-    outs = [jax_compat.with_weak_type(y) if w else y for y, w in zip(outs, weak)]
-  return outs
-
-
-def _conversions(leaves, dsts, out_dtypes, names) -> tuple[list[Any], list[Any]]:
-  """Per leaf the dtype to convert to (None where it already has it, as JAX would
-  canonicalize it) and the destinations, a ShapeDtypeStruct checked against that dtype
-  and replaced by its sharding."""
-  out_dtypes, dsts = list(out_dtypes), list(dsts)
-  for i, (leaf, o) in enumerate(zip(leaves, out_dtypes)):
-    if o is None:
-      continue
-    have, weak = getattr(leaf, "dtype", None), getattr(leaf, "weak_type", False)
-    if have is None and isinstance(leaf, (bool, int, float, complex)):  # weakly typed
-      have, weak = jax.typeof(leaf).dtype, jax.typeof(leaf).weak_type
-    if have is None or not (have == np.bool_ or jax.dtypes.issubdtype(have, np.number)):
-      raise ReshardTypeError(
-          f"{API}: a leaf of x converted with dtype= must be an array of numbers or "
-          f"bools; got {type(leaf).__name__} {getattr(leaf, 'dtype', '')} at "
-          f"{names()[i]}.")
-    want = jax.dtypes.canonicalize_dtype(o)
-    if np.dtype(have) == want and not weak:
-      out_dtypes[i] = None
-    if isinstance(dsts[i], jax.ShapeDtypeStruct):
-      dsts[i] = dst_sharding_of(API, names()[i], dsts[i], np.shape(leaf),
-                                 want if out_dtypes[i] is not None else have)
-  return out_dtypes, dsts
-
-
-def _reshard_tracers(leaves, dsts, srcs, options: Options, names,
-                     out_dtypes=None) -> list[Any]:
-  """Traced leaves (jit, grad, vmap): checks what the types tell, then one primitive.
-  A conversion is fused into the primitive where schedule.fused_conversion says, else
-  it is `astype` in the traced program before the reshard."""
-  out_dtypes = list(out_dtypes or [None] * len(leaves))
-  leaves = list(leaves)
-  context = jax.sharding.get_abstract_mesh()
-  if not context.empty and getattr(context, "manual_axes", ()):
-    raise ReshardValueError(
-        f"{API}: reshard must be called outside shard_map (it lowers to its own SPMD "
-        f"program over whole arrays); got a call under manual mesh axes "
-        f"{tuple(context.manual_axes)}. Hint: call it on the global arrays, inside jit "
-        "or eagerly.")
-  outs: list[Any] = list(leaves)
-  staged = []
-  for i, (leaf, dst) in enumerate(zip(leaves, dsts)):
-    name = names()[i]
-    if dst is None:  # keep the layout: jax.device_put(x, None) is the identity
-      if out_dtypes[i] is not None:
-        outs[i] = eager._astype(leaf, out_dtypes[i])
-      continue
-    aval = leaf_aval(API, name, leaf)
-    shape, dtype = tuple(aval.shape), aval.dtype
-    in_jit = jax_compat.is_staged(leaf)
-    # The destination is checked before any astype (JAX's order: nothing runs first).
-    fmt = dst if is_format(dst) else None
-    if fmt is not None or (isinstance(dst, jax.ShapeDtypeStruct) and
-                           jax.dtypes.issubdtype(dtype, jax.dtypes.extended)):
-      dst_sharding = dst.sharding  # a typed key's struct: JAX checks it
-    else:
-      dst_sharding = dst_sharding_of(API, name, dst, shape, dtype if out_dtypes[i]
-                                      is None else out_dtypes[i])
-    if dst_sharding is not None:
-      check_mesh(API, name, dst_sharding, "destination")
-      check_reduction(API, name, dst_sharding, "destination")
-    uneven = in_jit and is_uneven(dst_sharding, shape)
-    if not uneven and dst_sharding is not None:
-      check_holds(API, name, dst_sharding, shape, "destination")
-    if out_dtypes[i] is not None and not schedule.fused_conversion(dtype, out_dtypes[i]):
-      leaf = leaves[i] = eager._astype(leaf, out_dtypes[i])  # unfused: convert, then move
-      out_dtypes[i] = None
-      aval = leaf_aval(API, name, leaf)
-      shape, dtype = tuple(aval.shape), aval.dtype
-    why = layout_delegated_because(shape, dst) or (
-        "uneven shards (JAX pads them inside jit)" if uneven else None)
-    if why is not None:  # XLA's move in jit, jax.device_put's outside
-      if out_dtypes[i] is not None:
-        leaf = eager._astype(leaf, out_dtypes[i])
-      outs[i] = (jax.device_put(leaf, fmt) if fmt is not None or not in_jit
-                 else transforms.constrain(leaf, dst_sharding))
-      logger.debug("reshard: %s delegated to %s (%s)", name,
-                   "jax.device_put" if fmt is not None or not in_jit
-                   else "XLA's partitioner (in jit)", why)
-      continue
-    if (not isinstance(leaf, jax.core.Tracer) and not isinstance(leaf, jax.Array)) or (
-        eager._dtype_delegated_because(dtype) is not None):  # typed keys, int4: JAX's
-      if out_dtypes[i] is not None:
-        leaf = eager._astype(leaf, out_dtypes[i])
-      put = (transforms.constrain if jax_compat.is_staged(leaf)
-             else jax.device_put)  # in jit, jax.device_put would keep the layout
-      outs[i] = put(leaf, dst_sharding)
-      logger.debug("reshard: %s delegated to jax.device_put (host data or extended "
-                   "dtype)", name)
-      continue
-    check_dtype(API, name, dtype)
-    if in_jit:  # before the memory-kind delegation: JAX's own device check names less
-      traced.check_staged_devices(name, aval, srcs[i], dst_sharding)
-    space = getattr(aval, "memory_space", None)
-    host_source = space is not None and "host" in str(space).lower()
-    if host_source or not eager._default_memory(dst_sharding):  # device <-> host: JAX's
-      if out_dtypes[i] is not None:
-        leaf = eager._astype(leaf, out_dtypes[i])
-      outs[i] = jax.device_put(leaf, dst_sharding)
-      logger.debug("reshard: %s delegated to jax.device_put (memory kind %s)", name,
-                   dst_sharding.memory_kind)
-      continue
-    typed = getattr(aval, "sharding", None)
-    check_reduction(API, name, typed, "source")
-    if in_jit and (isinstance(typed, jax.sharding.NamedSharding) and not typed.mesh.empty and any(
-        t == jax.sharding.AxisType.Explicit for t in typed.mesh.axis_types)
-        and isinstance(dst_sharding, jax.sharding.NamedSharding) and not any(
-            t == jax.sharding.AxisType.Explicit for t in dst_sharding.mesh.axis_types)):
-      raise ReshardValueError(
-          f"{API}: inside jit, {name} typed on Explicit mesh axes must go to a "
-          f"destination on Explicit axes (JAX keeps the layout in the type there); got "
-          f"destination mesh axis types {dst_sharding.mesh.axis_types}. Hint: build the "
-          "destination mesh with axis_types=(AxisType.Explicit, ...), or call reshard "
-          "outside jit.")
-    if (jax_compat.trace_state_clean() and not isinstance(leaf, jax.core.Tracer)
-        and isinstance(leaf, jax.Array) and eager.delegated_because(leaf, dst_sharding)):
-      if out_dtypes[i] is not None:
-        leaf = eager._astype(leaf, out_dtypes[i])
-      outs[i] = jax.device_put(leaf, dst_sharding)  # a constant under a transformation
-      continue
-    staged.append((i, dst_sharding))
-  if staged:
-    ys = transforms.bind([leaves[i] for i, _ in staged], [d for _, d in staged],
-                         [srcs[i] for i, _ in staged], options,
-                         [out_dtypes[i] for i, _ in staged])
-    for (i, dst), y in zip(staged, ys):
-      if isinstance(y, jax.core.Tracer) and not transforms._is_explicit(dst):
-        # The layout the jit's outputs report comes from the jaxpr, not from inside the
-        # lowering: state it here too (a no-op for XLA, the value is already there).
-        y = traced.state_layout(y, dst)
-      outs[i] = y
-  return outs
 
 
 def check_errors() -> None:
@@ -543,7 +299,7 @@ def check_errors() -> None:
   for platform in ("cuda", "gpu", "cpu"):
     sticky = m2n_ffi.sticky_error(platform)
     if sticky is not None:
-      raise map_native_error(RuntimeError(sticky))
+      raise checks.map_native_error(RuntimeError(sticky))
 
 
 def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
@@ -594,17 +350,17 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
         x, dst_sharding, src_sharding, dtype)
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
-  names = lambda: leaf_names(x)  # noqa: E731
-  dsts = broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n, names)
+  names = lambda: checks.leaf_names(x)  # noqa: E731
+  dsts = checks.broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n, names)
   given = ([None] * n if src_sharding is None else
-           broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n, names))
-  out_dtypes = dtypes_per_leaf(api, dtype, x, treedef, n)
+           checks.broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n, names))
+  out_dtypes = checks.dtypes_per_leaf(api, dtype, x, treedef, n)
   shapes, dtypes, srcs, resolved, wire_out = [], [], [], [], []
   for i, (leaf, dst, src) in enumerate(zip(leaves, dsts, given)):
     out = out_dtypes[i]
     if out is not None:
       out = jax.dtypes.canonicalize_dtype(out)
-    src, dst = plan_leaf(api, names()[i], leaf, dst, src, out)
+    src, dst = checks.plan_leaf(api, names()[i], leaf, dst, src, out)
     shapes.append(tuple(getattr(leaf, "shape", ())))
     srcs.append(src)
     resolved.append(dst)

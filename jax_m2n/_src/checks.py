@@ -12,7 +12,7 @@ import hashlib
 import logging
 import numbers
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -567,3 +567,71 @@ def check_transfer_guard(api: str, crossing: Callable[[], str]) -> None:
         "no transfer guard applies.")
   if level == "log_explicit":
     logger.warning("device-to-device transfer: %s (jax_m2n.reshard)", crossing())
+
+
+def check_outside_shard_map(api: str) -> None:
+  """A reshard lowers to its own SPMD program over whole arrays: never under the
+  manual mesh axes of a shard_map."""
+  context = jax.sharding.get_abstract_mesh()
+  if not context.empty and getattr(context, "manual_axes", ()):
+    raise ReshardValueError(
+        f"{api}: reshard must be called outside shard_map (it lowers to its own SPMD "
+        f"program over whole arrays); got a call under manual mesh axes "
+        f"{tuple(context.manual_axes)}. Hint: call it on the global arrays, inside jit "
+        "or eagerly.")
+
+
+def conversions(api: str, leaves: Sequence[Any], dsts: Sequence[Any],
+                out_dtypes: Sequence[Any],
+                names: Callable[[], list[str]]) -> tuple[list[Any], list[Any]]:
+  """Per leaf the dtype to convert to (None where it already has it, as JAX would
+  canonicalize it) and the destinations, a ShapeDtypeStruct checked against that dtype
+  and replaced by its sharding."""
+  out_dtypes, dsts = list(out_dtypes), list(dsts)
+  for i, (leaf, o) in enumerate(zip(leaves, out_dtypes)):
+    if o is None:
+      continue
+    have, weak = getattr(leaf, "dtype", None), getattr(leaf, "weak_type", False)
+    if have is None and isinstance(leaf, (bool, int, float, complex)):  # weakly typed
+      have, weak = jax.typeof(leaf).dtype, jax.typeof(leaf).weak_type
+    if have is None or not (have == np.bool_ or jax.dtypes.issubdtype(have, np.number)):
+      raise ReshardTypeError(
+          f"{api}: a leaf of x converted with dtype= must be an array of numbers or "
+          f"bools; got {type(leaf).__name__} {getattr(leaf, 'dtype', '')} at "
+          f"{names()[i]}.")
+    want = jax.dtypes.canonicalize_dtype(o)
+    if np.dtype(have) == want and not weak:
+      out_dtypes[i] = None
+    if isinstance(dsts[i], jax.ShapeDtypeStruct):
+      dsts[i] = dst_sharding_of(api, names()[i], dsts[i], np.shape(leaf),
+                                want if out_dtypes[i] is not None else have)
+  return out_dtypes, dsts
+
+
+def check_call_shardings(api: str, leaves: Sequence[Any], dsts: Sequence[Any],
+                         srcs: Sequence[Any], names: Callable[[], list[str]]) -> list[Any]:
+  """The rules every leaf's shardings meet on every path, each checked here once per
+  sharding object (a prefix repeats one): destinations normalized (a Device as its
+  SingleDeviceSharding, a PartitionSpec on the context mesh) on a concrete mesh listing
+  each device once, nothing unreduced; a given src_sharding a Sharding, not unreduced;
+  a concrete leaf's own sharding not unreduced. Returns the destinations; leaf names
+  are formed only where a message needs one (LazyName)."""
+  dsts = [d if isinstance(d, Sharding) else normalize_dst(api, LazyName(names, i), d)
+          for i, d in enumerate(dsts)]
+  seen: set[int] = set()
+  for i, d in enumerate(dsts):  # before anything asks these shardings for devices
+    d = d.sharding if isinstance(d, jax.ShapeDtypeStruct) else d
+    if id(d) not in seen:
+      seen.add(id(d))
+      check_mesh(api, LazyName(names, i), d, "destination")
+      check_reduction(api, LazyName(names, i), d, "destination")
+    if srcs[i] is not None:
+      check_src_sharding(api, LazyName(names, i), srcs[i])
+      check_reduction(api, LazyName(names, i), srcs[i], "source")
+    leaf = leaves[i]
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+      s = leaf.sharding
+      if id(s) not in seen:
+        seen.add(id(s))
+        check_reduction(api, LazyName(names, i), s, "source")
+  return dsts

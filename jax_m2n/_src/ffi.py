@@ -14,7 +14,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_m2n._src import jax_compat
 from jax_m2n._src.errors import ReshardError, ReshardValueError
+from jax_m2n._src.topology import emulated_network
 
 # The custom-call target name (docs/schedule_format.md, "The custom call").
 TARGET_NAME = "jax_m2n_reshard"
@@ -53,8 +55,7 @@ def _init_cuda(module: Any, timeout_ms: int) -> None:
   if jax.process_count() == 1:
     uid = module.nccl_unique_id()
   else:
-    from jax._src import distributed  # no public spelling of the key-value store
-    client = distributed.global_state.client
+    client = jax_compat.distributed_client()
     key = "jax_m2n/nccl_unique_id"
     if jax.process_index() == 0:
       uid = module.nccl_unique_id()
@@ -73,7 +74,6 @@ def transport_attrs(platform: str, topology: Any, devices: Any) -> dict[str, Any
   Empty otherwise: the CUDA handler binds no such attribute (its links are real)."""
   if platform != "cpu":
     return {}
-  from jax_m2n._src.topology import emulated_network
   network = emulated_network(topology, devices)
   if network is None:
     return {}

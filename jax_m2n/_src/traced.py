@@ -166,13 +166,6 @@ def _reshard_traced(leaves, dsts, src_shardings, options: Options, names,
                     out_dtypes=None) -> list:
   """`out_dtypes`: per leaf the destination dtype of a fused conversion, None: keep."""
   out_dtypes = list(out_dtypes or [None] * len(leaves))
-  context = jax.sharding.get_abstract_mesh()
-  if not context.empty and getattr(context, "manual_axes", ()):
-    raise ReshardValueError(
-        f"{API}: reshard must be called outside shard_map (it lowers to its own SPMD "
-        f"program over whole arrays); got a call under manual mesh axes "
-        f"{tuple(context.manual_axes)}. Hint: call it on the global arrays, inside jit "
-        "or eagerly.")
   shapes, dtypes, srcs, dst_named, typed_any = [], [], [], [], False
   for i, (leaf, dst) in enumerate(zip(leaves, dsts)):
     name = names()[i]

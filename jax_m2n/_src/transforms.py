@@ -57,7 +57,7 @@ def _impl(*leaves, dsts, srcs, options, out_dtypes):
       options=options, names=_names(n)))
 
 
-def _is_explicit(sharding: Any) -> bool:
+def is_explicit(sharding: Any) -> bool:
   return isinstance(sharding, NamedSharding) and any(
       t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
 
@@ -68,11 +68,11 @@ def _abstract_eval(*avals, dsts, srcs, options, out_dtypes):
   for aval, dst, out_dtype in zip(avals, dsts, out_dtypes):
     if out_dtype is not None:  # as astype: the new dtype, never weak
       aval = aval.update(dtype=out_dtype, weak_type=False)
-    if _is_explicit(dst):
+    if is_explicit(dst):
       spec = tuple(dst.spec) + (None,) * (aval.ndim - len(dst.spec))
       aval = aval.update(sharding=NamedSharding(dst.mesh.abstract_mesh,
                                                 PartitionSpec(*spec)))
-    elif dst is not None and _is_explicit(getattr(aval, "sharding", None)):
+    elif dst is not None and is_explicit(getattr(aval, "sharding", None)):
       # An Auto (or single-device) destination carries no layout in the type.
       aval = jax_compat.plain_aval(aval)
     outs.append(aval)
@@ -133,7 +133,7 @@ def _lowered(*leaves, dsts, srcs, options, out_dtypes):
 def constrain(v: Any, dst: Any) -> Any:
   """XLA's move of a traced value to `dst` (jax.device_put inside jit keeps the
   operand's layout): jax.sharding.reshard on Explicit axes, else a constraint."""
-  return (jax.sharding.reshard(v, dst) if _is_explicit(dst) else
+  return (jax.sharding.reshard(v, dst) if is_explicit(dst) else
           traced.state_layout(v, dst))
 
 
@@ -261,7 +261,7 @@ def _batch_entry(axis_data: Any, sharding: Any, what: str) -> Any:
   if not isinstance(sharding, NamedSharding):
     return None
   explicit_axes, spmd = jax_compat.vmap_batch_axes(axis_data)
-  if _is_explicit(sharding):
+  if is_explicit(sharding):
     return explicit_axes
   if spmd is None:
     return None

@@ -157,10 +157,10 @@ def _jax_worker(a, socket_mode: bool) -> dict:
                              initialization_timeout=120)
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from jax._src import distributed
   import jax_m2n
+  from jax_m2n._src import jax_compat
   from jax_m2n.bench import data as bench_data
-  client = distributed.global_state.client
+  client = jax_compat.distributed_client()
   devs = jax.devices()
   count = [0]
 

@@ -93,8 +93,8 @@ def _init(args):
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
                              num_processes=args.n, process_id=args.pid,
                              initialization_timeout=120)
-  from jax._src import distributed
-  return jax, distributed.global_state.client
+  from jax_m2n._src import jax_compat
+  return jax, jax_compat.distributed_client()
 
 
 def _timed(jax, kv, tag: str, iters: int, warmup: int, fn) -> list[float]:
@@ -342,8 +342,8 @@ def main(argv=None) -> int:
   if args.worker:
     rc = {"engine": worker_engine, "fig4": worker_fig4}[args.worker](args)
     sys.stdout.flush()
-    from jax._src import distributed
-    distributed.global_state.client.wait_at_barrier("bench/end", 120_000)
+    from jax_m2n._src import jax_compat
+    jax_compat.distributed_client().wait_at_barrier("bench/end", 120_000)
     os._exit(rc)  # no shutdown barrier: the launcher collects every worker's output
   return run_suite(args.out_dir, max(float(s) for s in args.size_mib.split(",")),
                    args.iters, args.warmup)

@@ -16,11 +16,11 @@ Module state that tests set (`dispatch._fault_hook`, `programs._CPU_ASYNC`) is s
 the module that reads it, not here.
 """
 
-from jax_m2n._src.eager.cache import (_EAGER_CACHE_SIZE, _eager_cache, _eager_key, _Key,
-                                      _LruCache, _entry, _validate_eager)
-from jax_m2n._src.eager.calls import (_site_state, _site_states, _stop_threads_at_exit,
-                                      _TICKETS, _tickets)
-from jax_m2n._src.eager.delegate import (_astype, _default_memory,
-                                         _dtype_delegated_because, delegated_because,
-                                         reshard)
-from jax_m2n._src.eager.programs import _build_eager, _EagerReshard
+from jax_m2n._src.eager.cache import (EAGER_CACHE_SIZE, HashedKey, LruCache,
+                                      check_request, eager_cache, eager_key,
+                                      lookup_or_build)
+from jax_m2n._src.eager.calls import (TICKETS, site_states, state_of_site,
+                                      stop_threads_at_exit, tickets_of)
+from jax_m2n._src.eager.delegate import (astype, default_memory, delegated_because,
+                                         dtype_delegated_because, reshard)
+from jax_m2n._src.eager.programs import EagerReshard, build_programs

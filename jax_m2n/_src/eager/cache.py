@@ -15,16 +15,16 @@ import numpy as np
 from jax.sharding import Sharding
 
 from jax_m2n._src.checks import (check_dtype, check_holds, check_memory_kind,
-                                 check_mesh, check_reduction, check_transfer_guard,
-                                 dst_sharding_of, platform_of, same_layout)
-from jax_m2n._src.eager.programs import _build_eager, _donate, crossing_text
+                                 check_transfer_guard, dst_sharding_of, platform_of,
+                                 same_layout)
+from jax_m2n._src.eager.programs import build_programs, crossing_text, donate_sources
 from jax_m2n._src.errors import API, ReshardTypeError, ReshardValueError
 from jax_m2n._src.request import Request
 
 
 # Compiled per-device programs by (tree, shapes, dtypes, shardings, options). A model's refit is one entry; the bound only stops growth when
 # layouts keep changing.
-class _LruCache:
+class LruCache:
   """A bounded least-recently-used map, safe across threads (functools.lru_cache keys on
   the function's arguments; here the key is formed before building, and tests look in)."""
 
@@ -61,11 +61,11 @@ class _LruCache:
     self._data.clear()
 
 
-_EAGER_CACHE_SIZE = 256
-_eager_cache = _LruCache(_EAGER_CACHE_SIZE)
+EAGER_CACHE_SIZE = 256
+eager_cache = LruCache(EAGER_CACHE_SIZE)
 
 
-class _Key(tuple):
+class HashedKey(tuple):
   """A cache key that hashes its parts once: the cache hashes a key several times per
   call, and a sharding's hash is Python code (a 16-leaf key took 128 of them)."""
 
@@ -82,7 +82,7 @@ class _Key(tuple):
     return not self.__eq__(other)
 
 
-def _eager_key(request: Request) -> _Key | None:
+def eager_key(request: Request) -> HashedKey | None:
   """The cache key of `request`'s programs (None when it cannot be formed: then
   validation says why).
 
@@ -98,15 +98,17 @@ def _eager_key(request: Request) -> _Key | None:
   out_dtypes = request.out_dtypes
   try:
     converts = any(o is not None for o in out_dtypes)
-    key = _Key((request.treedef, tuple(parts), request.options,
+    key = HashedKey((request.treedef, tuple(parts), request.options,
                 tuple(out_dtypes) if converts else (), bool(jax.config.jax_enable_x64)))
   except TypeError:  # an unhashable destination: validation says why
     return None
   return key
 
 
-def _validate_eager(request: Request) -> list[Sharding]:
-  """Every rule of the eager path; returns the destination shardings."""
+def check_request(request: Request) -> list[Sharding]:
+  """Every rule of the eager path beyond those of every path (checks.py's
+  check_call_shardings ran on the call: meshes, unreduced shardings, src_sharding's
+  type); returns the destination shardings."""
   names = request.names
   out = []
   for i, (leaf, dst) in enumerate(zip(request.leaves, request.dsts)):
@@ -146,37 +148,34 @@ def _validate_eager(request: Request) -> list[Sharding]:
           f"{API}: src_sharding of {name} must describe the array's actual layout; got "
           f"{given} for an array sharded as {src}. Hint: outside jit, src_sharding can "
           "be left out.")
-    check_mesh(API, name, dst_sharding, "destination")
-    check_reduction(API, name, src, "source")
-    check_reduction(API, name, dst_sharding, "destination")
     out.append(dst_sharding)
   return out
 
 
-def _entry(request: Request, record: list | None = None) -> Any:
+def lookup_or_build(request: Request, record: list | None = None) -> Any:
   """The per-device programs of `request` (every leaf moved by jax_m2n), from the cache
   or built now, after every check of the eager path (nothing runs here: the caller
   calls the entry with the leaves once every other leaf is checked too).
 
   `record`: the entry's cache key is appended to it (nothing where none is cached).
   """
-  key = _eager_key(request)
-  fn = _eager_cache.get(key) if key is not None else None
+  key = eager_key(request)
+  fn = eager_cache.get(key) if key is not None else None
   if fn is not None:
     for leaf in request.leaves:  # what may change between calls of one key
       if leaf.is_deleted() or not leaf.committed:
-        _validate_eager(request)  # raises what is wrong
+        check_request(request)  # raises what is wrong
     if record is not None:
       record.append(key)
     return fn
-  dst_shardings = _validate_eager(request)
-  with _eager_cache.lock:
-    fn = _eager_cache.get(key) if key is not None else None
+  dst_shardings = check_request(request)
+  with eager_cache.lock:
+    fn = eager_cache.get(key) if key is not None else None
     if fn is None:
-      fn = (_build_eager(request, dst_shardings) if len(request) <= _GROUP_LEAVES
+      fn = (build_programs(request, dst_shardings) if len(request) <= _GROUP_LEAVES
             else _build_grouped(request, dst_shardings))
       if key is not None:
-        _eager_cache.put(key, fn)
+        eager_cache.put(key, fn)
   if record is not None and key is not None:
     record.append(key)
   return fn
@@ -198,7 +197,7 @@ _GROUP_LEAVES = 64
 class _Grouped:
   """One reshard of many leaves as calls of the group entries, one after another, in
   the order every process derives from the layouts (so the collective contract
-  holds). Called as an _EagerReshard: (leaves, donate) -> outputs."""
+  holds). Called as an EagerReshard: (leaves, donate) -> outputs."""
 
   def __init__(self, n: int, parts: Sequence[tuple[tuple[int, ...], Any]]):
     self.n = n
@@ -215,7 +214,7 @@ class _Grouped:
 
   def __call__(self, leaves: Sequence[jax.Array], donate: bool | Sequence[bool]
                ) -> list[jax.Array]:
-    """Runs every group (each raises as an _EagerReshard does: an earlier failure or a
+    """Runs every group (each raises as an EagerReshard does: an earlier failure or a
     failed dispatch), then donates: no source is deleted before every group ran. The
     transfer guard is asked before the first group runs."""
     if self.crossing:
@@ -224,13 +223,13 @@ class _Grouped:
     for index, entry in self.parts:
       for i, y in zip(index, entry([leaves[i] for i in index], False)):
         outs[i] = y
-    _donate(leaves, donate)
+    donate_sources(leaves, donate)
     return outs
 
 
 def _build_grouped(request: Request, dsts: Sequence[Sharding]) -> _Grouped:
   """The group entries of a checked request (`dsts`: its destination shardings), from
-  the cache or built (under _eager_cache.lock)."""
+  the cache or built (under eager_cache.lock)."""
   by_layout: dict[Any, list[int]] = {}
   for i, (x, d, o) in enumerate(zip(request.leaves, dsts, request.out_dtypes)):
     by_layout.setdefault((x.shape, x.dtype, x.sharding, d, o), []).append(i)
@@ -244,11 +243,11 @@ def _build_grouped(request: Request, dsts: Sequence[Sharding]) -> _Grouped:
       sub = request.subset(group).replace(dsts=[dsts[i] for i in group],
                                           srcs=[None] * len(group),
                                           donate=[False] * len(group))
-      key = _eager_key(sub)
-      entry = _eager_cache.get(key) if key is not None else None
+      key = eager_key(sub)
+      entry = eager_cache.get(key) if key is not None else None
       if entry is None:
-        entry = _build_eager(sub, sub.dsts)
+        entry = build_programs(sub, sub.dsts)
         if key is not None:
-          _eager_cache.put(key, entry)
+          eager_cache.put(key, entry)
       parts.append((tuple(group), entry))
   return _Grouped(len(request), parts)

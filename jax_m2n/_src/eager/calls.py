@@ -15,19 +15,17 @@ import itertools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 
 from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src.eager import dispatch
-from jax_m2n._src.eager.dispatch import (_executors, _executors_lock, _Latch, _Outcomes,
-                                         _wait_interruptibly)
+from jax_m2n._src.eager.dispatch import (Latch, Outcomes, executors, executors_lock,
+                                         wait_interruptibly)
 from jax_m2n._src.errors import API, ReshardError, ReshardRuntimeError
 
-if TYPE_CHECKING:  # annotations only: programs.py imports this module
-  from jax_m2n._src.eager.programs import _DeviceProgram
 
 logger = logging.getLogger("jax_m2n")
 
@@ -36,15 +34,15 @@ logger = logging.getLogger("jax_m2n")
 # from several user threads could order them differently on different devices. Only
 # the dispatch holds it (for worker dispatch: until every program is posted to its
 # device's worker): the programs run (and finish) without it.
-_dispatch_lock = threading.Lock()
+dispatch_lock = threading.Lock()
 
 # The CPU handler's generation tickets (xla_ffi/cpu_transport.h, CpuCall::ticket): each
 # eager program's last operand is a device scalar naming its call's generation modulo
-# _TICKETS, so that a device whose earlier program failed before its handler ran never
+# TICKETS, so that a device whose earlier program failed before its handler ran never
 # joins that earlier call's generation. At most _MAX_IN_FLIGHT calls of one site run
 # at once (a further call waits for the oldest), so tickets are never ambiguous.
-_TICKETS = 64
-_MAX_IN_FLIGHT = _TICKETS // 2
+TICKETS = 64
+_MAX_IN_FLIGHT = TICKETS // 2
 
 
 class _Tickets:
@@ -56,7 +54,7 @@ class _Tickets:
 
   def __init__(self, device):
     self._device = device
-    self._scalars: list[jax.Array | None] = [None] * _TICKETS
+    self._scalars: list[jax.Array | None] = [None] * TICKETS
 
   def __getitem__(self, k: int) -> jax.Array:
     scalar = self._scalars[k]
@@ -70,24 +68,24 @@ class _Tickets:
 
 
 @functools.lru_cache(maxsize=None)  # one per device: bounded by the device count
-def _tickets(device) -> _Tickets:
-  """`device`'s generation tickets: _tickets(device)[k] is the scalar k on it."""
+def tickets_of(device) -> _Tickets:
+  """`device`'s generation tickets: tickets_of(device)[k] is the scalar k on it."""
   return _Tickets(device)
 
 
-def _reached_handler(e: BaseException) -> bool:
+def reached_handler(e: BaseException) -> bool:
   """Whether a program's error came from the jax_m2n handler (its messages name it)."""
   return "jax_m2n_reshard" in str(e)
 
 
-def _failure_text(e: BaseException) -> str:
+def failure_text(e: BaseException) -> str:
   text = f"{type(e).__name__}: {e}".strip()
   return text if len(text) <= 2000 else text[:2000] + "..."
 
 
 class _Watcher:
   """The one thread that waits for the eager calls' programs to finish and records
-  what they ended with (_Call.settle). A call hands over its programs' tokens with
+  what they ended with (Call.settle). A call hands over its programs' tokens with
   one append (no thread hand-off per device); the thread polls their readiness
   (is_ready, backing off from 0.1 to 2 ms while nothing finishes), so a device whose
   program failed before its handler (e.g. out of memory allocating its outputs inside
@@ -111,7 +109,7 @@ class _Watcher:
     self._stopping = True
     self._wake.set()
 
-  def add(self, call: "_Call", tokens: Sequence[tuple[int, Any]]) -> None:
+  def add(self, call: "Call", tokens: Sequence[tuple[int, Any]]) -> None:
     self._pending.append((call, tokens))
     self._wake.set()
 
@@ -151,12 +149,12 @@ _watcher_instance: list[_Watcher] = []
 
 
 @atexit.register
-def _stop_threads_at_exit() -> None:
+def stop_threads_at_exit() -> None:
   """Ends jax_m2n's threads while the interpreter still runs. A daemon thread caught at
   finalization inside a native call (the watcher polling an output's is_ready) is
   unwound through C++ frames that do not rethrow, and the process aborts ("FATAL:
   exception not rethrown", seen with JAX_M2N_CPU_ASYNC=1 on jax 0.11.2)."""
-  threads = [*_watcher_instance, *_executors.values()]
+  threads = [*_watcher_instance, *executors.values()]
   for t in threads:
     t.stop()
   deadline = time.monotonic() + 2.0  # a thread stuck in a transfer does not hold exit
@@ -166,7 +164,7 @@ def _stop_threads_at_exit() -> None:
 
 def _watcher() -> _Watcher:
   if not _watcher_instance:
-    with _executors_lock:
+    with executors_lock:
       if not _watcher_instance:
         _watcher_instance.append(_Watcher())
   return _watcher_instance[0]
@@ -179,7 +177,7 @@ _failed_lock = threading.Lock()
 _call_counter = itertools.count(1)
 
 
-def _raise_failed_calls() -> None:
+def raise_failed_calls() -> None:
   """Raises (once) the error of earlier calls that failed after they returned."""
   if not _failed_calls:
     return
@@ -209,16 +207,16 @@ _issued_calls: collections.deque = collections.deque()
 _issued_lock = threading.Lock()
 
 
-def _issued(call: "_Call") -> None:
-  """Records an asynchronous CPU call of this thread (under _dispatch_lock); it is
-  forgotten when it has finished (_Call._finalize)."""
+def mark_issued(call: "Call") -> None:
+  """Records an asynchronous CPU call of this thread (under dispatch_lock); it is
+  forgotten when it has finished (Call._finalize)."""
   call.issuer = threading.get_ident()
   with _issued_lock:
     _issued_calls.append(call)
 
 
-def _wait_for_other_issuers() -> None:
-  """Waits (interruptibly, under _dispatch_lock) until no asynchronous CPU call that
+def wait_for_other_issuers() -> None:
+  """Waits (interruptibly, under dispatch_lock) until no asynchronous CPU call that
   another thread issued is in flight."""
   me = threading.get_ident()
   while True:
@@ -226,12 +224,12 @@ def _wait_for_other_issuers() -> None:
       other = next((c for c in _issued_calls if c.issuer != me), None)
     if other is None:
       return
-    _wait_interruptibly(other.done)
+    wait_interruptibly(other.done)
 
 
-class _SiteState:
+class SiteState:
   """The generations of one CPU site (one plan): the next one to hand out and the calls
-  still running. Guarded by _dispatch_lock (begin) and its own lock (end)."""
+  still running. Guarded by dispatch_lock (begin) and its own lock (end)."""
 
   def __init__(self, site: int):
     self.site = site
@@ -239,10 +237,10 @@ class _SiteState:
     self.in_flight: collections.deque = collections.deque()
     self.lock = threading.Lock()
 
-  def begin(self, module: Any, device_ids: Sequence[int], call: "_Call") -> int:
-    """The generation of a new call on `device_ids` (under _dispatch_lock)."""
+  def begin(self, module: Any, device_ids: Sequence[int], call: "Call") -> int:
+    """The generation of a new call on `device_ids` (under dispatch_lock)."""
     while len(self.in_flight) >= _MAX_IN_FLIGHT:
-      _wait_interruptibly(self.in_flight[0].done)
+      wait_interruptibly(self.in_flight[0].done)
     with self.lock:
       idle = not self.in_flight
       self.in_flight.append(call)
@@ -271,32 +269,33 @@ class _SiteState:
     self.next += 1
     return index
 
-  def end(self, call: "_Call") -> None:
+  def end(self, call: "Call") -> None:
     with self.lock:
       self.in_flight.remove(call)
 
 
-_site_states: dict[int, _SiteState] = {}
+site_states: dict[int, SiteState] = {}
 
 
 @functools.lru_cache(maxsize=1)
-def _cpu_module() -> Any:
+def cpu_module() -> Any:
   """The CPU extension module (m2n_ffi.load imports by name on every call)."""
   return m2n_ffi.load("cpu")
 
 
-def _site_state(site: int) -> _SiteState:
-  s = _site_states.get(site)
+def state_of_site(site: int) -> SiteState:
+  s = site_states.get(site)
   if s is None:
-    s = _site_states[site] = _SiteState(site)
+    s = site_states[site] = SiteState(site)
   return s
 
 
-class _Call:
+class Call:
   """One eager reshard after dispatch: which programs run, in which generation, and
   what they ended with. The watcher threads fill it in; the last one finalizes it."""
 
-  def __init__(self, entry: "_EagerReshard", programs: Sequence[_DeviceProgram]):
+  def __init__(self, entry: Any, programs: Sequence[dispatch.Program]):
+    # entry: the programs.py EagerReshard the call runs (which imports this module).
     self.entry = entry
     self.programs = list(programs)
     self.seq = next(_call_counter)
@@ -305,8 +304,8 @@ class _Call:
     self.dispatched = [False] * len(programs)
     self.error: BaseException | None = None
     self.raised = False                  # raised to the user by jax_m2n already
-    self.done = _Latch()
-    self.issuer: int | None = None       # the issuing thread (see _issued)
+    self.done = Latch()
+    self.issuer: int | None = None       # the issuing thread (see mark_issued)
     self._left = 0
     self._lock = threading.Lock()
 
@@ -363,7 +362,7 @@ class _Call:
     except BaseException as e:  # noqa: BLE001 - the call's error, recorded
       self.errors[i] = e
       try:
-        self.give_up(i, _failure_text(e))  # a no-op where the handler ran
+        self.give_up(i, failure_text(e))  # a no-op where the handler ran
       except BaseException:  # noqa: BLE001 - keep the watcher alive
         logger.exception("reshard: abandoning a failed device's generation failed")
     finally:
@@ -396,7 +395,7 @@ class _Call:
             _failed_calls.append(self)
     except BaseException as e:  # noqa: BLE001 - never leave a waiter hanging
       self.error = self.error or ReshardRuntimeError(
-          f"{API}: {self.name} could not be checked: {_failure_text(e)}")
+          f"{API}: {self.name} could not be checked: {failure_text(e)}")
     finally:
       if entry.platform == "cpu":
         entry.site_state().end(self)
@@ -416,17 +415,17 @@ class _Call:
     return self.error
 
 
-def _run_guarded(prog: _DeviceProgram, args: list, outcomes: _Outcomes, i: int,
-                 call: "_Call") -> None:
+def run_guarded(prog: dispatch.Program, args: list, outcomes: Outcomes, i: int,
+                 call: "Call") -> None:
   """Dispatches program i on its device's worker thread (worker dispatch), its outputs
   or error into `outcomes`; a failure before the handler gives the device's generation
   up at once (its peers, possibly waiting inside their own dispatch, fail now)."""
   try:
-    outcomes.results[i] = dispatch._run_device(prog, args)  # tests wrap it
+    outcomes.results[i] = dispatch.run_device(prog, args)  # tests wrap it
   except BaseException as e:  # noqa: BLE001 - every failure is the call's to raise
     outcomes.errors[i] = e
     try:
-      call.give_up(i, _failure_text(e))  # a no-op where the handler ran
+      call.give_up(i, failure_text(e))  # a no-op where the handler ran
     except BaseException as give_up_error:  # noqa: BLE001 - raised in e's place
       outcomes.errors[i] = give_up_error
   finally:

@@ -18,11 +18,10 @@ from jax.sharding import Sharding
 
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
-from jax_m2n._src.checks import (check_holds, check_host_leaf, check_mesh,
-                                 check_reduction, dst_sharding_of, is_format,
-                                 layout_delegated_because, same_layout)
-from jax_m2n._src.eager.cache import _entry
-from jax_m2n._src.eager.programs import _donate
+from jax_m2n._src.checks import (check_holds, check_host_leaf, dst_sharding_of,
+                                 is_format, layout_delegated_because, same_layout)
+from jax_m2n._src.eager.cache import lookup_or_build
+from jax_m2n._src.eager.programs import donate_sources
 from jax_m2n._src.errors import API, ReshardTypeError, ReshardValueError
 from jax_m2n._src.request import Request
 
@@ -33,7 +32,7 @@ _HOST_TYPES = (np.ndarray, np.generic, int, float, complex, bool)
 
 
 @functools.lru_cache(maxsize=1024)
-def _default_memory(sharding: Sharding) -> bool:
+def default_memory(sharding: Sharding) -> bool:
   kind = getattr(sharding, "memory_kind", None)
   if kind is None:
     return True
@@ -44,7 +43,7 @@ def _default_memory(sharding: Sharding) -> bool:
 
 
 @functools.lru_cache(maxsize=256)  # bounded by the dtypes in use
-def _dtype_delegated_because(dtype: Any) -> str | None:
+def dtype_delegated_because(dtype: Any) -> str | None:
   if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
     return f"extended dtype {dtype}"
   if jax.dtypes.itemsize_bits(dtype) % 8:
@@ -65,7 +64,7 @@ def delegated_because(leaf: Any, dst: Any) -> str | None:
     return "destination None (keep the layout)"
   if not isinstance(leaf, jax.Array):
     return "host data"
-  reason = (_dtype_delegated_because(leaf.dtype) or
+  reason = (dtype_delegated_because(leaf.dtype) or
             layout_delegated_because(leaf.shape, dst))
   if reason is not None:
     return reason
@@ -74,15 +73,16 @@ def delegated_because(leaf: Any, dst: Any) -> str | None:
   if not leaf.committed:
     return "uncommitted array"
   dst_sharding = dst.sharding if isinstance(dst, jax.ShapeDtypeStruct) else dst
-  if not _default_memory(leaf.sharding) or (
-      isinstance(dst_sharding, Sharding) and not _default_memory(dst_sharding)):
+  if not default_memory(leaf.sharding) or (
+      isinstance(dst_sharding, Sharding) and not default_memory(dst_sharding)):
     return "host memory kind"
   return None
 
 
 def _check_delegated(name: str, leaf: Any, dst: Any, given_src: Any = None) -> Any:
-  """The rules a delegated leaf must meet before anything moves (`given_src`: its
-  src_sharding, or None); its destination."""
+  """The rules a delegated leaf must meet before anything moves, beyond those of every
+  path (checks.check_call_shardings) (`given_src`: its src_sharding, or None); its
+  destination."""
   if given_src is not None and isinstance(leaf, jax.Array) and not leaf.is_deleted() and (
       not same_layout(given_src, leaf.sharding, leaf.shape)):
     raise ReshardValueError(
@@ -113,14 +113,12 @@ def _check_delegated(name: str, leaf: Any, dst: Any, given_src: Any = None) -> A
   dst_sharding = dst_sharding_of(API, name, dst, shape, dtype) if not (
       jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
       and isinstance(dst, jax.ShapeDtypeStruct)) else dst.sharding
-  check_mesh(API, name, dst_sharding, "destination")
-  check_reduction(API, name, dst_sharding, "destination")
   if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
     check_holds(API, name, dst_sharding, shape, "destination")
   return dst_sharding
 
 
-def _astype(leaf: Any, dtype: Any) -> Any:
+def astype(leaf: Any, dtype: Any) -> Any:
   """`leaf.astype(dtype)` where it runs today (a jax.Array's devices, numpy on host)."""
   return leaf.astype(dtype) if hasattr(leaf, "astype") else np.asarray(leaf).astype(dtype)
 
@@ -133,7 +131,7 @@ def reshard(request: Request, record: list | None = None) -> list[Any]:
   schedule.fused_conversion says, else by `astype` first (on the source) and then moved.
 
   `record` (api's fast path): where one cached entry moved every leaf as it came (no
-  delegation, no astype first), (its _eager_cache key, per-leaf weak_type flags or ())
+  delegation, no astype first), (its eager_cache key, per-leaf weak_type flags or ())
   is appended: calling that entry(leaves, donate) and marking those outputs weak is
   then this call."""
   n = len(request)
@@ -148,7 +146,7 @@ def reshard(request: Request, record: list | None = None) -> list[Any]:
                             not schedule.fused_conversion(leaves[i].dtype, o)) and not (
           isinstance(leaves[i], jax.Array) and leaves[i].is_deleted()):  # checks say
         _check_delegated(names()[i], leaves[i], dsts[i])  # the destination before astype
-        leaves[i], out_dtypes[i] = _astype(leaves[i], o), None
+        leaves[i], out_dtypes[i] = astype(leaves[i], o), None
         converted_first = True
     if converted_first:
       request = request.replace(leaves=leaves, out_dtypes=out_dtypes)
@@ -164,7 +162,7 @@ def reshard(request: Request, record: list | None = None) -> list[Any]:
   entry: list = [] if record is not None and not delegated and not converted_first else None
   if moved:
     sub = request.subset(moved)
-    programs = _entry(sub, entry)
+    programs = lookup_or_build(sub, entry)
     ys = programs(sub.leaves, False)
     weak = [leaves[i].weak_type and out_dtypes[i] is None for i in moved]
     for i, y, w in zip(moved, ys, weak):
@@ -179,7 +177,7 @@ def reshard(request: Request, record: list | None = None) -> list[Any]:
     logger.debug("reshard: delegated %d of %d leaves to jax.device_put (%s)",
                  len(delegated), n,
                  sorted({delegated_because(leaves[i], dsts[i]) for i in delegated}))
-  _donate([originals[i] for i in _donatable(originals, outs, donate, delegated_dsts)],
+  donate_sources([originals[i] for i in _donatable(originals, outs, donate, delegated_dsts)],
           True)
   return outs
 

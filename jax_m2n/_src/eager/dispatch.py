@@ -11,14 +11,21 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 
 from jax_m2n._src.errors import API, ReshardValueError
 
-if TYPE_CHECKING:  # annotations only: programs.py imports this module
-  from jax_m2n._src.eager.programs import _DeviceProgram
+
+
+class Program(Protocol):
+  """What dispatching a device's program reads of it (programs.py's DeviceProgram,
+  which imports this module: described here, not imported)."""
+
+  device: Any                                  # jax.Device
+  call: Callable[..., Any]                     # the compiled per-device program
+  operands: tuple[tuple[int, int], ...]        # (leaf, index into leaf's shards)
 
 logger = logging.getLogger("jax_m2n")
 
@@ -77,22 +84,22 @@ class _Worker:
     return future
 
 
-def _executor(device_id: int) -> _Worker:
+def executor_of(device_id: int) -> _Worker:
   """Device `device_id`'s worker, made on first use."""
-  ex = _executors.get(device_id)
+  ex = executors.get(device_id)
   if ex is None:
-    with _executors_lock:
-      ex = _executors.get(device_id)
+    with executors_lock:
+      ex = executors.get(device_id)
       if ex is None:
-        ex = _executors[device_id] = _Worker(device_id)
+        ex = executors[device_id] = _Worker(device_id)
   return ex
 
 
-_executors: dict[int, _Worker] = {}
-_executors_lock = threading.Lock()
+executors: dict[int, _Worker] = {}
+executors_lock = threading.Lock()
 
 
-def _outcomes(futures: Sequence[concurrent.futures.Future]
+def gather_outcomes(futures: Sequence[concurrent.futures.Future]
               ) -> tuple[list[Any], list[BaseException | None]]:
   """Waits for every future; returns (results, errors), None where there is none."""
   concurrent.futures.wait(futures)
@@ -107,13 +114,13 @@ def _outcomes(futures: Sequence[concurrent.futures.Future]
 _WAIT_PERIOD_S = 0.25
 
 
-def _wait_interruptibly(event: "threading.Event | _Latch") -> None:
+def wait_interruptibly(event: "threading.Event | Latch") -> None:
   """Waits for `event` in Python, waking every _WAIT_PERIOD_S (Ctrl-C raises)."""
   while not event.wait(_WAIT_PERIOD_S):
     pass
 
 
-class _Latch:
+class Latch:
   """A one-shot event: set() once, wait() by any number of threads. A bare lock held
   until set; made per call, where a threading.Event (a Condition over an RLock) costs
   about 4 us of a 50 us call."""
@@ -139,7 +146,7 @@ class _Latch:
     return True
 
 
-class _Outcomes:
+class Outcomes:
   """What the worker threads report of one call's programs (worker dispatch): each
   program's outputs or error; the last one to finish wakes the caller (one Event:
   cheaper than waiting on futures)."""
@@ -149,7 +156,7 @@ class _Outcomes:
     self.errors: list[BaseException | None] = [None] * n
     self._left = n
     self._lock = threading.Lock()
-    self.done = _Latch()
+    self.done = Latch()
     if not n:
       self.done.set()
 
@@ -167,12 +174,12 @@ class _Outcomes:
 _fault_hook: Callable[[int, str], None] | None = None
 
 
-def _run_device(prog: _DeviceProgram, args: list) -> list:
+def run_device(prog: Program, args: list) -> list:
   """Dispatches one device's program; returns its outputs (not yet ready: errors of
   the transfer surface when they are waited on)."""
   if _fault_hook is not None:
     _fault_hook(prog.device.id, "dispatch")
-  _check_live(prog, args)
+  check_live(prog, args)
   if _DEBUG_NANS.value or _DEBUG_INFS.value:
     # Moving bytes is no arithmetic: NaN and inf pass through as jax.device_put passes
     # them (the checkers would raise on the outputs). Read per dispatch (0.1-0.3 us):
@@ -188,7 +195,7 @@ _DEBUG_NANS = jax.debug_nans
 _DEBUG_INFS = jax.debug_infs
 
 
-def _check_live(prog: _DeviceProgram, args: list) -> None:
+def check_live(prog: Program, args: list) -> None:
   """Every input buffer of a device's program must be alive: a shard deleted behind the
   global array's back (its buffer donated to another jit; `x.is_deleted()` is then still
   False) would otherwise fail inside JAX, before the handler."""

@@ -24,12 +24,12 @@ from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
 from jax_m2n._src.checks import check_transfer_guard, map_native_error, site_key
 from jax_m2n._src.eager import dispatch
-from jax_m2n._src.eager.calls import (_Call, _cpu_module, _dispatch_lock, _failure_text,
-                                      _issued, _raise_failed_calls, _reached_handler,
-                                      _run_guarded, _site_state, _SiteState, _TICKETS,
-                                      _tickets, _wait_for_other_issuers)
-from jax_m2n._src.eager.dispatch import (_check_live, _executor, _Outcomes, _outcomes,
-                                         _wait_interruptibly)
+from jax_m2n._src.eager.calls import (TICKETS, Call, SiteState, cpu_module,
+                                      dispatch_lock, failure_text, mark_issued,
+                                      raise_failed_calls, reached_handler, run_guarded,
+                                      state_of_site, tickets_of, wait_for_other_issuers)
+from jax_m2n._src.eager.dispatch import (Outcomes, check_live, executor_of,
+                                         gather_outcomes, wait_interruptibly)
 from jax_m2n._src.errors import API, ReshardError, ReshardRuntimeError, ReshardTimeoutError
 from jax_m2n._src.planner import Plan
 from jax_m2n._src.processes import call as processes_call
@@ -43,7 +43,7 @@ _PATH = "eager"
 
 
 @dataclasses.dataclass
-class _DeviceProgram:
+class DeviceProgram:
   device: Any                                  # jax.Device
   call: Callable[..., Any]                     # the compiled per-device program
   operands: tuple[tuple[int, int], ...]        # (leaf, index into leaf's shards)
@@ -52,8 +52,8 @@ class _DeviceProgram:
 
   @functools.cached_property
   def tickets(self) -> Any:
-    """The device's generation tickets (CPU; see _TICKETS)."""
-    return _tickets(self.device)
+    """The device's generation tickets (CPU; see TICKETS)."""
+    return tickets_of(self.device)
 
 
 def _x64_for(dtypes: Sequence[Any]) -> bool:
@@ -70,11 +70,11 @@ def _compile(jitted, in_types, x64: bool) -> Callable[..., Any]:
 
 
 @dataclasses.dataclass
-class _EagerReshard:
+class EagerReshard:
   """Everything one (shapes, dtypes, shardings, route, topology) needs, built once."""
 
   plan: Plan
-  programs: list[_DeviceProgram]
+  programs: list[DeviceProgram]
   out_avals: list[tuple[tuple[int, ...], Any, Sharding]]  # shape, dtype, dst sharding
   # Per leaf: for each of dst's addressable devices (in its order): (program, result).
   out_slots: list[list[tuple[int, int]]]
@@ -87,7 +87,7 @@ class _EagerReshard:
   caller_dispatch: bool = False
   x64: bool = False  # the jax_enable_x64 value the programs were traced under
   # Asynchronous CPU programs with peers (JAX_M2N_CPU_ASYNC=1): one issuing thread at a
-  # time (calls._wait_for_other_issuers).
+  # time (calls.wait_for_other_issuers).
   one_issuer: bool = False
   # The leaves whose bytes move between devices: the device-to-device transfer guard
   # applies to a call that moves any (call_plan.CallPlan.crossing).
@@ -97,12 +97,12 @@ class _EagerReshard:
   def __post_init__(self):
     self.avals = [None] * len(self.out_avals)
     self.device_ids = [p.device.id for p in self.programs]
-    self._site_state: _SiteState | None = None
+    self._site_state: SiteState | None = None
 
-  def site_state(self) -> "_SiteState":
+  def site_state(self) -> "SiteState":
     """This site's generations (CPU), shared with every entry of the site."""
     if self._site_state is None:
-      self._site_state = _site_state(self.site)
+      self._site_state = state_of_site(self.site)
     return self._site_state
 
   def __call__(self, leaves: Sequence[jax.Array], donate: bool | Sequence[bool],
@@ -114,7 +114,7 @@ class _EagerReshard:
 
     Raises at once what is known before the programs run (an earlier call's failure,
     a dead shard, a failed dispatch; no partial outputs)."""
-    _raise_failed_calls()
+    raise_failed_calls()
     if self.crossing:
       check_transfer_guard(API, lambda: crossing_text(self.out_avals, self.crossing))
     results, call = self._dispatch(leaves, devices)
@@ -122,13 +122,13 @@ class _EagerReshard:
       self._wait(call, results)
     if devices is not None:
       return []
-    _donate(leaves, donate)
+    donate_sources(leaves, donate)
     return self._assemble(results)
 
   # -- dispatch, waiting and failure handling -------------------------------------------
 
   def _dispatch(self, leaves: Sequence[jax.Array], devices: Sequence[int] | None
-                ) -> tuple[list[Any], _Call]:
+                ) -> tuple[list[Any], Call]:
     """Dispatches every program and returns their outputs with the call's record, or
     raises (after the dispatched programs have stopped) if a dispatch failed.
 
@@ -142,21 +142,21 @@ class _EagerReshard:
     if devices is not None:
       programs = [p for p in programs if p.device.id in devices]
     cpu = self.platform == "cpu"
-    _dispatch_lock.acquire()
+    dispatch_lock.acquire()
     locked = True
     try:
       arguments = [[shards[t][k] for t, k in p.operands] for p in programs]
       del shards
       for p, args in zip(programs, arguments):  # before anything is dispatched
-        _check_live(p, args)
+        check_live(p, args)
       if self.one_issuer:
-        _wait_for_other_issuers()
-      call = _Call(self, programs)
+        wait_for_other_issuers()
+      call = Call(self, programs)
       if cpu:
-        call.index = self.site_state().begin(_cpu_module(), self.device_ids, call)
+        call.index = self.site_state().begin(cpu_module(), self.device_ids, call)
         if self.one_issuer:  # from here on, every way out finalizes the call
-          _issued(call)
-        ticket = call.index % _TICKETS
+          mark_issued(call)
+        ticket = call.index % TICKETS
         for p, args in zip(programs, arguments):
           args.append(p.tickets[ticket])
       results: list[Any] = [None] * len(programs)
@@ -164,28 +164,28 @@ class _EagerReshard:
         if self.caller_dispatch:
           for i, (p, args) in enumerate(zip(programs, arguments)):
             try:
-              results[i] = dispatch._run_device(p, args)  # tests wrap it
+              results[i] = dispatch.run_device(p, args)  # tests wrap it
             except Exception as e:  # noqa: BLE001 - device i's failure
               call.errors[i] = e
               break
             call.dispatched[i] = True
         else:
-          outcomes = _Outcomes(len(programs))
+          outcomes = Outcomes(len(programs))
           for i, (p, args) in enumerate(zip(programs, arguments)):
-            _executor(p.device.id).post(_run_guarded, p, args, outcomes, i, call)
+            executor_of(p.device.id).post(run_guarded, p, args, outcomes, i, call)
           # Each device's worker runs what is posted to it in order: a later call's
           # programs queue behind these on every device, so the lock is not held
           # while they run. Held, a call waiting for a peer that never comes kept
           # every later call of the process (the one whose ticket would have let
           # that device skip ahead, failing this call at once) waiting until its
           # timeout (issue 22, "healing race").
-          _dispatch_lock.release()
+          dispatch_lock.release()
           locked = False
           try:
-            _wait_interruptibly(outcomes.done)
+            wait_interruptibly(outcomes.done)
           except BaseException as interrupt:
             # The dispatches may be waiting for their peers: stop them first.
-            call.abort(f"the calling thread was interrupted ({_failure_text(interrupt)})")
+            call.abort(f"the calling thread was interrupted ({failure_text(interrupt)})")
             outcomes.done.wait()
             raise
           finally:
@@ -196,7 +196,7 @@ class _EagerReshard:
       except BaseException as interrupt:
         # Interrupted while dispatching: stop what runs, put every device back in step
         # (the watchers give up the rest), then let the interrupt through.
-        call.abort(f"the calling thread was interrupted ({_failure_text(interrupt)})")
+        call.abort(f"the calling thread was interrupted ({failure_text(interrupt)})")
         self._stop(call, results)
         raise
       del arguments
@@ -209,16 +209,16 @@ class _EagerReshard:
       call.watch([(i, outs[-1]) for i, outs in enumerate(results)])
     finally:
       if locked:
-        _dispatch_lock.release()
+        dispatch_lock.release()
     return results, call
 
-  def _stop(self, call: _Call, results: Sequence[Any]) -> None:
+  def _stop(self, call: Call, results: Sequence[Any]) -> None:
     """After a failed dispatch: gives up the devices that did not dispatch, waits until
     the dispatched programs have stopped (milliseconds: their generation is aborted),
     and frees their outputs."""
     for i, d in enumerate(call.dispatched):
       if not d:
-        call.give_up(i, _failure_text(call.errors[i]) if call.errors[i] is not None
+        call.give_up(i, failure_text(call.errors[i]) if call.errors[i] is not None
                      else "its program was not dispatched")
     call.watch([(i, results[i][-1]) for i, d in enumerate(call.dispatched) if d])
     call.done.wait()
@@ -228,12 +228,12 @@ class _EagerReshard:
         for o in results[i] or ():
           o.delete()
 
-  def _wait(self, call: _Call, results: Sequence[Any]) -> None:
+  def _wait(self, call: Call, results: Sequence[Any]) -> None:
     """block=True: waits (interruptibly) until the call has finished; raises its error
     (outputs freed). Ctrl-C aborts the call's generation, waits until its programs have
     stopped and every device is back in step, then raises KeyboardInterrupt."""
     try:
-      _wait_interruptibly(call.done)
+      wait_interruptibly(call.done)
     except BaseException:
       call.abort("the calling thread was interrupted while waiting")
       call.done.wait()
@@ -249,20 +249,20 @@ class _EagerReshard:
           o.delete()
       raise error
 
-  def _error(self, programs: Sequence[_DeviceProgram],
+  def _error(self, programs: Sequence[DeviceProgram],
              failed: Sequence[BaseException | None],
              errors: Sequence[BaseException]) -> BaseException:
     """The error to raise: the root cause first (a device that failed before its
     handler: its own exception, named and chained, as a ReshardRuntimeError unless it
     is a ReshardError already), else the handler's (a timeout first)."""
     for p, e in zip(programs, failed):
-      if e is None or _reached_handler(e):
+      if e is None or reached_handler(e):
         continue
       if isinstance(e, ReshardError):
         return e
       error = ReshardRuntimeError(
           f"{API}: device {p.device.id} failed before the transfer started, so the "
-          f"call failed on every device: {_failure_text(e)}")
+          f"call failed on every device: {failure_text(e)}")
       error.__cause__ = e
       return error
     mapped = [map_native_error(e) for e in errors]
@@ -299,7 +299,7 @@ def crossing_text(out_avals: Sequence[tuple[Any, Any, Sharding]],
   return f"aval={aval!r}, dst_sharding={sharding}{more}"
 
 
-def _donate(leaves: Sequence[jax.Array], donate: bool | Sequence[bool]) -> None:
+def donate_sources(leaves: Sequence[jax.Array], donate: bool | Sequence[bool]) -> None:
   """Frees the sources marked for donation (one flag, or one per leaf) once the reshard
   has completed; an unmarked leaf is never touched."""
   flags = [donate] * len(leaves) if isinstance(donate, bool) else donate
@@ -317,7 +317,7 @@ def _single_device_sharding(device) -> SingleDeviceSharding:
   return SingleDeviceSharding(device)
 
 
-def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
+def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
   """The per-device programs of `request` (its leaves' shapes, dtypes and layouts; no
   reference to the leaves is kept) into destination shardings `dsts`, compiled."""
   options = request.options
@@ -340,12 +340,12 @@ def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
   timeout = np.int64(timeout_ms)
   extra = m2n_ffi.transport_attrs(platform, planned.topology, plan.devices)
   if platform == "cpu":
-    extra = {**extra, "tickets": np.int64(_TICKETS)}
+    extra = {**extra, "tickets": np.int64(TICKETS)}
 
   local = [d for d in plan.devices if devices[d].process_index == jax.process_index()]
   src_shard_index = [
       {d.id: i for i, d in enumerate(jax_compat.addressable_device_assignment(s))} for s in srcs]
-  programs: list[_DeviceProgram] = []
+  programs: list[DeviceProgram] = []
   to_compile = []
   result_index: dict[tuple[int, int], tuple[int, int]] = {}  # (leaf, dev) -> (prog, r)
   for dev_id in local:
@@ -367,7 +367,7 @@ def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
                                             out_dtypes[t]))
     workspace = max(1, schedule.workspace_bytes(plan, dev_id, staging, types))
     out_types.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
-    if platform == "cpu":  # the generation ticket, last (see _TICKETS)
+    if platform == "cpu":  # the generation ticket, last (see TICKETS)
       in_types.append(jax.ShapeDtypeStruct((), np.int32, sharding=sharding))
     sched = schedule.encode(plan, dev_id, staging, types)
     # The workspace is a returned output, so XLA keeps the call on every device, even
@@ -389,7 +389,7 @@ def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
                      out_shardings=(sharding,) * n_out)
     for r, t in enumerate(result_leaves):
       result_index[(t, dev_id)] = (len(programs), r)
-    programs.append(_DeviceProgram(
+    programs.append(DeviceProgram(
         device, None,
         tuple((t, src_shard_index[t][dev_id]) for t in operand_leaves),
         tuple(result_leaves), sched))
@@ -401,9 +401,9 @@ def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
   # or with x64 on where a leaf's dtype needs it (an int64 array made while x64 was on,
   # moved after it was turned off, as jax.device_put moves it; the key says which).
   x64 = _x64_for(dtypes + out_dtypes)
-  futures = [_executor(p.device.id).submit(_compile, jitted, in_types, x64)
+  futures = [executor_of(p.device.id).submit(_compile, jitted, in_types, x64)
              for p, (jitted, in_types) in zip(programs, to_compile)]
-  compiled, errors = _outcomes(futures)
+  compiled, errors = gather_outcomes(futures)
   for e in errors:
     if e is not None:
       raise e
@@ -419,7 +419,7 @@ def _build_eager(request: Request, dsts: Sequence[Sharding]) -> _EagerReshard:
     out_avals.append((tuple(shape), dtype, dst))
     out_slots.append([result_index[(t, d.id)] 
                       for d in jax_compat.addressable_device_assignment(dst)])
-  return _EagerReshard(plan, programs, out_avals, out_slots, src_shard_index, platform,
+  return EagerReshard(plan, programs, out_avals, out_slots, src_shard_index, platform,
                        site, caller_dispatch, x64,
                        one_issuer=cpu_async and len(plan.devices) > 1,
                        crossing=planned.crossing)

@@ -19,7 +19,7 @@ import numpy as np
 
 from jax_m2n._src.layout import Box, Layout, box_size, full_box, intersect
 from jax_m2n._src.planner.transfers import (
-    _BCAST, _FANOUT, _FORWARD, _GATHER, _INJECT, _LOCAL, DST_SHARD, FULL_TMP, SRC_SHARD,
+    BCAST, FANOUT, FORWARD, GATHER, INJECT, LOCAL, DST_SHARD, FULL_TMP, SRC_SHARD,
     Transfers)
 from jax_m2n._src.topology import Topology
 
@@ -201,7 +201,7 @@ def route_gather_bcast(src: Layout, dst: Layout, itemsize: int,
   gathered = []
   for box, holders in src_shards:
     owner = root if root in holders else owners.pick(holders, box_size(box) * itemsize)
-    gathered.append(add(owner, root, _GATHER, box, SRC_SHARD, FULL_TMP))
+    gathered.append(add(owner, root, GATHER, box, SRC_SHARD, FULL_TMP))
   whole = full_box(src.shape)
   chain = sorted({t for _, ts in dst_shards for t in ts} - {root},
                  key=lambda t: (topo.domain_of(t) != topo.domain_of(root),
@@ -210,13 +210,13 @@ def route_gather_bcast(src: Layout, dst: Layout, itemsize: int,
   prev = root
   for t in chain:
     parents, depth = arrival[prev]
-    arrival[t] = ((add(prev, t, _BCAST, whole, FULL_TMP, FULL_TMP, parents, depth),),
+    arrival[t] = ((add(prev, t, BCAST, whole, FULL_TMP, FULL_TMP, parents, depth),),
                   depth + 1)
     prev = t
   for box, ts in dst_shards:
     for t in ts:
       parents, depth = arrival[t]
-      add(t, t, _LOCAL, box, FULL_TMP, DST_SHARD, parents, depth)
+      add(t, t, LOCAL, box, FULL_TMP, DST_SHARD, parents, depth)
   return _transfers(out.columns(), out.boxes, out.extra_parents)
 
 
@@ -241,10 +241,10 @@ def route_flat(src: Layout, dst: Layout, itemsize: int, topo: Topology) -> Trans
       nbytes = box_size(region) * itemsize
       for t in replicas:
         if t in holders:
-          add(t, t, _LOCAL, region, SRC_SHARD, DST_SHARD)
+          add(t, t, LOCAL, region, SRC_SHARD, DST_SHARD)
         else:
           local = [h for h in holders if domain_of(h) == domain_of(t)]
-          add(owners.pick(local or holders, nbytes), t, _INJECT, region,
+          add(owners.pick(local or holders, nbytes), t, INJECT, region,
               SRC_SHARD, DST_SHARD)
   return _transfers(out.columns(), out.boxes, out.extra_parents)
 
@@ -355,7 +355,7 @@ def _lead(out: "_Rows", owners: "_Balance", sources: _Sources, groups: list,
       # group, filtered like any fan-out).
       others = [t for t in reps if t not in hset]
       for k, t in enumerate(own):
-        x = add(t, t, _LOCAL, region, SRC_SHARD, DST_SHARD)
+        x = add(t, t, LOCAL, region, SRC_SHARD, DST_SHARD)
         if len(own) > 1:
           own_group[x] = len(groups)
           groups.append(others[k::len(own)])
@@ -391,7 +391,7 @@ def _lead(out: "_Rows", owners: "_Balance", sources: _Sources, groups: list,
       local = holders_in[contributions[ci][1]].get(dom) if has_sources else None
       if local:
         entries.append((sub, leader, add(owners.pick(local, box_size(sub) * itemsize),
-                                         leader, _INJECT, sub, SRC_SHARD, DST_SHARD),
+                                         leader, INJECT, sub, SRC_SHARD, DST_SHARD),
                         ci))
       else:
         per_domain = network_regions.get(ci)
@@ -435,7 +435,7 @@ def _forward_ring(out: "_Rows", owners: "_Balance", domain_of: Callable[[int], i
         pbox, pb, pleader, px, pdepth = previous[0]
         if pbox == sub:  # one slab here and before, the same: one forward (most rings)
           x = len(rows)
-          append((pleader, leader, _FORWARD, pb, DST_SHARD, DST_SHARD, px, pdepth + 1))
+          append((pleader, leader, FORWARD, pb, DST_SHARD, DST_SHARD, px, pdepth + 1))
           entries[i] = (sub, leader, x, ci)
           previous = [(sub, pb, leader, x, pdepth + 1)]
           continue
@@ -445,7 +445,7 @@ def _forward_ring(out: "_Rows", owners: "_Balance", domain_of: Callable[[int], i
         if previous is None:
           x = len(rows)
           b = box_id(sub)
-          append((owner, leader, _INJECT, b, SRC_SHARD, DST_SHARD, -1, 0))
+          append((owner, leader, INJECT, b, SRC_SHARD, DST_SHARD, -1, 0))
           arrived.append((sub, b, leader, x, 0))
           entries[i] = (sub, leader, x, ci)
           continue
@@ -459,7 +459,7 @@ def _forward_ring(out: "_Rows", owners: "_Balance", domain_of: Callable[[int], i
               continue
             b = box_id(piece)
           x = len(rows)
-          append((pleader, leader, _FORWARD, b, DST_SHARD, DST_SHARD, px, pdepth + 1))
+          append((pleader, leader, FORWARD, b, DST_SHARD, DST_SHARD, px, pdepth + 1))
           parts.append(x)
           arrived.append((piece, b, leader, x, pdepth + 1))
         if len(parts) == 1:
@@ -564,7 +564,7 @@ def _with_fanout(cols, boxes, extra_parents, arr_x, arr_shard, arr_group, groups
   wide = _index(n)
   # Per arrival: what its copies read (the leader's source shard or its destination).
   xs = cols[ax]
-  from_source = (xs[:, 2] == _LOCAL) & (xs[:, 4] == SRC_SHARD)
+  from_source = (xs[:, 2] == LOCAL) & (xs[:, 4] == SRC_SHARD)
   per_arrival = {
       "src": leader,
       "box": xs[:, 3].astype(np.int32),
@@ -585,7 +585,7 @@ def _with_fanout(cols, boxes, extra_parents, arr_x, arr_shard, arr_group, groups
     if name == "dst":
       col[fan_pos] = fdst
     elif name == "stage":
-      col[fan_pos] = _FANOUT
+      col[fan_pos] = FANOUT
     elif name == "dst_kind":
       col[fan_pos] = DST_SHARD
     else:

@@ -46,7 +46,7 @@ class Transfer(NamedTuple):
 
 
 STAGE_CODES = {s: i for i, s in enumerate(STAGES)}
-_LOCAL, _INJECT, _FORWARD, _FANOUT, _GATHER, _BCAST = range(len(STAGES))
+LOCAL, INJECT, FORWARD, FANOUT, GATHER, BCAST = range(len(STAGES))
 
 
 class Transfers(collections.abc.Sequence):
