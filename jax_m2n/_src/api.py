@@ -256,9 +256,9 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
       name_cache.append(checks.leaf_names(x))
     return name_cache[0]
 
-  dsts = checks.broadcast_prefix(API, "dst_sharding", dst_sharding, x, treedef, n, names)
+  dsts = checks.broadcast_prefix(API, "dst_sharding", dst_sharding, x, treedef, n)
   srcs = ([None] * n if src_sharding is None else
-          checks.broadcast_prefix(API, "src_sharding", src_sharding, x, treedef, n, names))
+          checks.broadcast_prefix(API, "src_sharding", src_sharding, x, treedef, n))
   flags = checks.donate_flags(API, donate, x, treedef, n)
   out_dtypes = checks.dtypes_per_leaf(API, dtype, x, treedef, n)
   if not n:
@@ -351,9 +351,9 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
   names = lambda: checks.leaf_names(x)  # noqa: E731
-  dsts = checks.broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n, names)
+  dsts = checks.broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n)
   given = ([None] * n if src_sharding is None else
-           checks.broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n, names))
+           checks.broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n))
   out_dtypes = checks.dtypes_per_leaf(api, dtype, x, treedef, n)
   shapes, dtypes, srcs, resolved, wire_out = [], [], [], [], []
   for i, (leaf, dst, src) in enumerate(zip(leaves, dsts, given)):

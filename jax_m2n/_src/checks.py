@@ -72,35 +72,38 @@ def leaf_names(x: Any) -> list[str]:
           for p, _ in jax.tree_util.tree_flatten_with_path(x)[0]]
 
 
-def _prefix_leaves(prefix: Any, x: Any, is_leaf: Callable[[Any], bool]) -> list[Any]:
-  """Each leaf of `prefix` once per leaf of its subtree of x (jax.device_put's rule:
-  a None node of x has no leaves, so {'b': None} takes any prefix entry there)."""
-  full: list[Any] = []
-  jax.tree.map(lambda p, sub: full.extend([p] * jax.tree.structure(sub).num_leaves),
-               prefix, x, is_leaf=is_leaf)
-  return full
-
-
-def broadcast_prefix(api: str, what: str, prefix: Any, x: Any, treedef, n: int,
-                      names: Callable[[], list[str]]) -> list[Any]:
-  """The leaves of `prefix` broadcast onto x's leaves (like jax.device_put's argument)."""
-  if prefix is None or isinstance(prefix, _DST_TYPES):
-    return [prefix] * n
-  flat, tree = jax.tree_util.tree_flatten(prefix, is_leaf=is_dst_leaf)
+def _broadcast(api: str, rule: str, prefix: Any, x: Any, treedef, n: int,
+               is_leaf: Callable[[Any], bool] | None) -> list[Any]:
+  """The leaves of `prefix` (a pytree prefix of x) broadcast onto x's `n` leaves, one
+  per leaf of its subtree of x (jax.device_put's rule: a None node of x has no leaves,
+  so {'b': None} takes any prefix entry there). `rule` states what the argument must
+  be, for the error raised where prefix is no prefix of x."""
+  flat, tree = jax.tree_util.tree_flatten(prefix, is_leaf=is_leaf)
   if tree == treedef:
     return flat
+  full: list[Any] = []
   try:
-    full = _prefix_leaves(prefix, x, is_dst_leaf)
+    jax.tree.map(lambda p, sub: full.extend([p] * jax.tree.structure(sub).num_leaves),
+                 prefix, x, is_leaf=is_leaf)
   except (ValueError, TypeError) as e:
     raise ReshardValueError(
-        f"{api}: {what} must be one Sharding or a pytree prefix of x (as for "
-        f"jax.device_put); got structure {tree} for x of structure {treedef}. "
+        f"{api}: {rule}; got structure {tree} for x of structure {treedef}. "
         f"Detail: {e}") from None
   if len(full) != n:
     raise ReshardValueError(
-        f"{api}: {what} must be one Sharding or a pytree prefix of x; got {len(full)} "
-        f"leaves after broadcasting onto the {n} leaves of x.")
+        f"{api}: {rule}; got {len(full)} leaves after broadcasting onto the {n} leaves "
+        "of x.")
   return full
+
+
+def broadcast_prefix(api: str, what: str, prefix: Any, x: Any, treedef,
+                     n: int) -> list[Any]:
+  """The leaves of `prefix` (one destination or source per leaf, like jax.device_put's
+  argument) broadcast onto x's leaves."""
+  if prefix is None or isinstance(prefix, _DST_TYPES):
+    return [prefix] * n
+  return _broadcast(api, f"{what} must be one Sharding or a pytree prefix of x (as for "
+                    "jax.device_put)", prefix, x, treedef, n, is_dst_leaf)
 
 
 def normalize_dst(api: str, name: str, dst: Any) -> Any:
@@ -124,26 +127,16 @@ def donate_flags(api: str, donate: Any, x: Any, treedef, n: int) -> list[bool]:
   `donate`); anything else is refused, so no leaf is deleted by accident."""
   if isinstance(donate, (bool, np.bool_)):
     return [bool(donate)] * n
-  flat, tree = jax.tree_util.tree_flatten(donate)
+  flat = jax.tree_util.tree_leaves(donate)
   bad = next((v for v in flat if not isinstance(v, (bool, np.bool_))), None)
   if bad is not None or donate is None:
     what = donate if bad is None else bad
     raise ReshardTypeError(
         f"{api}: donate must be a bool or a pytree prefix of x of bools (as for "
         f"jax.device_put); got {type(what).__name__} {what!r}.")
-  if tree == treedef:
-    return [bool(v) for v in flat]
-  try:
-    full = jax.tree_util.tree_leaves(jax.tree.broadcast(donate, x))
-  except (ValueError, TypeError) as e:
-    raise ReshardValueError(
-        f"{api}: donate must be a bool or a pytree prefix of x; got structure {tree} "
-        f"for x of structure {treedef}. Detail: {e}") from None
-  if len(full) != n:
-    raise ReshardValueError(
-        f"{api}: donate must be a pytree prefix of x; got {len(full)} flags after "
-        f"broadcasting onto the {n} leaves of x.")
-  return [bool(v) for v in full]
+  return [bool(v) for v in _broadcast(
+      api, "donate must be a bool or a pytree prefix of x of bools (as for "
+      "jax.device_put)", donate, x, treedef, n, None)]
 
 
 def is_dtype_leaf(v: Any) -> bool:
@@ -179,18 +172,8 @@ def dtypes_per_leaf(api: str, dtype: Any, x: Any, treedef, n: int, *,
     return [None] * n
   if is_leaf(dtype):
     return [convert(dtype)] * n
-  flat, tree = jax.tree_util.tree_flatten(dtype, is_leaf=is_leaf)
-  if tree != treedef:
-    try:
-      flat = _prefix_leaves(dtype, x, is_leaf)
-    except (ValueError, TypeError) as e:
-      raise ReshardValueError(
-          f"{api}: dtype must be {what} or a pytree prefix of x of them (None: keep); "
-          f"got structure {tree} for x of structure {treedef}. Detail: {e}") from None
-    if len(flat) != n:
-      raise ReshardValueError(
-          f"{api}: dtype must be {what} or a pytree prefix of x; got {len(flat)} "
-          f"leaves after broadcasting onto the {n} leaves of x.")
+  flat = _broadcast(api, f"dtype must be {what} or a pytree prefix of x of them (None: "
+                    "keep)", dtype, x, treedef, n, is_leaf)
   return [None if v is None else convert(v) for v in flat]
 
 

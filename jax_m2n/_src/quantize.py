@@ -392,9 +392,9 @@ def _per_leaf(api: str, x: Any, dst_sharding: Any, src_sharding: Any, dtype: Any
   n = len(leaves)
   names = _names_of(x)
   specs = _spec_leaves(api, dtype, x, treedef, n)
-  dsts = broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n, names)
+  dsts = broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n)
   srcs = ([None] * n if src_sharding is None else
-          broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n, names))
+          broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n))
   return leaves, treedef, names, specs, dsts, srcs
 
 
