@@ -14,9 +14,7 @@ Run on the GPU machine (after building jax_m2n/_ffi_cuda.so):
   NCCL_NVLS_ENABLE=0 python3 -m pytest -q tests/gpu_one_test.py
 """
 
-import os
-
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # multicast stays off
+import gpus  # first: keeps NVLink multicast off before JAX loads NCCL
 
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
@@ -27,14 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import jax_m2n  # noqa: E402
 
 
-def _gpus():
-  try:
-    return jax.devices("gpu")
-  except RuntimeError:
-    return []
-
-
-GPUS = _gpus()
+GPUS = gpus.devices()
 pytestmark = pytest.mark.skipif(not GPUS, reason="needs a GPU")
 
 F32, F16, BF16 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)

@@ -14,9 +14,7 @@ Run on the GPU machine (after building jax_m2n/_ffi_cuda.so):
   NCCL_NVLS_ENABLE=0 python3 -m pytest -q tests/gpu_test.py
 """
 
-import os
-
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # multicast stays off (notes/gpu-machine.md)
+import gpus  # first: keeps NVLink multicast off before JAX loads NCCL
 
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
@@ -27,20 +25,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import jax_m2n  # noqa: E402
 
 
-def _gpus():
-  try:
-    return jax.devices("gpu")
-  except RuntimeError:
-    return []
-
-
-GPUS = _gpus()
+GPUS = gpus.devices()
 pytestmark = pytest.mark.skipif(len(GPUS) < 2, reason="needs 2 GPUs (4 for most cases)")
 
 
 def _need(n):
-  if len(GPUS) < n:
-    pytest.skip(f"needs {n} GPUs; have {len(GPUS)}")
+  gpus.need(n, len(GPUS))
 
 ROUTES = ("hierarchical", "flat", "gather_bcast")
 ENGINES = ("auto", "nccl")

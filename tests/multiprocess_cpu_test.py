@@ -8,82 +8,38 @@ bounded and its children killed on timeout."""
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "multiprocess_cpu_worker.py")
+import launcher
 
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+WORKER = os.path.join(launcher.ROOT, "tests", "multiprocess_cpu_worker.py")
 
 
 def launch(num_processes, devices, scenario, *extra, timeout=240, interrupt=None):
   """Runs the worker in every process; returns their outputs (stdout + stderr).
   `interrupt`: a process id sent SIGINT once every process has printed WAITING."""
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             PYTHONUNBUFFERED="1")
-  env.pop("XLA_FLAGS", None)
-  env.pop("JAX_PLATFORMS", None)
-  port = _free_port()
-  procs, files = [], []
-  for i in range(num_processes):
-    f = open(os.path.join(_tmp(), f"{scenario}_{port}_{i}.log"), "w+")
-    files.append(f)
-    procs.append(subprocess.Popen(
-        [sys.executable, WORKER, "--process-id", str(i), "--num-processes",
-         str(num_processes), "--devices", str(devices), "--port", str(port),
-         "--scenario", scenario, *extra], env=env, stdout=f, stderr=subprocess.STDOUT,
-        text=True))
-  deadline = time.monotonic() + timeout
-  try:
-    if interrupt is not None:
-      while time.monotonic() < deadline:
-        waiting = sum("WAITING" in _read(f) for k, f in enumerate(files)
-                      if k != num_processes - 1)
-        if waiting == num_processes - 1:
-          break
-        time.sleep(0.1)
-      time.sleep(0.5)
-      procs[interrupt].send_signal(signal.SIGINT)
-    for k, p in enumerate(procs):
-      left = deadline - time.monotonic()
-      if scenario in ("absent", "interrupt") and k == num_processes - 1:
-        continue  # the absent process sleeps: killed below
-      try:
-        p.wait(timeout=max(1.0, left))
-      except subprocess.TimeoutExpired:
-        pytest.fail(f"{scenario}: process {k} hung:\n" + _read(files[k])[-3000:])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-    for p in procs:
-      p.wait()
-  return [_read(f) for f in files]
+  port = launcher.free_port()
+  argvs = [[WORKER, "--process-id", str(i), "--num-processes", str(num_processes),
+            "--devices", str(devices), "--port", str(port), "--scenario", scenario,
+            *extra] for i in range(num_processes)]
 
+  def send_interrupt(procs, logs, deadline):
+    while time.monotonic() < deadline:
+      if sum("WAITING" in launcher.read(log) for log in logs[:-1]) == num_processes - 1:
+        break
+      time.sleep(0.1)
+    time.sleep(0.5)
+    procs[interrupt].send_signal(signal.SIGINT)
 
-_TMP = []
-
-
-def _tmp():
-  if not _TMP:
-    import tempfile
-    _TMP.append(tempfile.mkdtemp(prefix="m2n_mp_"))
-  return _TMP[0]
-
-
-def _read(f) -> str:
-  f.flush()
-  f.seek(0)
-  return f.read()
+  # The absent process sleeps (and an interrupted call's last process): killed after.
+  last_sleeps = scenario in ("absent", "interrupt")
+  workers = launcher.run(
+      argvs, name=f"{scenario}_{port}", timeout_s=timeout,
+      wait_for=range(num_processes - 1) if last_sleeps else None,
+      started=send_interrupt if interrupt is not None else None)
+  return [w.output for w in workers]
 
 
 def results(outs, what):

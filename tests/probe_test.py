@@ -28,6 +28,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
 from jax_m2n._src import eager
+from plan_strategies import named_shardings, partition_specs, shard_counts
 
 D = jax.devices()
 if len(D) < 8:  # conftest.py forces 8 CPU devices unless told otherwise
@@ -85,51 +86,6 @@ def assert_same(y, ref, exact=True):
     np.testing.assert_array_equal(bits(ys[d].data), bits(r.data), err_msg=str(d))
 
 
-def factorizations(n: int) -> list[tuple[int, ...]]:
-  """Mesh shapes of 1-3 axes over n devices (at most one size-1 axis)."""
-  out = set()
-
-  def rec(rest, acc):
-    if acc and rest == 1:
-      out.add(tuple(acc))
-    if len(acc) < 3:
-      for f in range(1, rest + 1):
-        if rest % f == 0 and not (f == 1 and 1 in acc):
-          rec(rest // f, acc + [f])
-
-  rec(n, [])
-  return sorted(out)
-
-
-@st.composite
-def specs(draw, names, rank):
-  """Each mesh axis on a random dim or none; several axes on one dim in any order; a
-  one-axis entry as a name or a 1-tuple; trailing Nones kept or dropped."""
-  dims = {}
-  for a in names:
-    d = draw(st.integers(-1, rank - 1)) if rank else -1
-    if d >= 0:
-      dims.setdefault(d, []).append(a)
-  entries = []
-  for d in range(rank):
-    axes = list(draw(st.permutations(dims.get(d, []))))
-    entries.append(None if not axes else
-                   axes[0] if len(axes) == 1 and draw(st.booleans()) else tuple(axes))
-  if draw(st.booleans()):
-    while entries and entries[-1] is None:
-      entries.pop()
-  return P(*entries)
-
-
-@st.composite
-def shardings(draw, ids, rank, explicit=False, names="abc"):
-  shape = draw(st.sampled_from(factorizations(len(ids))))
-  names = tuple(names[:len(shape)])
-  types = (AxisType.Explicit if explicit else AxisType.Auto,) * len(shape)
-  mesh = Mesh(np.array([D[i] for i in ids]).reshape(shape), names, axis_types=types)
-  return NamedSharding(mesh, draw(specs(names, rank)))
-
-
 @st.composite
 def device_sets(draw):
   """Source and destination device ids: disjoint, overlapping or identical sets of any
@@ -147,19 +103,11 @@ def device_sets(draw):
   return list(perm[:a]), list(draw(st.permutations(perm[a - common:a - common + b])))
 
 
-def counts(s: NamedSharding, rank: int) -> list[int]:
-  sizes = dict(zip(s.mesh.axis_names, s.mesh.devices.shape))
-  out = [1] * rank
-  for d, e in enumerate(s.spec):
-    for a in (() if e is None else (e,) if isinstance(e, str) else e):
-      out[d] *= sizes[a]
-  return out
-
-
 def shape_for(draw, src, dst, rank, cap=2048):
   """A shape both layouts can hold: per dim a random multiple of both shard counts
   (so source and destination shards differ in size)."""
-  lcms = [math.lcm(a, b) for a, b in zip(counts(src, rank), counts(dst, rank))]
+  lcms = [math.lcm(a, b)
+          for a, b in zip(shard_counts(src, rank), shard_counts(dst, rank))]
   shape = tuple(m * draw(st.integers(1, 3)) for m in lcms)
   return shape if math.prod(shape) <= cap else tuple(lcms)
 
@@ -195,8 +143,8 @@ def _log_case(what: str, case) -> None:
 def eager_cases(draw):
   src_ids, dst_ids = draw(device_sets())
   rank = draw(st.integers(0, 4))
-  src = draw(shardings(src_ids, rank, explicit=draw(st.booleans())))
-  dst = draw(shardings(dst_ids, rank, explicit=draw(st.booleans())))
+  src = draw(named_shardings(src_ids, rank, explicit=draw(st.booleans())))
+  dst = draw(named_shardings(dst_ids, rank, explicit=draw(st.booleans())))
   shape = shape_for(draw, src, dst, rank)
   if rank and draw(st.integers(0, 9)) == 0:
     shape = (0,) + shape[1:]
@@ -251,10 +199,10 @@ def jit_cases(draw):
   rank = draw(st.integers(0, 4))
   mode = draw(st.sampled_from(("auto", "auto_src", "explicit", "explicit_src")))
   explicit = mode.startswith("explicit")
-  src = draw(shardings(ids, rank, explicit))
-  dst = draw(shardings(ids, rank, explicit, names="xyz"))
+  src = draw(named_shardings(ids, rank, explicit))
+  dst = draw(named_shardings(ids, rank, explicit, names="xyz"))
   if draw(st.booleans()):
-    dst = NamedSharding(src.mesh, draw(specs(src.mesh.axis_names, rank)))
+    dst = NamedSharding(src.mesh, draw(partition_specs(src.mesh.axis_names, rank)))
   dtype = draw(st.sampled_from(DTYPES))
   return (mode, shape_for(draw, src, dst, rank), dtype, src, dst, draw(out_dtypes(dtype)),
           draw(st.sampled_from(ROUTES)), draw(st.sampled_from([None, 2, 4])),
@@ -327,7 +275,7 @@ def top_prefix(x, make):
 @st.composite
 def tree_cases(draw):
   src_ids, dst_ids = draw(device_sets())
-  src, dst = draw(shardings(src_ids, 2)), draw(shardings(dst_ids, 2))
+  src, dst = draw(named_shardings(src_ids, 2)), draw(named_shardings(dst_ids, 2))
   dtype = draw(st.sampled_from(DTYPES))
   return (draw(trees()), src, dst, shape_for(draw, src, dst, 2, cap=512), dtype,
           draw(out_dtypes(dtype)),
@@ -386,7 +334,8 @@ def transform_cases(draw):
   if where != "eager":
     dst_ids = src_ids
   rank = draw(st.integers(1, 3))
-  src, dst = draw(shardings(src_ids, rank)), draw(shardings(dst_ids, rank, names="xyz"))
+  src = draw(named_shardings(src_ids, rank))
+  dst = draw(named_shardings(dst_ids, rank, names="xyz"))
   return (where, draw(st.sampled_from(("grad", "vjp", "jvp", "vmap"))),
           shape_for(draw, src, dst, rank, cap=512), draw(st.sampled_from(FLOATS)),
           draw(st.sampled_from([None] + FLOATS)), src, dst,

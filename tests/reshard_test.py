@@ -20,11 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import strategies as st
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
 from jax_m2n._src import checks, eager
 from jax_m2n._src.request import Options, Request
+from plan_strategies import named_sharding, named_shardings, partition_specs, shard_counts
 
 DTYPES = (np.float32, jnp.bfloat16, np.int8, np.bool_, np.complex64, np.uint32)
 ROUTES = ("hierarchical", "flat", "gather_bcast")
@@ -80,64 +81,10 @@ def assert_same_as_device_put(y, x, dst, exact_sharding=True):
 # Strategies: meshes, specs, device subsets
 # ---------------------------------------------------------------------------------------
 
-def _factorizations(n: int, max_axes: int = 3):
-  """Ordered factorizations of n into 1..max_axes factors (size-1 axes allowed once)."""
-  out = set()
-
-  def rec(rest, acc):
-    if acc and rest == 1:
-      out.add(tuple(acc))
-    if len(acc) == max_axes:
-      return
-    for f in range(1 if not acc else 2, rest + 1):
-      if rest % f == 0 and (f > 1 or rest > 1 or not acc):
-        rec(rest // f, acc + [f])
-
-  rec(n, [])
-  return sorted(x for x in out if math.prod(x) == n)
-
-
-@st.composite
-def random_spec(draw, names, rank):
-  """Each mesh axis shards a random tensor dim (or none); several axes in random order."""
-  dims = {}
-  for a in names:
-    d = draw(st.integers(-1, rank - 1)) if rank else -1
-    if d >= 0:
-      dims.setdefault(d, []).append(a)
-  entries = []
-  for d in range(rank):
-    axes = dims.get(d, [])
-    axes = list(draw(st.permutations(axes))) if len(axes) > 1 else axes
-    entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
-  if entries and draw(st.booleans()):  # trailing Nones may be left out
-    while entries and entries[-1] is None:
-      entries.pop()
-  return P(*entries)
-
-
-def make_sharding(device_ids, mesh_shape, spec, explicit=False):
-  names = tuple("abc"[i] for i in range(len(mesh_shape)))
-  devs = np.array([devices()[i] for i in device_ids]).reshape(mesh_shape)
-  types = (AxisType.Explicit if explicit else AxisType.Auto,) * len(mesh_shape)
-  return NamedSharding(Mesh(devs, names, axis_types=types), spec)
-
-
 @st.composite
 def mesh_and_spec(draw, device_ids, rank):
   """A mesh over device_ids (in that order) and a random PartitionSpec for a rank."""
-  shape = draw(st.sampled_from(_factorizations(len(device_ids))))
-  spec = draw(random_spec(tuple("abc"[i] for i in range(len(shape))), rank))
-  return make_sharding(device_ids, shape, spec)
-
-
-def split_counts(sharding: NamedSharding, rank: int) -> list[int]:
-  sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape))
-  out = [1] * rank
-  for d, e in enumerate(sharding.spec):
-    for a in (() if e is None else (e,) if isinstance(e, str) else e):
-      out[d] *= sizes[a]
-  return out
+  return draw(named_shardings(device_ids, rank))
 
 
 @st.composite
@@ -168,7 +115,7 @@ def eager_cases(draw):
   rank = draw(st.integers(0, 4))
   src = draw(mesh_and_spec(src_ids, rank))
   dst = draw(mesh_and_spec(dst_ids, rank))
-  cs, cd = split_counts(src, rank), split_counts(dst, rank)
+  cs, cd = shard_counts(src, rank), shard_counts(dst, rank)
   shape = tuple(math.lcm(a, b) * draw(st.integers(1, 2)) for a, b in zip(cs, cd))
   if math.prod(shape) > 4096:
     shape = tuple(math.lcm(a, b) for a, b in zip(cs, cd))
@@ -211,11 +158,11 @@ def jit_cases(draw):
   if same_mesh:
     d_shape = s_shape
   names = lambda shape: tuple("abc"[i] for i in range(len(shape)))  # noqa: E731
-  src = make_sharding(ids, s_shape, draw(random_spec(names(s_shape), rank)), explicit)
-  dst = make_sharding(ids, d_shape, draw(random_spec(names(d_shape), rank)), explicit)
+  src = named_sharding(ids, s_shape, draw(partition_specs(names(s_shape), rank)), explicit)
+  dst = named_sharding(ids, d_shape, draw(partition_specs(names(d_shape), rank)), explicit)
   if same_mesh:
     dst = NamedSharding(src.mesh, dst.spec)
-  cs, cd = split_counts(src, rank), split_counts(dst, rank)
+  cs, cd = shard_counts(src, rank), shard_counts(dst, rank)
   shape = tuple(math.lcm(a, b) * draw(st.integers(1, 2)) for a, b in zip(cs, cd))
   dtype = draw(st.sampled_from(DTYPES))
   route = draw(st.sampled_from(ROUTES))
@@ -313,9 +260,9 @@ def jit_tree_cases(draw):
   leaves = [(shape, dtype, src, dst)]
   for _ in range(draw(st.integers(1, 2))):
     rank = draw(st.integers(0, 3))
-    s = NamedSharding(src.mesh, draw(random_spec(src.mesh.axis_names, rank)))
-    d = NamedSharding(dst.mesh, draw(random_spec(dst.mesh.axis_names, rank)))
-    cs, cd = split_counts(s, rank), split_counts(d, rank)
+    s = NamedSharding(src.mesh, draw(partition_specs(src.mesh.axis_names, rank)))
+    d = NamedSharding(dst.mesh, draw(partition_specs(dst.mesh.axis_names, rank)))
+    cs, cd = shard_counts(s, rank), shard_counts(d, rank)
     leaf_shape = tuple(math.lcm(a, b) * draw(st.integers(1, 2)) for a, b in zip(cs, cd))
     leaves.append((leaf_shape, draw(st.sampled_from(DTYPES)), s, d))
   return leaves, route, topology

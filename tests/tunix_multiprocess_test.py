@@ -9,15 +9,12 @@ launch is bounded and its children killed on timeout."""
 
 import importlib.util
 import os
-import socket
-import subprocess
-import sys
-import tempfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "tunix_multiprocess_worker.py")
+import launcher
+
+WORKER = os.path.join(launcher.ROOT, "tests", "tunix_multiprocess_worker.py")
 
 pytestmark = [
     pytest.mark.skipif(
@@ -27,41 +24,14 @@ pytestmark = [
                        reason="needs google-tunix (the jax_m2n[tunix] extra)")]
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("layout", ["fsdp2xtp2"])
 def test_reshard_pytree_across_two_processes(layout):
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             PYTHONUNBUFFERED="1")
-  env.pop("XLA_FLAGS", None)
-  env.pop("JAX_PLATFORMS", None)
-  port = _free_port()
-  logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
-  procs = [subprocess.Popen([sys.executable, WORKER, str(i), str(port), layout], env=env,
-                            stdout=logs[i], stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
-  try:
-    for i, p in enumerate(procs):
-      try:
-        p.wait(timeout=240)
-      except subprocess.TimeoutExpired:
-        pytest.fail(f"process {i} hung")
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-    for p in procs:
-      p.wait()
-  outs = []
-  for f in logs:
-    f.seek(0)
-    outs.append(f.read())
-  for i, (p, out) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0, f"process {i}:\n{out[-3000:]}"
+  port = launcher.free_port()
+  workers = launcher.run([[WORKER, str(i), str(port), layout] for i in range(2)],
+                         name=f"tunix_{layout}_{port}", timeout_s=240)
+  outs = [w.output for w in workers]
+  for i, (w, out) in enumerate(zip(workers, outs)):
+    assert w.returncode == 0, f"process {i}:\n{out[-3000:]}"
     assert f"DONE process={i} ok=True reshard_calls=3" in out, out[-3000:]
   results = [line for line in outs[1].splitlines() if line.startswith("RESULT")]
   assert len(results) == 3 and all("bitwise=True" in r for r in results), results
