@@ -35,7 +35,8 @@ SUITES=${SUITES:-refit,colocated,planner,model}
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 
-# notes/gpu-machine.md: multicast stays off in every process (the torch ranks inherit it).
+# Multicast stays off in every process (the torch ranks inherit it; docs/benchmarks.md,
+# "Running").
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}

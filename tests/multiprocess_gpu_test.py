@@ -66,7 +66,7 @@ def test_peer_never_arrives_times_out():
 
 
 # NCCL's network transport (sockets over loopback) instead of NVLink P2P and shared memory:
-# the path multi-node users run, on one host (docs/cuda_transport.md, "Across processes").
+# the path multi-node users run, on one host (docs/cuda_transport.md, "Tests and benchmark").
 NET_SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket",
                   "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
 

@@ -2,7 +2,7 @@
 
 Owns the rules JAX needs for a traced reshard: its abstract value (shape, dtype,
 weak_type kept; the destination sharding in the type on Explicit axes), its eager
-implementation (eager.py's per-device programs), its lowering inside jit (traced.py's
+implementation (eager/'s per-device programs), its lowering inside jit (traced.py's
 shard_map, or custom_partitioning where only XLA knows the source layout), its JVP and
 transpose (a reshard is linear: the cotangent is resharded back to the source layout,
 on Explicit axes the one in the source's type, and a converting reshard's cotangent

@@ -1,4 +1,4 @@
-"""`python -m jax_m2n.bench`: jax_m2n's benchmarks (notes/benchmarking.md is the method).
+"""`python -m jax_m2n.bench`: jax_m2n's benchmarks (docs/benchmarks.md, "Method").
 
 Usage:
   python -m jax_m2n.bench                                   # refit,colocated,planner
@@ -254,7 +254,7 @@ def _main(argv) -> int:
     link = {"gbps": settings.link_gbps, "source": "--link_gbps"}
   elif on_gpu:
     link = {"gbps": runner.GPU_LINK_GBPS,
-            "source": "measured H200 NVLink one-way, notes/gpu-machine.md"}
+            "source": "measured H200 NVLink one-way (PyTorch copy_, 1 GiB)"}
   else:
     m = timing.memcpy_gbps()
     link = {"gbps": m["best_gbps"], "source": "numpy copy bandwidth measured now (best "

@@ -29,7 +29,8 @@ from jax_m2n.bench import suites
 from jax_m2n.bench import timing
 
 SCHEMA = 1
-# notes/gpu-machine.md: measured one-way NVLink bandwidth per H200 (PyTorch copy_, 1 GiB).
+# Measured one-way NVLink bandwidth per H200 (PyTorch copy_, 1 GiB; docs/benchmarks.md,
+# "Method").
 GPU_LINK_GBPS = 391.0
 
 

@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 
-# NVLink multicast stays off in every process (notes/gpu-machine.md).
+# NVLink multicast stays off in every process (docs/benchmarks.md, "Running").
 _NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
              "NVSHMEM_DISABLE_NVLS": "1"}
 

@@ -38,7 +38,7 @@ class _Worker:
   A handler that waits for its peers inside the dispatch (CUDA's host rendezvous; CPU
   where XLA runs the program inline) needs the programs of one reshard dispatched
   concurrently: dispatched one after another from one Python thread they run one after
-  another and the first waits forever (DESIGN.md, "Dispatch"). One thread per device,
+  another and the first waits forever (docs/design.md, "Dispatch"). One thread per device,
   reused by every call (starting threads per call would cost more than a 1 KiB reshard).
   A bare queue, not a ThreadPoolExecutor: a call posts its programs without futures
   (executor.submit and waiting on futures cost about 10 us per device per call).
