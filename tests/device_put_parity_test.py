@@ -24,6 +24,7 @@ from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 import jax_m2n  # noqa: E402
 from jax_m2n._src import jax_compat  # noqa: E402
+from plan_strategies import partition_specs  # noqa: E402
 
 SETTINGS = hypothesis.settings(max_examples=15, deadline=None, derandomize=True,
                                suppress_health_check=list(hypothesis.HealthCheck))
@@ -387,15 +388,6 @@ ONE_MESHES = [((8,), ("x",)), ((2, 4), ("a", "b")), ((4, 2), ("a", "b")),
 DTYPES = [np.int8, np.bool_, jnp.bfloat16, np.uint16, np.float32, np.int32, np.complex64]
 
 
-def _draw_spec(draw, names, ndim):
-  """A PartitionSpec: each mesh axis on at most one dim; unused axes replicate."""
-  axes = list(draw(st.permutations(names)))[:draw(st.integers(0, len(names)))]
-  dims = [[] for _ in range(ndim)]
-  for a in axes:
-    dims[draw(st.integers(0, ndim - 1))].append(a)
-  return P(*[None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims])
-
-
 @st.composite
 def two_mesh_layouts(draw, one_mesh=False):
   """(src, dst, shape, dtype, seed): layouts on meshes of the same 8 devices (the same
@@ -404,8 +396,8 @@ def two_mesh_layouts(draw, one_mesh=False):
   dst_mesh = src_mesh if one_mesh else mesh(range(8), *draw(st.sampled_from(ONE_MESHES)))
   ndim = draw(st.integers(1, 3))
   shape = tuple(draw(st.sampled_from([8, 16, 24])) for _ in range(ndim))
-  return (NamedSharding(src_mesh, _draw_spec(draw, src_mesh.axis_names, ndim)),
-          NamedSharding(dst_mesh, _draw_spec(draw, dst_mesh.axis_names, ndim)), shape,
+  return (NamedSharding(src_mesh, draw(partition_specs(src_mesh.axis_names, ndim))),
+          NamedSharding(dst_mesh, draw(partition_specs(dst_mesh.axis_names, ndim))), shape,
           draw(st.sampled_from(DTYPES)), draw(st.integers(0, 100)))
 
 
