@@ -156,18 +156,24 @@ int64_t Schedule::RequiredWorkspaceBytes(int32_t participant) const {
   return std::max<int64_t>(1, ws_bytes[participant]);
 }
 
-ffi::ErrorOr<Schedule> DecodeSchedule(ffi::Span<const int64_t> encoded) {
-  const int64_t size = static_cast<int64_t>(encoded.size());
-  const int64_t* a = encoded.begin();
-  auto fail = [](ffi::Error error) -> ffi::ErrorOr<Schedule> {
-    return ffi::Unexpected<ffi::Error>(std::move(error));
-  };
-#define JAX_M2N_SCHEDULE_FAIL(message) \
-  return fail(                         \
-      JAX_M2N_ERROR(kInvalidArgument, std::string("schedule: ") + (message)))
+namespace {
 
+// A decoding error: "schedule: <message>" with this file and line.
+#define JAX_M2N_SCHEDULE_ERROR(message) \
+  JAX_M2N_ERROR(kInvalidArgument, std::string("schedule: ") + (message))
+
+// The header's counts (docs/schedule_format.md, "The `schedule` array").
+struct Header {
+  int64_t n_tensors = 0, n_devices = 0, n_steps = 0, n_ops = 0;
+};
+
+// (participant, kind, slot) -> tensor: a slot holds one tensor.
+using SlotTensors = std::unordered_map<uint64_t, int64_t>;
+
+// The header: magic, version, widths, and counts that add up to the attribute's size.
+ffi::Error DecodeHeader(const int64_t* a, int64_t size, Header* h) {
   if (size < kHeaderWidth) {
-    JAX_M2N_SCHEDULE_FAIL(
+    return JAX_M2N_SCHEDULE_ERROR(
         "the attribute must hold at least the " + std::to_string(kHeaderWidth) +
         "-element header; got " + std::to_string(size) + " elements");
   }
@@ -175,79 +181,78 @@ ffi::ErrorOr<Schedule> DecodeSchedule(ffi::Span<const int64_t> encoded) {
                 n_devices = a[3], n_steps = a[4], n_ops = a[5], op_width = a[6],
                 max_rank = a[7];
   if (magic != kScheduleMagic) {
-    JAX_M2N_SCHEDULE_FAIL("header MAGIC must be " + Hex(kScheduleMagic) +
-                          " (\"M2N_\"); got " + Hex(magic) +
-                          ": not a jax_m2n schedule");
+    return JAX_M2N_SCHEDULE_ERROR("header MAGIC must be " + Hex(kScheduleMagic) +
+                                  " (\"M2N_\"); got " + Hex(magic) +
+                                  ": not a jax_m2n schedule");
   }
   if (version != kScheduleVersion) {
-    JAX_M2N_SCHEDULE_FAIL(
+    return JAX_M2N_SCHEDULE_ERROR(
         "header VERSION must be " + std::to_string(kScheduleVersion) +
         " (the version this extension decodes); got " +
         std::to_string(version) +
         ": the Python package and the extension are out of step, rebuild");
   }
   if (op_width != kOpWidth) {
-    JAX_M2N_SCHEDULE_FAIL("header OP_WIDTH must be " +
-                          std::to_string(kOpWidth) + "; got " +
-                          std::to_string(op_width));
+    return JAX_M2N_SCHEDULE_ERROR("header OP_WIDTH must be " +
+                                  std::to_string(kOpWidth) + "; got " +
+                                  std::to_string(op_width));
   }
   if (max_rank != kMaxRank) {
-    JAX_M2N_SCHEDULE_FAIL("header MAX_RANK must be " +
-                          std::to_string(kMaxRank) + "; got " +
-                          std::to_string(max_rank));
+    return JAX_M2N_SCHEDULE_ERROR("header MAX_RANK must be " +
+                                  std::to_string(kMaxRank) + "; got " +
+                                  std::to_string(max_rank));
   }
   if (n_tensors < 0 || n_tensors > size) {
-    JAX_M2N_SCHEDULE_FAIL("header n_tensors must be in [0, " +
-                          std::to_string(size) + "]; got " +
-                          std::to_string(n_tensors));
+    return JAX_M2N_SCHEDULE_ERROR("header n_tensors must be in [0, " +
+                                  std::to_string(size) + "]; got " +
+                                  std::to_string(n_tensors));
   }
   if (n_devices < 1 || n_devices > size) {
-    JAX_M2N_SCHEDULE_FAIL("header n_devices must be in [1, " +
-                          std::to_string(size) + "]; got " +
-                          std::to_string(n_devices));
+    return JAX_M2N_SCHEDULE_ERROR("header n_devices must be in [1, " +
+                                  std::to_string(size) + "]; got " +
+                                  std::to_string(n_devices));
   }
   if (n_steps < 0 || n_steps > (int64_t{1} << 30)) {
-    JAX_M2N_SCHEDULE_FAIL("header n_steps must be in [0, 2^30]; got " +
-                          std::to_string(n_steps));
+    return JAX_M2N_SCHEDULE_ERROR("header n_steps must be in [0, 2^30]; got " +
+                                  std::to_string(n_steps));
   }
   if (n_ops < 0 || n_ops > size || n_ops > INT32_MAX) {
-    JAX_M2N_SCHEDULE_FAIL("header n_ops must be in [0, " +
-                          std::to_string(std::min<int64_t>(size, INT32_MAX)) +
-                          "]; got " + std::to_string(n_ops));
+    return JAX_M2N_SCHEDULE_ERROR("header n_ops must be in [0, " +
+                                  std::to_string(std::min<int64_t>(size, INT32_MAX)) +
+                                  "]; got " + std::to_string(n_ops));
   }
   // Each count is <= size (< 2^60 for any real attribute): no overflow here.
   const int64_t expected = kHeaderWidth + 2 * n_devices +
                            kTensorWidth * n_tensors + kOpWidth * n_ops;
   if (expected != size) {
-    JAX_M2N_SCHEDULE_FAIL("sizes must add up: 8 + 2 * n_devices (" +
-                          std::to_string(n_devices) + ") + " + std::to_string(kTensorWidth) +
-                          " * n_tensors (" +
-                          std::to_string(n_tensors) + ") + 35 * n_ops (" +
-                          std::to_string(n_ops) +
-                          ") = " + std::to_string(expected) +
-                          " elements; got " + std::to_string(size));
+    return JAX_M2N_SCHEDULE_ERROR("sizes must add up: 8 + 2 * n_devices (" +
+                                  std::to_string(n_devices) + ") + " +
+                                  std::to_string(kTensorWidth) + " * n_tensors (" +
+                                  std::to_string(n_tensors) + ") + 35 * n_ops (" +
+                                  std::to_string(n_ops) +
+                                  ") = " + std::to_string(expected) +
+                                  " elements; got " + std::to_string(size));
   }
+  h->n_tensors = n_tensors;
+  h->n_devices = n_devices;
+  h->n_steps = n_steps;
+  h->n_ops = n_ops;
+  return ffi::Error::Success();
+}
 
-  Schedule s;
-  s.n_steps = n_steps;
-  Fingerprint fp;
-  for (int i = 0; i < kHeaderWidth; ++i) {
-    if (i != 5) fp.Add(a[i]);  // n_ops differs between per-device encodings
-  }
-
-  // devices, ws
-  const int64_t* devices = a + kHeaderWidth;
-  const int64_t* ws = devices + n_devices;
-  s.devices.assign(devices, devices + n_devices);
-  s.ws_bytes.assign(ws, ws + n_devices);
+// The participants: global device ids, ascending, and each one's workspace bytes.
+ffi::Error DecodeDevices(const int64_t* devices, const int64_t* ws, int64_t n_devices,
+                         Schedule* s, Fingerprint* fp) {
+  s->devices.assign(devices, devices + n_devices);
+  s->ws_bytes.assign(ws, ws + n_devices);
   for (int64_t i = 0; i < n_devices; ++i) {
     if (devices[i] < 0 || devices[i] > INT32_MAX) {
-      JAX_M2N_SCHEDULE_FAIL("devices[" + std::to_string(i) +
-                            "] must be a global device id in [0, 2^31); got " +
-                            std::to_string(devices[i]));
+      return JAX_M2N_SCHEDULE_ERROR("devices[" + std::to_string(i) +
+                                    "] must be a global device id in [0, 2^31); got " +
+                                    std::to_string(devices[i]));
     }
     if (i > 0 && devices[i] <= devices[i - 1]) {
-      JAX_M2N_SCHEDULE_FAIL(
+      return JAX_M2N_SCHEDULE_ERROR(
           "devices must be sorted ascending without repeats; "
           "got devices[" +
           std::to_string(i - 1) + "] = " + std::to_string(devices[i - 1]) +
@@ -255,249 +260,305 @@ ffi::ErrorOr<Schedule> DecodeSchedule(ffi::Span<const int64_t> encoded) {
           "] = " + std::to_string(devices[i]));
     }
     if (ws[i] < 0) {
-      JAX_M2N_SCHEDULE_FAIL("ws[" + std::to_string(i) + "] (device " +
-                            std::to_string(devices[i]) +
-                            ") must be >= 0 bytes; got " +
-                            std::to_string(ws[i]));
+      return JAX_M2N_SCHEDULE_ERROR("ws[" + std::to_string(i) + "] (device " +
+                                    std::to_string(devices[i]) +
+                                    ") must be >= 0 bytes; got " +
+                                    std::to_string(ws[i]));
     }
-    fp.Add(devices[i]);
-    fp.Add(ws[i]);
+    fp->Add(devices[i]);
+    fp->Add(ws[i]);
+  }
+  return ffi::Error::Success();
+}
+
+// One tensor record: element bytes, rank, dims (zero-padded), conversion codes.
+ffi::Error DecodeTensor(const int64_t* row, int64_t t, TensorSpec* spec) {
+  const std::string name = "tensor " + std::to_string(t);
+  spec->elem_bytes = row[0];
+  spec->rank = row[1];
+  if (spec->elem_bytes < 1 || spec->elem_bytes > 1024) {
+    return JAX_M2N_SCHEDULE_ERROR(name + ": elem_bytes must be in [1, 1024]; got " +
+                                  std::to_string(spec->elem_bytes));
+  }
+  if (spec->rank < 0 || spec->rank > kMaxRank) {
+    return JAX_M2N_SCHEDULE_ERROR(name + ": rank must be in [0, " +
+                                  std::to_string(kMaxRank) + "]; got " +
+                                  std::to_string(spec->rank));
+  }
+  int64_t bytes = spec->elem_bytes;
+  for (int64_t d = 0; d < kMaxRank; ++d) {
+    const int64_t dim = row[2 + d];
+    spec->dims[d] = dim;
+    if (d < spec->rank) {
+      if (dim < 0) {
+        return JAX_M2N_SCHEDULE_ERROR(name + ": dim_" + std::to_string(d) +
+                                      " must be >= 0; got " + std::to_string(dim));
+      }
+      if (MulOverflows(bytes, dim, &bytes)) {
+        return JAX_M2N_SCHEDULE_ERROR(name + ": byte size overflows int64 (dims " +
+                                      FormatSpan(row + 2, spec->rank) + ")");
+      }
+    } else if (dim != 0) {
+      return JAX_M2N_SCHEDULE_ERROR(name + ": dim_" + std::to_string(d) +
+                                    " must be 0 (padding beyond rank " +
+                                    std::to_string(spec->rank) + "); got " +
+                                    std::to_string(dim));
+    }
+  }
+  spec->bytes = bytes;
+  // Conversion: both 0, or two distinct fused types with elem_bytes the
+  // size of the narrower (the wire type).
+  const int64_t src_code = row[2 + kMaxRank], dst_code = row[3 + kMaxRank];
+  for (const auto& [field, code] : {std::make_pair("src_type", src_code),
+                                    std::make_pair("dst_type", dst_code)}) {
+    if (code < 0 || code >= kNumElemTypes) {
+      return JAX_M2N_SCHEDULE_ERROR(
+          name + ": " + field +
+          " must be a type code in [0, 5] (0 none, 1 f32, 2 f16, 3 bf16, "
+          "4 f8_e4m3fn, 5 f8_e5m2); got " +
+          std::to_string(code));
+    }
+  }
+  if ((src_code == 0) != (dst_code == 0) ||
+      (src_code != 0 && src_code == dst_code)) {
+    return JAX_M2N_SCHEDULE_ERROR(
+        name +
+        ": src_type and dst_type must both be 0 (no conversion) or two "
+        "different types; got src_type = " +
+        std::to_string(src_code) + ", dst_type = " +
+        std::to_string(dst_code));
+  }
+  if (src_code != 0) {
+    spec->src_type = static_cast<ElemType>(src_code);
+    spec->dst_type = static_cast<ElemType>(dst_code);
+    spec->wire_type =
+        ElemTypeBytes(spec->dst_type) <= ElemTypeBytes(spec->src_type)
+            ? spec->dst_type
+            : spec->src_type;
+    if (spec->elem_bytes != ElemTypeBytes(spec->wire_type)) {
+      return JAX_M2N_SCHEDULE_ERROR(
+          name + ": elem_bytes must be " +
+          std::to_string(ElemTypeBytes(spec->wire_type)) +
+          " (the wire type " + ElemTypeName(spec->wire_type) +
+          " of a conversion " + ElemTypeName(spec->src_type) + " -> " +
+          ElemTypeName(spec->dst_type) + "); got " +
+          std::to_string(spec->elem_bytes));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// An op's box: per dim its extent and the start in each side's buffer (local
+// coordinates); dims beyond the tensor's rank are (1, 0, 0). Sets op->extent, the
+// ends' starts and op->bytes.
+ffi::Error DecodeBox(const int64_t* row, const TensorSpec& spec,
+                     const std::string& full_name, Op* op) {
+  op->bytes = spec.elem_bytes;
+  for (int64_t d = 0; d < kMaxRank; ++d) {
+    const int64_t extent = row[kOpFixedWidth + 3 * d];
+    const int64_t src_start = row[kOpFixedWidth + 3 * d + 1];
+    const int64_t dst_start = row[kOpFixedWidth + 3 * d + 2];
+    op->extent[d] = extent;
+    op->src.start[d] = src_start;
+    op->dst.start[d] = dst_start;
+    const std::string dim = "[" + std::to_string(d) + "]";
+    if (d >= spec.rank) {
+      if (extent != 1 || src_start != 0 || dst_start != 0) {
+        return JAX_M2N_SCHEDULE_ERROR(
+            full_name + ": dim " + std::to_string(d) +
+            " is beyond the tensor's rank " + std::to_string(spec.rank) +
+            " and must be (extent 1, start 0, start 0); got (" +
+            std::to_string(extent) + ", " + std::to_string(src_start) + ", " +
+            std::to_string(dst_start) + ")");
+      }
+      continue;
+    }
+    if (extent < 0 || extent > spec.dims[d]) {
+      return JAX_M2N_SCHEDULE_ERROR(
+          full_name + ": extent" + dim + " must be in [0, " +
+          std::to_string(spec.dims[d]) + "] (tensor dim " +
+          std::to_string(d) + "); got " + std::to_string(extent));
+    }
+    for (const auto& [side, start] :
+         {std::make_pair("src.start", src_start),
+          std::make_pair("dst.start", dst_start)}) {
+      // Local coordinates: a shard is never larger than the global tensor.
+      if (start < 0 || start > spec.dims[d] - extent) {
+        return JAX_M2N_SCHEDULE_ERROR(full_name + ": " + side + dim + " = " +
+                                      std::to_string(start) + " with extent " +
+                                      std::to_string(extent) +
+                                      " must lie in tensor dim " + std::to_string(d) +
+                                      " = " + std::to_string(spec.dims[d]));
+      }
+    }
+    op->bytes *= extent;  // <= spec.bytes: no overflow
+  }
+  return ffi::Error::Success();
+}
+
+// One end of an op (side 0: src, 1: dst): its device (a participant), buffer kind and
+// slot (a workspace offset for the workspace), and staging area. A buffer holds one
+// tensor across all ops (`slot_tensor`).
+ffi::Error DecodeEnd(const int64_t* row, int side, const Schedule& s,
+                     const TensorSpec& spec, const std::string& full_name,
+                     int64_t n_tensors, SlotTensors* slot_tensor, Op* op) {
+  OpEnd& end = side == 0 ? op->src : op->dst;
+  const char* which = side == 0 ? "src" : "dst";
+  const int64_t device = row[side == 0 ? 3 : 6];
+  const int64_t kind = row[side == 0 ? 4 : 7];
+  const int64_t slot = row[side == 0 ? 5 : 8];
+  const int64_t pack = row[side == 0 ? 9 : 10];
+  end.device = device;
+  end.participant = s.ParticipantIndex(device);
+  if (end.participant < 0) {
+    return JAX_M2N_SCHEDULE_ERROR(
+        full_name + ": " + which + "_dev = " + std::to_string(device) +
+        " must be one of the devices " + FormatList(s.devices));
+  }
+  const int64_t min_kind = side == 0 ? 0 : 1;
+  if (kind < min_kind || kind > 2) {
+    return JAX_M2N_SCHEDULE_ERROR(full_name + ": " + which + "_kind must be " +
+                                  (side == 0
+                                       ? "0 (operand), 1 (result) or 2 (workspace)"
+                                       : "1 (result) or 2 (workspace)") +
+                                  "; got " + std::to_string(kind));
+  }
+  end.kind = static_cast<BufferKind>(kind);
+  end.slot = slot;
+  end.pack = pack;
+  const int64_t ws_bytes = s.ws_bytes[end.participant];
+  if (end.kind == BufferKind::kWorkspace) {
+    if (slot < 0 || slot > ws_bytes - spec.bytes) {
+      return JAX_M2N_SCHEDULE_ERROR(
+          full_name + ": " + which + "_slot = " + std::to_string(slot) +
+          " is a workspace offset: the whole tensor (" +
+          std::to_string(spec.bytes) + " bytes) must fit in ws[device " +
+          std::to_string(device) + "] = " + std::to_string(ws_bytes) +
+          " bytes");
+    }
+  } else if (slot < 0 || slot >= n_tensors) {
+    // A device has at most one operand and one result per tensor.
+    return JAX_M2N_SCHEDULE_ERROR(full_name + ": " + which +
+                                  "_slot = " + std::to_string(slot) + " is a " +
+                                  BufferKindName(end.kind) +
+                                  " index and must be in [0, n_tensors = " +
+                                  std::to_string(n_tensors) + ")");
+  }
+  const uint64_t key =
+      ((static_cast<uint64_t>(end.participant) << 2 | kind) << 40) ^
+      static_cast<uint64_t>(slot);
+  auto [it, inserted] = slot_tensor->emplace(key, op->tensor);
+  if (!inserted && it->second != op->tensor) {
+    return JAX_M2N_SCHEDULE_ERROR(
+        full_name + ": " + which + " " + BufferKindName(end.kind) + " " +
+        std::to_string(slot) + " of device " + std::to_string(device) +
+        " holds tensor " + std::to_string(it->second) +
+        " in an earlier op; one buffer must hold one tensor");
+  }
+  if (pack < -1 || (pack >= 0 && pack > ws_bytes - op->bytes)) {
+    return JAX_M2N_SCHEDULE_ERROR(
+        full_name + ": " + which + "_pack = " + std::to_string(pack) +
+        " must be -1 or a staging area of " + std::to_string(op->bytes) +
+        " bytes inside ws[device " + std::to_string(device) +
+        "] = " + std::to_string(ws_bytes) + " bytes");
+  }
+  return ffi::Error::Success();
+}
+
+// Op i: its step (ops sorted by step), stage, tensor, box and both ends.
+ffi::Error DecodeOp(const int64_t* row, int64_t i, const Header& h, Schedule* s,
+                    int64_t* prev_step, SlotTensors* slot_tensor) {
+  Op& op = s->ops[i];
+  const std::string name = "op " + std::to_string(i);
+  op.step = row[0];
+  if (op.step < 0 || op.step >= h.n_steps) {
+    return JAX_M2N_SCHEDULE_ERROR(
+        name + ": step must be in [0, n_steps = " + std::to_string(h.n_steps) +
+        "); got " + std::to_string(op.step));
+  }
+  if (op.step < *prev_step) {
+    return JAX_M2N_SCHEDULE_ERROR(name + ": ops must be sorted by step; got step " +
+                                  std::to_string(op.step) + " after step " +
+                                  std::to_string(*prev_step));
+  }
+  *prev_step = op.step;
+  if (row[1] < 0 || row[1] >= kNumStages) {
+    return JAX_M2N_SCHEDULE_ERROR(name +
+                                  ": stage must be in [0, 5] (local, inject, "
+                                  "forward, fanout, gather, bcast); got " +
+                                  std::to_string(row[1]));
+  }
+  op.stage = static_cast<Stage>(row[1]);
+  op.tensor = row[2];
+  if (op.tensor < 0 || op.tensor >= h.n_tensors) {
+    return JAX_M2N_SCHEDULE_ERROR(name + ": tensor must be in [0, n_tensors = " +
+                                  std::to_string(h.n_tensors) + "); got " +
+                                  std::to_string(op.tensor));
+  }
+  const TensorSpec& spec = s->tensors[op.tensor];
+  const std::string full_name = OpName(i, op);
+  if (ffi::Error e = DecodeBox(row, spec, full_name, &op); e.failure()) return e;
+  for (int side = 0; side < 2; ++side) {
+    ffi::Error e = DecodeEnd(row, side, *s, spec, full_name, h.n_tensors, slot_tensor,
+                             &op);
+    if (e.failure()) return e;
+  }
+  s->ops_by_dst[op.dst.participant].push_back(static_cast<int32_t>(i));
+  s->ops_by_device[op.dst.participant].push_back(static_cast<int32_t>(i));
+  if (op.src.participant != op.dst.participant) {
+    s->ops_by_device[op.src.participant].push_back(static_cast<int32_t>(i));
+  }
+  return ffi::Error::Success();
+}
+
+#undef JAX_M2N_SCHEDULE_ERROR
+
+}  // namespace
+
+// The attribute in its order (docs/schedule_format.md): header, devices and their
+// workspace bytes, tensor records, op records; each section checked as it is read.
+ffi::ErrorOr<Schedule> DecodeSchedule(ffi::Span<const int64_t> encoded) {
+  const int64_t size = static_cast<int64_t>(encoded.size());
+  const int64_t* a = encoded.begin();
+  auto fail = [](ffi::Error error) -> ffi::ErrorOr<Schedule> {
+    return ffi::Unexpected<ffi::Error>(std::move(error));
+  };
+  Header h;
+  if (ffi::Error e = DecodeHeader(a, size, &h); e.failure()) return fail(std::move(e));
+
+  Schedule s;
+  s.n_steps = h.n_steps;
+  Fingerprint fp;
+  for (int i = 0; i < kHeaderWidth; ++i) {
+    if (i != 5) fp.Add(a[i]);  // n_ops differs between per-device encodings
+  }
+  const int64_t* devices = a + kHeaderWidth;
+  const int64_t* ws = devices + h.n_devices;
+  if (ffi::Error e = DecodeDevices(devices, ws, h.n_devices, &s, &fp); e.failure()) {
+    return fail(std::move(e));
   }
 
-  // tensors
-  const int64_t* tensors = ws + n_devices;
-  s.tensors.resize(n_tensors);
-  for (int64_t t = 0; t < n_tensors; ++t) {
+  const int64_t* tensors = ws + h.n_devices;
+  s.tensors.resize(h.n_tensors);
+  for (int64_t t = 0; t < h.n_tensors; ++t) {
     const int64_t* row = tensors + t * kTensorWidth;
     for (int i = 0; i < kTensorWidth; ++i) fp.Add(row[i]);
-    TensorSpec& spec = s.tensors[t];
-    const std::string name = "tensor " + std::to_string(t);
-    spec.elem_bytes = row[0];
-    spec.rank = row[1];
-    if (spec.elem_bytes < 1 || spec.elem_bytes > 1024) {
-      JAX_M2N_SCHEDULE_FAIL(name + ": elem_bytes must be in [1, 1024]; got " +
-                            std::to_string(spec.elem_bytes));
-    }
-    if (spec.rank < 0 || spec.rank > kMaxRank) {
-      JAX_M2N_SCHEDULE_FAIL(name + ": rank must be in [0, " +
-                            std::to_string(kMaxRank) + "]; got " +
-                            std::to_string(spec.rank));
-    }
-    int64_t bytes = spec.elem_bytes;
-    for (int64_t d = 0; d < kMaxRank; ++d) {
-      const int64_t dim = row[2 + d];
-      spec.dims[d] = dim;
-      if (d < spec.rank) {
-        if (dim < 0) {
-          JAX_M2N_SCHEDULE_FAIL(name + ": dim_" + std::to_string(d) +
-                                " must be >= 0; got " + std::to_string(dim));
-        }
-        if (MulOverflows(bytes, dim, &bytes)) {
-          JAX_M2N_SCHEDULE_FAIL(name + ": byte size overflows int64 (dims " +
-                                FormatSpan(row + 2, spec.rank) + ")");
-        }
-      } else if (dim != 0) {
-        JAX_M2N_SCHEDULE_FAIL(name + ": dim_" + std::to_string(d) +
-                              " must be 0 (padding beyond rank " +
-                              std::to_string(spec.rank) + "); got " +
-                              std::to_string(dim));
-      }
-    }
-    spec.bytes = bytes;
-    // Conversion: both 0, or two distinct fused types with elem_bytes the
-    // size of the narrower (the wire type).
-    const int64_t src_code = row[2 + kMaxRank], dst_code = row[3 + kMaxRank];
-    for (const auto& [field, code] : {std::make_pair("src_type", src_code),
-                                      std::make_pair("dst_type", dst_code)}) {
-      if (code < 0 || code >= kNumElemTypes) {
-        JAX_M2N_SCHEDULE_FAIL(
-            name + ": " + field +
-            " must be a type code in [0, 5] (0 none, 1 f32, 2 f16, 3 bf16, "
-            "4 f8_e4m3fn, 5 f8_e5m2); got " +
-            std::to_string(code));
-      }
-    }
-    if ((src_code == 0) != (dst_code == 0) ||
-        (src_code != 0 && src_code == dst_code)) {
-      JAX_M2N_SCHEDULE_FAIL(
-          name +
-          ": src_type and dst_type must both be 0 (no conversion) or two "
-          "different types; got src_type = " +
-          std::to_string(src_code) + ", dst_type = " +
-          std::to_string(dst_code));
-    }
-    if (src_code != 0) {
-      spec.src_type = static_cast<ElemType>(src_code);
-      spec.dst_type = static_cast<ElemType>(dst_code);
-      spec.wire_type =
-          ElemTypeBytes(spec.dst_type) <= ElemTypeBytes(spec.src_type)
-              ? spec.dst_type
-              : spec.src_type;
-      if (spec.elem_bytes != ElemTypeBytes(spec.wire_type)) {
-        JAX_M2N_SCHEDULE_FAIL(
-            name + ": elem_bytes must be " +
-            std::to_string(ElemTypeBytes(spec.wire_type)) +
-            " (the wire type " + ElemTypeName(spec.wire_type) +
-            " of a conversion " + ElemTypeName(spec.src_type) + " -> " +
-            ElemTypeName(spec.dst_type) + "); got " +
-            std::to_string(spec.elem_bytes));
-      }
+    if (ffi::Error e = DecodeTensor(row, t, &s.tensors[t]); e.failure()) {
+      return fail(std::move(e));
     }
   }
   s.fingerprint = fp.value();
 
-  // ops
-  const int64_t* ops = tensors + n_tensors * kTensorWidth;
-  s.ops.resize(n_ops);
-  s.ops_by_dst.resize(n_devices);
-  s.ops_by_device.resize(n_devices);
-  // (participant, kind, slot) -> tensor: a slot holds one tensor.
-  std::unordered_map<uint64_t, int64_t> slot_tensor;
+  const int64_t* ops = tensors + h.n_tensors * kTensorWidth;
+  s.ops.resize(h.n_ops);
+  s.ops_by_dst.resize(h.n_devices);
+  s.ops_by_device.resize(h.n_devices);
+  SlotTensors slot_tensor;
   int64_t prev_step = 0;
-  for (int64_t i = 0; i < n_ops; ++i) {
-    const int64_t* row = ops + i * kOpWidth;
-    Op& op = s.ops[i];
-    const std::string name = "op " + std::to_string(i);
-    op.step = row[0];
-    if (op.step < 0 || op.step >= n_steps) {
-      JAX_M2N_SCHEDULE_FAIL(
-          name + ": step must be in [0, n_steps = " + std::to_string(n_steps) +
-          "); got " + std::to_string(op.step));
-    }
-    if (op.step < prev_step) {
-      JAX_M2N_SCHEDULE_FAIL(name + ": ops must be sorted by step; got step " +
-                            std::to_string(op.step) + " after step " +
-                            std::to_string(prev_step));
-    }
-    prev_step = op.step;
-    if (row[1] < 0 || row[1] >= kNumStages) {
-      JAX_M2N_SCHEDULE_FAIL(name +
-                            ": stage must be in [0, 5] (local, inject, "
-                            "forward, fanout, gather, bcast); got " +
-                            std::to_string(row[1]));
-    }
-    op.stage = static_cast<Stage>(row[1]);
-    op.tensor = row[2];
-    if (op.tensor < 0 || op.tensor >= n_tensors) {
-      JAX_M2N_SCHEDULE_FAIL(name + ": tensor must be in [0, n_tensors = " +
-                            std::to_string(n_tensors) + "); got " +
-                            std::to_string(op.tensor));
-    }
-    const TensorSpec& spec = s.tensors[op.tensor];
-    const std::string full_name = OpName(i, op);
-
-    // Box: extent and starts; unused dims (1, 0, 0).
-    op.bytes = spec.elem_bytes;
-    for (int64_t d = 0; d < kMaxRank; ++d) {
-      const int64_t extent = row[kOpFixedWidth + 3 * d];
-      const int64_t src_start = row[kOpFixedWidth + 3 * d + 1];
-      const int64_t dst_start = row[kOpFixedWidth + 3 * d + 2];
-      op.extent[d] = extent;
-      op.src.start[d] = src_start;
-      op.dst.start[d] = dst_start;
-      const std::string dim = "[" + std::to_string(d) + "]";
-      if (d >= spec.rank) {
-        if (extent != 1 || src_start != 0 || dst_start != 0) {
-          JAX_M2N_SCHEDULE_FAIL(
-              full_name + ": dim " + std::to_string(d) +
-              " is beyond the tensor's rank " + std::to_string(spec.rank) +
-              " and must be (extent 1, start 0, start 0); got (" +
-              std::to_string(extent) + ", " + std::to_string(src_start) + ", " +
-              std::to_string(dst_start) + ")");
-        }
-        continue;
-      }
-      if (extent < 0 || extent > spec.dims[d]) {
-        JAX_M2N_SCHEDULE_FAIL(
-            full_name + ": extent" + dim + " must be in [0, " +
-            std::to_string(spec.dims[d]) + "] (tensor dim " +
-            std::to_string(d) + "); got " + std::to_string(extent));
-      }
-      for (const auto& [side, start] :
-           {std::make_pair("src.start", src_start),
-            std::make_pair("dst.start", dst_start)}) {
-        // Local coordinates: a shard is never larger than the global tensor.
-        if (start < 0 || start > spec.dims[d] - extent) {
-          JAX_M2N_SCHEDULE_FAIL(full_name + ": " + side + dim + " = " +
-                                std::to_string(start) + " with extent " +
-                                std::to_string(extent) +
-                                " must lie in tensor dim " + std::to_string(d) +
-                                " = " + std::to_string(spec.dims[d]));
-        }
-      }
-      op.bytes *= extent;  // <= spec.bytes: no overflow
-    }
-
-    // Ends.
-    for (int side = 0; side < 2; ++side) {
-      OpEnd& end = side == 0 ? op.src : op.dst;
-      const char* which = side == 0 ? "src" : "dst";
-      const int64_t device = row[side == 0 ? 3 : 6];
-      const int64_t kind = row[side == 0 ? 4 : 7];
-      const int64_t slot = row[side == 0 ? 5 : 8];
-      const int64_t pack = row[side == 0 ? 9 : 10];
-      end.device = device;
-      end.participant = s.ParticipantIndex(device);
-      if (end.participant < 0) {
-        JAX_M2N_SCHEDULE_FAIL(
-            full_name + ": " + which + "_dev = " + std::to_string(device) +
-            " must be one of the devices " + FormatList(s.devices));
-      }
-      const int64_t min_kind = side == 0 ? 0 : 1;
-      if (kind < min_kind || kind > 2) {
-        JAX_M2N_SCHEDULE_FAIL(full_name + ": " + which + "_kind must be " +
-                              (side == 0
-                                   ? "0 (operand), 1 (result) or 2 (workspace)"
-                                   : "1 (result) or 2 (workspace)") +
-                              "; got " + std::to_string(kind));
-      }
-      end.kind = static_cast<BufferKind>(kind);
-      end.slot = slot;
-      end.pack = pack;
-      const int64_t ws_bytes = s.ws_bytes[end.participant];
-      if (end.kind == BufferKind::kWorkspace) {
-        if (slot < 0 || slot > ws_bytes - spec.bytes) {
-          JAX_M2N_SCHEDULE_FAIL(
-              full_name + ": " + which + "_slot = " + std::to_string(slot) +
-              " is a workspace offset: the whole tensor (" +
-              std::to_string(spec.bytes) + " bytes) must fit in ws[device " +
-              std::to_string(device) + "] = " + std::to_string(ws_bytes) +
-              " bytes");
-        }
-      } else if (slot < 0 || slot >= n_tensors) {
-        // A device has at most one operand and one result per tensor.
-        JAX_M2N_SCHEDULE_FAIL(full_name + ": " + which +
-                              "_slot = " + std::to_string(slot) + " is a " +
-                              BufferKindName(end.kind) +
-                              " index and must be in [0, n_tensors = " +
-                              std::to_string(n_tensors) + ")");
-      }
-      const uint64_t key =
-          ((static_cast<uint64_t>(end.participant) << 2 | kind) << 40) ^
-          static_cast<uint64_t>(slot);
-      auto [it, inserted] = slot_tensor.emplace(key, op.tensor);
-      if (!inserted && it->second != op.tensor) {
-        JAX_M2N_SCHEDULE_FAIL(
-            full_name + ": " + which + " " + BufferKindName(end.kind) + " " +
-            std::to_string(slot) + " of device " + std::to_string(device) +
-            " holds tensor " + std::to_string(it->second) +
-            " in an earlier op; one buffer must hold one tensor");
-      }
-      if (pack < -1 || (pack >= 0 && pack > ws_bytes - op.bytes)) {
-        JAX_M2N_SCHEDULE_FAIL(
-            full_name + ": " + which + "_pack = " + std::to_string(pack) +
-            " must be -1 or a staging area of " + std::to_string(op.bytes) +
-            " bytes inside ws[device " + std::to_string(device) +
-            "] = " + std::to_string(ws_bytes) + " bytes");
-      }
-    }
-    s.ops_by_dst[op.dst.participant].push_back(static_cast<int32_t>(i));
-    s.ops_by_device[op.dst.participant].push_back(static_cast<int32_t>(i));
-    if (op.src.participant != op.dst.participant) {
-      s.ops_by_device[op.src.participant].push_back(static_cast<int32_t>(i));
-    }
+  for (int64_t i = 0; i < h.n_ops; ++i) {
+    ffi::Error e = DecodeOp(ops + i * kOpWidth, i, h, &s, &prev_step, &slot_tensor);
+    if (e.failure()) return fail(std::move(e));
   }
-#undef JAX_M2N_SCHEDULE_FAIL
   return s;
 }
 

@@ -72,21 +72,6 @@ CopyTemplate MakeCopy(const Geometry& g, BufferRef src, BufferRef dst, ElemType 
   return t;
 }
 
-const ffi::Span<const int64_t> DimsOf(const Schedule& s, const DeviceBufferShapes& shapes,
-                                      const Op& op, const OpEnd& end) {
-  switch (end.kind) {
-    case BufferKind::kOperand:
-      return shapes.operands[end.slot].dims;
-    case BufferKind::kResult:
-      return shapes.results[end.slot].dims;
-    case BufferKind::kWorkspace:
-    default: {
-      const TensorSpec& t = s.tensors[op.tensor];
-      return ffi::Span<const int64_t>(t.dims.data(), t.rank);
-    }
-  }
-}
-
 BufferRef RefOf(const OpEnd& end) {
   BufferRef r;
   r.kind = end.kind;
@@ -106,6 +91,35 @@ BufferRef Staging(int64_t pack) {
 }
 
 }  // namespace
+
+char* BufferBase(const DeviceBuffers& buffers, BufferKind kind, int64_t slot) {
+  switch (kind) {
+    case BufferKind::kOperand:
+      // Operands are read only; the transports never write through this pointer.
+      return const_cast<char*>(buffers.operands[slot]);
+    case BufferKind::kResult:
+      return buffers.results[slot];
+    case BufferKind::kWorkspace:
+    default:
+      return buffers.workspace;
+  }
+}
+
+ffi::Span<const int64_t> BufferDims(const Schedule& schedule,
+                                    const DeviceBufferShapes& shapes, const Op& op,
+                                    const OpEnd& end) {
+  switch (end.kind) {
+    case BufferKind::kOperand:
+      return shapes.operands[end.slot].dims;
+    case BufferKind::kResult:
+      return shapes.results[end.slot].dims;
+    case BufferKind::kWorkspace:
+    default: {
+      const TensorSpec& t = schedule.tensors[op.tensor];
+      return ffi::Span<const int64_t>(t.dims.data(), t.rank);
+    }
+  }
+}
 
 std::string OpLabel(const Schedule& s, int32_t index) {
   const Op& op = s.ops[index];
@@ -171,8 +185,8 @@ ffi::ErrorOr<DevicePlanPtr> BuildDevicePlan(const Schedule& s,
     const TensorSpec& t = s.tensors[op.tensor];
     const bool is_src = op.src.device == self, is_dst = op.dst.device == self;
     if (is_src && is_dst) {  // local: a device copy (converting in one kernel), no staging
-      ffi::Span<const int64_t> sd = DimsOf(s, shapes, op, op.src);
-      ffi::Span<const int64_t> dd = DimsOf(s, shapes, op, op.dst);
+      ffi::Span<const int64_t> sd = BufferDims(s, shapes, op, op.src);
+      ffi::Span<const int64_t> dd = BufferDims(s, shapes, op, op.dst);
       const ElemType st = TypeOf(t, op.src.kind), dt = TypeOf(t, op.dst.kind);
       Geometry g = Collapse(sd.begin(), op.src.start.data(), dd.begin(), op.dst.start.data(),
                             op.extent.data(), t.rank, ElemBytesOf(t, op.src.kind),
@@ -212,7 +226,7 @@ ffi::ErrorOr<DevicePlanPtr> BuildDevicePlan(const Schedule& s,
               " is not in the NCCL communicator (initialize(device_ids=...) must list "
               "every JAX device)"));
     }
-    ffi::Span<const int64_t> dims = DimsOf(s, shapes, op, mine);
+    ffi::Span<const int64_t> dims = BufferDims(s, shapes, op, mine);
     // The buffer's element type and the wire's (staging areas hold the wire type).
     const ElemType mine_type = TypeOf(t, mine.kind), wire = t.wire_type;
     const int64_t mine_bytes = ElemBytesOf(t, mine.kind);
@@ -293,20 +307,8 @@ void DevicePlanDeleter::operator()(DevicePlan* plan) const { delete plan; }
 
 namespace {
 
-const char* Base(const BufferRef& r, const DeviceBuffers& b) {
-  switch (r.kind) {
-    case BufferKind::kOperand:
-      return b.operands[r.slot];
-    case BufferKind::kResult:
-      return b.results[r.slot];
-    case BufferKind::kWorkspace:
-    default:
-      return b.workspace;
-  }
-}
-
-char* MutableBase(const BufferRef& r, const DeviceBuffers& b) {
-  return const_cast<char*>(Base(r, b));
+char* Base(const BufferRef& r, const DeviceBuffers& b) {
+  return BufferBase(b, r.kind, r.slot);
 }
 
 ffi::Error LaunchCopies(const std::vector<CopyTemplate>& templates, const DeviceBuffers& b,
@@ -316,7 +318,7 @@ ffi::Error LaunchCopies(const std::vector<CopyTemplate>& templates, const Device
   scratch->clear();
   for (const CopyTemplate& t : templates) {
     scratch->push_back(BoxCopyTask(t.g, Base(t.src, b) + t.src.offset,
-                                   MutableBase(t.dst, b) + t.dst.offset, t.src_type,
+                                   Base(t.dst, b) + t.dst.offset, t.src_type,
                                    t.dst_type));
   }
   cudaError_t err = LaunchCopyTasks(scratch->data(), static_cast<int>(scratch->size()), stream);
@@ -369,7 +371,7 @@ ffi::Error RunDevicePlan(const DevicePlan& plan, const DeviceBuffers& b, LocalRa
       return e;
     }
     for (const MemcpyTemplate& m : st.copies) {
-      cudaError_t err = cudaMemcpyAsync(MutableBase(m.dst, b) + m.dst.offset,
+      cudaError_t err = cudaMemcpyAsync(Base(m.dst, b) + m.dst.offset,
                                         Base(m.src, b) + m.src.offset, m.bytes,
                                         cudaMemcpyDeviceToDevice, stream);
       if (err != cudaSuccess) {
@@ -389,7 +391,7 @@ ffi::Error RunDevicePlan(const DevicePlan& plan, const DeviceBuffers& b, LocalRa
           r = nccl.Send(Base(p.buffer, b) + p.buffer.offset, static_cast<size_t>(p.bytes),
                         ncclUint8, p.peer_rank, rank->comm, stream);
         } else {
-          r = nccl.Recv(MutableBase(p.buffer, b) + p.buffer.offset,
+          r = nccl.Recv(Base(p.buffer, b) + p.buffer.offset,
                         static_cast<size_t>(p.bytes), ncclUint8, p.peer_rank, rank->comm,
                         stream);
         }

@@ -36,6 +36,17 @@ struct DeviceBuffers {
   char* workspace = nullptr;
 };
 
+// The base address of the buffer an op end names (kind and slot) among `buffers`: an
+// operand, a result, or the workspace (whose op ends carry a byte offset, not a slot).
+// Shared by this transport and the peer path (peer_transport.cc).
+char* BufferBase(const DeviceBuffers& buffers, BufferKind kind, int64_t slot);
+
+// The dims of the buffer an op end names: an operand's or a result's shard shape from
+// `shapes`, or for the workspace (full-tensor buffers) the tensor's global dims.
+::xla::ffi::Span<const int64_t> BufferDims(const Schedule& schedule,
+                                           const DeviceBufferShapes& shapes, const Op& op,
+                                           const OpEnd& end);
+
 // Builds the plan of participant `participant` of `schedule` for buffers of `shapes`
 // (checked with CheckDeviceBuffers), resolving peers to ranks of `comm`. The schedule
 // must outlive the plan.

@@ -227,17 +227,7 @@ std::vector<int64_t> SignatureOf(const std::vector<const PeerCall*>& calls, uint
 }
 
 ffi::Span<const int64_t> DimsOfEnd(const PeerCall& c, const Op& op, const OpEnd& end) {
-  switch (end.kind) {
-    case BufferKind::kOperand:
-      return c.shapes->operands[end.slot].dims;
-    case BufferKind::kResult:
-      return c.shapes->results[end.slot].dims;
-    case BufferKind::kWorkspace:
-    default: {
-      const TensorSpec& t = c.schedule->tensors[op.tensor];
-      return ffi::Span<const int64_t>(t.dims.data(), t.rank);
-    }
-  }
+  return BufferDims(*c.schedule, *c.shapes, op, end);
 }
 
 PeerRef RefOf(int32_t participant, const OpEnd& end, int64_t offset) {
@@ -471,17 +461,8 @@ ffi::ErrorOr<std::unique_ptr<PeerPlan>> BuildPeerPlan(const std::vector<const Pe
   return plan;
 }
 
-const char* BaseOf(const PeerRef& r, const std::vector<const PeerCall*>& calls) {
-  const DeviceBuffers& b = *calls[r.participant]->buffers;
-  switch (r.kind) {
-    case BufferKind::kOperand:
-      return b.operands[r.slot];
-    case BufferKind::kResult:
-      return b.results[r.slot];
-    case BufferKind::kWorkspace:
-    default:
-      return b.workspace;
-  }
+char* BaseOf(const PeerRef& r, const std::vector<const PeerCall*>& calls) {
+  return BufferBase(*calls[r.participant]->buffers, r.kind, r.slot);
 }
 
 // Enqueues a whole round. `calls` by participant; every call waits while this runs.
@@ -538,7 +519,7 @@ ffi::Error EnqueueRound(const PeerPlan& plan, const std::vector<const PeerCall*>
             w.dma_stream.empty() || w.dma_stream[i] == 0 ? stream
                                                           : plan.dma_extra[p][w.dma_stream[i] - 1];
         const char* src = BaseOf(o->src, calls) + o->src.offset;
-        char* dst = const_cast<char*>(BaseOf(o->dst, calls)) + o->dst.offset;
+        char* dst = BaseOf(o->dst, calls) + o->dst.offset;
         const int so = plan.ordinal[o->src.participant], dso = plan.ordinal[o->dst.participant];
         if (o->how == How::kMemcpy) {
           err = so == dso ? cudaMemcpyAsync(dst, src, o->bytes, cudaMemcpyDeviceToDevice,
@@ -577,7 +558,7 @@ ffi::Error EnqueueRound(const PeerPlan& plan, const std::vector<const PeerCall*>
         tasks.clear();
         for (const PeerOp* o : w.kernels) {
           tasks.push_back(BoxCopyTask(o->g, BaseOf(o->src, calls) + o->src.offset,
-                                      const_cast<char*>(BaseOf(o->dst, calls)) + o->dst.offset,
+                                      BaseOf(o->dst, calls) + o->dst.offset,
                                       o->src_type, o->dst_type));
         }
         err = LaunchCopyTasks(tasks.data(), static_cast<int>(tasks.size()), stream);
