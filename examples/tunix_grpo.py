@@ -16,6 +16,10 @@ on 8 CPU devices, $JAX_M2N_CPU_DEVICES to change):
   python examples/tunix_grpo.py --trainer=fsdp4 --steps=4 --json=out/tunix_grpo.json
 """
 
+# requirements: tunix
+# (The requirement sets this example needs beyond the main job's, files of
+# requirements/: ./scripts/run_example.sh installs them when it runs this example.)
+
 import os
 
 

@@ -6,14 +6,17 @@
 # it also runs alone). Idempotent: quiet, and a few seconds, when everything is there.
 #
 # Installs, only when missing: Bazel 4.2.3 (apt: bazel-bootstrap), python3-venv,
-# .venv with requirements.txt. apt needs root or sudo.
+# .venv with the requirement sets its caller names in SETUP_REQUIREMENTS (files under
+# the repository root; default requirements.txt, everything the tests need:
+# scripts/test.sh; scripts/run_example.sh names the main job's set,
+# requirements/runtime.txt, and the example's own). apt needs root or sudo.
 # CUDA: the CUDA extension is built when the machine has a CUDA toolkit (nvcc) and
 # the venv has NCCL's headers (bazel/local_cuda.bzl decides); otherwise the CPU
 # extension alone, and one line says so. A missing toolkit is never an error.
 #
 # Environment:
 #   JAX_M2N_PYTHON=/path/python  use this interpreter instead of .venv (nothing is
-#                                pip-installed; it must already meet requirements.txt)
+#                                pip-installed; it must already meet the requirements)
 #   JAX_M2N_BUILDER=bazel|cmake  how to build (default: bazel; cmake where Bazel is
 #                                absent but cmake, ninja and nanobind are there, as on
 #                                the GPU machines)
@@ -52,21 +55,35 @@ _apt_install() {
     </dev/null >/dev/null || _die "apt-get install $* failed"
 }
 
-# Exit status 0 when the interpreter $1 has every requirements.txt range.
+# Exit status 0 when the interpreter $1 has every range of the requirement files $2...
+# (`-r` includes followed).
 _requirements_met() {
-  "$1" - "$ROOT/requirements.txt" 2>/dev/null <<'PY'
-import importlib.metadata as md, sys
-from packaging.requirements import Requirement
-for line in open(sys.argv[1]):
-    line = line.split("#")[0].strip()
-    if line:
-        req = Requirement(line)
-        try:
-            version = md.version(req.name)
-        except md.PackageNotFoundError:
-            sys.exit(1)
-        if not req.specifier.contains(version, prereleases=True):
-            sys.exit(1)
+  local py=$1
+  shift
+  "$py" - "$@" 2>/dev/null <<'PY'
+import importlib.metadata as md, os, sys
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # a fresh venv: pip's own copy
+    from pip._vendor.packaging.requirements import Requirement
+
+def met(path):
+    for line in open(path):
+        line = line.split("#")[0].strip()
+        if line.startswith("-r "):
+            if not met(os.path.join(os.path.dirname(path), line[3:].strip())):
+                return False
+        elif line:
+            req = Requirement(line)
+            try:
+                version = md.version(req.name)
+            except md.PackageNotFoundError:
+                return False
+            if not req.specifier.contains(version, prereleases=True):
+                return False
+    return True
+
+sys.exit(0 if all(met(p) for p in sys.argv[1:]) else 1)
 PY
 }
 
@@ -110,11 +127,17 @@ or drop JAX_M2N_PYTHON: setup then creates .venv with requirements.txt."
     "$base" -m venv "$ROOT/.venv"
   fi
   "$PY" -c "" 2>/dev/null || _die "$PY does not run; remove .venv and run again"
-  if ! _requirements_met "$PY"; then
-    _log "pip install -r requirements.txt into .venv"
+  local files=() args=() f
+  for f in "${SETUP_REQUIREMENTS[@]:-requirements.txt}"; do
+    files+=("$ROOT/$f")
+    args+=(-r "$ROOT/$f")
+  done
+  if ! _requirements_met "$PY" "${files[@]}"; then
+    _log "pip install ${args[*]#"$ROOT/"} into .venv"
     # Quiet, but pip's errors (and /etc/xdg/pip constraints, if any) still apply.
-    "$PY" -m pip install -q --disable-pip-version-check -r "$ROOT/requirements.txt" </dev/null
-    _requirements_met "$PY" || _die "requirements.txt still not met after pip install"
+    "$PY" -m pip install -q --disable-pip-version-check "${args[@]}" </dev/null
+    _requirements_met "$PY" "${files[@]}" \
+      || _die "${SETUP_REQUIREMENTS[*]:-requirements.txt} still not met after pip install"
   fi
 }
 

@@ -123,3 +123,33 @@ def test_cmake_and_bazel_build_the_same_cuda_archs():
     assert _cmake_cuda_archs() == cmake, (
         f"CMakeLists.txt: JAX_M2N_CUDA_ARCHITECTURES must be {';'.join(cmake)} "
         "(SASS for each, PTX for the newest, as xla_ffi/BUILD).")
+
+
+def _requirements(path):
+    """The requirement lines of a requirements file, `-r` includes followed."""
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line.startswith("-r "):
+            out += _requirements(path.parent / line[3:].strip())
+        elif line:
+            out.append(line.replace(" ", ""))
+    return out
+
+
+@pytest.mark.parametrize("extra", ["cuda", "qwix", "tunix"])
+def test_pip_extras_match_the_requirement_sets_the_scripts_install(extra):
+    """`pip install jax_m2n[extra]` and the set scripts/setup.sh installs for it
+    (requirements/<extra>.txt) name the same ranges."""
+    import tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = [r.replace(" ", "") for r in project["optional-dependencies"][extra]]
+    have = _requirements(ROOT / "requirements" / f"{extra}.txt")
+    assert set(wanted) <= set(have), (extra, sorted(set(wanted) - set(have)))
+
+
+def test_the_test_set_includes_the_main_jobs_and_every_extra():
+    have = set(_requirements(ROOT / "requirements.txt"))
+    for name in ("runtime", "cuda", "qwix", "tunix"):
+        missing = set(_requirements(ROOT / "requirements" / f"{name}.txt")) - have
+        assert not missing, (name, sorted(missing))
