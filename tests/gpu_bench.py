@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_m2n  # noqa: E402
-from jax_m2n._src import checks as m2n_checks  # noqa: E402
+from jax_m2n._src import planner as m2n_planner  # noqa: E402
 from jax_m2n._src import eager as m2n_eager  # noqa: E402
 
 GBPS = 391.0  # measured copy-engine bandwidth per direction (docs/benchmarks.md)
@@ -133,7 +133,7 @@ def main():
           f"mean {t[1]:8.2f} ms  bound {bound:6.2f} ms  x{t[0] / bound:5.2f}  ok={ok}",
           flush=True)
 
-  default_chunk = m2n_checks.GPU_CHUNK_BYTES
+  default_chunk = m2n_planner.GPU_MAX_CHUNK_BYTES
   cuda = __import__("jax_m2n._ffi_cuda", fromlist=["_"])
   engines = [e for e in a.engines.split(",") if e]
   for case, (si, ss, di, ds, bound) in cases.items():

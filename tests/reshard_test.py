@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
-from jax_m2n._src import checks, eager
+from jax_m2n._src import eager, errors
 from jax_m2n._src.request import Options, Request
 from plan_strategies import named_sharding, named_shardings, partition_specs, shard_counts
 
@@ -449,17 +449,17 @@ def test_timeout_when_a_peer_never_arrives():
 
 
 def test_native_errors_map_to_the_family():
-  timeout = checks.map_native_error(RuntimeError("DEADLINE_EXCEEDED: peer 3 missing"))
+  timeout = errors.map_native_error(RuntimeError("DEADLINE_EXCEEDED: peer 3 missing"))
   assert isinstance(timeout, jax_m2n.ReshardTimeoutError)
   assert "peer 3 missing" in str(timeout)
-  other = checks.map_native_error(RuntimeError("INVALID_ARGUMENT: bad schedule"))
+  other = errors.map_native_error(RuntimeError("INVALID_ARGUMENT: bad schedule"))
   assert type(other) is jax_m2n.ReshardRuntimeError and "bad schedule" in str(other)
   assert isinstance(other, RuntimeError) and isinstance(timeout, RuntimeError)
   assert isinstance(timeout, TimeoutError)
   # Recognised by the status code, not by a word anywhere in the message.
-  mentions = checks.map_native_error(RuntimeError("INTERNAL: the timeout_s field is bad"))
+  mentions = errors.map_native_error(RuntimeError("INTERNAL: the timeout_s field is bad"))
   assert not isinstance(mentions, jax_m2n.ReshardTimeoutError)
-  assert isinstance(checks.map_native_error(TimeoutError("x")), jax_m2n.ReshardTimeoutError)
+  assert isinstance(errors.map_native_error(TimeoutError("x")), jax_m2n.ReshardTimeoutError)
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 64, 4096])

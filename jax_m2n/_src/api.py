@@ -17,6 +17,7 @@ import jax
 from jax_m2n._src import call_plan
 from jax_m2n._src import checks
 from jax_m2n._src import eager
+from jax_m2n._src import errors
 from jax_m2n._src import fast_path
 from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
@@ -299,7 +300,7 @@ def check_errors() -> None:
   for platform in ("cuda", "gpu", "cpu"):
     sticky = m2n_ffi.sticky_error(platform)
     if sticky is not None:
-      raise checks.map_native_error(RuntimeError(sticky))
+      raise errors.map_native_error(RuntimeError(sticky))
 
 
 def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",

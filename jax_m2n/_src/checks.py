@@ -1,17 +1,15 @@
-"""Argument checks shared by the eager and the traced path, and the small helpers both use.
+"""Argument checks of every path (eager, traced, cross-process, jax_m2n.plan).
 
-Owns every rule a reshard argument must satisfy (types, shapes, shardings, route,
-timeout, chunk size, platforms) and the messages that state them; all of it runs before
-any data moves. Never plans, compiles or dispatches.
+Owns every rule a reshard argument must satisfy and the messages that state them, in
+sections: per-call options, pytree prefixes, shardings, leaves, where the call runs.
+All of it runs before any data moves; it never plans, compiles or dispatches.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import numbers
-import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -19,28 +17,101 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from jax_m2n._src import jax_compat
-from jax_m2n._src.errors import (API, ReshardError, ReshardRuntimeError, ReshardTimeoutError,
-                                 ReshardTransferGuardError, ReshardTypeError,
+from jax_m2n._src.errors import (ReshardTransferGuardError, ReshardTypeError,
                                  ReshardValueError, Unplaceable)
 from jax_m2n._src.layout import MAX_RANK, Layout
-from jax_m2n._src.planner import CPU_MAX_CHUNK_BYTES, GPU_MAX_CHUNK_BYTES, ROUTES
+from jax_m2n._src.planner import ROUTES
 from jax_m2n._src.request import DEFAULT_TIMEOUT_MS, Options
 from jax_m2n._src.topology import Topology, as_topology
+
+logger = logging.getLogger("jax_m2n")
+
+
+# ---------------------------------------------------------------------------------------
+# Per call: the options (route, timeout, topology, chunk bytes)
+# ---------------------------------------------------------------------------------------
 
 DEFAULT_TIMEOUT_S = DEFAULT_TIMEOUT_MS / 1000
 _MAX_TIMEOUT_S = float(2**40 // 1000)  # the handlers' bound on the timeout_ms attribute
 _MIN_TIMEOUT_S = 1e-3  # the handlers' resolution: one millisecond
 
-logger = logging.getLogger("jax_m2n")
+
+def _check_route(api: str, route: Any) -> None:
+  if not isinstance(route, str):
+    raise ReshardTypeError(
+        f"{api}: route must be a str, one of {ROUTES}; got {type(route).__name__} "
+        f"{route!r}.")
+  if route not in ROUTES:
+    raise ReshardValueError(
+        f"{api}: route must be one of {ROUTES}; got {route!r}. Hint: 'hierarchical' is "
+        "the product; 'flat' and 'gather_bcast' are baselines.")
+
+
+def _timeout_ms(api: str, timeout_s: Any) -> int:
+  """timeout_s in whole milliseconds (the handlers' resolution); refuses what rounds away."""
+  if timeout_s is None:
+    timeout_s = DEFAULT_TIMEOUT_S
+  if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
+    raise ReshardTypeError(
+        f"{api}: timeout_s must be a number of seconds; got {type(timeout_s).__name__} "
+        f"{timeout_s!r}.")
+  if not (_MIN_TIMEOUT_S <= timeout_s <= _MAX_TIMEOUT_S):
+    raise ReshardValueError(
+        f"{api}: timeout_s must be in [{_MIN_TIMEOUT_S}, {_MAX_TIMEOUT_S:.0f}] seconds "
+        f"(the handlers wait in whole milliseconds); got {timeout_s!r}.")
+  return max(1, int(round(float(timeout_s) * 1000)))
+
+
+def _check_topology(api: str, topology: Any) -> Any:
+  """Raises as_topology's ReshardTypeError (a wrong kind: a bool, a dict, a flat list, a
+  device id that is not an int...) or ReshardValueError (a rule: a domain size below 1, a
+  device in two domains...), each naming the rule and the value.
+
+  Returns the topology with plain ints (hashable: part of cache keys).
+  """
+  if topology is None or isinstance(topology, Topology):  # as_topology accepts these
+    return topology
+  as_topology(topology, (), api)
+  if isinstance(topology, numbers.Integral):
+    return int(topology)
+  if isinstance(topology, (list, tuple)):
+    return tuple(tuple(int(d) for d in g) for g in topology)
+  return topology
+
+
+def _check_chunk_bytes(api: str, chunk_bytes: Any) -> int | None:
+  """chunk_bytes as a positive int, or None (chosen per plan: planner/chunking.py)."""
+  if chunk_bytes is None:
+    return None
+  if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral):
+    raise ReshardTypeError(
+        f"{api}: chunk_bytes must be a positive int; got {type(chunk_bytes).__name__} "
+        f"{chunk_bytes!r}.")
+  if chunk_bytes < 1:
+    raise ReshardValueError(
+        f"{api}: chunk_bytes must be a positive int; got {chunk_bytes!r}.")
+  return int(chunk_bytes)
+
+
+def options(api: str, route: Any = "hierarchical", topology: Any = None,
+            timeout_s: Any = None, chunk_bytes: Any = None) -> Options:
+  """The call's `Options` after every per-call rule (route, timeout, topology, chunk
+  bytes), each checked here once, before any leaf is looked at."""
+  _check_route(api, route)
+  timeout_ms = _timeout_ms(api, timeout_s)
+  return Options(route, _check_topology(api, topology), timeout_ms,
+                 _check_chunk_bytes(api, chunk_bytes))
+
 
 # ---------------------------------------------------------------------------------------
-# Pytree handling and validation (everything here runs before any data moves)
+# Pytree prefixes: dst_sharding, src_sharding, donate, dtype
 # ---------------------------------------------------------------------------------------
 
 try:  # concrete layouts as destinations (jax.device_put accepts them)
   from jax.experimental.layout import Format as _Format
 except ImportError:  # pragma: no cover - a JAX without it
   _Format = None
+
 
 _DST_TYPES = (Sharding, jax.ShapeDtypeStruct, PartitionSpec, jax.Device) + (
     (_Format,) if _Format is not None else ())
@@ -106,22 +177,6 @@ def broadcast_prefix(api: str, what: str, prefix: Any, x: Any, treedef,
                     "jax.device_put)", prefix, x, treedef, n, is_dst_leaf)
 
 
-def normalize_dst(api: str, name: str, dst: Any) -> Any:
-  """A jax.Device as its SingleDeviceSharding, a PartitionSpec on the context mesh (as
-  jax.device_put reads them); anything else unchanged (checked later)."""
-  if isinstance(dst, jax.Device):
-    return SingleDeviceSharding(dst)
-  if isinstance(dst, PartitionSpec):
-    mesh = jax_compat.context_mesh()
-    if mesh is None:
-      raise ReshardValueError(
-          f"{api}: a PartitionSpec destination of {name} must be used under a mesh "
-          f"context; got {dst} with none set. Hint: `with jax.set_mesh(mesh):`, or "
-          "NamedSharding(mesh, spec).")
-    return NamedSharding(mesh, dst)
-  return dst
-
-
 def donate_flags(api: str, donate: Any, x: Any, treedef, n: int) -> list[bool]:
   """One flag per leaf from a bool or a pytree prefix of x of bools (jax.device_put's
   `donate`); anything else is refused, so no leaf is deleted by accident."""
@@ -177,17 +232,51 @@ def dtypes_per_leaf(api: str, dtype: Any, x: Any, treedef, n: int, *,
   return [None if v is None else convert(v) for v in flat]
 
 
-def leaf_aval(api: str, name: Any, leaf: Any) -> Any:
-  """The abstract value of a (possibly traced) leaf; a leaf that is no array raises."""
-  try:
-    aval = jax.typeof(leaf)
-  except TypeError:
-    aval = None
-  if aval is None or not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
-    raise ReshardTypeError(
-        f"{api}: every leaf of x must be an array; got {type(leaf).__name__} at "
-        f"{name}.")
-  return aval
+def conversions(api: str, leaves: Sequence[Any], dsts: Sequence[Any],
+                out_dtypes: Sequence[Any],
+                names: Callable[[], list[str]]) -> tuple[list[Any], list[Any]]:
+  """Per leaf the dtype to convert to (None where it already has it, as JAX would
+  canonicalize it) and the destinations, a ShapeDtypeStruct checked against that dtype
+  and replaced by its sharding."""
+  out_dtypes, dsts = list(out_dtypes), list(dsts)
+  for i, (leaf, o) in enumerate(zip(leaves, out_dtypes)):
+    if o is None:
+      continue
+    have, weak = getattr(leaf, "dtype", None), getattr(leaf, "weak_type", False)
+    if have is None and isinstance(leaf, (bool, int, float, complex)):  # weakly typed
+      have, weak = jax.typeof(leaf).dtype, jax.typeof(leaf).weak_type
+    if have is None or not (have == np.bool_ or jax.dtypes.issubdtype(have, np.number)):
+      raise ReshardTypeError(
+          f"{api}: a leaf of x converted with dtype= must be an array of numbers or "
+          f"bools; got {type(leaf).__name__} {getattr(leaf, 'dtype', '')} at "
+          f"{names()[i]}.")
+    want = jax.dtypes.canonicalize_dtype(o)
+    if np.dtype(have) == want and not weak:
+      out_dtypes[i] = None
+    if isinstance(dsts[i], jax.ShapeDtypeStruct):
+      dsts[i] = dst_sharding_of(api, names()[i], dsts[i], np.shape(leaf),
+                                want if out_dtypes[i] is not None else have)
+  return out_dtypes, dsts
+
+
+# ---------------------------------------------------------------------------------------
+# Shardings: destinations and sources, on every path
+# ---------------------------------------------------------------------------------------
+
+def normalize_dst(api: str, name: str, dst: Any) -> Any:
+  """A jax.Device as its SingleDeviceSharding, a PartitionSpec on the context mesh (as
+  jax.device_put reads them); anything else unchanged (checked later)."""
+  if isinstance(dst, jax.Device):
+    return SingleDeviceSharding(dst)
+  if isinstance(dst, PartitionSpec):
+    mesh = jax_compat.context_mesh()
+    if mesh is None:
+      raise ReshardValueError(
+          f"{api}: a PartitionSpec destination of {name} must be used under a mesh "
+          f"context; got {dst} with none set. Hint: `with jax.set_mesh(mesh):`, or "
+          "NamedSharding(mesh, spec).")
+    return NamedSharding(mesh, dst)
+  return dst
 
 
 def dst_sharding_of(api: str, name: str, dst: Any, shape, dtype) -> Sharding:
@@ -213,6 +302,52 @@ def dst_sharding_of(api: str, name: str, dst: Any, shape, dtype) -> Sharding:
   return dst
 
 
+def check_src_sharding(api: str, name: Any, src: Any) -> None:
+  """A src_sharding= leaf must be a Sharding (None: unknown)."""
+  if src is not None and not isinstance(src, Sharding):
+    raise ReshardTypeError(
+        f"{api}: src_sharding of {name} must be a jax.sharding.Sharding or None; got "
+        f"{type(src).__name__} {src!r}.")
+
+
+def check_reduction(api: str, name: str, sharding: Any, what: str) -> None:
+  """Unreduced / reduced specs (partial sums) are refused, by name, before data moves."""
+  spec = getattr(sharding, "spec", None)
+  for kind in ("unreduced", "reduced"):
+    axes = getattr(spec, kind, None)
+    if axes:
+      raise ReshardValueError(
+          f"{api}: the {what} sharding of {name} must not be {kind} (jax_m2n moves "
+          f"bytes; it does not sum partial values); got {kind}={set(axes)} in {spec}. "
+          "Hint: reduce first (jax.sharding.reshard to a spec without "
+          f"{kind}=, or a psum), then reshard.")
+
+
+def check_mesh(api: str, name: str, sharding: Any, what: str) -> None:
+  """A concrete device set with no device listed twice."""
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is not None and isinstance(mesh, jax.sharding.AbstractMesh):
+    raise ReshardValueError(
+        f"{api}: the {what} sharding of {name} must be on a concrete Mesh (devices "
+        f"known); got an AbstractMesh {mesh}. Hint: NamedSharding(jax.make_mesh(...), "
+        "spec), or a PartitionSpec under jax.set_mesh(mesh).")
+  if mesh is not None:
+    ids, dup = _mesh_duplicates(mesh)
+    if dup:
+      raise ReshardValueError(
+          f"{api}: the {what} mesh of {name} must list each device once; got devices "
+          f"{dup} more than once in {ids}.")
+
+
+@functools.lru_cache(maxsize=256)  # meshes are immutable; a refit checks one each call
+def _mesh_duplicates(mesh: Any) -> tuple[list[int], list[int]]:
+  """A mesh's device ids and those it lists more than once."""
+  ids = [d.id for d in mesh.devices.flat]
+  if len(set(ids)) == len(ids):
+    return ids, []
+  return ids, sorted({i for i in ids if ids.count(i) > 1})
+
+
 def check_holds(api: str, name: str, sharding: Sharding, shape, what: str) -> None:
   """A sharding must be able to hold `shape`: right rank, divisible dims."""
   if isinstance(sharding, NamedSharding):
@@ -234,6 +369,71 @@ def check_holds(api: str, name: str, sharding: Sharding, shape, what: str) -> No
         f"jax.device_put requires); got {sharding}. JAX says: {e}") from None
 
 
+def is_uneven(sharding: Any, shape) -> bool:
+  """Whether a NamedSharding of the right rank splits a dim unevenly (JAX pads such
+  shards inside jit, as with_sharding_constraint does; device_put refuses them)."""
+  if not isinstance(sharding, NamedSharding) or len(sharding.spec) > len(shape):
+    return False
+  try:
+    sharding.shard_shape(tuple(shape))
+  except Exception:  # noqa: BLE001 - JAX's IndivisibleError (a ValueError)
+    return True
+  return False
+
+
+def check_call_shardings(api: str, leaves: Sequence[Any], dsts: Sequence[Any],
+                         srcs: Sequence[Any], names: Callable[[], list[str]]) -> list[Any]:
+  """The rules every leaf's shardings meet on every path, each checked here once per
+  sharding object (a prefix repeats one): destinations normalized (a Device as its
+  SingleDeviceSharding, a PartitionSpec on the context mesh) on a concrete mesh listing
+  each device once, nothing unreduced; a given src_sharding a Sharding, not unreduced;
+  a concrete leaf's own sharding not unreduced. Returns the destinations; leaf names
+  are formed only where a message needs one (LazyName)."""
+  dsts = [d if isinstance(d, Sharding) else normalize_dst(api, LazyName(names, i), d)
+          for i, d in enumerate(dsts)]
+  seen: set[int] = set()
+  for i, d in enumerate(dsts):  # before anything asks these shardings for devices
+    d = d.sharding if isinstance(d, jax.ShapeDtypeStruct) else d
+    if id(d) not in seen:
+      seen.add(id(d))
+      check_mesh(api, LazyName(names, i), d, "destination")
+      check_reduction(api, LazyName(names, i), d, "destination")
+    if srcs[i] is not None:
+      check_src_sharding(api, LazyName(names, i), srcs[i])
+      check_reduction(api, LazyName(names, i), srcs[i], "source")
+    leaf = leaves[i]
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+      s = leaf.sharding
+      if id(s) not in seen:
+        seen.add(id(s))
+        check_reduction(api, LazyName(names, i), s, "source")
+  return dsts
+
+
+def same_layout(a: Sharding, b: Sharding, shape) -> bool:
+  """Whether two shardings place `shape` identically (same devices, same boxes)."""
+  if a == b:
+    return True
+  return Layout.from_sharding(a, shape) == Layout.from_sharding(b, shape)
+
+
+# ---------------------------------------------------------------------------------------
+# Leaves: what jax_m2n moves and what it hands to JAX
+# ---------------------------------------------------------------------------------------
+
+def leaf_aval(api: str, name: Any, leaf: Any) -> Any:
+  """The abstract value of a (possibly traced) leaf; a leaf that is no array raises."""
+  try:
+    aval = jax.typeof(leaf)
+  except TypeError:
+    aval = None
+  if aval is None or not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
+    raise ReshardTypeError(
+        f"{api}: every leaf of x must be an array; got {type(leaf).__name__} at "
+        f"{name}.")
+  return aval
+
+
 def check_rank(api: str, name: str, shape) -> None:
   """The native handlers' rank bound (higher ranks are jax.device_put's, see
   `layout_delegated_because`)."""
@@ -247,18 +447,6 @@ def is_format(dst: Any) -> bool:
   return _Format is not None and isinstance(dst, _Format)
 
 
-def is_uneven(sharding: Any, shape) -> bool:
-  """Whether a NamedSharding of the right rank splits a dim unevenly (JAX pads such
-  shards inside jit, as with_sharding_constraint does; device_put refuses them)."""
-  if not isinstance(sharding, NamedSharding) or len(sharding.spec) > len(shape):
-    return False
-  try:
-    sharding.shard_shape(tuple(shape))
-  except Exception:  # noqa: BLE001 - JAX's IndivisibleError (a ValueError)
-    return True
-  return False
-
-
 def layout_delegated_because(shape, dst: Any) -> str | None:
   """Why XLA (in jit) or jax.device_put (eagerly), not jax_m2n, places this leaf:
   a concrete layout (Format: jax_m2n moves bytes in the default layout only) or a rank
@@ -268,14 +456,6 @@ def layout_delegated_because(shape, dst: Any) -> str | None:
   if len(shape) > MAX_RANK:
     return f"rank {len(shape)} above {MAX_RANK}"
   return None
-
-
-def check_src_sharding(api: str, name: Any, src: Any) -> None:
-  """A src_sharding= leaf must be a Sharding (None: unknown)."""
-  if src is not None and not isinstance(src, Sharding):
-    raise ReshardTypeError(
-        f"{api}: src_sharding of {name} must be a jax.sharding.Sharding or None; got "
-        f"{type(src).__name__} {src!r}.")
 
 
 def check_host_leaf(api: str, name: Any, leaf: Any) -> None:
@@ -319,153 +499,6 @@ def check_memory_kind(api: str, name: str, sharding: Sharding, what: str) -> Non
         f"memory kind {kind!r}. Hint: move between memory kinds with jax.device_put.")
 
 
-def _check_route(api: str, route: Any) -> None:
-  if not isinstance(route, str):
-    raise ReshardTypeError(
-        f"{api}: route must be a str, one of {ROUTES}; got {type(route).__name__} "
-        f"{route!r}.")
-  if route not in ROUTES:
-    raise ReshardValueError(
-        f"{api}: route must be one of {ROUTES}; got {route!r}. Hint: 'hierarchical' is "
-        "the product; 'flat' and 'gather_bcast' are baselines.")
-
-
-def _timeout_ms(api: str, timeout_s: Any) -> int:
-  """timeout_s in whole milliseconds (the handlers' resolution); refuses what rounds away."""
-  if timeout_s is None:
-    timeout_s = DEFAULT_TIMEOUT_S
-  if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
-    raise ReshardTypeError(
-        f"{api}: timeout_s must be a number of seconds; got {type(timeout_s).__name__} "
-        f"{timeout_s!r}.")
-  if not (_MIN_TIMEOUT_S <= timeout_s <= _MAX_TIMEOUT_S):
-    raise ReshardValueError(
-        f"{api}: timeout_s must be in [{_MIN_TIMEOUT_S}, {_MAX_TIMEOUT_S:.0f}] seconds "
-        f"(the handlers wait in whole milliseconds); got {timeout_s!r}.")
-  return max(1, int(round(float(timeout_s) * 1000)))
-
-
-def platform_of(devices) -> str:
-  return next(iter(devices)).platform
-
-
-def check_in_process(api: str, platform: str, devices) -> None:
-  """The CPU transport meets its peers in one process. Inside jit (its only caller
-  now: eager calls across processes go to processes/), a CPU mesh spanning processes
-  is handed to XLA's partitioner (its gloo collectives) as an unplaceable layout."""
-  if platform != "cpu":
-    return
-  me = jax.process_index()
-  remote = sorted(d.id for d in devices if d.process_index != me)
-  if remote:
-    raise Unplaceable(
-        f"{api}: inside jit on CPU every participating device must belong to this "
-        f"process (the CPU custom call is in-process); got devices {remote} of other "
-        "processes: XLA's partitioner moves them (jax_cpu_collectives_implementation="
-        "'gloo').")
-
-
-def same_layout(a: Sharding, b: Sharding, shape) -> bool:
-  """Whether two shardings place `shape` identically (same devices, same boxes)."""
-  if a == b:
-    return True
-  return Layout.from_sharding(a, shape) == Layout.from_sharding(b, shape)
-
-
-def site_key(tag: bytes, sched: np.ndarray, salt: int = 0) -> int:
-  """A rendezvous key: equal for every participant of one call, stable across processes."""
-  h = hashlib.blake2b(digest_size=8)
-  h.update(tag)
-  h.update(salt.to_bytes(8, "little", signed=False))
-  h.update(np.ascontiguousarray(sched).tobytes())
-  return int.from_bytes(h.digest(), "little") >> 1  # a non-negative int64
-
-
-def _status_code(msg: str) -> str | None:
-  """The absl status code XLA puts before a failed custom call's message, if any."""
-  m = re.match(r"\s*([A-Z][A-Z_]+):", msg)
-  return m.group(1) if m else None
-
-
-# The CUDA transport's watchdog says this when a step outlived timeout_ms (its sticky
-# error carries no status code).
-_CUDA_WATCHDOG_TIMEOUT = "did not complete within timeout_ms="
-
-
-def map_native_error(e: BaseException) -> ReshardError:
-  """A native handler error as the jax_m2n exception (the native message kept).
-
-  Timeouts are told by their status code (DEADLINE_EXCEEDED, what the CPU handler
-  returns) or type (TimeoutError), and by the CUDA watchdog's fixed phrase.
-  """
-  if isinstance(e, ReshardError):
-    return e
-  msg = str(e)
-  if (isinstance(e, TimeoutError) or _status_code(msg) == "DEADLINE_EXCEEDED"
-      or _CUDA_WATCHDOG_TIMEOUT in msg):
-    return ReshardTimeoutError(
-        f"{API}: a participating device did not arrive in time; the handler says: "
-        f"{msg}. Hint: every participating device must call reshard with identical "
-        "layouts in the same order (the collective contract); raise timeout_s if a "
-        "peer is merely slow.")
-  return ReshardRuntimeError(f"{API}: the native handler failed: {msg}")
-
-
-def _check_topology(api: str, topology: Any) -> Any:
-  """Raises as_topology's ReshardTypeError (a wrong kind: a bool, a dict, a flat list, a
-  device id that is not an int...) or ReshardValueError (a rule: a domain size below 1, a
-  device in two domains...), each naming the rule and the value.
-
-  Returns the topology with plain ints (hashable: part of cache keys).
-  """
-  if topology is None or isinstance(topology, Topology):  # as_topology accepts these
-    return topology
-  as_topology(topology, (), api)
-  if isinstance(topology, numbers.Integral):
-    return int(topology)
-  if isinstance(topology, (list, tuple)):
-    return tuple(tuple(int(d) for d in g) for g in topology)
-  return topology
-
-
-def check_reduction(api: str, name: str, sharding: Any, what: str) -> None:
-  """Unreduced / reduced specs (partial sums) are refused, by name, before data moves."""
-  spec = getattr(sharding, "spec", None)
-  for kind in ("unreduced", "reduced"):
-    axes = getattr(spec, kind, None)
-    if axes:
-      raise ReshardValueError(
-          f"{api}: the {what} sharding of {name} must not be {kind} (jax_m2n moves "
-          f"bytes; it does not sum partial values); got {kind}={set(axes)} in {spec}. "
-          "Hint: reduce first (jax.sharding.reshard to a spec without "
-          f"{kind}=, or a psum), then reshard.")
-
-
-def check_mesh(api: str, name: str, sharding: Any, what: str) -> None:
-  """A concrete device set with no device listed twice."""
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is not None and isinstance(mesh, jax.sharding.AbstractMesh):
-    raise ReshardValueError(
-        f"{api}: the {what} sharding of {name} must be on a concrete Mesh (devices "
-        f"known); got an AbstractMesh {mesh}. Hint: NamedSharding(jax.make_mesh(...), "
-        "spec), or a PartitionSpec under jax.set_mesh(mesh).")
-  if mesh is not None:
-    ids, dup = _mesh_duplicates(mesh)
-    if dup:
-      raise ReshardValueError(
-          f"{api}: the {what} mesh of {name} must list each device once; got devices "
-          f"{dup} more than once in {ids}.")
-
-
-@functools.lru_cache(maxsize=256)  # meshes are immutable; a refit checks one each call
-def _mesh_duplicates(mesh: Any) -> tuple[list[int], list[int]]:
-  """A mesh's device ids and those it lists more than once."""
-  ids = [d.id for d in mesh.devices.flat]
-  if len(set(ids)) == len(ids):
-    return ids, []
-  return ids, sorted({i for i in ids if ids.count(i) > 1})
-
-
 def plan_leaf(api: str, name: str, leaf: Any, dst: Any, src: Any,
                out: Any) -> tuple[Sharding, Sharding]:
   """plan()'s rules for one leaf (reshard's, and no leaf reshard hands to JAX): its
@@ -503,34 +536,40 @@ def plan_leaf(api: str, name: str, leaf: Any, dst: Any, src: Any,
   return src, dst
 
 
-# The bounds on one chunk the default chunking stays under (docs/cuda_transport.md: on
-# H200 64 MiB chunks came within 5-10% of the best in every case measured).
-CPU_CHUNK_BYTES = CPU_MAX_CHUNK_BYTES
-GPU_CHUNK_BYTES = GPU_MAX_CHUNK_BYTES
+# ---------------------------------------------------------------------------------------
+# Where the call runs: platforms, processes, shard_map, transfer guards
+# ---------------------------------------------------------------------------------------
+
+def platform_of(devices) -> str:
+  return next(iter(devices)).platform
 
 
-def _check_chunk_bytes(api: str, chunk_bytes: Any) -> int | None:
-  """chunk_bytes as a positive int, or None (chosen per plan: planner/chunking.py)."""
-  if chunk_bytes is None:
-    return None
-  if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral):
-    raise ReshardTypeError(
-        f"{api}: chunk_bytes must be a positive int; got {type(chunk_bytes).__name__} "
-        f"{chunk_bytes!r}.")
-  if chunk_bytes < 1:
+def check_in_process(api: str, platform: str, devices) -> None:
+  """The CPU transport meets its peers in one process. Inside jit (its only caller
+  now: eager calls across processes go to processes/), a CPU mesh spanning processes
+  is handed to XLA's partitioner (its gloo collectives) as an unplaceable layout."""
+  if platform != "cpu":
+    return
+  me = jax.process_index()
+  remote = sorted(d.id for d in devices if d.process_index != me)
+  if remote:
+    raise Unplaceable(
+        f"{api}: inside jit on CPU every participating device must belong to this "
+        f"process (the CPU custom call is in-process); got devices {remote} of other "
+        "processes: XLA's partitioner moves them (jax_cpu_collectives_implementation="
+        "'gloo').")
+
+
+def check_outside_shard_map(api: str) -> None:
+  """A reshard lowers to its own SPMD program over whole arrays: never under the
+  manual mesh axes of a shard_map."""
+  context = jax.sharding.get_abstract_mesh()
+  if not context.empty and getattr(context, "manual_axes", ()):
     raise ReshardValueError(
-        f"{api}: chunk_bytes must be a positive int; got {chunk_bytes!r}.")
-  return int(chunk_bytes)
-
-
-def options(api: str, route: Any = "hierarchical", topology: Any = None,
-            timeout_s: Any = None, chunk_bytes: Any = None) -> Options:
-  """The call's `Options` after every per-call rule (route, timeout, topology, chunk
-  bytes), each checked here once, before any leaf is looked at."""
-  _check_route(api, route)
-  timeout_ms = _timeout_ms(api, timeout_s)
-  return Options(route, _check_topology(api, topology), timeout_ms,
-                 _check_chunk_bytes(api, chunk_bytes))
+        f"{api}: reshard must be called outside shard_map (it lowers to its own SPMD "
+        f"program over whole arrays); got a call under manual mesh axes "
+        f"{tuple(context.manual_axes)}. Hint: call it on the global arrays, inside jit "
+        "or eagerly.")
 
 
 def check_transfer_guard(api: str, crossing: Callable[[], str]) -> None:
@@ -550,71 +589,3 @@ def check_transfer_guard(api: str, crossing: Callable[[], str]) -> None:
         "no transfer guard applies.")
   if level == "log_explicit":
     logger.warning("device-to-device transfer: %s (jax_m2n.reshard)", crossing())
-
-
-def check_outside_shard_map(api: str) -> None:
-  """A reshard lowers to its own SPMD program over whole arrays: never under the
-  manual mesh axes of a shard_map."""
-  context = jax.sharding.get_abstract_mesh()
-  if not context.empty and getattr(context, "manual_axes", ()):
-    raise ReshardValueError(
-        f"{api}: reshard must be called outside shard_map (it lowers to its own SPMD "
-        f"program over whole arrays); got a call under manual mesh axes "
-        f"{tuple(context.manual_axes)}. Hint: call it on the global arrays, inside jit "
-        "or eagerly.")
-
-
-def conversions(api: str, leaves: Sequence[Any], dsts: Sequence[Any],
-                out_dtypes: Sequence[Any],
-                names: Callable[[], list[str]]) -> tuple[list[Any], list[Any]]:
-  """Per leaf the dtype to convert to (None where it already has it, as JAX would
-  canonicalize it) and the destinations, a ShapeDtypeStruct checked against that dtype
-  and replaced by its sharding."""
-  out_dtypes, dsts = list(out_dtypes), list(dsts)
-  for i, (leaf, o) in enumerate(zip(leaves, out_dtypes)):
-    if o is None:
-      continue
-    have, weak = getattr(leaf, "dtype", None), getattr(leaf, "weak_type", False)
-    if have is None and isinstance(leaf, (bool, int, float, complex)):  # weakly typed
-      have, weak = jax.typeof(leaf).dtype, jax.typeof(leaf).weak_type
-    if have is None or not (have == np.bool_ or jax.dtypes.issubdtype(have, np.number)):
-      raise ReshardTypeError(
-          f"{api}: a leaf of x converted with dtype= must be an array of numbers or "
-          f"bools; got {type(leaf).__name__} {getattr(leaf, 'dtype', '')} at "
-          f"{names()[i]}.")
-    want = jax.dtypes.canonicalize_dtype(o)
-    if np.dtype(have) == want and not weak:
-      out_dtypes[i] = None
-    if isinstance(dsts[i], jax.ShapeDtypeStruct):
-      dsts[i] = dst_sharding_of(api, names()[i], dsts[i], np.shape(leaf),
-                                want if out_dtypes[i] is not None else have)
-  return out_dtypes, dsts
-
-
-def check_call_shardings(api: str, leaves: Sequence[Any], dsts: Sequence[Any],
-                         srcs: Sequence[Any], names: Callable[[], list[str]]) -> list[Any]:
-  """The rules every leaf's shardings meet on every path, each checked here once per
-  sharding object (a prefix repeats one): destinations normalized (a Device as its
-  SingleDeviceSharding, a PartitionSpec on the context mesh) on a concrete mesh listing
-  each device once, nothing unreduced; a given src_sharding a Sharding, not unreduced;
-  a concrete leaf's own sharding not unreduced. Returns the destinations; leaf names
-  are formed only where a message needs one (LazyName)."""
-  dsts = [d if isinstance(d, Sharding) else normalize_dst(api, LazyName(names, i), d)
-          for i, d in enumerate(dsts)]
-  seen: set[int] = set()
-  for i, d in enumerate(dsts):  # before anything asks these shardings for devices
-    d = d.sharding if isinstance(d, jax.ShapeDtypeStruct) else d
-    if id(d) not in seen:
-      seen.add(id(d))
-      check_mesh(api, LazyName(names, i), d, "destination")
-      check_reduction(api, LazyName(names, i), d, "destination")
-    if srcs[i] is not None:
-      check_src_sharding(api, LazyName(names, i), srcs[i])
-      check_reduction(api, LazyName(names, i), srcs[i], "source")
-    leaf = leaves[i]
-    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-      s = leaf.sharding
-      if id(s) not in seen:
-        seen.add(id(s))
-        check_reduction(api, LazyName(names, i), s, "source")
-  return dsts

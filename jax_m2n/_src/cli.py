@@ -20,8 +20,7 @@ import numpy as np
 
 from jax_m2n._src.errors import ReshardError
 from jax_m2n._src.layout import MAX_DIM, box_size, check_shape, parse_mesh_spec
-from jax_m2n._src.planner import (ROUTES, Chunking, check_plan_size, fmt_time,
-                                  plan_reshard)
+from jax_m2n._src.planner import ROUTES, Chunking, check_plan_size, plan_reshard
 from jax_m2n._src.topology import DEFAULT_NIC_GBPS, DEFAULT_NVLINK_GBPS, Topology
 
 USAGE = """python -m jax_m2n plan --shape 4,8 --dtype float32 \\

@@ -8,6 +8,8 @@ TypeError (JAX's convention); failures while data moves are also RuntimeError, t
 TimeoutError.
 """
 
+import re
+
 import jax
 
 # The API every reshard message names first ("reshard: ..."); jax_m2n.plan's say "plan".
@@ -50,3 +52,33 @@ class Unplaceable(ReshardValueError):
 class PeerFailed(ReshardRuntimeError):
   """Another process posted its failure of a cross-process call (relayed, not posted
   again: processes/sequence.py)."""
+
+
+def _status_code(msg: str) -> str | None:
+  """The absl status code XLA puts before a failed custom call's message, if any."""
+  m = re.match(r"\s*([A-Z][A-Z_]+):", msg)
+  return m.group(1) if m else None
+
+
+# The CUDA transport's watchdog says this when a step outlived timeout_ms (its sticky
+# error carries no status code).
+_CUDA_WATCHDOG_TIMEOUT = "did not complete within timeout_ms="
+
+
+def map_native_error(e: BaseException) -> ReshardError:
+  """A native handler error as the jax_m2n exception (the native message kept).
+
+  Timeouts are told by their status code (DEADLINE_EXCEEDED, what the CPU handler
+  returns) or type (TimeoutError), and by the CUDA watchdog's fixed phrase.
+  """
+  if isinstance(e, ReshardError):
+    return e
+  msg = str(e)
+  if (isinstance(e, TimeoutError) or _status_code(msg) == "DEADLINE_EXCEEDED"
+      or _CUDA_WATCHDOG_TIMEOUT in msg):
+    return ReshardTimeoutError(
+        f"{API}: a participating device did not arrive in time; the handler says: "
+        f"{msg}. Hint: every participating device must call reshard with identical "
+        "layouts in the same order (the collective contract); raise timeout_s if a "
+        "peer is merely slow.")
+  return ReshardRuntimeError(f"{API}: the native handler failed: {msg}")

@@ -274,7 +274,6 @@ class MeshSpec:
         raise ReshardValueError(
             f"layout: a sharded dim must divide evenly by its mesh size (as JAX requires); "
             f"got dim {d} of size {shape[d]} split {n} ways by {entry}.")
-    names = [n for n, _ in self.axes]
     strides = {}
     stride = 1
     for name, size in reversed(self.axes):

@@ -517,7 +517,6 @@ def plan_arguments(x: Any, dst_sharding: Any, src_sharding: Any,
   api = "plan"
   leaves, treedef, names, specs, dsts, srcs = _per_leaf(api, x, dst_sharding,
                                                         src_sharding, dtype)
-  n = len(leaves)
   out_x, out_dst, out_src, out_dtype = [], [], [], []
   for i, spec in enumerate(specs):
     v, dst, src = leaves[i], dsts[i], srcs[i]

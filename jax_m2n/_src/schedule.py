@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 
 import ml_dtypes
 import numpy as np
 
-from jax_m2n._src.planner import chunks as chunks_lib
 from jax_m2n._src.layout import MAX_RANK
+from jax_m2n._src.planner import chunks as chunks_lib
 from jax_m2n._src.planner import DST_SHARD, FULL_TMP, SRC_SHARD, STAGES, Plan
 
 SCHEDULE_VERSION = 2
@@ -380,3 +381,14 @@ def decode(schedule: np.ndarray) -> dict:
     raise ValueError(f"decode: {len(a) - at} trailing elements.")
   return {"version": int(version), "n_steps": int(n_steps), "devices": devices.tolist(),
           "ws": dict(zip(devices.tolist(), ws.tolist())), "tensors": tensors, "ops": ops}
+
+
+def site_key(tag: bytes, sched: np.ndarray, salt: int = 0) -> int:
+  """A call site's rendezvous key (the custom call's `site` attribute,
+  docs/schedule_format.md "Sites and generations"): from the SPMD encoding of its
+  schedule, so equal for every participant of one call and stable across processes."""
+  h = hashlib.blake2b(digest_size=8)
+  h.update(tag)
+  h.update(salt.to_bytes(8, "little", signed=False))
+  h.update(np.ascontiguousarray(sched).tobytes())
+  return int.from_bytes(h.digest(), "little") >> 1  # a non-negative int64

@@ -8,7 +8,6 @@ from jax devices by `Topology.for_devices`).
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from typing import Iterable, Sequence
 

@@ -26,8 +26,7 @@ from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
 from jax_m2n._src.checks import (check_dtype, check_holds, check_in_process,
-                                 check_rank, dst_sharding_of, leaf_aval, platform_of,
-                                 site_key)
+                                 check_rank, dst_sharding_of, leaf_aval, platform_of)
 from jax_m2n._src.errors import API, ReshardTypeError, ReshardValueError, Unplaceable
 from jax_m2n._src.request import Options
 
@@ -398,7 +397,7 @@ def _spmd_body(srcs: Sequence[Sharding], dsts: Sequence[Sharding], shapes, dtype
                                 path="in-jit custom call")
   plan, types = planned.plan, planned.types
   sched = schedule.encode(plan, None, staging, types)
-  site = site_key(tag, sched, next(_jit_sites))
+  site = schedule.site_key(tag, sched, next(_jit_sites))
   workspace = max(1, schedule.workspace_bytes(plan, None, staging, types))
   out_types = [jax.ShapeDtypeStruct(s.shard_shape(shape), dt)
                for s, shape, dt in zip(dsts, shapes, planned.out_dtypes)]

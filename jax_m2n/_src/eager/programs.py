@@ -19,10 +19,11 @@ import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
 from jax_m2n._src import call_plan
+from jax_m2n._src import errors as errors_lib
 from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
-from jax_m2n._src.checks import check_transfer_guard, map_native_error, site_key
+from jax_m2n._src.checks import check_transfer_guard
 from jax_m2n._src.eager import dispatch
 from jax_m2n._src.eager.calls import (TICKETS, Call, SiteState, cpu_module,
                                       dispatch_lock, failure_text, mark_issued,
@@ -265,7 +266,7 @@ class EagerReshard:
           f"call failed on every device: {failure_text(e)}")
       error.__cause__ = e
       return error
-    mapped = [map_native_error(e) for e in errors]
+    mapped = [errors_lib.map_native_error(e) for e in errors]
     k = next((i for i, m in enumerate(mapped) if isinstance(m, ReshardTimeoutError)), 0)
     mapped[k].__cause__ = errors[k]
     return mapped[k]
@@ -335,7 +336,7 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
   timeout_ms = options.timeout_ms
   staging = platform != "cpu"
   m2n_ffi.ensure_registered(platform, timeout_ms)
-  site = site_key(b"eager", schedule.encode(plan, None, staging, types))
+  site = schedule.site_key(b"eager", schedule.encode(plan, None, staging, types))
   bufs = schedule.buffers(plan)
   timeout = np.int64(timeout_ms)
   extra = m2n_ffi.transport_attrs(platform, planned.topology, plan.devices)
