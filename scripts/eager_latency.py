@@ -11,8 +11,10 @@ to completion.
 
 Cases: `convert` (4.5 KiB f32 on device 0 -> bf16 on device 0: one program, no peer;
 against `jax.device_put(x.astype(bf16), d0)`), `1to1` (4.5 KiB device 0 -> 1), `tree20`
-(20 leaves of 4.5 KiB, device 0 -> 1, one call) and with 4+ devices `4to4` (half the
-devices, dim-0 sharded -> the other half, replicated). Each timed call starts with the
+(20 leaves of 4.5 KiB, device 0 -> 1, one call), `full20` (tree20 with
+`src_sharding=` given: a call the fast path does not take, so every argument rule runs
+on every call) and with 4+ devices `4to4` (half the devices, dim-0 sharded -> the other
+half, replicated). Each timed call starts with the
 devices idle (the previous call finished, then a --gap_us sleep, 500 us by default),
 so "return" is the cost of a call nobody waits on; with --gap_us 0 the calls run back
 to back (caches and threads warm: the steady per-call cost); "done" adds block_until_ready. `entry` is the cached
@@ -58,8 +60,8 @@ def main() -> None:
   parser.add_argument("--iters", type=int, default=1000)
   parser.add_argument("--gap_us", type=float, default=500.0,
                       help="pause before each timed call (0: back to back)")
-  parser.add_argument("--cases", default="convert,1to1,tree20,4to4",
-                      help="comma-separated subset of convert,1to1,tree20,4to4")
+  parser.add_argument("--cases", default="convert,1to1,tree20,full20,4to4",
+                      help="comma-separated subset of convert,1to1,tree20,full20,4to4")
   parser.add_argument("--profile", action="store_true",
                       help="also print a cProfile top 15 (tottime) of each case's "
                       "jax_m2n.reshard calls")
@@ -82,6 +84,7 @@ def main() -> None:
   }
   tree = {f"w{i:02d}": jax.device_put(host + i, s0) for i in range(20)}
   cases["tree20"] = (tree, s1, {}, lambda: jax.device_put(tree, s1))
+  cases["full20"] = (tree, s1, {"src_sharding": s0}, lambda: jax.device_put(tree, s1))
   if n >= 4:
     src = NamedSharding(Mesh(np.array(d[:n // 2]), ("a",)), P("a"))
     dst = NamedSharding(Mesh(np.array(d[n // 2:]), ("a",)), P())

@@ -25,8 +25,7 @@ from jax_m2n._src import call_plan
 from jax_m2n._src import ffi as m2n_ffi
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
-from jax_m2n._src.checks import (check_dtype, check_holds, check_in_process,
-                                 check_rank, dst_sharding_of, leaf_aval, platform_of)
+from jax_m2n._src.checks import check_holds, check_in_process, check_rank, platform_of
 from jax_m2n._src.errors import API, ReshardTypeError, ReshardValueError, Unplaceable
 from jax_m2n._src.request import Options
 
@@ -168,10 +167,13 @@ def _reshard_traced(leaves, dsts, src_shardings, options: Options, names,
   shapes, dtypes, srcs, dst_named, typed_any = [], [], [], [], False
   for i, (leaf, dst) in enumerate(zip(leaves, dsts)):
     name = names()[i]
-    aval = leaf_aval(API, name, leaf)
+    aval = jax.typeof(leaf)
     shape, dtype = tuple(aval.shape), aval.dtype
-    check_dtype(API, name, dtype)
-    dst_sharding = dst_sharding_of(API, name, dst, shape, dtype)
+    # The lowering's preconditions on the primitive's operands (the call's arguments
+    # were checked before it was bound): a transformation may have batched them since,
+    # and a batch dimension can leave a destination unable to hold the shape or take
+    # the rank past the handlers' bound.
+    dst_sharding = dst
     check_holds(API, name, dst_sharding, shape, "destination")
     check_rank(API, name, shape)
     typed = _typed_sharding(aval)
@@ -456,8 +458,7 @@ def reshard_partitioned(leaves, dsts: Sequence[NamedSharding], options: Options,
 
   shapes = [tuple(jax.typeof(v).shape) for v in leaves]
   dtypes = [jax.typeof(v).dtype for v in leaves]
-  for i, (shape, dtype, dst) in enumerate(zip(shapes, dtypes, dsts)):
-    check_dtype(API, f"x[{i}]", dtype)
+  for i, (shape, dst) in enumerate(zip(shapes, dsts)):  # as _reshard_traced's
     check_holds(API, f"x[{i}]", dst, shape, "destination")
     check_rank(API, f"x[{i}]", shape)
   mesh = dsts[0].mesh
