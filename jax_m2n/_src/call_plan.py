@@ -1,10 +1,9 @@
 """From a call to its plan: the one way every path (eager, in jit, across processes,
-`jax_m2n.plan`) turns a call's leaves, shardings and options into the plan it runs.
+`jax_m2n.plan`, and new rooms such as jobs/) turns a call into the plan it runs.
 
-Owns the steps between the caller's shardings and the planner: the participating
-devices and their platform, the topology, the layouts, the bytes on the wire, the plan
-and its debug line. Checks no argument (checks.py did, before), touches no device
-state, compiles and moves nothing; what moves is the planner's decision.
+Owns the steps between the caller's shardings and the planner (devices, platform,
+topology, layouts, wire types, chunking, the plan, its debug line). Checks no argument
+(checks.py did), touches no device state, compiles and moves nothing.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """The repeated eager call: one lookup in place of the argument work.
 
-Owns the fast path of `jax_m2n.reshard`: a refit calls it with the same arguments and
-layouts every step. The first call runs every check; where its whole outcome follows
-from the arguments' types and values and the leaves' types and layouts (every leaf
-moved by one cached eager entry, nothing delegated, no astype first), that entry's key
-is remembered under the call's key (the entry itself stays in eager's bounded cache
-only), and a later call with an equal key goes straight to it (docs/benchmarks.md,
-"Fixed cost"). Checked on every call still: what can differ between arrays of one
-layout (committed, deleted, one array donated twice) and the trace state; any doubt
-takes the full path, which raises what it must. Checks no argument rule itself and
-decides nothing the full path would not.
+Owns the fast path of `jax_m2n.reshard` (its key, the remembered calls, running one).
+Checks no argument rule itself and decides nothing the full path would not: any doubt
+takes the full path, which raises what it must.
 """
 
 from __future__ import annotations
@@ -27,6 +20,15 @@ from jax_m2n._src import jax_compat
 from jax_m2n._src.topology import Topology
 
 logger = logging.getLogger("jax_m2n")
+
+# A refit calls reshard with the same arguments and layouts every step. The first call
+# runs every check; where its whole outcome follows from the arguments' types and
+# values and the leaves' types and layouts (every leaf moved by one cached eager entry,
+# nothing delegated, no astype first), that entry's key is remembered under the call's
+# key (the entry itself stays in eager's bounded cache only), and a later call with an
+# equal key goes straight to it (docs/benchmarks.md, "Fixed cost"). Checked on every
+# call still: what can differ between arrays of one layout (committed, deleted, one
+# array donated twice), the trace state and (in the entry) the transfer guard.
 
 # Call key -> (eager cache key, per-leaf weak_type flags or ()), bounded as the eager
 # cache is.

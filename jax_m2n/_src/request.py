@@ -1,10 +1,7 @@
 """One reshard call as values: its options (`Options`, frozen and hashable, carried whole
-by every path) and its leaves with their per-leaf arguments (`Request`, the eager path's
-one argument).
-
-Owns the shape of a call (per call: route, topology, timeout, chunk size; per leaf: the
-array, its destination, its given source layout, its output dtype, its donation flag).
-It checks nothing (checks.py makes both, after every rule) and moves nothing.
+by every path) and its leaves with their per-leaf arguments (`Request`, the eager
+path's one argument). Owns the shape of a call; checks nothing (checks.py makes both,
+after every rule) and moves nothing.
 """
 
 from __future__ import annotations

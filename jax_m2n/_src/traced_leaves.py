@@ -1,12 +1,9 @@
 """A reshard of traced leaves (inside jit, grad, vmap): which leaf goes where.
 
-Owns sorting the leaves of a traced call: kept (a None destination), handed to XLA
-(a sharding constraint: uneven shards in jit, concrete layouts, ranks above 8) or to
-`jax.device_put` (host data, typed keys, sub-byte dtypes, host memory kinds), converted
-first where the conversion is not fused, and the rest bound as one `jax_m2n_reshard`
-primitive (transforms.py) with the call's options. Checks what only the traced types
-tell (the argument rules that hold on every path ran in checks.py before); moves no data
-itself: what it delegates moves by JAX, what it binds by the primitive's rules.
+Owns sorting a traced call's leaves: kept, handed to XLA or to `jax.device_put`,
+converted first where a conversion is not fused, the rest bound as one
+`jax_m2n_reshard` primitive (transforms.py). Checks only what the traced types tell
+(checks.py ran the rest); moves no data itself.
 """
 
 from __future__ import annotations
