@@ -37,6 +37,8 @@ def _modules():
     for f in files:
       if f.endswith(".py"):
         rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].replace(os.sep, ".")
+        if rel == "__init__":  # _src's own (Bazel's runfiles add an empty one)
+          continue
         out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = (
             os.path.join(dirpath, f))
   return out
