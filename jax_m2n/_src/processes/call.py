@@ -18,8 +18,9 @@ import jax
 from jax_m2n._src import call_plan
 from jax_m2n._src import checks
 from jax_m2n._src import jax_compat
-from jax_m2n._src.errors import (API, PeerFailed, ReshardError,
-                                 ReshardRuntimeError, ReshardValueError)
+from jax_m2n._src.errors import API as _API
+from jax_m2n._src.errors import (PeerFailed, ReshardError, ReshardRuntimeError,
+                                 ReshardValueError)
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.processes import bootstrap, sequence, transfer_engine
 
@@ -98,7 +99,7 @@ class CrossProcessReshard:
     The device-to-device transfer guard is asked first (every process must set it
     alike, as every other argument: a refusing process fails its peers by timeout)."""
     if self.crossing:
-      checks.check_transfer_guard(API, lambda: f"{len(self.crossing)} leaves across "
+      checks.check_transfer_guard(_API, lambda: f"{len(self.crossing)} leaves across "
                                   f"processes {self.participants}")
     with _call_lock:
       return self._call(leaves, donate)
@@ -132,7 +133,7 @@ class CrossProcessReshard:
       waits.fail(f"{type(e).__name__}: {e}")
       if isinstance(e, Exception):
         raise ReshardRuntimeError(
-            f"{API}: cross-process call #{n} failed on process {self.me}: "
+            f"{_API}: cross-process call #{n} failed on process {self.me}: "
             f"{type(e).__name__}: {e}") from e
       raise
     out = self._assemble(arrays)
