@@ -1,0 +1,204 @@
+"""A subscriber process's part of a pull: JAX's transfer server, driven by the plan.
+
+Owns running one PullPlan on this process: asking each publisher process for its
+pieces (it cuts them and offers each wave under a random uuid), pulling them wave by
+wave, offering and pulling the forwards between the subscriber job's own processes
+(their transfer servers, the job's key-value store), the copies inside the process
+(local pieces, fan-out), and composing each destination shard. Every wait is bounded.
+It never plans, and never reads a sharding.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import hashlib
+import socket
+import threading
+import time
+from typing import Any, Sequence
+
+import jax
+
+from jax_m2n._src.errors import ReshardRuntimeError, ReshardTimeoutError
+from jax_m2n._src.jobs import channel
+from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE
+from jax_m2n._src.jobs.planning import PUBLISHER_PROCESS_BASE, PullPlan
+from jax_m2n._src.planner import DST_SHARD
+from jax_m2n._src.processes import bootstrap, transfer_engine
+
+# Bytes this process pulled from publishers / from its own job's peers (tests, bench).
+stats = collections.Counter()
+
+# How long after its deadline a piece the publisher offered stays offered (the
+# transfer server drops it then: a subscriber that died mid-pull leaks nothing).
+OFFER_GRACE_S = 30.0
+
+
+def offer_deadline(timeout_s: float) -> datetime.datetime:
+  """The transfer server's deadline for an offer (an absolute wall-clock time)."""
+  return datetime.datetime.now() + datetime.timedelta(seconds=timeout_s + OFFER_GRACE_S)
+
+
+# ---------------------------------------------------------------------------------------
+# Transfer servers
+# ---------------------------------------------------------------------------------------
+
+_servers: dict[str, Any] = {}
+_servers_lock = threading.Lock()
+
+
+def transfer_server(host: str) -> Any:
+  """This process's transfer server bound to `host` (one per host, made on first use).
+
+  The server's bulk transport listens on `host` too: the peer it pulls from connects
+  back to it, so it must be an address the peer can reach."""
+  with _servers_lock:
+    server = _servers.get(host)
+    if server is None:
+      from jax.experimental import transfer
+      client = jax.local_devices()[0].client
+      address = channel.join_address(host, 0)
+      server = _servers[host] = transfer.start_transfer_server(client, address,
+                                                               [address])
+    return server
+
+
+def local_host_towards(host: str) -> str:
+  """The address of this machine's interface that routes to `host` (no packet is
+  sent: a UDP socket's connect only picks the route)."""
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  try:
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+      s.connect((host, 9))
+      return s.getsockname()[0]
+  except OSError:
+    return "::1" if family == socket.AF_INET6 else "127.0.0.1"
+
+
+def peer_uuid(salt: bytes, wave: int, sender: int, receiver: int) -> int:
+  """A forward's uuid inside the subscriber job: unguessable without the pull's
+  random salt (the transfer server authenticates nobody), derivable by both sides."""
+  h = hashlib.blake2b(salt + f"|{wave}|{sender}|{receiver}".encode(), digest_size=8)
+  return int.from_bytes(h.digest(), "little")
+
+
+# ---------------------------------------------------------------------------------------
+# One pull
+# ---------------------------------------------------------------------------------------
+
+class Link:
+  """A publisher process as the engine uses it: its control client and its transfer
+  server's connection, plus how messages name it."""
+
+  def __init__(self, client: channel.Client, connection: Any, name: str):
+    self.client = client
+    self.connection = connection
+    self.name = name
+
+
+def request_pieces(pp: PullPlan, links: dict[int, Link], version: int,
+                   timeout_s: float, answer_s: float) -> dict[int, list[int]]:
+  """Asks each publisher process for the pieces it sends this process, one offer per
+  wave; returns their uuids (per publisher process, in wave order)."""
+  uuids = {}
+  for k, groups in sorted(pp.requests.items()):
+    wire = sorted({op.tensor for ops in groups for op in ops})
+    body = {"op": "pieces", "version": version,
+            "wire": [[t, pp.wire[t].name] for t in wire],
+            "groups": [[[op.tensor, op.src - PUBLISHER_DEVICE_BASE, *[lo for lo, _ in op.box],
+                         *[hi for _, hi in op.box]] for op in ops] for ops in groups],
+            "timeout_ms": int(timeout_s * 1000)}
+    reply = links[k].client.call(body, answer_s, f"the pieces of version {version}")
+    got = reply.get("uuids")
+    if not isinstance(got, list) or len(got) != len(groups) or not all(
+        type(u) is int and 0 <= u < 1 << 64 for u in got):
+      raise ReshardRuntimeError(f"Subscriber.pull: {links[k].name} answered the pieces "
+                                "request with a malformed list of uuids.")
+    uuids[k] = got
+  return uuids
+
+
+def run(pp: PullPlan, links: dict[int, Link], uuids: dict[int, list[int]],
+        waits: Any, salt: bytes, timeout_s: float) -> list[list[jax.Array]]:
+  """Runs this process's waves; returns per leaf its local destination shards (in
+  `pp.local_dst` order, in the delivered dtype). `waits` is the subscriber job's
+  CallWaits (None in a one-process job)."""
+  me = jax.process_index()
+  devices = {d.id: d for d in jax.local_devices()}
+  buffers = transfer_engine.Buffers({}, list(pp.wire), devices)
+  next_offer = {k: iter(u) for k, u in uuids.items()}
+  deadline = time.monotonic() + timeout_s
+  for wave in pp.waves:
+    w = wave.depth
+    for peer, ops in sorted(wave.sends.items()):  # forwards to the job's own processes
+      arrays = [buffers.read(op, copy=False) for op in ops]
+      eng = bootstrap.engine()
+      eng.server.await_pull(peer_uuid(salt, w, me, peer), arrays,
+                            timeout=offer_deadline(timeout_s))
+      stats["forwarded_bytes"] += sum(a.nbytes for a in arrays)
+    if wave.sends:
+      waits.post(f"w{w}")
+    for op in wave.local:  # fan-out and copies inside this process
+      arr = buffers.read(op, copy=op.src == op.dst)
+      if op.src != op.dst:
+        arr = jax.device_put(arr, devices[op.dst])
+      buffers.deliver(op, arr)
+    pending = []
+    for peer, ops in sorted(wave.recvs.items()):
+      specs = [jax.ShapeDtypeStruct(tuple(hi - lo for lo, hi in op.box),
+                                    pp.wire[op.tensor],
+                                    sharding=jax.sharding.SingleDeviceSharding(
+                                        devices[op.dst])) for op in ops]
+      if peer >= PUBLISHER_PROCESS_BASE:
+        k = peer - PUBLISHER_PROCESS_BASE
+        arrays = links[k].connection.pull(next(next_offer[k]), specs)
+        name = links[k].name
+        stats["pulled_bytes"] += sum(a.nbytes for a in arrays)
+      else:
+        waits.wait(f"w{w}", [peer], f"process {peer}'s forwards (wave {w})")
+        eng = bootstrap.engine()
+        address = eng.kv.key_value_try_get(f"{bootstrap.PREFIX}/addr/{peer}")
+        arrays = eng.connection(peer, address).pull(peer_uuid(salt, w, peer, me), specs)
+        name = f"process {peer} of this job"
+        stats["forwarded_in_bytes"] += sum(a.nbytes for a in arrays)
+      for op, arr in zip(ops, arrays):
+        buffers.deliver(op, arr)
+        pending.append((name, arr))
+    if pending:
+      _wait_ready(pending, waits, w, deadline, timeout_s)
+  return [[buffers.compose(t, d.id, DST_SHARD, pp.plan.tensors[t].dst.box_of(d.id),
+                           pp.out[t]) for d in local]
+          for t, local in enumerate(pp.local_dst)]
+
+
+def _wait_ready(pending: Sequence[tuple[str, jax.Array]], waits: Any, w: int,
+                deadline: float, timeout_s: float) -> None:
+  """Waits (bounded; a peer's failure or death in the subscriber job ends it) until
+  every pulled array has arrived; a failed pull is an error naming its sender."""
+  left = list(pending)
+
+  def ready() -> bool:
+    nonlocal left
+    left = [(p, a) for p, a in left if not a.is_ready()]
+    return not left
+
+  if waits is not None:
+    waits.wait(f"w{w}", [], f"the wave-{w} transfers to arrive", ready)
+  else:
+    delay = 1e-4
+    while not ready():
+      if time.monotonic() > deadline:
+        raise ReshardTimeoutError(
+            f"Subscriber.pull: the pieces from {left[0][0]} must arrive within "
+            f"timeout_s={timeout_s:g}; got {len(left)} array(s) still missing (the "
+            "publisher stalled, or its link is too slow for this timeout).")
+      time.sleep(delay)
+      delay = min(2 * delay, 2e-3)
+  for name, arr in pending:
+    try:
+      arr.block_until_ready()
+    except Exception as e:  # noqa: BLE001 - the engine's failure, named
+      raise ReshardRuntimeError(
+          f"Subscriber.pull: the transfer from {name} failed (wave {w}; it died or "
+          f"closed mid-transfer): {type(e).__name__}: {e}") from e
