@@ -127,8 +127,20 @@ def run(pp: PullPlan, links: dict[int, Link], uuids: dict[int, list[int]],
   me = jax.process_index()
   devices = {d.id: d for d in jax.local_devices()}
   buffers = transfer_engine.Buffers({}, list(pp.wire), devices)
-  next_offer = {k: iter(u) for k, u in uuids.items()}
   deadline = time.monotonic() + timeout_s
+  # The publisher's pieces depend on nothing: every wave's pull is issued at once, so
+  # the transfer server streams them together; a wave waits only for its own.
+  from_publisher: dict[int, list[tuple[str, Any, jax.Array]]] = {}
+  offers = {k: iter(u) for k, u in uuids.items()}
+  for wave in pp.waves:
+    for peer, ops in sorted(wave.recvs.items()):
+      if peer >= PUBLISHER_PROCESS_BASE:
+        link = links[peer - PUBLISHER_PROCESS_BASE]
+        arrays = link.connection.pull(next(offers[peer - PUBLISHER_PROCESS_BASE]),
+                                      _specs(pp, ops, devices))
+        stats["pulled_bytes"] += sum(a.nbytes for a in arrays)
+        from_publisher.setdefault(wave.depth, []).extend(
+            (link.name, op, a) for op, a in zip(ops, arrays))
   for wave in pp.waves:
     w = wave.depth
     for peer, ops in sorted(wave.sends.items()):  # forwards to the job's own processes
@@ -145,31 +157,32 @@ def run(pp: PullPlan, links: dict[int, Link], uuids: dict[int, list[int]],
         arr = jax.device_put(arr, devices[op.dst])
       buffers.deliver(op, arr)
     pending = []
+    for name, op, arr in from_publisher.get(w, []):
+      buffers.deliver(op, arr)
+      pending.append((name, arr))
     for peer, ops in sorted(wave.recvs.items()):
-      specs = [jax.ShapeDtypeStruct(tuple(hi - lo for lo, hi in op.box),
-                                    pp.wire[op.tensor],
-                                    sharding=jax.sharding.SingleDeviceSharding(
-                                        devices[op.dst])) for op in ops]
       if peer >= PUBLISHER_PROCESS_BASE:
-        k = peer - PUBLISHER_PROCESS_BASE
-        arrays = links[k].connection.pull(next(next_offer[k]), specs)
-        name = links[k].name
-        stats["pulled_bytes"] += sum(a.nbytes for a in arrays)
-      else:
-        waits.wait(f"w{w}", [peer], f"process {peer}'s forwards (wave {w})")
-        eng = bootstrap.engine()
-        address = eng.kv.key_value_try_get(f"{bootstrap.PREFIX}/addr/{peer}")
-        arrays = eng.connection(peer, address).pull(peer_uuid(salt, w, peer, me), specs)
-        name = f"process {peer} of this job"
-        stats["forwarded_in_bytes"] += sum(a.nbytes for a in arrays)
+        continue
+      waits.wait(f"w{w}", [peer], f"process {peer}'s forwards (wave {w})")
+      eng = bootstrap.engine()
+      address = eng.kv.key_value_try_get(f"{bootstrap.PREFIX}/addr/{peer}")
+      arrays = eng.connection(peer, address).pull(peer_uuid(salt, w, peer, me),
+                                                  _specs(pp, ops, devices))
+      stats["forwarded_in_bytes"] += sum(a.nbytes for a in arrays)
       for op, arr in zip(ops, arrays):
         buffers.deliver(op, arr)
-        pending.append((name, arr))
+        pending.append((f"process {peer} of this job", arr))
     if pending:
       _wait_ready(pending, waits, w, deadline, timeout_s)
   return [[buffers.compose(t, d.id, DST_SHARD, pp.plan.tensors[t].dst.box_of(d.id),
                            pp.out[t]) for d in local]
           for t, local in enumerate(pp.local_dst)]
+
+
+def _specs(pp: PullPlan, ops, devices) -> list[jax.ShapeDtypeStruct]:
+  return [jax.ShapeDtypeStruct(tuple(hi - lo for lo, hi in op.box), pp.wire[op.tensor],
+                               sharding=jax.sharding.SingleDeviceSharding(devices[op.dst]))
+          for op in ops]
 
 
 def _wait_ready(pending: Sequence[tuple[str, jax.Array]], waits: Any, w: int,
