@@ -4,6 +4,7 @@
 # on the GPUs when there are GPUs and a CUDA-enabled jax, else on 8 CPU devices.
 #   ./scripts/run_example.sh [rl_refit.py arguments...]
 #   JAX_M2N_EXAMPLE=tunix_grpo ./scripts/run_example.sh [arguments...]  # another example
+#   JAX_M2N_EXAMPLE=ray_refit ./scripts/run_example.sh   # Ray actors (installs ray)
 # Environment: JAX_M2N_CPU_DEVICES=8 (CPU device count), JAX_M2N_EXAMPLE=rl_refit
 # (examples/<name>.py to run), plus setup.sh's.
 # Leaves no Bazel server behind that it started (bazel shutdown after the build).
@@ -23,6 +24,11 @@ fi
 
 example=$ROOT/examples/${JAX_M2N_EXAMPLE:-rl_refit}.py
 [ -f "$example" ] || { echo "run_example: $example not found" >&2; exit 1; }
+# An example's own extra (pyproject.toml's optional dependencies of the same name).
+if [ "${JAX_M2N_EXAMPLE:-rl_refit}" = ray_refit ] && ! "$PY" -c "import ray" 2>/dev/null; then
+  echo "run_example: installing the ray extra (ray, pyzmq) into $PY's environment" >&2
+  "$PY" -m pip install -q --disable-pip-version-check 'ray>=2.40,<3' 'pyzmq>=26,<28' </dev/null
+fi
 
 has_gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then
