@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import hashlib
 import socket
 import threading
@@ -19,11 +20,15 @@ import time
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from jax_m2n._src.errors import ReshardRuntimeError, ReshardTimeoutError
 from jax_m2n._src.jobs import channel
 from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE
 from jax_m2n._src.jobs.planning import PUBLISHER_PROCESS_BASE, PullPlan
+from jax_m2n._src.layout import box_size, intersect
 from jax_m2n._src.planner import DST_SHARD
 from jax_m2n._src.processes import bootstrap, transfer_engine
 
@@ -84,6 +89,115 @@ def peer_uuid(salt: bytes, wave: int, sender: int, receiver: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------
+# Fused cutting and composing: one compiled program per device, not one per piece
+# ---------------------------------------------------------------------------------------
+
+# A part of an output: (input index, starts and limits in the input, offset in the
+# output). An output: (shape, dtype assembled in, dtype delivered, parts).
+Part = tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+@functools.lru_cache(maxsize=512)
+def _fused(outputs: tuple[tuple[tuple[int, ...], Any, Any, tuple[Part, ...]], ...]):
+  """A compiled program from a device's inputs to `outputs` (each cut from parts of the
+  inputs, then converted): a pull's pieces cost one dispatch per device. The same
+  signature recurs every version, so it compiles once."""
+  def f(*inputs):
+    outs = []
+    for shape, dtype, out_dtype, parts in outputs:
+      if len(parts) == 1 and parts[0][3] == (0,) * len(shape) and tuple(
+          hi - lo for lo, hi in zip(parts[0][1], parts[0][2])) == shape:
+        i, starts, limits, _ = parts[0]
+        outs.append(lax.slice(inputs[i], starts, limits).astype(out_dtype))
+        continue
+      out = jnp.zeros(shape, dtype)
+      for i, starts, limits, offset in parts:
+        out = lax.dynamic_update_slice(out, lax.slice(inputs[i], starts, limits).astype(
+            dtype), offset)
+      outs.append(out.astype(out_dtype))
+    return tuple(outs)
+  return jax.jit(f)
+
+
+def run_fused(inputs: Sequence[jax.Array], outputs) -> list[jax.Array]:
+  """`_fused(outputs)(*inputs)`, with outputs that are an input as it is (one whole
+  part in its own dtype) passed through without a copy."""
+  result: list[Any] = [None] * len(outputs)
+  todo = []
+  for j, (shape, dtype, out_dtype, parts) in enumerate(outputs):
+    if len(parts) == 1:
+      i, starts, limits, offset = parts[0]
+      a = inputs[i]
+      if (tuple(a.shape) == shape and all(v == 0 for v in starts) and tuple(limits) == shape
+          and a.dtype == out_dtype):
+        result[j] = a
+        continue
+    todo.append(j)
+  if todo:
+    used = sorted({i for j in todo for i, *_ in outputs[j][3]})
+    index = {i: k for k, i in enumerate(used)}
+    sig = tuple((outputs[j][0], outputs[j][1], outputs[j][2],
+                 tuple((index[i], st, li, off) for i, st, li, off in outputs[j][3]))
+                for j in todo)
+    for j, a in zip(todo, _fused(sig)(*[inputs[i] for i in used])):
+      result[j] = a
+  return result
+
+
+def _rel(box, origin) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  return (tuple(lo - o for (lo, _), (o, _) in zip(box, origin)),
+          tuple(hi - o for (_, hi), (o, _) in zip(box, origin)))
+
+
+def compose_outputs(pp: PullPlan, buffers: Any) -> list[list[jax.Array]]:
+  """Every local destination shard, composed from the pieces delivered into it: one
+  fused program per device."""
+  by_device: dict[int, list[tuple[int, int]]] = {}
+  for t, local in enumerate(pp.local_dst):
+    for j, d in enumerate(local):
+      by_device.setdefault(d.id, []).append((t, j))
+  out: list[list[Any]] = [[None] * len(local) for local in pp.local_dst]
+  for dev, slots in by_device.items():
+    inputs, ids, outputs = [], {}, []
+    for t, _ in slots:
+      box = pp.plan.tensors[t].dst.box_of(dev)
+      shape = tuple(hi - lo for lo, hi in box)
+      parts, covered = [], 0
+      for pbox, arr in buffers.pieces.get((t, dev, DST_SHARD), []):
+        part = intersect(pbox, box) if box else ()
+        if part is None:
+          continue
+        k = ids.setdefault(id(arr), len(inputs))
+        if k == len(inputs):
+          inputs.append(arr)
+        starts, limits = _rel(part, pbox)
+        parts.append((k, starts, limits, _rel(part, box)[0]))
+        covered += box_size(part)
+      if covered != box_size(box):
+        raise ReshardRuntimeError(
+            f"Subscriber.pull: internal error: device {dev} holds {covered} of the "
+            f"{box_size(box)} elements of leaf {t}'s box {box}.")
+      outputs.append((shape, pp.wire[t], pp.out[t], tuple(parts)))
+    arrays = _compose_device(inputs, outputs, dev, pp)
+    for (t, j), a in zip(slots, arrays):
+      out[t][j] = a
+  return out
+
+
+def _compose_device(inputs, outputs, dev: int, pp: PullPlan) -> list[jax.Array]:
+  device = next(d for local in pp.local_dst for d in local if d.id == dev)
+  result: list[Any] = [None] * len(outputs)
+  real = [j for j, o in enumerate(outputs) if o[3]]
+  for j, (shape, _, out_dtype, parts) in enumerate(outputs):
+    if not parts:  # a zero-size box: nothing delivered
+      result[j] = jax.device_put(np.zeros(shape, out_dtype), device)
+  if real:
+    for j, a in zip(real, run_fused(inputs, [outputs[j] for j in real])):
+      result[j] = a
+  return result
+
+
+# ---------------------------------------------------------------------------------------
 # One pull
 # ---------------------------------------------------------------------------------------
 
@@ -102,12 +216,13 @@ def request_pieces(pp: PullPlan, links: dict[int, Link], version: int,
   """Asks each publisher process for the pieces it sends this process, one offer per
   wave; returns their uuids (per publisher process, in wave order)."""
   uuids = {}
-  for k, groups in sorted(pp.requests.items()):
-    wire = sorted({op.tensor for ops in groups for op in ops})
+  for k, groups in sorted(pp.packed_requests.items()):
+    wire = sorted({op.tensor for packs in groups for pack in packs for op in pack})
     body = {"op": "pieces", "version": version,
             "wire": [[t, pp.wire[t].name] for t in wire],
-            "groups": [[[op.tensor, op.src - PUBLISHER_DEVICE_BASE, *[lo for lo, _ in op.box],
-                         *[hi for _, hi in op.box]] for op in ops] for ops in groups],
+            "groups": [[[[op.tensor, op.src - PUBLISHER_DEVICE_BASE,
+                          *[lo for lo, _ in op.box], *[hi for _, hi in op.box]]
+                         for op in pack] for pack in packs] for packs in groups],
             "timeout_ms": int(timeout_s * 1000)}
     reply = links[k].client.call(body, answer_s, f"the pieces of version {version}")
     got = reply.get("uuids")
@@ -130,17 +245,21 @@ def run(pp: PullPlan, links: dict[int, Link], uuids: dict[int, list[int]],
   deadline = time.monotonic() + timeout_s
   # The publisher's pieces depend on nothing: every wave's pull is issued at once, so
   # the transfer server streams them together; a wave waits only for its own.
-  from_publisher: dict[int, list[tuple[str, Any, jax.Array]]] = {}
+  from_publisher: dict[int, list[tuple[str, list[Any], Any, jax.Array]]] = {}
   offers = {k: iter(u) for k, u in uuids.items()}
   for wave in pp.waves:
     for peer, ops in sorted(wave.recvs.items()):
       if peer >= PUBLISHER_PROCESS_BASE:
-        link = links[peer - PUBLISHER_PROCESS_BASE]
-        arrays = link.connection.pull(next(offers[peer - PUBLISHER_PROCESS_BASE]),
-                                      _specs(pp, ops, devices))
+        k = peer - PUBLISHER_PROCESS_BASE
+        packs = pp.packs_of(ops)
+        arrays = links[k].connection.pull(next(offers[k]), [
+            _pack_spec(pp, pack, devices) for pack in packs])
         stats["pulled_bytes"] += sum(a.nbytes for a in arrays)
-        from_publisher.setdefault(wave.depth, []).extend(
-            (link.name, op, a) for op, a in zip(ops, arrays))
+        for pack, a in zip(packs, arrays):  # unpacked when it lands (XLA waits for it)
+          pieces = [a] if len(pack) == 1 else list(_unpacker(tuple(
+              tuple(hi - lo for lo, hi in op.box) for op in pack))(a))
+          from_publisher.setdefault(wave.depth, []).append(
+              (links[k].name, pack, a, pieces))
   for wave in pp.waves:
     w = wave.depth
     for peer, ops in sorted(wave.sends.items()):  # forwards to the job's own processes
@@ -157,8 +276,9 @@ def run(pp: PullPlan, links: dict[int, Link], uuids: dict[int, list[int]],
         arr = jax.device_put(arr, devices[op.dst])
       buffers.deliver(op, arr)
     pending = []
-    for name, op, arr in from_publisher.get(w, []):
-      buffers.deliver(op, arr)
+    for name, pack, arr, pieces in from_publisher.get(w, []):
+      for op, piece in zip(pack, pieces):
+        buffers.deliver(op, piece)
       pending.append((name, arr))
     for peer, ops in sorted(wave.recvs.items()):
       if peer >= PUBLISHER_PROCESS_BASE:
@@ -174,9 +294,42 @@ def run(pp: PullPlan, links: dict[int, Link], uuids: dict[int, list[int]],
         pending.append((f"process {peer} of this job", arr))
     if pending:
       _wait_ready(pending, waits, w, deadline, timeout_s)
-  return [[buffers.compose(t, d.id, DST_SHARD, pp.plan.tensors[t].dst.box_of(d.id),
-                           pp.out[t]) for d in local]
-          for t, local in enumerate(pp.local_dst)]
+  return compose_outputs(pp, buffers)
+
+
+def _pack_spec(pp: PullPlan, pack, devices) -> jax.ShapeDtypeStruct:
+  """What one pack arrives as: its one piece's shape, or several pieces flattened and
+  concatenated (one array per (source device, destination device, dtype) and wave: the
+  transfer server's cost is per array)."""
+  sharding = jax.sharding.SingleDeviceSharding(devices[pack[0].dst])
+  if len(pack) == 1:
+    shape = tuple(hi - lo for lo, hi in pack[0].box)
+  else:
+    shape = (sum(box_size(op.box) for op in pack),)
+  return jax.ShapeDtypeStruct(shape, pp.wire[pack[0].tensor], sharding=sharding)
+
+
+@functools.lru_cache(maxsize=512)
+def _packer(parts: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], dtype: Any):
+  """A compiled program cutting boxes of a device's inputs and concatenating them
+  flattened, in `dtype` (the publisher's side of a pack)."""
+  def f(*inputs):
+    return jnp.concatenate([lax.slice(inputs[i], st, li).astype(dtype).reshape(-1)
+                            for i, st, li in parts])
+  return jax.jit(f)
+
+
+@functools.lru_cache(maxsize=512)
+def _unpacker(shapes: tuple[tuple[int, ...], ...]):
+  """The subscriber's side of a pack: the pieces, each reshaped from its run."""
+  def f(flat):
+    out, at = [], 0
+    for shape in shapes:
+      n = int(np.prod(shape))
+      out.append(lax.slice(flat, (at,), (at + n,)).reshape(shape))
+      at += n
+    return tuple(out)
+  return jax.jit(f)
 
 
 def _specs(pp: PullPlan, ops, devices) -> list[jax.ShapeDtypeStruct]:

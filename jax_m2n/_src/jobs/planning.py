@@ -76,6 +76,20 @@ class PullPlan:
     """Per leaf, this process's destination devices in addressable order."""
     return [list(jax_compat.addressable_device_assignment(d)) for d in self.dsts]
 
+  def packs_of(self, ops: list[transfer_engine.Op]) -> list[list[transfer_engine.Op]]:
+    """`ops` (one wave from one publisher process) grouped by (source device,
+    destination device, wire dtype), in first-appearance order: one array each."""
+    packs: dict[tuple[int, int, Any], list[transfer_engine.Op]] = {}
+    for op in ops:
+      packs.setdefault((op.src, op.dst, self.wire[op.tensor]), []).append(op)
+    return list(packs.values())
+
+  @functools.cached_property
+  def packed_requests(self) -> dict[int, list[list[list[transfer_engine.Op]]]]:
+    """`requests` with each wave's ops grouped into packs (`packs_of`)."""
+    return {k: [self.packs_of(ops) for ops in groups]
+            for k, groups in self.requests.items()}
+
   @property
   def pulled_bytes(self) -> int:
     """Bytes this process takes from the publisher's processes."""

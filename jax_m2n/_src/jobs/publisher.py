@@ -350,41 +350,70 @@ class Publisher:
     offers = []
     for group in groups:
       if not isinstance(group, list) or not group:
-        raise ProtocolError("pieces: every group must be a non-empty list of pieces.")
-      ops = []
-      for piece in group:
-        messages.int_list(piece, "pieces: a piece", 0, 1 << 62, 2 + 2 * MAX_RANK)
-        if len(piece) < 2 or piece[0] not in wire:
-          raise ProtocolError("pieces: a piece must be [leaf, device, lo..., hi...] of "
-                              "a leaf listed in wire.")
-        t, k = piece[0], piece[1]
-        rank = len(m.leaves[t].shape)
-        held_shard = version.shards.get((t, k))
-        if len(piece) != 2 + 2 * rank or held_shard is None:
-          raise ProtocolError(f"pieces: leaf {t} must be held on device {k} by this "
-                              f"process, with a box of rank {rank}.")
-        box = tuple(zip(piece[2:2 + rank], piece[2 + rank:]))
-        if any(lo > hi or lo < hlo or hi > hhi
-               for (lo, hi), (hlo, hhi) in zip(box, held_shard[0])):
-          raise ProtocolError(f"pieces: box {box} of leaf {t} must lie inside device "
-                              f"{k}'s box {held_shard[0]}.")
-        budget -= math.prod(hi - lo for lo, hi in box) * wire[t].itemsize
-        if budget < 0:
-          raise ProtocolError(f"pieces: a request must ask for at most "
-                              f"{MAX_REQUEST_FACTOR} x the version's bytes here.")
-        ops.append(transfer_engine.Op(t, k, -1, SRC_SHARD, DST_SHARD, box, "inject"))
-      offers.append(ops)
-    wire_list = [wire.get(t, np.dtype(m.leaves[t].dtype)) for t in range(len(m.leaves))]
-    shards = {key: value for key, value in version.shards.items() if key[0] in wire}
-    buffers = transfer_engine.Buffers(shards, wire_list, {})
+        raise ProtocolError("pieces: every group must be a non-empty list of packs.")
+      packs = []
+      for pack in group:
+        if not isinstance(pack, list) or not pack:
+          raise ProtocolError("pieces: every pack must be a non-empty list of pieces.")
+        ops = []
+        for piece in pack:
+          messages.int_list(piece, "pieces: a piece", 0, 1 << 62, 2 + 2 * MAX_RANK)
+          if len(piece) < 2 or piece[0] not in wire:
+            raise ProtocolError("pieces: a piece must be [leaf, device, lo..., hi...] of "
+                                "a leaf listed in wire.")
+          t, k = piece[0], piece[1]
+          rank = len(m.leaves[t].shape)
+          held_shard = version.shards.get((t, k))
+          if len(piece) != 2 + 2 * rank or held_shard is None:
+            raise ProtocolError(f"pieces: leaf {t} must be held on device {k} by this "
+                                f"process, with a box of rank {rank}.")
+          box = tuple(zip(piece[2:2 + rank], piece[2 + rank:]))
+          if any(lo > hi or lo < hlo or hi > hhi
+                 for (lo, hi), (hlo, hhi) in zip(box, held_shard[0])):
+            raise ProtocolError(f"pieces: box {box} of leaf {t} must lie inside device "
+                                f"{k}'s box {held_shard[0]}.")
+          budget -= math.prod(hi - lo for lo, hi in box) * wire[t].itemsize
+          if budget < 0:
+            raise ProtocolError(f"pieces: a request must ask for at most "
+                                f"{MAX_REQUEST_FACTOR} x the version's bytes here.")
+          ops.append(transfer_engine.Op(t, k, -1, SRC_SHARD, DST_SHARD, box, "inject"))
+        if len({op.src for op in ops}) != 1 or len({wire[op.tensor] for op in ops}) != 1:
+          raise ProtocolError("pieces: the pieces of a pack must share a device and a "
+                              "wire dtype.")
+        packs.append(ops)
+      offers.append(packs)
     timeout_s = body["timeout_ms"] / 1000
     uuids = []
     for ops in offers:
-      arrays = [buffers.read(op, copy=False) for op in ops]
       uuid = secrets.randbits(64)
-      self._transfer.await_pull(uuid, arrays, timeout=engine.offer_deadline(timeout_s))
+      self._transfer.await_pull(uuid, _cut(version, ops, wire),
+                                timeout=engine.offer_deadline(timeout_s))
       uuids.append(uuid)
     return {"uuids": uuids}
+
+
+def _cut(version: _Version, packs: list[list[transfer_engine.Op]],
+         wire: dict[int, np.dtype]) -> list[jax.Array]:
+  """One array per pack: its one box in the wire dtype (the snapshot itself where that
+  is a whole shard in its own dtype), or its boxes flattened and concatenated."""
+  out = []
+  for ops in packs:
+    k, dtype = ops[0].src, wire[ops[0].tensor]
+    inputs, index, parts = [], {}, []
+    for op in ops:
+      held, array = version.shards[(op.tensor, k)]
+      i = index.setdefault(op.tensor, len(inputs))
+      if i == len(inputs):
+        inputs.append(array)
+      parts.append((i, tuple(lo - h for (lo, _), (h, _) in zip(op.box, held)),
+                    tuple(hi - h for (_, hi), (h, _) in zip(op.box, held))))
+    if len(ops) == 1:
+      shape = tuple(hi - lo for lo, hi in ops[0].box)
+      out.append(engine.run_fused(inputs, [(shape, dtype, dtype, (
+          (*parts[0], (0,) * len(shape)),))])[0])
+    else:
+      out.append(engine._packer(tuple(parts), dtype)(*inputs))
+  return out
 
 
 def _gather_addresses(mine: tuple[str, str], instance: int, timeout_s: float
