@@ -5,8 +5,8 @@ publisher keeps serving; the token (challenge-response, never sent, wrong token 
 error on the subscriber); loopback by default; dst / dtype / version errors raised
 before any byte moves; pulls bitwise against jax.device_put, Quantize as reshard's."""
 
+import doctest
 import json
-import os
 import secrets
 
 import jax
@@ -57,6 +57,17 @@ def _dst(gen):
 def _bits(a):
   a = np.asarray(a)
   return a.view(f"u{a.dtype.itemsize}")
+
+
+@pytest.mark.parametrize("fn", [jax_m2n.Publisher, jax_m2n.Subscriber],
+                         ids=["Publisher", "Subscriber"])
+def test_docstring_examples_run(fn):
+  finder = doctest.DocTestFinder(recurse=False)
+  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+  for test in finder.find(fn, fn.__name__, globs={"jax_m2n": jax_m2n}):
+    runner.run(test)
+  result = runner.summarize(verbose=False)
+  assert result.attempted > 0 and result.failed == 0, result
 
 
 def test_binds_loopback_by_default_and_pulls_bitwise(published, gen):

@@ -97,10 +97,11 @@ class Publisher:
   pieces cut for subscribers in flight (a subscriber's wire dtype, while it pulls).
 
   Example:
+    >>> import jax, numpy as np
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     >>> pub = jax_m2n.Publisher(token="s3cret", keep=2)   # 127.0.0.1, a free port
-    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
-    >>> w = jax.device_put(np.arange(32.0).reshape(8, 4),
-    ...                    jax.sharding.NamedSharding(mesh, P("x")))
+    >>> mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    >>> w = jax.device_put(np.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("x")))
     >>> pub.publish({"w": w})
     1
     >>> pub.close()

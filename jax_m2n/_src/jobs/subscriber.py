@@ -64,18 +64,18 @@ class Subscriber:
     ReshardValueError: a wrong token (either side's proof fails), a malformed address.
     ReshardRuntimeError: nothing answered at `address` within `timeout_s`.
 
-  Example:
+  Example (both jobs in one program here; normally two):
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     >>> pub = jax_m2n.Publisher(token="s3cret")
-    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
-    >>> w = jax.device_put(np.arange(32.0).reshape(8, 4),
-    ...                    jax.sharding.NamedSharding(mesh, P("x")))
+    >>> mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    >>> w = jax.device_put(np.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("x")))
     >>> _ = pub.publish({"w": w})
     >>> sub = jax_m2n.Subscriber(pub.address, token="s3cret")
-    >>> gen = jax.sharding.Mesh(np.array(jax.devices()[4:]), ("y",))
-    >>> out = sub.pull(jax.sharding.NamedSharding(gen, P(None, "y")),
-    ...                dtype=jnp.bfloat16)
-    >>> sub.version, out["w"].dtype, out["w"].sharding.spec
-    (1, dtype(bfloat16), PartitionSpec(None, 'y'))
+    >>> gen = Mesh(np.array(jax.devices()[4:]), ("y",))
+    >>> out = sub.pull(NamedSharding(gen, P(None, "y")), dtype=jnp.bfloat16)
+    >>> sub.version, out["w"].dtype, out["w"].sharding.spec == P(None, "y")
+    (1, dtype(bfloat16), True)
     >>> sub.close(); pub.close()
   """
 
