@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import functools
 import hashlib
 import socket
 import threading
@@ -20,17 +19,15 @@ import time
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jax_m2n._src.errors import ReshardRuntimeError, ReshardTimeoutError
-from jax_m2n._src.jobs import channel
+from jax_m2n._src.jobs import channel, pieces
 from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE
 from jax_m2n._src.jobs.planning import PUBLISHER_PROCESS_BASE, PullPlan
-from jax_m2n._src.layout import box_size, intersect
+from jax_m2n._src.layout import box_size
 from jax_m2n._src.planner import DST_SHARD
-from jax_m2n._src.processes import bootstrap, transfer_engine
+from jax_m2n._src.processes import bootstrap
 
 # Bytes this process pulled from publishers / from its own job's peers (tests, bench).
 stats = collections.Counter()
@@ -89,115 +86,6 @@ def peer_uuid(salt: bytes, wave: int, sender: int, receiver: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# Fused cutting and composing: one compiled program per device, not one per piece
-# ---------------------------------------------------------------------------------------
-
-# A part of an output: (input index, starts and limits in the input, offset in the
-# output). An output: (shape, dtype assembled in, dtype delivered, parts).
-Part = tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
-
-
-@functools.lru_cache(maxsize=512)
-def _fused(outputs: tuple[tuple[tuple[int, ...], Any, Any, tuple[Part, ...]], ...]):
-  """A compiled program from a device's inputs to `outputs` (each cut from parts of the
-  inputs, then converted): a pull's pieces cost one dispatch per device. The same
-  signature recurs every version, so it compiles once."""
-  def f(*inputs):
-    outs = []
-    for shape, dtype, out_dtype, parts in outputs:
-      if len(parts) == 1 and parts[0][3] == (0,) * len(shape) and tuple(
-          hi - lo for lo, hi in zip(parts[0][1], parts[0][2])) == shape:
-        i, starts, limits, _ = parts[0]
-        outs.append(lax.slice(inputs[i], starts, limits).astype(out_dtype))
-        continue
-      out = jnp.zeros(shape, dtype)
-      for i, starts, limits, offset in parts:
-        out = lax.dynamic_update_slice(out, lax.slice(inputs[i], starts, limits).astype(
-            dtype), offset)
-      outs.append(out.astype(out_dtype))
-    return tuple(outs)
-  return jax.jit(f)
-
-
-def run_fused(inputs: Sequence[jax.Array], outputs) -> list[jax.Array]:
-  """`_fused(outputs)(*inputs)`, with outputs that are an input as it is (one whole
-  part in its own dtype) passed through without a copy."""
-  result: list[Any] = [None] * len(outputs)
-  todo = []
-  for j, (shape, dtype, out_dtype, parts) in enumerate(outputs):
-    if len(parts) == 1:
-      i, starts, limits, offset = parts[0]
-      a = inputs[i]
-      if (tuple(a.shape) == shape and all(v == 0 for v in starts) and tuple(limits) == shape
-          and a.dtype == out_dtype):
-        result[j] = a
-        continue
-    todo.append(j)
-  if todo:
-    used = sorted({i for j in todo for i, *_ in outputs[j][3]})
-    index = {i: k for k, i in enumerate(used)}
-    sig = tuple((outputs[j][0], outputs[j][1], outputs[j][2],
-                 tuple((index[i], st, li, off) for i, st, li, off in outputs[j][3]))
-                for j in todo)
-    for j, a in zip(todo, _fused(sig)(*[inputs[i] for i in used])):
-      result[j] = a
-  return result
-
-
-def _rel(box, origin) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  return (tuple(lo - o for (lo, _), (o, _) in zip(box, origin)),
-          tuple(hi - o for (_, hi), (o, _) in zip(box, origin)))
-
-
-def compose_outputs(pp: PullPlan, buffers: Any) -> list[list[jax.Array]]:
-  """Every local destination shard, composed from the pieces delivered into it: one
-  fused program per device."""
-  by_device: dict[int, list[tuple[int, int]]] = {}
-  for t, local in enumerate(pp.local_dst):
-    for j, d in enumerate(local):
-      by_device.setdefault(d.id, []).append((t, j))
-  out: list[list[Any]] = [[None] * len(local) for local in pp.local_dst]
-  for dev, slots in by_device.items():
-    inputs, ids, outputs = [], {}, []
-    for t, _ in slots:
-      box = pp.plan.tensors[t].dst.box_of(dev)
-      shape = tuple(hi - lo for lo, hi in box)
-      parts, covered = [], 0
-      for pbox, arr in buffers.pieces.get((t, dev, DST_SHARD), []):
-        part = intersect(pbox, box) if box else ()
-        if part is None:
-          continue
-        k = ids.setdefault(id(arr), len(inputs))
-        if k == len(inputs):
-          inputs.append(arr)
-        starts, limits = _rel(part, pbox)
-        parts.append((k, starts, limits, _rel(part, box)[0]))
-        covered += box_size(part)
-      if covered != box_size(box):
-        raise ReshardRuntimeError(
-            f"Subscriber.pull: internal error: device {dev} holds {covered} of the "
-            f"{box_size(box)} elements of leaf {t}'s box {box}.")
-      outputs.append((shape, pp.wire[t], pp.out[t], tuple(parts)))
-    arrays = _compose_device(inputs, outputs, dev, pp)
-    for (t, j), a in zip(slots, arrays):
-      out[t][j] = a
-  return out
-
-
-def _compose_device(inputs, outputs, dev: int, pp: PullPlan) -> list[jax.Array]:
-  device = next(d for local in pp.local_dst for d in local if d.id == dev)
-  result: list[Any] = [None] * len(outputs)
-  real = [j for j, o in enumerate(outputs) if o[3]]
-  for j, (shape, _, out_dtype, parts) in enumerate(outputs):
-    if not parts:  # a zero-size box: nothing delivered
-      result[j] = jax.device_put(np.zeros(shape, out_dtype), device)
-  if real:
-    for j, a in zip(real, run_fused(inputs, [outputs[j] for j in real])):
-      result[j] = a
-  return result
-
-
-# ---------------------------------------------------------------------------------------
 # One pull
 # ---------------------------------------------------------------------------------------
 
@@ -241,11 +129,11 @@ def run(pp: PullPlan, links: dict[int, Link], uuids: dict[int, list[int]],
   CallWaits (None in a one-process job)."""
   me = jax.process_index()
   devices = {d.id: d for d in jax.local_devices()}
-  buffers = transfer_engine.Buffers({}, list(pp.wire), devices)
+  store = pieces.Store()
   deadline = time.monotonic() + timeout_s
   # The publisher's pieces depend on nothing: every wave's pull is issued at once, so
   # the transfer server streams them together; a wave waits only for its own.
-  from_publisher: dict[int, list[tuple[str, list[Any], Any, jax.Array]]] = {}
+  arrived: dict[int, list[tuple[str, list[Any], jax.Array]]] = {}
   offers = {k: iter(u) for k, u in uuids.items()}
   for wave in pp.waves:
     for peer, ops in sorted(wave.recvs.items()):
@@ -255,26 +143,26 @@ def run(pp: PullPlan, links: dict[int, Link], uuids: dict[int, list[int]],
         arrays = links[k].connection.pull(next(offers[k]), [
             _pack_spec(pp, pack, devices) for pack in packs])
         stats["pulled_bytes"] += sum(a.nbytes for a in arrays)
-        for pack, a in zip(packs, arrays):  # unpacked when it lands (XLA waits for it)
-          pieces = [a] if len(pack) == 1 else list(_unpacker(tuple(
-              tuple(hi - lo for lo, hi in op.box) for op in pack))(a))
-          from_publisher.setdefault(wave.depth, []).append(
-              (links[k].name, pack, a, pieces))
+        arrived.setdefault(wave.depth, []).extend(
+            (links[k].name, pack, a) for pack, a in zip(packs, arrays))
   for wave in pp.waves:
     w = wave.depth
-    for peer, ops in sorted(wave.sends.items()):  # forwards to the job's own processes
-      arrays = [buffers.read(op, copy=False) for op in ops]
+    if wave.sends:  # forwards to the job's own processes: one array per box
       eng = bootstrap.engine()
-      eng.server.await_pull(peer_uuid(salt, w, me, peer), arrays,
-                            timeout=offer_deadline(timeout_s))
-      stats["forwarded_bytes"] += sum(a.nbytes for a in arrays)
-    if wave.sends:
+      for peer, ops in sorted(wave.sends.items()):
+        arrays = _boxes(pp, store, ops)
+        eng.server.await_pull(peer_uuid(salt, w, me, peer), arrays,
+                              timeout=offer_deadline(timeout_s))
+        stats["forwarded_bytes"] += sum(a.nbytes for a in arrays)
       waits.post(f"w{w}")
-    _local(pp, buffers, wave.local, devices)  # fan-out and copies inside this process
+    _local(pp, store, wave.local, devices)  # fan-out inside this process
     pending = []
-    for name, pack, arr, pieces in from_publisher.get(w, []):
-      for op, piece in zip(pack, pieces):
-        buffers.deliver(op, piece)
+    for name, pack, arr in arrived.get(w, []):
+      if len(pack) == 1:
+        store.add(pack[0].tensor, pack[0].dst, pack[0].dst_kind, pack[0].box, arr)
+      else:
+        for op, at in zip(pack, pieces.run_offsets([op.box for op in pack])):
+          store.add(op.tensor, op.dst, op.dst_kind, op.box, arr, at)
       pending.append((name, arr))
     for peer, ops in sorted(wave.recvs.items()):
       if peer >= PUBLISHER_PROCESS_BASE:
@@ -282,89 +170,78 @@ def run(pp: PullPlan, links: dict[int, Link], uuids: dict[int, list[int]],
       waits.wait(f"w{w}", [peer], f"process {peer}'s forwards (wave {w})")
       eng = bootstrap.engine()
       address = eng.kv.key_value_try_get(f"{bootstrap.PREFIX}/addr/{peer}")
-      arrays = eng.connection(peer, address).pull(peer_uuid(salt, w, peer, me),
-                                                  _specs(pp, ops, devices))
+      arrays = eng.connection(peer, address).pull(peer_uuid(salt, w, peer, me), [
+          _pack_spec(pp, [op], devices) for op in ops])
       stats["forwarded_in_bytes"] += sum(a.nbytes for a in arrays)
       for op, arr in zip(ops, arrays):
-        buffers.deliver(op, arr)
+        store.add(op.tensor, op.dst, op.dst_kind, op.box, arr)
         pending.append((f"process {peer} of this job", arr))
     if pending:
       _wait_ready(pending, waits, w, deadline, timeout_s)
-  return compose_outputs(pp, buffers)
+  return _compose(pp, store, devices)
 
 
-def _local(pp: PullPlan, buffers: Any, ops, devices) -> None:
-  """A wave's copies inside this process, packed: per (source device, destination
-  device, wire dtype) one fused cut, one device_put, one unpack (a fan-out of a
-  200-leaf model is hundreds of boxes)."""
+def _boxes(pp: PullPlan, store: pieces.Store, ops) -> list[jax.Array]:
+  """The box each op reads, as an array of its own in the wire dtype (one program per
+  source device)."""
+  batches: dict[int, pieces.Batch] = {}
+  slots = []
+  for op in ops:
+    batch = batches.setdefault(op.src, pieces.Batch())
+    wire = pp.wire[op.tensor]
+    slots.append((op.src, batch.box(store.parts(op.tensor, op.src, op.src_kind, op.box),
+                                    pieces.shape_of(op.box), wire, wire)))
+  results = {k: b.run() for k, b in batches.items()}
+  return [results[k][j] for k, j in slots]
+
+
+def _local(pp: PullPlan, store: pieces.Store, ops, devices) -> None:
+  """A wave's copies inside this process, packed per (source device, destination
+  device, wire dtype): one cut and one device_put per pack (a fan-out of a 200-leaf
+  model is hundreds of boxes)."""
   groups: dict[tuple[int, int, Any], list[Any]] = {}
   for op in ops:
     groups.setdefault((op.src, op.dst, pp.wire[op.tensor]), []).append(op)
   for (src, dst, dtype), group in groups.items():
-    if len(group) == 1 or src == dst:
-      for op in group:
-        arr = buffers.read(op, copy=op.src == op.dst)
-        if op.src != op.dst:
-          arr = jax.device_put(arr, devices[op.dst])
-        buffers.deliver(op, arr)
-      continue
-    inputs, ids, parts = [], {}, []
-    for op in group:
-      held = next(((pbox, a) for pbox, a in buffers.pieces.get(
-          (op.tensor, op.src, op.src_kind), []) if intersect(pbox, op.box) == op.box),
-          None)
-      if held is None:  # the box spans several delivered pieces: composed first
-        held = (op.box, buffers.compose(op.tensor, op.src, op.src_kind, op.box, dtype))
-      pbox, a = held
-      i = ids.setdefault(id(a), len(inputs))
-      if i == len(inputs):
-        inputs.append(a)
-      parts.append((i, *_rel(op.box, pbox)))
-    flat = jax.device_put(_packer(tuple(parts), dtype)(*inputs), devices[dst])
-    for op, piece in zip(group, _unpacker(tuple(
-        tuple(hi - lo for lo, hi in op.box) for op in group))(flat)):
-      buffers.deliver(op, piece)
+    batch = pieces.Batch()  # per device pair: its outputs go to dst
+    j = batch.pack([(store.parts(op.tensor, op.src, op.src_kind, op.box),
+                     pieces.shape_of(op.box)) for op in group], dtype)
+    flat = batch.run(devices[dst])[j]
+    for op, at in zip(group, pieces.run_offsets([op.box for op in group])):
+      store.add(op.tensor, op.dst, op.dst_kind, op.box, flat, at)
+
+
+def _compose(pp: PullPlan, store: pieces.Store, devices) -> list[list[jax.Array]]:
+  """Every local destination shard, from the pieces delivered into it, converted to
+  the delivered dtype: one program per device."""
+  batches: dict[int, pieces.Batch] = {}
+  slots: list[list[Any]] = []
+  for t, local in enumerate(pp.local_dst):
+    row = []
+    for d in local:
+      box = pp.plan.tensors[t].dst.box_of(d.id)
+      if box_size(box) == 0:  # nothing arrives for an empty box
+        row.append(jax.device_put(np.zeros(pieces.shape_of(box), pp.out[t]), d))
+        continue
+      batch = batches.setdefault(d.id, pieces.Batch())
+      row.append((d.id, batch.box(store.parts(t, d.id, DST_SHARD, box),
+                                  pieces.shape_of(box), pp.wire[t], pp.out[t])))
+    slots.append(row)
+  results = {k: b.run() for k, b in batches.items()}
+  return [[results[v[0]][v[1]] if isinstance(v, tuple) else v for v in row]
+          for row in slots]
 
 
 def _pack_spec(pp: PullPlan, pack, devices) -> jax.ShapeDtypeStruct:
-  """What one pack arrives as: its one piece's shape, or several pieces flattened and
+  """What one pack arrives as: its one box's shape, or several boxes flattened and
   concatenated (one array per (source device, destination device, dtype) and wave: the
   transfer server's cost is per array)."""
   sharding = jax.sharding.SingleDeviceSharding(devices[pack[0].dst])
   if len(pack) == 1:
-    shape = tuple(hi - lo for lo, hi in pack[0].box)
+    shape = pieces.shape_of(pack[0].box)
   else:
     shape = (sum(box_size(op.box) for op in pack),)
   return jax.ShapeDtypeStruct(shape, pp.wire[pack[0].tensor], sharding=sharding)
-
-
-@functools.lru_cache(maxsize=512)
-def _packer(parts: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], dtype: Any):
-  """A compiled program cutting boxes of a device's inputs and concatenating them
-  flattened, in `dtype` (the publisher's side of a pack)."""
-  def f(*inputs):
-    return jnp.concatenate([lax.slice(inputs[i], st, li).astype(dtype).reshape(-1)
-                            for i, st, li in parts])
-  return jax.jit(f)
-
-
-@functools.lru_cache(maxsize=512)
-def _unpacker(shapes: tuple[tuple[int, ...], ...]):
-  """The subscriber's side of a pack: the pieces, each reshaped from its run."""
-  def f(flat):
-    out, at = [], 0
-    for shape in shapes:
-      n = int(np.prod(shape))
-      out.append(lax.slice(flat, (at,), (at + n,)).reshape(shape))
-      at += n
-    return tuple(out)
-  return jax.jit(f)
-
-
-def _specs(pp: PullPlan, ops, devices) -> list[jax.ShapeDtypeStruct]:
-  return [jax.ShapeDtypeStruct(tuple(hi - lo for lo, hi in op.box), pp.wire[op.tensor],
-                               sharding=jax.sharding.SingleDeviceSharding(devices[op.dst]))
-          for op in ops]
 
 
 def _wait_ready(pending: Sequence[tuple[str, jax.Array]], waits: Any, w: int,

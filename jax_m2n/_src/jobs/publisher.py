@@ -30,6 +30,7 @@ from jax_m2n._src.checks import _out_dtypes
 from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTypeError,
                                  ReshardValueError)
 from jax_m2n._src.jobs import auth, channel, engine, manifest as manifest_lib, messages
+from jax_m2n._src.jobs import pieces
 from jax_m2n._src.jobs.messages import ProtocolError
 from jax_m2n._src.layout import MAX_RANK, Box, Layout
 from jax_m2n._src.planner import DST_SHARD, SRC_SHARD
@@ -55,6 +56,21 @@ class _Version:
   # (leaf, publisher device index) -> (box, snapshot array on that device)
   shards: dict[tuple[int, int], tuple[Box, jax.Array]]
   nbytes: int
+  # Per wire dtype asked for, the shards converted to it (made once per version on
+  # the first request, dropped with the version): a conversion costs one pass per
+  # version, not one per subscriber, and the pieces are then cut without converting.
+  wire: dict[Any, dict[tuple[int, int], jax.Array]] = dataclasses.field(
+      default_factory=dict)
+
+  def shard(self, t: int, k: int, dtype: np.dtype) -> tuple[Box, jax.Array]:
+    box, array = self.shards[(t, k)]
+    if array.dtype == dtype:
+      return box, array
+    converted = self.wire.setdefault(dtype, {})
+    got = converted.get((t, k))
+    if got is None:
+      got = converted[(t, k)] = _converter(np.dtype(dtype))(array)
+    return box, got
 
 
 @functools.lru_cache(maxsize=64)
@@ -396,25 +412,27 @@ class Publisher:
 def _cut(version: _Version, packs: list[list[transfer_engine.Op]],
          wire: dict[int, np.dtype]) -> list[jax.Array]:
   """One array per pack: its one box in the wire dtype (the snapshot itself where that
-  is a whole shard in its own dtype), or its boxes flattened and concatenated."""
-  out = []
+  is a whole shard in its own dtype), or its boxes flattened and concatenated; one
+  compiled program per source device."""
+  batches: dict[int, pieces.Batch] = {}
+  slots = []
   for ops in packs:
     k, dtype = ops[0].src, wire[ops[0].tensor]
-    inputs, index, parts = [], {}, []
+    batch = batches.setdefault(k, pieces.Batch())
+    boxes = []
     for op in ops:
-      held, array = version.shards[(op.tensor, k)]
-      i = index.setdefault(op.tensor, len(inputs))
-      if i == len(inputs):
-        inputs.append(array)
-      parts.append((i, tuple(lo - h for (lo, _), (h, _) in zip(op.box, held)),
-                    tuple(hi - h for (_, hi), (h, _) in zip(op.box, held))))
+      held, array = version.shard(op.tensor, k, dtype)
+      starts = tuple(lo - h for (lo, _), (h, _) in zip(op.box, held))
+      limits = tuple(hi - h for (_, hi), (h, _) in zip(op.box, held))
+      shape = pieces.shape_of(op.box)
+      boxes.append(([((array, -1, pieces.shape_of(held)), starts, limits,
+                      (0,) * len(shape))], shape))
     if len(ops) == 1:
-      shape = tuple(hi - lo for lo, hi in ops[0].box)
-      out.append(engine.run_fused(inputs, [(shape, dtype, dtype, (
-          (*parts[0], (0,) * len(shape)),))])[0])
+      slots.append((k, batch.box(boxes[0][0], boxes[0][1], dtype, dtype)))
     else:
-      out.append(engine._packer(tuple(parts), dtype)(*inputs))
-  return out
+      slots.append((k, batch.pack(boxes, dtype)))
+  results = {k: b.run() for k, b in batches.items()}
+  return [results[k][j] for k, j in slots]
 
 
 def _gather_addresses(mine: tuple[str, str], instance: int, timeout_s: float
