@@ -165,14 +165,20 @@ class Batch:
   def run(self, device: Any = None) -> list[jax.Array]:
     """Every output, by index, on `device` (default: where the inputs are).
 
-    On CPU the arrays are host memory: the boxes are cut, packed and composed with
-    numpy (views, one copy each, nothing to compile; XLA's compile time per program and
-    per device was the first pull's cost: 9-13 s for a 26-leaf model) and only dtype
-    conversions run as compiled programs. On other platforms, compiled programs."""
+    Compiled programs (at most PROGRAM_BOXES boxes each, offsets as data) run the
+    batch, except on CPU when it holds more boxes than one program: there the arrays
+    are host memory and numpy cuts, packs and composes them (views, one copy each,
+    nothing to compile; XLA compiles per program and per device, which made the first
+    pull of a 26-leaf model take 9-13 s), only dtype conversions being compiled. A
+    batch of few boxes (large tensors) keeps the compiled path: one dispatch, and its
+    compilation is small."""
     arrays = [a for o in self._outputs if isinstance(o, list) for atom in o
               for _, _, parts in atom[2] for (a, _, _), *_ in parts]
     if arrays and all(next(iter(a.devices())).platform == "cpu" for a in arrays):
-      return self._run_host(device or next(iter(arrays[0].devices())))
+      boxes = sum(len(atom[2]) for o in self._outputs if isinstance(o, list)
+                  for atom in o)
+      if boxes > PROGRAM_BOXES:
+        return self._run_host(device or next(iter(arrays[0].devices())))
     out = self._run_compiled()
     if device is not None:
       out = [a if next(iter(a.devices())) == device else jax.device_put(a, device)
@@ -245,8 +251,9 @@ class Batch:
     return out
 
 
-def _run_chunk(atoms) -> list[jax.Array]:
-  """One program over `atoms`: its signature holds shapes only; offsets are data."""
+def _signature(atoms) -> tuple[tuple, list[jax.Array], np.ndarray]:
+  """(signature, inputs, offsets) of one program over `atoms`: the signature holds
+  shapes only; the offsets are data."""
   inputs, ids, offsets, sig = [], {}, [], []
   for flat, dtype, segments in atoms:
     ssig = []
@@ -265,8 +272,12 @@ def _run_chunk(atoms) -> list[jax.Array]:
         offsets.extend(at)
       ssig.append((shape, sdtype, tuple(psig)))
     sig.append((flat, dtype, tuple(ssig)))
-  table = np.asarray(offsets if offsets else [0], np.int64)
-  return list(_program(tuple(sig))(table, *inputs))
+  return tuple(sig), inputs, np.asarray(offsets if offsets else [0], np.int64)
+
+
+def _run_chunk(atoms) -> list[jax.Array]:
+  sig, inputs, table = _signature(atoms)
+  return list(_program(sig)(table, *inputs))
 
 
 def run_offsets(boxes: Sequence[Box]) -> list[int]:
