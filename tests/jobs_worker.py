@@ -25,7 +25,6 @@ Scenarios:
 """
 
 import argparse
-import json
 import os
 import sys
 import time

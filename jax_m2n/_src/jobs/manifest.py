@@ -106,9 +106,6 @@ class Manifest:
       out.append(layout)
     return tuple(out)
 
-  def process_of_plan_device(self, device: int) -> int:
-    return self.devices[device - PUBLISHER_DEVICE_BASE]
-
   @property
   def nbytes(self) -> int:
     return sum(int(np.prod(l.shape)) * np.dtype(dtype_of(l.dtype)).itemsize

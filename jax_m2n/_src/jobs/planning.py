@@ -90,12 +90,6 @@ class PullPlan:
     return {k: [self.packs_of(ops) for ops in groups]
             for k, groups in self.requests.items()}
 
-  @property
-  def pulled_bytes(self) -> int:
-    """Bytes this process takes from the publisher's processes."""
-    return sum(int(np.prod([hi - lo for lo, hi in op.box])) * self.wire[op.tensor].itemsize
-               for groups in self.requests.values() for ops in groups for op in ops)
-
 
 @functools.lru_cache(maxsize=64)
 def plan_pull(manifest: Manifest, dsts: tuple[Sharding, ...], outs: tuple[np.dtype, ...],
