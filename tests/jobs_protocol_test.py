@@ -130,6 +130,8 @@ def test_bad_arguments_fail_before_any_byte_moves(published, gen):
       sub.pull({**_dst(gen), "n": NamedSharding(gen, P(None, ("x", "y")))}, version=1)
     with pytest.raises(jax_m2n.ReshardValueError, match="route"):
       sub.pull(_dst(gen), route="ring", version=1)
+    with pytest.raises(jax_m2n.ReshardValueError, match="route"):
+      sub.pull(_dst(gen), route="gather_bcast", version=1)
     with pytest.raises(jax_m2n.ReshardValueError, match="version"):
       sub.pull(_dst(gen), version=0)
     with pytest.raises(jax_m2n.ReshardTimeoutError, match="version 5"):

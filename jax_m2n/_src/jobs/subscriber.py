@@ -31,6 +31,9 @@ from jax_m2n._src.jobs.manifest import Manifest
 from jax_m2n._src.processes import sequence
 
 _API = "Subscriber"
+# The routes a pull runs (gather_bcast, reshard's legacy baseline, gathers on a trainer
+# device first: the trainer job would have to run part of the plan itself).
+ROUTES = ("hierarchical", "flat")
 # A waiting pull asks the publisher every POLL_S and allows ANSWER_S more for the
 # answer: a publisher that died or stalled is named within POLL_S + ANSWER_S = 1.5 s.
 POLL_S = 0.5
@@ -173,8 +176,8 @@ class Subscriber:
         serves the next one; kept if the pull fails.
       route: "hierarchical" (default: each byte leaves the trainer once per
         subscriber job and is forwarded and fanned out inside it, its processes being
-        the domains), "flat" (every destination device pulls its pieces from the
-        trainer) or "gather_bcast".
+        the domains) or "flat" (every destination device pulls its pieces from the
+        trainer).
       timeout_s: bound on each wait: for a version, for the publisher's answers and
         for the bytes to arrive (default 300 s).
 
@@ -196,6 +199,8 @@ class Subscriber:
     if self._closed:
       raise ReshardRuntimeError(f"{api}: the subscriber must be open; got a closed one.")
     _check_route(api, route)
+    if route not in ROUTES:  # gather_bcast gathers on a trainer device: not a pull
+      raise ReshardValueError(f"{api}: route must be one of {ROUTES}; got {route!r}.")
     timeout_s = _timeout_ms(api, timeout_s) / 1000
     if version is not None and (isinstance(version, bool) or not isinstance(version, int)
                                 or version < 1):
