@@ -3,7 +3,8 @@
 The public surface: `reshard` (move a pytree of arrays into new layouts, eagerly across
 device sets or inside jit), `plan` (the transfer plan without moving anything),
 `check_errors` (did an in-jit reshard fail?), `Quantize` (a `dtype=` that quantizes:
-FP8 values and scales on the wire) and `QuantizedArray`, `Topology`, `Layout` and the
+FP8 values and scales on the wire) and `QuantizedArray`, `Topology`, `Layout`,
+`Publisher` / `Subscriber` (versions of a pytree between separate jobs) and the
 `ReshardError` family. Internals live in `jax_m2n._src`.
 """
 
@@ -22,11 +23,14 @@ from jax_m2n._src.api import reshard as reshard
 from jax_m2n._src.quantize import Quantize as Quantize
 from jax_m2n._src.quantize import QuantizedArray as QuantizedArray
 from jax_m2n._src.topology import Topology as Topology
+from jax_m2n._src.jobs.publisher import Publisher as Publisher
+from jax_m2n._src.jobs.subscriber import Subscriber as Subscriber
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Layout",
+    "Publisher",
     "Quantize",
     "QuantizedArray",
     "ReshardError",
@@ -35,6 +39,7 @@ __all__ = [
     "ReshardTransferGuardError",
     "ReshardTypeError",
     "ReshardValueError",
+    "Subscriber",
     "Topology",
     "__version__",
     "check_errors",

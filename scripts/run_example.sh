@@ -7,8 +7,8 @@
 # Installs only the main job's set (requirements/runtime.txt), the CUDA build's
 # (requirements/cuda.txt) where GPUs and a CUDA toolkit are there, and the sets the
 # example names in a `# requirements: NAME ...` line (requirements/NAME.txt; e.g.
-# tunix_grpo.py: `# requirements: tunix`; a Ray example would say `ray` and add
-# requirements/ray.txt). Without GPUs only the CPU extension is built (unless
+# tunix_grpo.py: `# requirements: tunix`; examples/ray_refit.py:
+# `# requirements: ray`). Without GPUs only the CPU extension is built (unless
 # JAX_M2N_CUDA=1): the example runs on CPU devices. ./scripts/test.sh installs
 # everything (requirements.txt).
 # Environment: JAX_M2N_CPU_DEVICES=8 (CPU device count), JAX_M2N_EXAMPLE=rl_refit

@@ -25,7 +25,7 @@ LAYERS = [
     ("traced",),
     ("transforms",),
     ("traced_leaves", "fast_path", "quantize", "cli"),
-    ("api",),
+    ("api", "jobs"),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -122,11 +122,22 @@ def plan_call(shapes: Sequence[Sequence[int]], dtypes: Sequence[Any],
   src_layouts = tuple(Layout.from_sharding(s, shape) for s, shape in zip(srcs, shapes))
   dst_layouts = tuple(Layout.from_sharding(s, shape) for s, shape in zip(dsts, shapes))
   itemsizes, types = schedule.wire_itemsizes(dtypes, out_dtypes)
+  plan = plan_layouts(src_layouts, dst_layouts, itemsizes, topology, options, platform,
+                      path=path)
+  return CallPlan(shapes, dtypes, out_dtypes, tuple(srcs), tuple(dsts), devices,
+                  platform, topology, src_layouts, dst_layouts, types, options, plan)
+
+
+def plan_layouts(src_layouts: Sequence[Layout], dst_layouts: Sequence[Layout],
+                 itemsizes: Sequence[int], topology: Topology, options: Options,
+                 platform: str, *, path: str) -> Plan:
+  """The plan between layouts already known (plan_call's last step, and the whole of
+  it for a path whose sources are not this job's devices: jobs/planning.py plans the
+  publisher's layouts under ids of its own). Logs the one debug line of every plan."""
   plan = plan_reshard(src_layouts, dst_layouts, itemsizes, topology, options.route,
                       chunking(platform, options.chunk_bytes))
   if logger.isEnabledFor(logging.DEBUG):  # the traffic summary costs a pass over the plan
     logger.debug("reshard: planned %d leaves, route %s, %d payload bytes, bytes by link "
-                 "%s, devices %s (%s)", len(shapes), options.route, plan.payload_bytes,
+                 "%s, devices %s (%s)", len(dst_layouts), options.route, plan.payload_bytes,
                  plan.bytes_by_link, list(plan.devices), path)
-  return CallPlan(shapes, dtypes, out_dtypes, tuple(srcs), tuple(dsts), devices,
-                  platform, topology, src_layouts, dst_layouts, types, options, plan)
+  return plan

@@ -17,7 +17,9 @@ torch.distributed, and over NCCL's socket transport: jax_m2n/bench/multiprocess.
 fig4 (the paper's Figure 4 in miniature on the emulated network: bench/fig4.py), memory
 (RSS over distinct eager layouts against a plain-JAX control: bench/memory.py), dtype
 (fp32 -> bf16 in flight against casting first: bench/dtype.py), quantize (FP8 values +
-scales in flight against device_put + qwix.quantize: bench/quantize.py).
+scales in flight against device_put + qwix.quantize: bench/quantize.py), jobs
+(Publisher.publish + Subscriber.pull between two programs against the transfer server's
+raw pull of the same bytes: bench/jobs.py).
 Engines: m2n_{hierarchical,flat,gather_bcast} (eager), m2n_jit_{...} (inside jit),
 jit_identity (XLA), device_put, numpy_copy (CPU), torch_gather_bcast (GPUs, torch).
 
@@ -200,6 +202,14 @@ def _main(argv) -> int:
                      lambda text: console.print(text, highlight=False, markup=False),
                      target=_DTYPE_TARGET.value)
     chosen_suites.remove("dtype")
+    if not chosen_suites:
+      return mp_rc
+  if "jobs" in chosen_suites:  # Publisher/Subscriber between programs vs raw transfers
+    import jax
+    from jax_m2n.bench import jobs as jobs_suite
+    jobs_suite.main(jax, out_dir, _SIZE_MIB.value, _ITERS.value, _WARMUP.value,
+                    lambda text: console.print(text, highlight=False, markup=False))
+    chosen_suites.remove("jobs")
     if not chosen_suites:
       return mp_rc
   if "quantize" in chosen_suites:  # FP8 + scales in flight vs device_put + qwix

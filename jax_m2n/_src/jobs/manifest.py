@@ -1,0 +1,276 @@
+"""The manifest of a published version: what a subscriber must know to plan a pull.
+
+Owns the description of one published pytree (per leaf: its key path, shape, dtype and
+layout over the publisher's devices; the publisher's devices by process; each publisher
+process's addresses; the pytree's skeleton where it is made of dicts, lists, tuples and
+None), its JSON form with every field checked on the way in, and the publisher's device
+ids as the subscriber plans with them (offset so they never collide with its own).
+Knows no sockets; reads shardings only through `Layout.from_sharding`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from jax_m2n._src.layout import MAX_DIM, MAX_RANK, Box, Layout
+from jax_m2n._src.jobs import messages
+from jax_m2n._src.jobs.messages import ProtocolError
+
+# The publisher's devices in a pull's plan: ids PUBLISHER_DEVICE_BASE + k (k: the
+# device's position in the manifest), above any id a subscriber's devices have (XLA's
+# ids: process p's CPU devices start at p * 2048; GPUs are numbered from 0).
+PUBLISHER_DEVICE_BASE = 1 << 30
+MAX_LEAVES = 1 << 20
+MAX_DEVICES = 1 << 16
+
+# The dtypes a manifest and a pull may name (numbers and bool; what reshard moves).
+DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+          "uint64", "float16", "bfloat16", "float32", "float64", "float8_e4m3fn",
+          "float8_e5m2", "complex64", "complex128")
+
+
+def dtype_of(name: str) -> np.dtype:
+  """A dtype named in a message; refuses names outside DTYPES."""
+  if name not in DTYPES:
+    raise ProtocolError(f"manifest: dtype must be one of {DTYPES}; got "
+                        f"{messages._short(name)}.")
+  return np.dtype(jax.numpy.dtype(name))
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+  """One published leaf: key path (jax.tree_util key strings), shape, dtype (as
+  published), and its layout's index in `Manifest.layouts`."""
+
+  path: tuple[str, ...]
+  shape: tuple[int, ...]
+  dtype: str
+  layout: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Manifest:
+  """What one version is made of. Equal (and hashed) by `id`, a digest of its JSON.
+
+  Attributes:
+    leaves: per leaf, in jax.tree_util flattening order.
+    layouts: distinct layouts: per layout, its devices (positions in `devices`) and
+      the box each holds.
+    devices: per publisher device (sorted by its global id in the trainer job), the
+      trainer process that holds it.
+    processes: per trainer process, (control address, transfer server address).
+    skeleton: the pytree's structure (JSON) where it is only dicts (str/int keys),
+      lists, tuples and None; else None (the subscriber's dst gives the structure).
+  """
+
+  leaves: tuple[Leaf, ...]
+  layouts: tuple[tuple[tuple[int, ...], tuple[Box, ...]], ...]
+  devices: tuple[int, ...]
+  processes: tuple[tuple[str, str], ...]
+  skeleton: Any
+  id: str = ""
+
+  def __hash__(self) -> int:
+    return hash(self.id)
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, Manifest) and self.id == other.id
+
+  def to_json(self) -> dict[str, Any]:
+    return {"leaves": [[list(l.path), list(l.shape), l.dtype, l.layout]
+                       for l in self.leaves],
+            "layouts": [[list(ds), [[v for lo_hi in b for v in lo_hi] for b in boxes]]
+                        for ds, boxes in self.layouts],
+            "devices": list(self.devices),
+            "processes": [list(p) for p in self.processes],
+            "skeleton": self.skeleton}
+
+  @functools.cached_property
+  def plan_layouts(self) -> tuple[Layout, ...]:
+    """Per leaf, its layout over the publisher's devices as plan ids."""
+    by_index = {}
+    out = []
+    for leaf in self.leaves:
+      key = (leaf.layout, leaf.shape)
+      layout = by_index.get(key)
+      if layout is None:
+        devices, boxes = self.layouts[leaf.layout]
+        layout = by_index[key] = Layout(
+            leaf.shape, tuple(PUBLISHER_DEVICE_BASE + d for d in devices), boxes)
+      out.append(layout)
+    return tuple(out)
+
+  @property
+  def nbytes(self) -> int:
+    return sum(int(np.prod(l.shape)) * np.dtype(dtype_of(l.dtype)).itemsize
+               for l in self.leaves)
+
+
+def digest(body: dict[str, Any]) -> str:
+  return hashlib.blake2b(messages.encode(body), digest_size=16).hexdigest()
+
+
+def build(leaves: Sequence[jax.Array], paths: Sequence[tuple[str, ...]],
+          dtypes: Sequence[np.dtype], skeleton: Any,
+          processes: Sequence[tuple[str, str]]) -> Manifest:
+  """The manifest of published arrays (global jax.Arrays) as snapshotted in `dtypes`."""
+  ids = sorted({d.id: d for leaf in leaves for d in leaf.sharding.device_set}.items())
+  index = {i: k for k, (i, _) in enumerate(ids)}
+  layouts: dict[tuple, int] = {}
+  out = []
+  for leaf, path, dtype in zip(leaves, paths, dtypes):
+    layout = Layout.from_sharding(leaf.sharding, leaf.shape)
+    key = (tuple(index[d] for d in layout.devices), layout.boxes)
+    k = layouts.setdefault(key, len(layouts))
+    out.append(Leaf(tuple(path), tuple(int(s) for s in leaf.shape),
+                    np.dtype(dtype).name, k))
+  m = Manifest(tuple(out), tuple(layouts), tuple(d.process_index for _, d in ids),
+               tuple(tuple(p) for p in processes), skeleton)
+  return dataclasses.replace(m, id=digest(m.to_json()))
+
+
+def from_json(body: Any) -> Manifest:
+  """A manifest received from a publisher, every field checked.
+
+  Raises:
+    ProtocolError: a field missing, of the wrong type or out of range, a box outside
+      its leaf's shape, a layout naming an unknown device.
+  """
+  if not isinstance(body, dict):
+    raise ProtocolError("manifest: must be an object.")
+  devices = messages.int_list(body.get("devices"), "manifest devices", 0, 1 << 20,
+                              MAX_DEVICES)
+  processes = body.get("processes")
+  if (not isinstance(processes, list) or not processes or len(processes) > MAX_DEVICES
+      or not all(isinstance(p, list) and len(p) == 2 and all(
+          isinstance(a, str) and 0 < len(a) <= 300 for a in p) for p in processes)):
+    raise ProtocolError("manifest: processes must be a list of [control, transfer] "
+                        "address pairs.")
+  if any(p >= len(processes) for p in devices):
+    raise ProtocolError("manifest: every device must belong to a listed process.")
+  raw_layouts = body.get("layouts")
+  if not isinstance(raw_layouts, list) or len(raw_layouts) > MAX_LEAVES:
+    raise ProtocolError("manifest: layouts must be a list.")
+  layouts = []
+  for entry in raw_layouts:
+    if not isinstance(entry, list) or len(entry) != 2:
+      raise ProtocolError("manifest: a layout must be [devices, boxes].")
+    ds = messages.int_list(entry[0], "manifest layout devices", 0, len(devices) - 1,
+                           MAX_DEVICES)
+    boxes = entry[1]
+    if not isinstance(boxes, list) or len(boxes) != len(ds) or len(set(ds)) != len(ds):
+      raise ProtocolError("manifest: a layout must list one box per distinct device.")
+    parsed = []
+    for b in boxes:
+      b = messages.int_list(b, "manifest box", 0, MAX_DIM, 2 * MAX_RANK)
+      if len(b) % 2:
+        raise ProtocolError("manifest: a box must be [lo, hi] per dim.")
+      parsed.append(tuple((b[i], b[i + 1]) for i in range(0, len(b), 2)))
+    layouts.append((tuple(ds), tuple(parsed)))
+  raw_leaves = body.get("leaves")
+  if not isinstance(raw_leaves, list) or len(raw_leaves) > MAX_LEAVES:
+    raise ProtocolError("manifest: leaves must be a list.")
+  leaves = []
+  for entry in raw_leaves:
+    if not isinstance(entry, list) or len(entry) != 4:
+      raise ProtocolError("manifest: a leaf must be [path, shape, dtype, layout].")
+    path, shape, dtype, k = entry
+    if not isinstance(path, list) or len(path) > 64 or not all(
+        isinstance(p, str) and len(p) <= 1000 for p in path):
+      raise ProtocolError("manifest: a leaf's path must be a list of key strings.")
+    shape = messages.int_list(shape, "manifest shape", 0, MAX_DIM - 1, MAX_RANK)
+    dtype_of(dtype)
+    if type(k) is not int or not 0 <= k < len(layouts):
+      raise ProtocolError("manifest: a leaf must name a listed layout.")
+    for box in layouts[k][1]:
+      if len(box) != len(shape) or any(not 0 <= lo <= hi <= s
+                                        for (lo, hi), s in zip(box, shape)):
+        raise ProtocolError(f"manifest: every box must lie inside its leaf's shape "
+                            f"{tuple(shape)}; got {box}.")
+    leaves.append(Leaf(tuple(path), tuple(shape), dtype, k))
+  m = Manifest(tuple(leaves), tuple(layouts), tuple(devices),
+               tuple(tuple(p) for p in processes), body.get("skeleton"))
+  return dataclasses.replace(m, id=digest(m.to_json()))
+
+
+# ---------------------------------------------------------------------------------------
+# The pytree's skeleton (built-in containers only) and key paths
+# ---------------------------------------------------------------------------------------
+
+class _Custom(Exception):
+  pass
+
+
+def skeleton_of(tree: Any) -> Any:
+  """A JSON description of `tree`'s structure, or None where it holds a node other
+  than dict (str/int keys), list, tuple or None (its class cannot travel as JSON)."""
+  def walk(node):
+    if node is None:
+      return {"n": 0}
+    if type(node) is dict:
+      if not all(type(k) in (str, int) for k in node):
+        raise _Custom
+      return {"d": [[k, walk(node[k])] for k in sorted(node)]}
+    if type(node) is list:
+      return {"l": [walk(v) for v in node]}
+    if type(node) is tuple:
+      return {"t": [walk(v) for v in node]}
+    if isinstance(node, jax.Array):
+      return {"x": 0}
+    raise _Custom
+  try:
+    return walk(tree)
+  except (_Custom, TypeError):
+    return None
+
+
+def rebuild(skeleton: Any, leaves: Sequence[Any]) -> Any:
+  """The pytree `skeleton` describes, with `leaves` in flattening order.
+
+  Raises:
+    ProtocolError: a skeleton that is not one `skeleton_of` makes, or that holds
+      another number of leaves.
+  """
+  it = iter(leaves)
+  count = [0]
+
+  def walk(node, depth):
+    if depth > 64 or not isinstance(node, dict) or len(node) != 1:
+      raise ProtocolError("manifest: malformed skeleton.")
+    (kind, value), = node.items()
+    if kind == "n":
+      return None
+    if kind == "x":
+      count[0] += 1
+      try:
+        return next(it)
+      except StopIteration:
+        raise ProtocolError("manifest: the skeleton holds more leaves than the manifest.") from None
+    if kind == "d" and isinstance(value, list):
+      out = {}
+      for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)):
+          raise ProtocolError("manifest: malformed skeleton.")
+        out[item[0]] = walk(item[1], depth + 1)
+      return out
+    if kind in ("l", "t") and isinstance(value, list):
+      items = [walk(v, depth + 1) for v in value]
+      return items if kind == "l" else tuple(items)
+    raise ProtocolError("manifest: malformed skeleton.")
+
+  out = walk(skeleton, 0)
+  if count[0] != len(leaves):
+    raise ProtocolError("manifest: the skeleton holds fewer leaves than the manifest.")
+  return out
+
+
+def key_path(path: Sequence[Any]) -> tuple[str, ...]:
+  """A jax.tree_util key path as strings (`['w']`, `[0]`, `.x`): equal on both sides
+  for equal pytrees."""
+  return tuple(str(k) for k in path)

@@ -1,0 +1,161 @@
+"""A pull's plan: the publisher's layouts (from the manifest) -> the subscriber's dst.
+
+Owns `plan_pull`, the one function from a pull to its plan (layouts through
+`Layout.from_sharding`, the plan through `call_plan.plan_layouts`, the step every
+path shares; the publisher's devices under ids
+that cannot collide with the subscriber's, each job's processes its domains), cached per
+(manifest, dst shardings, dtypes, route): a second pull of the same shapes plans
+nothing. Also this process's part of the plan: its waves, and per publisher process the
+pieces to ask it for. Moves nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Sharding
+
+from jax_m2n._src import call_plan
+from jax_m2n._src import jax_compat
+from jax_m2n._src import schedule
+from jax_m2n._src.errors import ReshardValueError
+from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE, Manifest
+from jax_m2n._src.layout import Layout
+from jax_m2n._src.planner import Plan
+from jax_m2n._src.processes import sequence, transfer_engine
+from jax_m2n._src.request import Options
+from jax_m2n._src.topology import Topology
+
+# The publisher's processes in the plan's device -> process map (the subscriber job's
+# own processes keep their indices, 0, 1, ...).
+PUBLISHER_PROCESS_BASE = 1 << 20
+
+
+def wire_dtype(published: Any, out: Any) -> np.dtype:
+  """The dtype a leaf crosses between the jobs in: the narrower of the two for a
+  conversion the transports fuse (narrowed by the publisher, widened on arrival), the
+  destination's for any other conversion (converted by the publisher: `astype` first,
+  as reshard does), else the published one."""
+  published, out = np.dtype(published), np.dtype(out)
+  if out == published:
+    return published
+  if schedule.fused_conversion(published, out):
+    return schedule.wire_dtype(published, out)
+  return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PullPlan:
+  """One pull's plan and this process's part of it.
+
+  Attributes:
+    plan: the planner's plan (tensor t is leaf t of the manifest).
+    wire, out: per leaf, the dtype on the wire and the dtype delivered.
+    dsts: per leaf, its destination sharding.
+    process_of: plan device id -> process (publisher processes offset by
+      PUBLISHER_PROCESS_BASE).
+    participants: the subscriber job's processes that hold a destination device.
+    waves: this process's waves (transfer_engine.waves_of).
+    requests: per publisher process (its index), the ops it sends to this process,
+      one list per wave in wave order: one transfer-server pull each.
+    fingerprint: equal on every process of the subscriber job that plans alike.
+  """
+
+  plan: Plan
+  wire: tuple[np.dtype, ...]
+  out: tuple[np.dtype, ...]
+  dsts: tuple[Sharding, ...]
+  process_of: dict[int, int]
+  participants: tuple[int, ...]
+  waves: tuple[transfer_engine.Wave, ...]
+  requests: dict[int, list[list[transfer_engine.Op]]]
+  fingerprint: str
+
+  @functools.cached_property
+  def local_dst(self) -> list[list[Any]]:
+    """Per leaf, this process's destination devices in addressable order."""
+    return [list(jax_compat.addressable_device_assignment(d)) for d in self.dsts]
+
+  def packs_of(self, ops: list[transfer_engine.Op]) -> list[list[transfer_engine.Op]]:
+    """`ops` (one wave from one publisher process) grouped by (source device,
+    destination device, wire dtype), in first-appearance order: one array each."""
+    packs: dict[tuple[int, int, Any], list[transfer_engine.Op]] = {}
+    for op in ops:
+      packs.setdefault((op.src, op.dst, self.wire[op.tensor]), []).append(op)
+    return list(packs.values())
+
+  @functools.cached_property
+  def packed_requests(self) -> dict[int, list[list[list[transfer_engine.Op]]]]:
+    """`requests` with each wave's ops grouped into packs (`packs_of`)."""
+    return {k: [self.packs_of(ops) for ops in groups]
+            for k, groups in self.requests.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def plan_pull(manifest: Manifest, dsts: tuple[Sharding, ...], outs: tuple[np.dtype, ...],
+              route: str) -> PullPlan:
+  """The plan of pulling every leaf of `manifest` into `dsts` as `outs`, by `route`.
+
+  Every process of the subscriber job derives the same plan (pure, from the manifest
+  and the global dst shardings).
+  """
+  me = jax.process_index()
+  wire = tuple(wire_dtype(l.dtype, o) for l, o in zip(manifest.leaves, outs))
+  src_layouts = manifest.plan_layouts
+  dst_layouts = [Layout.from_sharding(d, l.shape) for d, l in zip(dsts, manifest.leaves)]
+  process_of = {d.id: d.process_index for d in jax.devices()}
+  for k, p in enumerate(manifest.devices):
+    process_of[PUBLISHER_DEVICE_BASE + k] = PUBLISHER_PROCESS_BASE + p
+  domains: dict[int, list[int]] = {}
+  for device, p in sorted(process_of.items()):
+    domains.setdefault(p, []).append(device)
+  topology = Topology(domains=tuple(tuple(ds) for _, ds in sorted(domains.items())))
+  plan = call_plan.plan_layouts(src_layouts, dst_layouts, [w.itemsize for w in wire],
+                                topology, Options(route=route), "cpu", path="jobs pull")
+  participants = tuple(sorted({process_of[d] for l in dst_layouts for d in l.devices}))
+  waves = tuple(transfer_engine.waves_of(plan, me, process_of)) if me in participants else ()
+  requests: dict[int, list[list[transfer_engine.Op]]] = {}
+  for wave in waves:
+    for peer, ops in sorted(wave.recvs.items()):
+      if peer >= PUBLISHER_PROCESS_BASE:
+        requests.setdefault(peer - PUBLISHER_PROCESS_BASE, []).append(ops)
+  fingerprint = sequence.fingerprint({
+      "pytree structure": [l.path for l in manifest.leaves],
+      "shapes": [l.shape for l in manifest.leaves],
+      "dtypes": [l.dtype for l in manifest.leaves],
+      "destination dtypes": [str(o) for o in outs],
+      "source shardings": manifest.id,
+      "destination shardings": [tuple(l.shards()) for l in dst_layouts],
+      "route": route, "topology": repr(topology), "chunk_bytes": None})
+  return PullPlan(plan, wire, tuple(np.dtype(o) for o in outs), dsts, process_of,
+                  participants, waves, requests, fingerprint)
+
+
+def network_bytes(pp: PullPlan) -> dict[str, int]:
+  """The plan's bytes out of the publisher's job and between the subscriber's
+  processes (the 'each byte leaves the trainer once per subscriber job' check)."""
+  out = {"from_publisher": 0, "inside_subscriber_job": 0}
+  for tp in pp.plan.tensors:
+    tr = tp.transfers
+    for s, d, n in zip(tr.src.tolist(), tr.dst.tolist(),
+                       np.asarray(tr.nbytes(tp.itemsize)).tolist()):
+      ps, pd = pp.process_of[s], pp.process_of[d]
+      if ps >= PUBLISHER_PROCESS_BASE and pd < PUBLISHER_PROCESS_BASE:
+        out["from_publisher"] += n
+      elif ps != pd:
+        out["inside_subscriber_job"] += n
+  return out
+
+
+def check_devices(api: str, dsts: Sequence[Sharding]) -> None:
+  """The subscriber's devices must have ids below the publisher's plan ids."""
+  for d in dsts:
+    for dev in d.device_set:
+      if dev.id >= PUBLISHER_DEVICE_BASE:
+        raise ReshardValueError(
+            f"{api}: destination device ids must be below {PUBLISHER_DEVICE_BASE} (the "
+            f"publisher's devices are planned above it); got device {dev.id}.")

@@ -1,0 +1,174 @@
+"""Publisher / Subscriber between two separate programs (no shared jax.distributed) on
+127.0.0.1: the trainer job in 1 and 2 processes x the generator job in 1 and 2, 30
+random layout pairs x 3 versions bitwise with dtype= and donation, a second pull that
+plans nothing, bytes from the trainer per route; and the failures: a publisher that
+dies or closes while a pull waits (an error naming it within 2 s), a subscriber that
+dies mid-pull (the publisher and a later subscriber unharmed, a restart reconnects), a
+wrong token. Workers: tests/jobs_worker.py; every launch is bounded and its processes
+killed on timeout."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "jobs_worker.py")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Jobs:
+  """Started worker processes (a trainer job, generator jobs) sharing one directory."""
+
+  def __init__(self):
+    self.dir = tempfile.mkdtemp(prefix="m2n_jobs_")
+    self.procs = []  # (name, Popen, log file)
+
+  def start(self, role, processes, scenario, devices=4, seed=5, tag=""):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    env.pop("JAX_PLATFORMS", None)
+    port = _free_port()
+    started = []
+    for i in range(processes):
+      name = f"{role}{tag}{i}"
+      log = open(os.path.join(self.dir, f"{name}.log"), "w+")
+      p = subprocess.Popen(
+          [sys.executable, WORKER, "--role", role, "--process-id", str(i),
+           "--num-processes", str(processes), "--devices", str(devices // processes),
+           "--port", str(port), "--dir", self.dir, "--scenario", scenario,
+           "--seed", str(seed)], env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+      self.procs.append((name, p, log))
+      started.append((name, p, log))
+    return started
+
+  def wait(self, group, timeout):
+    deadline = time.monotonic() + timeout
+    for name, p, log in group:
+      try:
+        p.wait(timeout=max(1.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        self.kill()
+        pytest.fail(f"{name} hung:\n" + self.logs())
+
+  def kill(self):
+    for _, p, _ in self.procs:
+      if p.poll() is None:
+        p.kill()
+    for _, p, _ in self.procs:
+      p.wait()
+
+  def logs(self, tail=3000):
+    out = []
+    for name, _, log in self.procs:
+      log.flush()
+      log.seek(0)
+      out.append(f"--- {name}\n" + log.read()[-tail:])
+    return "\n".join(out)
+
+  def results(self, what):
+    found = []
+    for name, _, log in self.procs:
+      log.flush()
+      log.seek(0)
+      for line in log.read().splitlines():
+        m = re.match(rf"RESULT {what} role=\w+ process=(\d+) (.*)", line)
+        if m:
+          found.append((name, dict(re.findall(r"(\w+)=(\S+)", m.group(2))), line))
+    return found
+
+
+@pytest.fixture
+def jobs():
+  j = Jobs()
+  yield j
+  j.kill()
+
+
+@pytest.mark.parametrize("trainers,generators", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_random_layouts_versions_bitwise(jobs, trainers, generators):
+  t = jobs.start("trainer", trainers, "random", seed=10 * trainers + generators)
+  g = jobs.start("generator", generators, "random", seed=10 * trainers + generators)
+  jobs.wait(g, 300)
+  jobs.wait(t, 60)
+  text = jobs.logs()
+  assert "FAIL" not in text, text
+  found = jobs.results("random")
+  assert len(found) == generators, text
+  for _, f, line in found:
+    assert int(f["ok"]) == 30 * 3 and f["replanned"] == "0" and f["donated"] == "True", line
+  if generators == 2:  # a replicated pytree: the trainer's bytes once per job (hierarchical)
+    # or once per destination device (flat: 4 devices)
+    routes = {}
+    for _, f, _ in jobs.results("route"):
+      got = routes.setdefault(f["route"], [0, 0, int(f["payload"])])
+      got[0] += int(f["pulled"])
+      got[1] = int(f["plan_from_publisher"])
+    assert routes["hierarchical"][0] == routes["hierarchical"][1] == routes["hierarchical"][2]
+    assert routes["flat"][0] == routes["flat"][1] == 4 * routes["flat"][2]
+  print("\n".join(line for _, _, line in found + jobs.results("route")))
+
+
+def _failed_within(jobs, kill_at):
+  found = jobs.results("waited")
+  assert len(found) == 1 and found[0][1]["ok"] == "1", jobs.logs()
+  seconds = float(found[0][1]["failed_at"]) - kill_at
+  return seconds, found[0][2]
+
+
+def test_a_dead_publisher_fails_a_waiting_pull_within_2s(jobs):
+  t = jobs.start("trainer", 1, "wait")
+  g = jobs.start("generator", 1, "wait")
+  waiting = os.path.join(jobs.dir, "generator_waiting")
+  deadline = time.monotonic() + 120
+  while not os.path.exists(waiting) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  time.sleep(0.7)  # the pull is waiting in its long polls
+  killed_at = time.time()
+  t[0][1].send_signal(signal.SIGKILL)
+  jobs.wait(g, 60)
+  seconds, line = _failed_within(jobs, killed_at)
+  assert seconds < 2.0 and "127.0.0.1" in line, line
+  print(f"dead publisher: the waiting pull failed {seconds:.2f} s after the kill: {line}")
+
+
+def test_a_closed_publisher_fails_a_waiting_pull_at_once(jobs):
+  jobs.start("trainer", 1, "close")
+  g = jobs.start("generator", 1, "close")
+  jobs.wait(g, 120)
+  closed = jobs.results("closed")
+  assert closed, jobs.logs()
+  seconds, line = _failed_within(jobs, float(closed[0][1]["at"]))
+  assert seconds < 2.0 and "closed" in line, line
+  print(f"closed publisher: the waiting pull failed {seconds:.2f} s after close: {line}")
+
+
+def test_a_subscriber_dying_mid_pull_harms_nobody_and_a_restart_reconnects(jobs):
+  t = jobs.start("trainer", 1, "wait")
+  dead = jobs.start("generator", 1, "die_mid", tag="a")
+  jobs.wait(dead, 120)
+  assert dead[0][1].returncode == 3 and jobs.results("die_mid"), jobs.logs()
+  other = jobs.start("generator", 1, "again", tag="b")   # another subscriber job
+  jobs.wait(other, 120)
+  restarted = jobs.start("generator", 1, "again", tag="c")  # the dead one, restarted
+  jobs.wait(restarted, 120)
+  pulled = jobs.results("pulled")
+  assert len(pulled) == 2 and all(f["ok"] == "1" for _, f, _ in pulled), jobs.logs()
+  assert t[0][1].poll() is None  # the publisher still serves
+  token = jobs.start("generator", 1, "wrong_token", tag="d")
+  jobs.wait(token, 120)
+  found = jobs.results("wrong_token")
+  assert found and found[0][1]["ok"] == "1" and "token" in found[0][2], jobs.logs()
+  jobs.wait(t, 60)
