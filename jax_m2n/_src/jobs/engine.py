@@ -105,14 +105,8 @@ def request_pieces(pp: PullPlan, links: dict[int, Link], version: int,
   wave; returns their uuids (per publisher process, in wave order)."""
   uuids = {}
   for k, groups in sorted(pp.packed_requests.items()):
-    wire = sorted({op.tensor for packs in groups for pack in packs for op in pack})
-    body = {"op": "pieces", "version": version,
-            "wire": [[t, pp.wire[t].name] for t in wire],
-            "groups": [[[[op.tensor, op.src - PUBLISHER_DEVICE_BASE,
-                          *[lo for lo, _ in op.box], *[hi for _, hi in op.box]]
-                         for op in pack] for pack in packs] for packs in groups],
-            "timeout_ms": int(timeout_s * 1000)}
-    reply = links[k].client.call(body, answer_s, f"the pieces of version {version}")
+    reply = links[k].client.call(pieces_body(pp, k, version, timeout_s), answer_s,
+                                 f"the pieces of version {version}")
     got = reply.get("uuids")
     if not isinstance(got, list) or len(got) != len(groups) or not all(
         type(u) is int and 0 <= u < 1 << 64 for u in got):
@@ -122,11 +116,25 @@ def request_pieces(pp: PullPlan, links: dict[int, Link], version: int,
   return uuids
 
 
-def run(pp: PullPlan, links: dict[int, Link], uuids: dict[int, list[int]],
-        waits: Any, salt: bytes, timeout_s: float) -> list[list[jax.Array]]:
+def pieces_body(pp: PullPlan, k: int, version: int, timeout_s: float) -> dict[str, Any]:
+  """The pieces request to publisher process k: its boxes, one group per wave."""
+  groups = pp.packed_requests[k]
+  wire = sorted({op.tensor for packs in groups for pack in packs for op in pack})
+  return {"op": "pieces", "version": version,
+          "wire": [[t, pp.wire[t].name] for t in wire],
+          "groups": [[[[op.tensor, op.src - PUBLISHER_DEVICE_BASE,
+                        *[lo for lo, _ in op.box], *[hi for _, hi in op.box]]
+                       for op in pack] for pack in packs] for packs in groups],
+          "timeout_ms": int(timeout_s * 1000)}
+
+
+def run(pp: PullPlan, links: dict[int, Link], uuids: dict[int, list[int]] | None,
+        waits: Any, salt: bytes, timeout_s: float,
+        pulled: dict[int, Any] | None = None) -> list[list[jax.Array]]:
   """Runs this process's waves; returns per leaf its local destination shards (in
   `pp.local_dst` order, in the delivered dtype). `waits` is the subscriber job's
-  CallWaits (None in a one-process job)."""
+  CallWaits (None in a one-process job). `pulled` (a relay's): per publisher process,
+  an iterator over its waves' pack arrays, already pulled (then `uuids` is None)."""
   me = jax.process_index()
   devices = {d.id: d for d in jax.local_devices()}
   store = pieces.Store()
@@ -134,15 +142,18 @@ def run(pp: PullPlan, links: dict[int, Link], uuids: dict[int, list[int]],
   # The publisher's pieces depend on nothing: every wave's pull is issued at once, so
   # the transfer server streams them together; a wave waits only for its own.
   arrived: dict[int, list[tuple[str, list[Any], jax.Array]]] = {}
-  offers = {k: iter(u) for k, u in uuids.items()}
+  offers = {k: iter(u) for k, u in (uuids or {}).items()}
   for wave in pp.waves:
     for peer, ops in sorted(wave.recvs.items()):
       if peer >= PUBLISHER_PROCESS_BASE:
         k = peer - PUBLISHER_PROCESS_BASE
         packs = pp.packs_of(ops)
-        arrays = links[k].connection.pull(next(offers[k]), [
-            _pack_spec(pp, pack, devices) for pack in packs])
-        stats["pulled_bytes"] += sum(a.nbytes for a in arrays)
+        if pulled is not None:
+          arrays = next(pulled[k])
+        else:
+          arrays = links[k].connection.pull(next(offers[k]), [
+              _pack_spec(pp, pack, devices) for pack in packs])
+          stats["pulled_bytes"] += sum(a.nbytes for a in arrays)
         arrived.setdefault(wave.depth, []).extend(
             (links[k].name, pack, a) for pack, a in zip(packs, arrays))
   for wave in pp.waves:

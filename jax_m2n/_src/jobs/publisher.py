@@ -30,7 +30,7 @@ from jax_m2n._src import checks
 from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTypeError,
                                  ReshardValueError)
 from jax_m2n._src.jobs import auth, channel, engine, manifest as manifest_lib, messages
-from jax_m2n._src.jobs import pieces
+from jax_m2n._src.jobs import pieces, relay
 from jax_m2n._src.jobs.messages import ProtocolError
 from jax_m2n._src.layout import MAX_RANK, Box, Layout
 from jax_m2n._src.planner import DST_SHARD, SRC_SHARD
@@ -143,6 +143,8 @@ class Publisher:
     # device id -> publisher device index)
     self._manifests: dict[Any, tuple[Any, ...]] = {}
     self._closed = False
+    # Relays among subscribers (process 0 coordinates; every process offers chunks).
+    self._relay = relay.Coordinator(self._held)
     self._transfer = engine.transfer_server(host)
     transfer_port = channel.split_address(_API, self._transfer.address())[1]
     self._server = channel.Server(_API, channel.join_address(host, port if self._pid == 0
@@ -305,10 +307,16 @@ class Publisher:
       timeout_ms = messages.field(body, "timeout_ms", int, lo=1, hi=MAX_OFFER_MS)
       self._deferred.append((caller, body, time.monotonic() + min(
           timeout_ms, MAX_WAIT_MS) / 1000))
+    elif op in relay.OPS and self._pid == 0:
+      self._relay.handle(caller, body)
     else:
-      raise ProtocolError(f"call: op must be versions, manifest, pieces or bye; got "
-                          f"{messages._short(op)}.")
+      raise ProtocolError(f"call: op must be versions, manifest, pieces, relay_* or bye; "
+                          f"got {messages._short(op)}.")
     self._tick()
+
+  def _held(self) -> list[int]:
+    with self._lock:
+      return list(self._versions)
 
   def _tick(self) -> None:
     now = time.monotonic()
@@ -339,6 +347,7 @@ class Publisher:
       else:
         keep.append((caller, body, deadline))  # this process has not published it yet
     self._deferred = keep
+    self._relay.tick(self._closed)
 
   def _pieces(self, body: dict[str, Any]) -> dict[str, Any]:
     """Cuts the asked boxes of a held version (in their wire dtypes), offers each
@@ -400,6 +409,9 @@ class Publisher:
         packs.append(ops)
       offers.append(packs)
     timeout_s = body["timeout_ms"] / 1000
+    if "chunk_bytes" in body:  # a relay's head (or a re-route): chunks, one offer each
+      return relay.offer_chunks(self._transfer, [_cut(version, ops, wire)
+                                                 for ops in offers], body, timeout_s)
     uuids = []
     for ops in offers:
       uuid = secrets.randbits(64)

@@ -25,7 +25,7 @@ from jax_m2n._src import checks
 from jax_m2n._src.errors import (PeerFailed, ReshardError, ReshardRuntimeError,
                                  ReshardTimeoutError, ReshardTypeError, ReshardValueError)
 from jax_m2n._src.jobs import auth, channel, engine, manifest as manifest_lib, messages
-from jax_m2n._src.jobs import planning
+from jax_m2n._src.jobs import planning, relay as relay_lib
 from jax_m2n._src.jobs.manifest import Manifest
 from jax_m2n._src.processes import sequence
 
@@ -61,6 +61,12 @@ class Subscriber:
     address: process 0 of the trainer job's Publisher address, "host:port".
     token: the publisher's token (str or bytes). A wrong one raises here.
     timeout_s: how long to wait for the publisher to answer the handshake.
+    relay: True: this job (one process) relays with the other subscriber jobs that
+      pull the same version with the same dst layouts and dtypes: the trainer sends
+      each byte once per version to the first of them, and each forwards it, chunk by
+      chunk, to the next (docs/jobs.md, "Relays"). Its arrays are then held
+      (forwarded) until the group starts the next version. A job of several processes
+      pulls directly whatever this says.
 
   Raises:
     ReshardValueError: a wrong token (either side's proof fails), a malformed address.
@@ -81,9 +87,17 @@ class Subscriber:
     >>> sub.close(); pub.close()
   """
 
-  def __init__(self, address: str, *, token: Any, timeout_s: float = 60.0):
+  def __init__(self, address: str, *, token: Any, timeout_s: float = 60.0,
+               relay: bool = False):
     self._key = auth.as_key(_API, token)
     self._host, _ = channel.split_address(_API, address)
+    if not isinstance(relay, bool):
+      raise ReshardTypeError(f"{_API}: relay must be a bool; got {type(relay).__name__}.")
+    # A one-process job relays (docs/jobs.md, "Relays"); a multi-process job pulls
+    # directly (its processes already forward among themselves).
+    self._relay = relay_lib.Member(
+        _API, engine.local_host_towards(self._host), self._new_root,
+    ) if relay and jax.process_count() == 1 else None
     self._address = address
     self._connect_s = checks.options(_API, timeout_s=timeout_s).timeout_ms / 1000
     self._root: channel.Client | None = None
@@ -103,6 +117,10 @@ class Subscriber:
       self._root = channel.Client(_API, self._address, self._key, self._connect_s,
                                   f"the publisher at {self._address}")
     return self._root
+
+  def _new_root(self) -> channel.Client:
+    return channel.Client(_API, self._address, self._key, self._connect_s,
+                          f"the publisher at {self._address}")
 
   def _drop_links(self) -> None:
     for k, link in self._links.items():
@@ -134,6 +152,9 @@ class Subscriber:
     if self._closed:
       return
     self._closed = True
+    if self._relay is not None:
+      self._relay.close(self._root if self._root and self._root.broken is None
+                        else None, ANSWER_S)
     self._drop_links()
     if self._root is not None:
       self._root.close()
@@ -309,8 +330,13 @@ class Subscriber:
       waits.agree(pp.fingerprint, lambda: f"{len(m.leaves)} leaves")
     try:
       links = {k: self._link(k, m) for k in pp.requests}
-      uuids = engine.request_pieces(pp, links, number, timeout_s, REQUEST_S)
-      shards = engine.run(pp, links, uuids, waits, salt, timeout_s)
+      pulled = uuids = None
+      if self._relay is not None and links:
+        pulled = self._relay.receive(self._root_client(), pp, links, number, timeout_s,
+                                     REQUEST_S)
+      if pulled is None:
+        uuids = engine.request_pieces(pp, links, number, timeout_s, REQUEST_S)
+      shards = engine.run(pp, links, uuids, waits, salt, timeout_s, pulled)
     except messages.VersionGone:
       raise
     except ReshardError:
