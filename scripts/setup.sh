@@ -6,7 +6,8 @@
 # it also runs alone). Idempotent: quiet, and a few seconds, when everything is there.
 #
 # Installs, only when missing: Bazel 4.2.3 (apt: bazel-bootstrap), python3-venv,
-# .venv with requirements.txt. apt needs root or sudo.
+# .venv with requirements.txt, and as root iproute2 (the network tests' `ip`, `tc`).
+# apt needs root or sudo.
 # CUDA: the CUDA extension is built when the machine has a CUDA toolkit (nvcc) and
 # the venv has NCCL's headers (bazel/local_cuda.bzl decides); otherwise the CPU
 # extension alone, and one line says so. A missing toolkit is never an error.
@@ -26,6 +27,7 @@ _setup_main() {
   set -euo pipefail
   ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   _ensure_python
+  _ensure_iproute2
   _build_extensions
   _install_editable
 }
@@ -115,6 +117,14 @@ or drop JAX_M2N_PYTHON: setup then creates .venv with requirements.txt."
     # Quiet, but pip's errors (and /etc/xdg/pip constraints, if any) still apply.
     "$PY" -m pip install -q --disable-pip-version-check -r "$ROOT/requirements.txt" </dev/null
     _requirements_met "$PY" || _die "requirements.txt still not met after pip install"
+  fi
+}
+
+# The network tests' emulated hosts (jax_m2n/testing/hosts.py) need `ip` and `tc`.
+# Only as root (they skip, saying why, without root or iproute2 anyway).
+_ensure_iproute2() {
+  if [ "$(id -u)" = 0 ] && ! { command -v ip && command -v tc; } >/dev/null 2>&1; then
+    _apt_install iproute2
   fi
 }
 
