@@ -1,9 +1,14 @@
-"""The call sequence of cross-process reshards and the agreement on their arguments.
+"""The call sequence of cross-process reshards, the agreement on their arguments, and
+every wait of a call.
 
 Owns the call numbers (every process numbers its cross-process calls alike, as it
 orders its jit calls), the plan fingerprint each process posts under its call's key,
-and the waits of one call: bounded by the call's timeout, woken by a peer's failure
-marker or its death (bootstrap.Liveness), and interruptible (Ctrl-C). Moves no bytes.
+and the waits of one call: for peers' keys (a blocking get woken by the key itself)
+and for this process's transfers (no key-value round at all), each bounded by the
+call's timeout, woken by a peer's failure marker, its death or unreachability
+(bootstrap.Liveness, reachability probes) or this process being cut off, and
+interruptible (Ctrl-C). A call makes a fixed number of key-value operations per peer,
+none per chunk. Moves no bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError,
 from jax_m2n._src.processes import bootstrap
 
 _API = "reshard"
+
 
 class PeerFailed(ReshardRuntimeError):
   """Another process posted its failure of this call (relayed, not posted again)."""
@@ -58,95 +64,151 @@ def mismatch(mine: str, theirs: str) -> list[str]:
 
 
 class CallWaits:
-  """The keys and waits of call number `n`: its prefix in the store, the peers it
-  waits for, its deadline. Every wait polls the store (one directory read per round,
-  backing off from 0.1 to 1 ms), reads liveness, and raises: a peer's failure marker
-  or death as ReshardRuntimeError naming it, the deadline as ReshardTimeoutError."""
+  """The keys and waits of call number `n`: its prefix in the store, its participants,
+  its deadline. Every wait raises: a peer's failure marker (PeerFailed), a dead or
+  unreachable peer or this process cut off (ReshardRuntimeError naming it), the
+  deadline (ReshardTimeoutError)."""
 
-  # Polling, not a blocking get: a blocking get cannot also watch for failure markers
-  # and dead peers, and cannot be interrupted. A round costs one store read (~0.2 ms
-  # on loopback); the 1 ms cap bounds how late a wait sees its key.
+  # A blocking get returns as soon as its key is set; between slices the failure
+  # markers, liveness and the deadline are checked.
+  SLICE_S = 0.1
+  # While this process's transfers are in flight: the failure markers are read every
+  # MARKERS_EVERY_S (the only key-value reads of that wait); readiness is polled locally,
+  # backing off from 0.1 to 2 ms.
+  MARKERS_EVERY_S = 0.1
   _POLL_MIN_S = 1e-4
-  _POLL_MAX_S = 1e-3
-  _READ_EVERY_S = 5e-3
+  _POLL_MAX_S = 2e-3
+  # A sender none of whose pulls has completed for STALL_S is suspected (_Watch).
+  STALL_S = bootstrap.SUSPECT_S
 
-  def __init__(self, n: int, peers: Sequence[int], timeout_ms: int):
+  def __init__(self, n: int, participants: Sequence[int], timeout_ms: int):
     self.n = n
     self.engine = bootstrap.engine()
     self.kv = self.engine.kv
     self.pid = self.engine.pid
     self.key = f"{bootstrap.PREFIX}/call/{n}"
-    self.peers = [p for p in peers if p != self.pid]
-    self.deadline = time.monotonic() + timeout_ms / 1000.0
-    self.timeout_s = timeout_ms / 1000.0
-    self.liveness = bootstrap.Liveness(self.kv)
+    self.participants = list(participants)
+    self.peers = [p for p in participants if p != self.pid]
     self.started = time.monotonic()
+    self.timeout_s = timeout_ms / 1000.0
+    self.deadline = self.started + self.timeout_s
+    self.watch = _Watch(self.engine)
 
   def post(self, what: str, value: str = "1") -> None:
-    self.kv.key_value_set(f"{self.key}/{what}/{self.pid}", value, allow_overwrite=True)
+    self.kv.set(f"{self.key}/{what}/{self.pid}", value)
 
   def fail(self, message: str) -> None:
-    """Tells the peers this process failed the call (they fail at once, naming it)."""
-    try:
-      self.post("failed", message[:2000])
-    except Exception:  # noqa: BLE001 - the store is down: the peers see our death
-      pass
+    """Tells the peers this process failed the call (they fail at once, naming it);
+    never waits (this process may be the one cut off)."""
+    self.kv.post_soon(f"{self.key}/failed/{self.pid}", message[:2000])
 
-  def wait(self, what: str, peers: Sequence[int], stage: str,
-           ready: Callable[[], bool] | None = None) -> dict[int, str]:
-    """Waits until every one of `peers` has posted `what` (and `ready()`, if given,
-    is true); returns {peer: value}."""
+  # -- checks shared by the waits -------------------------------------------------------
+
+  def _read(self, what: str, want: dict[str, int], got: dict[int, str]) -> None:
+    """One directory read of the call's keys: the awaited ones into `got`; a peer's
+    failure marker raises PeerFailed."""
+    failed = {}
+    for k, v in self.kv.dir_get(self.key + "/"):
+      if k in want:
+        got[want[k]] = v
+      elif k.startswith(f"{self.key}/failed/"):
+        who = int(k.rsplit("/", 1)[1])
+        if who != self.pid:
+          failed[who] = v
+    if failed:
+      who, v = min(failed.items())
+      raise PeerFailed(
+          f"{_API}: process {who} failed cross-process call #{self.n}, so the call "
+          f"failed on process {self.pid} too: {v}")
+
+  def _check(self, stage: str, watched: Sequence[int], late: str,
+             stalled: Sequence[int] = ()) -> None:
+    """This process's own link, the peers in `watched` (those in `stalled` suspected
+    already: their data stalls), and the deadline (`late`: what a missed deadline most
+    likely means)."""
+    why = self.kv.cut_off()
+    if why is not None:
+      raise bootstrap.CoordinatorUnreachable(
+          f"{_API}: cross-process call #{self.n} failed on process {self.pid} while "
+          f"waiting for {stage}: {why}.")
+    lost = [v for p in watched if (v := self.watch.verdict(p, p in stalled))]
+    if lost:
+      raise ReshardRuntimeError(
+          f"{_API}: cross-process call #{self.n} failed on process {self.pid} while "
+          f"waiting for {stage}: " + "; ".join(lost) + ".")
+    now = time.monotonic()
+    if now > self.deadline:
+      raise ReshardTimeoutError(
+          f"{_API}: cross-process call #{self.n} must complete within "
+          f"timeout_s={self.timeout_s:g}; process {self.pid} still waited for {stage} "
+          f"after {now - self.started:.1f} s ({late}).")
+
+  # -- the waits ------------------------------------------------------------------------
+
+  def wait_keys(self, what: str, peers: Sequence[int], stage: str) -> dict[int, str]:
+    """Waits until every one of `peers` has posted `what`; returns {peer: value}. One
+    directory read, then a blocking get per peer still missing."""
     peers = [p for p in peers if p != self.pid]
     want = {f"{self.key}/{what}/{p}": p for p in peers}
     got: dict[int, str] = {}
-    delay = self._POLL_MIN_S
-    read_at = -1.0
-    failed: dict[int, str] = {}
+    if not peers:
+      return got
+    self._read(what, want, got)
     while True:
-      # The store is read every round while keys are awaited; while only `ready()` is
-      # (transfers in flight), every _READ_EVERY_S (failure markers), not every round.
-      if len(got) < len(peers) or time.monotonic() - read_at >= self._READ_EVERY_S:
-        read_at = time.monotonic()
-        for k, v in self.kv.key_value_dir_get(self.key + "/"):
-          if k in want:
-            got[want[k]] = v
-          elif k.startswith(f"{self.key}/failed/"):
-            who = int(k.rsplit("/", 1)[1])
-            if who != self.pid:
-              failed[who] = v
-      if len(got) == len(peers) and (ready is None or ready()):
-        return got  # what was awaited came: a later failure is the next wait's
-      if failed:
-        who, v = min(failed.items())
-        raise PeerFailed(
-            f"{_API}: process {who} failed cross-process call #{self.n} while this "
-            f"process waited for {stage}, so the call failed here too: {v}")
-      missing = [p for p in peers if p not in got] or list(self.peers)
-      dead = self.liveness.dead(missing)
-      if dead:
-        raise ReshardRuntimeError(
-            f"{_API}: cross-process call #{self.n} failed while waiting for {stage}: "
-            + "; ".join(dead.values()) + ".")
+      missing = [p for p in peers if p not in got]
+      if not missing:
+        return got
+      who = ("process " if len(missing) == 1 else "processes ") + ", ".join(
+          map(str, missing))
+      self._check(stage, missing, f"{who} alive, but not calling reshard with these "
+                  "devices. Hint: every process must make the same sequence of reshard "
+                  "calls")
+      value = self.kv.blocking_get(f"{self.key}/{what}/{missing[0]}", self.SLICE_S)
+      if value is not None:
+        got[missing[0]] = value
+      else:  # a slice without it: read the failure markers (and every key) again
+        self._read(what, want, got)
+
+  def wait_ready(self, ready: Callable[[], bool], senders: dict[int, Callable[[], int]],
+                 stage: str) -> None:
+    """Waits until `ready()` (this process's transfers and outputs are done). While
+    waiting: the failure markers every MARKERS_EVERY_S, and the senders (the processes
+    this one pulls from, each with a count of its completed pulls): one whose pulls
+    stall for STALL_S is suspected and probed."""
+    delay = self._POLL_MIN_S
+    markers_at = time.monotonic() + self.MARKERS_EVERY_S
+    progress = {p: (count(), time.monotonic()) for p, count in senders.items()}
+    while not ready():
       now = time.monotonic()
-      if now > self.deadline:
-        absent = [p for p in peers if p not in got] or missing
-        who = ("process " if len(absent) == 1 else "processes ") + ", ".join(
-            map(str, absent))
-        raise ReshardTimeoutError(
-            f"{_API}: every process of cross-process call #{self.n} must reach "
-            f"{stage} within timeout_s={self.timeout_s:g}; got no sign of {who} after "
-            f"{now - self.started:.1f} s (alive, but not "
-            "calling reshard with these devices). Hint: every process must make the "
-            "same sequence of reshard calls.")
+      if now >= markers_at:
+        self._read("", {}, {})
+        markers_at = now + self.MARKERS_EVERY_S
+      stalled = []
+      for p, count in senders.items():
+        done = count()
+        if done != progress[p][0]:
+          progress[p] = (done, now)
+        elif now - progress[p][1] > self.STALL_S:
+          stalled.append(p)
+      self._check(stage, list(senders), "the transfers are still running: a slow "
+                  "link, or a timeout_s too small for these bytes", stalled)
       time.sleep(delay)  # Python sleep: Ctrl-C interrupts it
       delay = min(2 * delay, self._POLL_MAX_S)
 
+  def relay_failure(self, sender: int, within_s: float = 1.0) -> None:
+    """After a pull from `sender` failed: raises PeerFailed with the first failure a
+    participant posts within `within_s` (a sender that forwards data it failed to get
+    posts the original cause), or returns at once where `sender` is gone."""
+    until = time.monotonic() + within_s
+    while time.monotonic() < until and not self.watch.verdict(sender, True):
+      self._read("", {}, {})
+      time.sleep(0.02)
+
   def agree(self, fp: str, names: Callable[[], str]) -> None:
-    """Posts this process's fingerprint and waits for every peer's: a peer that
+    """Waits for every peer's fingerprint (this process posted its own): a peer that
     called with other arguments is a ReshardValueError on every process (each sees
-    every fingerprint), before any byte moves."""
-    self.post("fp", fp)
-    theirs = self.wait("fp", self.peers, "the argument check (plan fingerprints)")
+    every fingerprint), before any byte leaves any process."""
+    theirs = self.wait_keys("fp", self.peers, "the argument check (plan fingerprints)")
     bad = {p: mismatch(fp, v) for p, v in sorted(theirs.items()) if v != fp}
     if bad:
       detail = "; ".join(f"process {p} differs in {', '.join(f)}" for p, f in bad.items())
@@ -155,33 +217,98 @@ class CallWaits:
           f"multi-controller convention); got different arguments in cross-process call "
           f"#{self.n} on process {self.pid} ({names()}): {detail}. No data moved.")
 
-  def finish(self, participants: Sequence[int]) -> None:
-    """After the call's last wait: marks it finished here; its lowest participant
-    remembers to delete its keys once every participant has finished it."""
-    self.post("fin")
-    if self.pid == min(participants):
+  def finish(self, failed: bool = False) -> None:
+    """After the call's last wait (or its failure): marks it finished here; its lowest
+    participant deletes its keys (on the beat thread) once every participant has
+    finished it, or KEYS_KEPT_S after this, whichever is first."""
+    if failed:
+      self.kv.post_soon(f"{self.key}/fin/{self.pid}", "failed")
+    else:
+      self.post("fin")
+    if self.pid == min(self.participants):
       with _counter_lock:
-        _to_delete.append((self.n, tuple(participants)))
-
-  def cleanup(self) -> None:
-    """Deletes the keys of earlier calls that every participant has finished (a
-    participant may still read a call's keys until it has passed its last wait)."""
-    keep = []
-    with _counter_lock:
-      pending, _to_delete[:] = list(_to_delete), []
-    for n, participants in pending:
-      key = f"{bootstrap.PREFIX}/call/{n}"
-      try:
-        fin = {k for k, _ in self.kv.key_value_dir_get(f"{key}/fin/")}
-        if len(fin) >= len(participants):
-          self.kv.key_value_delete(key)
-        else:
-          keep.append((n, participants))
-      except Exception:  # noqa: BLE001 - best effort: stale keys are never read again
-        pass
-    with _counter_lock:
-      _to_delete.extend(keep)
+        _to_delete.append((self.n, len(self.participants), time.monotonic()))
+        if not _cleanup_installed:
+          _cleanup_installed.append(True)
+          self.engine.on_beat(_cleanup)
 
 
-# Calls this process is the lowest participant of, whose keys are not deleted yet.
-_to_delete: list[tuple[int, tuple[int, ...]]] = []
+class _Watch:
+  """The peers one call waits on: a peer is suspected once its beat has been silent
+  for SUSPECT_S or (a sender) its data stalls, and then probed (bootstrap.probe, one
+  attempt in flight at a time); the probes decide (bootstrap's opening comment)."""
+
+  def __init__(self, engine: Any):
+    self.engine = engine
+    self._probes: dict[int, tuple[Any, int, str]] = {}  # peer: (in flight, failed, why)
+
+  def verdict(self, peer: int, stalled: bool) -> str | None:
+    """Why `peer` is gone or unreachable, or None (fine, or not proven otherwise)."""
+    live = self.engine.liveness
+    gone = live.gone(peer)
+    if gone is not None:
+      return f"process {peer} left the job ({gone})"
+    silent = live.silent_s(peer)
+    if silent < bootstrap.SUSPECT_S and not stalled:
+      self._probes.pop(peer, None)
+      return None
+    address = self.engine.peer_address(peer)
+    pending, failed, why = self._probes.get(peer, (None, 0, ""))
+    if pending is not None and pending.done():
+      result, pending = pending.result(), None
+      if result is None:
+        failed = 0
+      else:
+        refused, why = result
+        failed += 1
+        if refused and silent >= bootstrap.SUSPECT_S:
+          return (f"process {peer} is gone: its transfer server at {address} refuses "
+                  f"connections ({why}) and its beat stopped {silent:.1f} s ago")
+        if refused:  # alive (it beats), but nothing listens there as seen from here
+          return (f"process {peer}'s transfer server at {address} refuses connections "
+                  f"from this host ({why}): it listens on an address this host does not "
+                  "reach. Hint: unset JAX_M2N_TRANSFER_HOST (each process then binds "
+                  "the address that routes to the coordinator) or set it per host")
+    silent_now = silent > bootstrap.DEAD_AFTER_S
+    if failed and (silent_now or failed >= 2):
+      return (f"process {peer} is unreachable: its transfer server at {address} does "
+              f"not answer ({why}; {failed} attempt{'s' * (failed > 1)} from process "
+              f"{self.engine.pid})"
+              + (f" and its beat stopped {silent:.1f} s ago" if silent_now
+                 else " while its data did not arrive"))
+    if pending is None:
+      timeout = (bootstrap.PROBE_TIMEOUT_S if silent >= bootstrap.SUSPECT_S
+                 else bootstrap.STALL_PROBE_TIMEOUT_S)
+      pending = bootstrap.probe_soon(address, timeout)
+    self._probes[peer] = (pending, failed, why)
+    return None
+
+
+# Calls this process is the lowest participant of, whose keys are not deleted yet:
+# (call number, participants, when it finished here). A failed call's keys go after
+# KEYS_KEPT_S at the latest (a participant that died never posts its fin).
+_to_delete: list[tuple[int, int, float]] = []
+_cleanup_installed: list[bool] = []
+KEYS_KEPT_S = 600.0
+
+
+def _cleanup() -> None:
+  """Deletes the keys of earlier calls that every participant has finished (a
+  participant may still read a call's keys until it has passed its last wait); runs
+  on the beat thread, off every call's path."""
+  kv = bootstrap.engine().kv
+  with _counter_lock:
+    pending, _to_delete[:] = list(_to_delete), []
+  keep = []
+  for n, participants, at in pending:
+    key = f"{bootstrap.PREFIX}/call/{n}"
+    try:
+      fin = kv.dir_get(f"{key}/fin/", counter="kv_background_ops")
+      if len(fin) >= participants or time.monotonic() - at > KEYS_KEPT_S:
+        kv.delete(key)
+      else:
+        keep.append((n, participants, at))
+    except Exception:  # noqa: BLE001 - best effort: stale keys are never read again
+      keep.append((n, participants, at))
+  with _counter_lock:
+    _to_delete.extend(keep)
