@@ -117,7 +117,10 @@ def _slicer(sizes: tuple[int, ...], dtype: Any):
 def _slice(a: jax.Array, starts: Sequence[int], limits: Sequence[int], dtype: Any
            ) -> jax.Array:
   sizes = tuple(hi - lo for lo, hi in zip(starts, limits))
-  return _slicer(sizes, np.dtype(dtype))(a, np.asarray(starts, np.int32))
+  # The offsets are jax_m2n's own host data, not the caller's: they pass under any
+  # transfer guard (tunix syncs weights under transfer_guard("disallow")).
+  with jax.transfer_guard("allow"):
+    return _slicer(sizes, np.dtype(dtype))(a, np.asarray(starts, np.int32))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -134,7 +137,8 @@ def _composer(shape: tuple[int, ...], dtype: Any, out_dtype: Any, pieces: int):
 
 def _compose(shape, dtype, out_dtype, offsets, parts) -> jax.Array:
   fn = _composer(tuple(shape), np.dtype(dtype), np.dtype(out_dtype), len(parts))
-  return fn(np.asarray(offsets, np.int32).reshape(len(parts), len(shape)), *parts)
+  with jax.transfer_guard("allow"):  # the offsets: as in _slice
+    return fn(np.asarray(offsets, np.int32).reshape(len(parts), len(shape)), *parts)
 
 
 def _rel(box: Box, origin: Box) -> tuple[tuple[int, ...], tuple[int, ...]]:
