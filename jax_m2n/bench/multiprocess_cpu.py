@@ -394,7 +394,17 @@ def main(argv=None) -> int:
     rc = {"engine": worker_engine, "fig4": worker_fig4}[args.worker](args)
     sys.stdout.flush()
     from jax_m2n._src import jax_compat
-    jax_compat.distributed_client().wait_at_barrier("bench/end", 120_000)
+    kv = jax_compat.distributed_client()
+    kv.wait_at_barrier("bench/end", 120_000)
+    # Process 0 hosts the coordination service and leaves last: a worker still talking
+    # to it when it goes is ended by JAX ("the leader task died").
+    kv.key_value_set(f"bench/left/{args.pid}", "1")
+    if args.pid == 0:
+      deadline = time.monotonic() + 30
+      while (len(kv.key_value_dir_get("bench/left/")) < args.n
+             and time.monotonic() < deadline):
+        time.sleep(0.05)
+      time.sleep(0.2)
     os._exit(rc)  # no shutdown barrier: the launcher collects every worker's output
   return run_suite(args.out_dir, max(float(s) for s in args.size_mib.split(",")),
                    args.iters, args.warmup)

@@ -109,6 +109,8 @@ class Store:
     self._client = client
     self.coordinator = coordinator
     self._workers = _Workers()
+    # Blocking gets that last a call (get_soon): one thread each while they wait.
+    self._waiters = _Workers(limit=1024)
     # Since when this process has found the coordinator unreachable (None: it is not):
     # set by a failed operation, cleared by an answer or by a probe that gets through
     # (the path is back; the client's own connection may take seconds to recover).
@@ -158,8 +160,21 @@ class Store:
             "This process is cut off from the job (its link or the coordinator's host "
             "is down).")
 
-  def set(self, key: str, value: str, counter: str = "kv_ops") -> None:
-    self._call(counter, 0.0, self._client.key_value_set, key, value, True)
+  def set(self, key: str, value: str, counter: str = "kv_ops",
+          overwrite: bool = True) -> None:
+    """Sets `key`; with overwrite=False a key already set keeps its value (the first
+    writer wins)."""
+    try:
+      self._call(counter, 0.0, self._client.key_value_set, key, value, overwrite)
+    except CoordinatorUnreachable:
+      raise
+    except Exception:  # noqa: BLE001 - ALREADY_EXISTS: another process set it first
+      if overwrite:
+        raise
+
+  def increment(self, key: str, by: int, counter: str = "kv_ops") -> int:
+    """Adds `by` to the counter at `key` (atomic in the store); returns the new value."""
+    return self._call(counter, 0.0, self._client.key_value_increment, key, by)
 
   def dir_get(self, prefix: str, counter: str = "kv_ops") -> list[tuple[str, str]]:
     return self._call(counter, 0.0, self._client.key_value_dir_get, prefix)
@@ -186,11 +201,24 @@ class Store:
   def delete(self, key: str, counter: str = "kv_background_ops") -> None:
     self._call(counter, 0.0, self._client.key_value_delete, key)
 
-  def post_soon(self, key: str, value: str) -> None:
-    """Sets `key` without waiting (a failure marker from a process that may be cut
-    off: it must fail at once, not after a probe)."""
+  def post_soon(self, key: str, value: str, overwrite: bool = True) -> None:
+    """Sets `key` without waiting (a failure from a process that may be cut off: it
+    must fail at once, not after a probe)."""
     stats["kv_ops"] += 1
-    self._workers.submit(self._client.key_value_set, key, value, True)
+    self._workers.submit(self._client.key_value_set, key, value, overwrite)
+
+  def get_soon(self, key: str, timeout_s: float) -> concurrent.futures.Future:
+    """A Future of the value of `key` as soon as it is set, or of None after
+    `timeout_s`: a blocking get on a helper thread, for waits that must watch other
+    things meanwhile."""
+    stats["kv_ops"] += 1
+
+    def get():
+      try:
+        return self._client.blocking_key_value_get(key, max(1, int(timeout_s * 1000)))
+      except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED, or the store is gone
+        return None
+    return self._waiters.submit(get)
 
 
 def kv_client() -> Any:

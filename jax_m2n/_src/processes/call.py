@@ -126,11 +126,7 @@ class CrossProcessReshard:
                                      self.out_dtypes[t]) for d in self.local_dst[t]]
                 for t in range(len(self.shapes))]
       run.wait([a for per_leaf in arrays for a in per_leaf])
-      waits.post("done")
-      # Every participant, not only those this one sends to: a call succeeds on every
-      # process or fails on every process, so that all of them can handle (or retry) it
-      # alike.
-      waits.wait_keys("done", waits.peers, "the end of the call (every process done)")
+      waits.end()  # every participant done (a call succeeds or fails everywhere)
       waits.finish()
     except BaseException as e:
       self._failed(waits, e)
@@ -150,7 +146,9 @@ class CrossProcessReshard:
     """A failed call: the peers learn it (unless every process raises on its own: a
     fingerprint mismatch, or a relayed failure), pending pulls fail and connections
     are made afresh by the next call."""
-    if not isinstance(e, (ReshardValueError, sequence.PeerFailed)):
+    if isinstance(e, ReshardValueError):  # every process raises it on its own
+      waits.close_outcome()
+    elif not isinstance(e, sequence.PeerFailed):
       waits.fail(f"{type(e).__name__}: {e}")
     waits.finish(failed=True)
     bootstrap.engine().drop_connections()

@@ -3,12 +3,12 @@ every wait of a call.
 
 Owns the call numbers (every process numbers its cross-process calls alike, as it
 orders its jit calls), the plan fingerprint each process posts under its call's key,
-and the waits of one call: for peers' keys (a blocking get woken by the key itself)
-and for this process's transfers (no key-value round at all), each bounded by the
-call's timeout, woken by a peer's failure marker, its death or unreachability
+the call's outcome, and the waits of one call: for peers' keys (blocking gets, woken by
+the key itself) and for this process's transfers (local polling only), each bounded by
+the call's timeout, woken by a peer's failure, its death or unreachability
 (bootstrap.Liveness, reachability probes) or this process being cut off, and
-interruptible (Ctrl-C). A call makes a fixed number of key-value operations per peer,
-none per chunk. Moves no bytes.
+interruptible (Ctrl-C). A call makes a fixed number of key-value operations, none per
+chunk and none per second of waiting. Moves no bytes.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError,
-                                 ReshardValueError)
+from jax_m2n._src.errors import (ReshardError, ReshardRuntimeError,
+                                 ReshardTimeoutError, ReshardValueError)
 from jax_m2n._src.processes import bootstrap
 
 _API = "reshard"
@@ -65,17 +65,15 @@ def mismatch(mine: str, theirs: str) -> list[str]:
 
 class CallWaits:
   """The keys and waits of call number `n`: its prefix in the store, its participants,
-  its deadline. Every wait raises: a peer's failure marker (PeerFailed), a dead or
+  its deadline, and its outcome key (set once: "done" by the last participant to
+  finish, or a failure by the first that fails), which a background blocking get
+  watches from the start: a peer's failure wakes every wait at once, with no reading
+  of the store in between. Every wait raises: a peer's failure (PeerFailed), a dead or
   unreachable peer or this process cut off (ReshardRuntimeError naming it), the
   deadline (ReshardTimeoutError)."""
 
-  # A blocking get returns as soon as its key is set; between slices the failure
-  # markers, liveness and the deadline are checked.
-  SLICE_S = 0.1
-  # While this process's transfers are in flight: the failure markers are read every
-  # MARKERS_EVERY_S (the only key-value reads of that wait); readiness is polled locally,
-  # backing off from 0.1 to 2 ms.
-  MARKERS_EVERY_S = 0.1
+  # Waits poll local state only (futures, readiness, liveness kept by the beat thread),
+  # backing off from 0.1 to 2 ms: Python sleeps, so Ctrl-C interrupts them.
   _POLL_MIN_S = 1e-4
   _POLL_MAX_S = 2e-3
   # A sender none of whose pulls has completed for STALL_S is suspected (_Watch).
@@ -93,39 +91,45 @@ class CallWaits:
     self.timeout_s = timeout_ms / 1000.0
     self.deadline = self.started + self.timeout_s
     self.watch = _Watch(self.engine)
+    self.outcome = self.kv.get_soon(f"{self.key}/outcome",
+                                    self.timeout_s + bootstrap.SUSPECT_S)
 
   def post(self, what: str, value: str = "1") -> None:
     self.kv.set(f"{self.key}/{what}/{self.pid}", value)
 
   def fail(self, message: str) -> None:
-    """Tells the peers this process failed the call (they fail at once, naming it);
-    never waits (this process may be the one cut off)."""
-    self.kv.post_soon(f"{self.key}/failed/{self.pid}", message[:2000])
+    """Tells the peers this process failed the call (the first failure becomes the
+    call's outcome; they fail at once, naming it); never waits (this process may be
+    the one cut off)."""
+    self.kv.post_soon(f"{self.key}/outcome", f"failed {self.pid} {message[:2000]}",
+                      overwrite=False)
+
+  def close_outcome(self) -> None:
+    """Ends the outcome's blocking gets of a call that every process fails on its own
+    (different arguments): no peer's failure to relay."""
+    self.kv.post_soon(f"{self.key}/outcome", "refused", overwrite=False)
 
   # -- checks shared by the waits -------------------------------------------------------
 
-  def _read(self, what: str, want: dict[str, int], got: dict[int, str]) -> None:
-    """One directory read of the call's keys: the awaited ones into `got`; a peer's
-    failure marker raises PeerFailed."""
-    failed = {}
-    for k, v in self.kv.dir_get(self.key + "/"):
-      if k in want:
-        got[want[k]] = v
-      elif k.startswith(f"{self.key}/failed/"):
-        who = int(k.rsplit("/", 1)[1])
-        if who != self.pid:
-          failed[who] = v
-    if failed:
-      who, v = min(failed.items())
+  def _relay(self) -> None:
+    """Raises PeerFailed where a peer's failure is the call's outcome."""
+    if not self.outcome.done():
+      return
+    value = self.outcome.result()
+    if value is None or not value.startswith("failed "):
+      return
+    _, who, message = value.split(" ", 2)
+    if int(who) != self.pid:
       raise PeerFailed(
           f"{_API}: process {who} failed cross-process call #{self.n}, so the call "
-          f"failed on process {self.pid} too: {v}")
+          f"failed on process {self.pid} too: {message}")
 
   def _check(self, stage: str, watched: Sequence[int], late: str,
              stalled: Sequence[int] = ()) -> None:
-    """This process's own link, the peers in `watched` (those in `stalled` suspected
-    already: their data stalls), and the deadline (`late`: what a missed deadline most
-    likely means)."""
+    """A peer's failure, this process's own link, the peers in `watched` (those in
+    `stalled` suspected already: their data stalls), and the deadline (`late`: what a
+    missed deadline most likely means)."""
+    self._relay()
     why = self.kv.cut_off()
     if why is not None:
       raise bootstrap.CoordinatorUnreachable(
@@ -143,46 +147,57 @@ class CallWaits:
           f"timeout_s={self.timeout_s:g}; process {self.pid} still waited for {stage} "
           f"after {now - self.started:.1f} s ({late}).")
 
+  def _poll(self, done: Callable[[], bool], check: Callable[[], None]) -> None:
+    delay = self._POLL_MIN_S
+    while not done():
+      check()
+      time.sleep(delay)  # Python sleep: Ctrl-C interrupts it
+      delay = min(2 * delay, self._POLL_MAX_S)
+
   # -- the waits ------------------------------------------------------------------------
 
-  def wait_keys(self, what: str, peers: Sequence[int], stage: str) -> dict[int, str]:
-    """Waits until every one of `peers` has posted `what`; returns {peer: value}. One
-    directory read, then a blocking get per peer still missing."""
-    peers = [p for p in peers if p != self.pid]
-    want = {f"{self.key}/{what}/{p}": p for p in peers}
-    got: dict[int, str] = {}
-    if not peers:
-      return got
-    self._read(what, want, got)
-    while True:
-      missing = [p for p in peers if p not in got]
-      if not missing:
-        return got
+  def agree(self, fp: str, names: Callable[[], str]) -> None:
+    """Waits for every peer's fingerprint (this process posted its own): a peer that
+    called with other arguments is a ReshardValueError on every process (each sees
+    every fingerprint), before any byte leaves any process. One directory read, then
+    one blocking get per peer not there yet."""
+    want = {f"{self.key}/fp/{p}": p for p in self.peers}
+    theirs = {want[k]: v for k, v in self.kv.dir_get(f"{self.key}/fp/") if k in want}
+    pending = {p: self.kv.get_soon(f"{self.key}/fp/{p}", self.timeout_s)
+               for p in self.peers if p not in theirs}
+
+    def arrived() -> bool:
+      for p, f in list(pending.items()):
+        if f.done() and f.result() is not None:
+          theirs[p] = pending.pop(p).result()
+      return not pending
+
+    def check() -> None:
+      missing = sorted(pending)
       who = ("process " if len(missing) == 1 else "processes ") + ", ".join(
           map(str, missing))
-      self._check(stage, missing, f"{who} alive, but not calling reshard with these "
-                  "devices. Hint: every process must make the same sequence of reshard "
-                  "calls")
-      value = self.kv.blocking_get(f"{self.key}/{what}/{missing[0]}", self.SLICE_S)
-      if value is not None:
-        got[missing[0]] = value
-      else:  # a slice without it: read the failure markers (and every key) again
-        self._read(what, want, got)
+      self._check("the argument check (plan fingerprints)", missing,
+                  f"{who} alive, but not calling reshard with these devices. Hint: "
+                  "every process must make the same sequence of reshard calls")
+
+    self._poll(arrived, check)
+    bad = {p: mismatch(fp, v) for p, v in sorted(theirs.items()) if v != fp}
+    if bad:
+      detail = "; ".join(f"process {p} differs in {', '.join(f)}" for p, f in bad.items())
+      raise ReshardValueError(
+          f"{_API}: every process must call reshard with the same arguments (the "
+          f"multi-controller convention); got different arguments in cross-process call "
+          f"#{self.n} on process {self.pid} ({names()}): {detail}. No data moved.")
 
   def wait_ready(self, ready: Callable[[], bool], senders: dict[int, Callable[[], int]],
                  stage: str) -> None:
-    """Waits until `ready()` (this process's transfers and outputs are done). While
-    waiting: the failure markers every MARKERS_EVERY_S, and the senders (the processes
-    this one pulls from, each with a count of its completed pulls): one whose pulls
-    stall for STALL_S is suspected and probed."""
-    delay = self._POLL_MIN_S
-    markers_at = time.monotonic() + self.MARKERS_EVERY_S
+    """Waits until `ready()` (this process's transfers and outputs are done), watching
+    the senders (the processes this one pulls from, each with a count of its completed
+    pulls): one whose pulls stall for STALL_S is suspected and probed."""
     progress = {p: (count(), time.monotonic()) for p, count in senders.items()}
-    while not ready():
+
+    def check() -> None:
       now = time.monotonic()
-      if now >= markers_at:
-        self._read("", {}, {})
-        markers_at = now + self.MARKERS_EVERY_S
       stalled = []
       for p, count in senders.items():
         done = count()
@@ -192,30 +207,41 @@ class CallWaits:
           stalled.append(p)
       self._check(stage, list(senders), "the transfers are still running: a slow "
                   "link, or a timeout_s too small for these bytes", stalled)
-      time.sleep(delay)  # Python sleep: Ctrl-C interrupts it
-      delay = min(2 * delay, self._POLL_MAX_S)
+
+    self._poll(ready, check)
 
   def relay_failure(self, sender: int, within_s: float = 1.0) -> None:
-    """After a pull from `sender` failed: raises PeerFailed with the first failure a
-    participant posts within `within_s` (a sender that forwards data it failed to get
+    """After a pull from `sender` failed: raises PeerFailed with the call's failure
+    where one is posted within `within_s` (a sender that forwards data it failed to get
     posts the original cause), or returns at once where `sender` is gone."""
     until = time.monotonic() + within_s
     while time.monotonic() < until and not self.watch.verdict(sender, True):
-      self._read("", {}, {})
-      time.sleep(0.02)
+      self._relay()
+      time.sleep(0.005)
 
-  def agree(self, fp: str, names: Callable[[], str]) -> None:
-    """Waits for every peer's fingerprint (this process posted its own): a peer that
-    called with other arguments is a ReshardValueError on every process (each sees
-    every fingerprint), before any byte leaves any process."""
-    theirs = self.wait_keys("fp", self.peers, "the argument check (plan fingerprints)")
-    bad = {p: mismatch(fp, v) for p, v in sorted(theirs.items()) if v != fp}
-    if bad:
-      detail = "; ".join(f"process {p} differs in {', '.join(f)}" for p, f in bad.items())
-      raise ReshardValueError(
-          f"{_API}: every process must call reshard with the same arguments (the "
-          f"multi-controller convention); got different arguments in cross-process call "
-          f"#{self.n} on process {self.pid} ({names()}): {detail}. No data moved.")
+  def end(self) -> None:
+    """The end of the call: this process is done; the last of the participants to be
+    done makes "done" the outcome, which every one of them waits for (a call succeeds
+    on every process or fails on every process, so all of them can handle or retry it
+    alike). A counter and one blocking get: no reading per peer."""
+    count = self.kv.increment(f"{self.key}/done", 1)
+    if count == len(self.participants):
+      self.kv.set(f"{self.key}/outcome", "done", overwrite=False)
+
+    def check() -> None:
+      self._check("the end of the call (every process done)", self.peers,
+                  "a process still moving its bytes, or one that does not call")
+
+    try:
+      self._poll(self.outcome.done, check)
+    except ReshardError:
+      # The outcome may have come while a peer, done and gone, looked lost: it wins.
+      if self.kv.try_get(f"{self.key}/outcome") != "done":
+        raise
+      return
+    self._relay()
+    if self.outcome.result() != "done":  # the blocking get timed out
+      self._check("the end of the call (every process done)", self.peers, "")
 
   def finish(self, failed: bool = False) -> None:
     """After the call's last wait (or its failure): marks it finished here; its lowest
