@@ -22,7 +22,8 @@ Both report the key-value operations each call makes on the calling thread (the
 control plane per call: it grows with processes, never with chunks).
 Latency = the maximum over processes of each one's mean over --iters timed calls after
 --warmup, each call started behind a barrier. Usage by hand (the bench starts workers):
-  python -m jax_m2n.bench.multiprocess_cpu --out_dir DIR [--size_mib 16,64] [--iters 5]
+  python -m jax_m2n.bench.multiprocess_cpu --out_dir DIR [--size_mib 16,64,256]
+      [--iters 10] [--warmup 3] [--r_d 2,3,4]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Sequence
 
 MIB = 1 << 20
 SCHEMA = 2
@@ -140,10 +142,10 @@ def _check(y, host) -> bool:
 
 def _per_call(fn, calls: int) -> tuple:
   """(fn's result, key-value operations per call it made on this thread)."""
-  from jax_m2n._src.processes import bootstrap
-  before = bootstrap.stats["kv_ops"]
+  from jax_m2n._src.processes import store
+  before = store.stats["kv_ops"]
   out = fn()
-  return out, (bootstrap.stats["kv_ops"] - before) / max(1, calls)
+  return out, (store.stats["kv_ops"] - before) / max(1, calls)
 
 
 def _raw(jax, kv, eng, tag, arrays_by_pid, specs_fn, iters, warmup):
@@ -265,7 +267,8 @@ def worker_fig4(args) -> int:
 def _estimate_ms(route: str, r_d: int, nbytes: int, nic_gbps: float, copy_gbps: float
                  ) -> float:
   """The plan's step-by-step estimate of the fig4 case (host-only: the plan over the
-  same layouts, processes as domains, at the given link speeds, default chunking)."""
+  same layouts, processes as domains, each process's link at `nic_gbps`, default
+  chunking)."""
   from jax_m2n._src.layout import Layout
   from jax_m2n._src.planner import plan_reshard
   from jax_m2n._src.topology import Topology
@@ -279,20 +282,28 @@ def _estimate_ms(route: str, r_d: int, nbytes: int, nic_gbps: float, copy_gbps: 
   src_l = Layout(shape, tuple(d for d, _ in src_boxes), tuple(b for _, b in src_boxes))
   dst_l = Layout(shape, tuple(d for d, _ in dst_boxes), tuple(b for _, b in dst_boxes))
   domains = [(0, 1)] + [(2 + 2 * k, 3 + 2 * k) for k in range(r_d)]
-  topo = Topology(domains=domains, nic_gbps=nic_gbps, nvlink_gbps=copy_gbps)
+  # The model's NIC is per device; a process's 2 devices share its host's link.
+  topo = Topology(domains=domains, nic_gbps=nic_gbps / 2, nvlink_gbps=copy_gbps)
   plan = plan_reshard([src_l], [dst_l], [4], topo, route)
   return float(plan.step_estimate_ms())
 
 
-def run_suite(out_dir: str, size_mib: float = 64, iters: int = 5, warmup: int = 2,
-              timeout_s: float = 600, echo=print, hosts=None, link_gbps: float | None = None,
+def run_suite(out_dir: str, size_mib: float | Sequence[float] = 64, iters: int = 5,
+              warmup: int = 2,
+              timeout_s: float = 900, echo=print, hosts=None, link_gbps: float | None = None,
               r_ds: tuple[int, ...] = (2, 3), name: str = "multiprocess_cpu",
-              title: str = "multiprocess (CPU)") -> int:
+              title: str = "multiprocess (CPU)", fig4_mib: float | None = None) -> int:
   """Runs both parts (over `hosts`, an EmulatedHosts with >= max(r_ds) + 1 hosts, or
   on loopback); writes OUT_DIR/<name>.{json,md}; 0, or 1 on a failure. `link_gbps`
-  (GB/s): the links' rate for the estimates (default: the raw bandwidth measured)."""
+  (GB/s): each host's link for the estimates (default: the raw bandwidth measured);
+  `size_mib`: the engine part's largest size, or its sizes; `fig4_mib`: Figure 4's
+  size (default: the smallest engine size, 16 MiB)."""
   os.makedirs(out_dir, exist_ok=True)
-  sizes = sorted({16.0, float(size_mib)})
+  if isinstance(size_mib, (int, float)):
+    sizes = sorted({16.0, float(size_mib)})
+  else:
+    sizes = sorted({float(s) for s in size_mib})
+  fig4_mib = fig4_mib or min(sizes)
   common = ["--iters", str(iters), "--warmup", str(warmup)]
   rows, fig4, errors = [], [], []
   try:
@@ -301,7 +312,7 @@ def run_suite(out_dir: str, size_mib: float = 64, iters: int = 5, warmup: int = 
                   timeout_s, out_dir, hosts)
     for r_d in r_ds:
       echo(f"{title} suite: fig4 part, r_d = {r_d} ...")
-      fig4 += launch("fig4", 1 + r_d, common + ["--size_mib", str(min(sizes))],
+      fig4 += launch("fig4", 1 + r_d, common + ["--size_mib", str(fig4_mib)],
                      timeout_s, out_dir, hosts)
   except RuntimeError as e:
     errors.append(str(e))
@@ -369,7 +380,8 @@ def run_suite(out_dir: str, size_mib: float = 64, iters: int = 5, warmup: int = 
   for e in errors:
     echo(f"{title} suite error: " + e[-3000:])
   with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-    json.dump({"schema": SCHEMA, "sizes_mib": sizes, "iters": iters, "warmup": warmup,
+    json.dump({"schema": SCHEMA, "sizes_mib": sizes, "fig4_mib": fig4_mib,
+               "iters": iters, "warmup": warmup,
                "placement": "loopback" if hosts is None else "emulated hosts",
                "link_gbps": link_gbps, "engine": table_rows, "fig4": fig_rows,
                "fig4_chunks": chunk_rows, "errors": errors}, f, indent=1)
@@ -389,6 +401,7 @@ def main(argv=None) -> int:
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--out_dir", default="/tmp/jax_m2n_bench")
+  ap.add_argument("--r_d", default="2,3", help="Figure 4's r_d values (the launcher).")
   args = ap.parse_args(argv)
   if args.worker:
     rc = {"engine": worker_engine, "fig4": worker_fig4}[args.worker](args)
@@ -406,8 +419,9 @@ def main(argv=None) -> int:
         time.sleep(0.05)
       time.sleep(0.2)
     os._exit(rc)  # no shutdown barrier: the launcher collects every worker's output
-  return run_suite(args.out_dir, max(float(s) for s in args.size_mib.split(",")),
-                   args.iters, args.warmup)
+  return run_suite(args.out_dir, [float(s) for s in args.size_mib.split(",")],
+                   args.iters, args.warmup,
+                   r_ds=tuple(int(r) for r in args.r_d.split(",")))
 
 
 if __name__ == "__main__":

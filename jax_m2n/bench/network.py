@@ -4,8 +4,9 @@ processes where each process is its own host behind a NIC-limited link.
 Owns making the hosts (jax_m2n.testing.hosts.EmulatedHosts: one network namespace per
 process, every link shaped to --link_rate in each direction, 1 Gbit/s by default) and
 running bench/multiprocess_cpu's parts over them with no address configured anywhere:
-the engine part (reshard / raw transfer) and Figure 4 at r_d = 2, 3, 4, estimates
-priced at the link rate, key-value operations per call. Where hosts cannot be made (not
+the engine part (reshard / raw transfer at 16 MiB and --size_mib) and Figure 4 at
+r_d = 2, 3, 4 (--size_mib, 64 MiB by default), estimates priced at the link rate,
+key-value operations per call. Where hosts cannot be made (not
 root, no iproute2: e.g. the GPU machine) it says why and runs nothing; the loopback
 figures are `--suite multiprocess` on a machine without 2 GPUs.
   python -m jax_m2n.bench --suite network [--link_rate 1gbit] [--size_mib 64]
@@ -39,4 +40,5 @@ def run_suite(out_dir: str, size_mib: float = 64, iters: int = 5, warmup: int = 
          f"({gbps:.4g} GB/s)")
     return multiprocess_cpu.run_suite(out_dir, size_mib, iters, warmup, echo=echo,
                                       hosts=hosts, link_gbps=gbps, r_ds=R_DS,
-                                      name="network", title="network")
+                                      name="network", title="network",
+                                      fig4_mib=size_mib)

@@ -6,7 +6,7 @@ orders its jit calls), the plan fingerprint each process posts under its call's 
 the call's outcome, and the waits of one call: for peers' keys (blocking gets, woken by
 the key itself) and for this process's transfers (local polling only), each bounded by
 the call's timeout, woken by a peer's failure, its death or unreachability
-(bootstrap.Liveness, reachability probes) or this process being cut off, and
+(liveness.Watch: beats and reachability probes) or this process being cut off, and
 interruptible (Ctrl-C). A call makes a fixed number of key-value operations, none per
 chunk and none per second of waiting. Moves no bytes.
 """
@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from jax_m2n._src.errors import (ReshardError, ReshardRuntimeError,
                                  ReshardTimeoutError, ReshardValueError)
-from jax_m2n._src.processes import bootstrap
+from jax_m2n._src.processes import bootstrap, liveness, store
 
 _API = "reshard"
 
@@ -77,7 +77,7 @@ class CallWaits:
   _POLL_MIN_S = 1e-4
   _POLL_MAX_S = 2e-3
   # A sender none of whose pulls has completed for STALL_S is suspected (_Watch).
-  STALL_S = bootstrap.SUSPECT_S
+  STALL_S = store.SUSPECT_S
 
   def __init__(self, n: int, participants: Sequence[int], timeout_ms: int):
     self.n = n
@@ -90,9 +90,10 @@ class CallWaits:
     self.started = time.monotonic()
     self.timeout_s = timeout_ms / 1000.0
     self.deadline = self.started + self.timeout_s
-    self.watch = _Watch(self.engine)
+    self.watch = liveness.Watch(self.engine.liveness, self.engine.peer_address,
+                                self.pid)
     self.outcome = self.kv.get_soon(f"{self.key}/outcome",
-                                    self.timeout_s + bootstrap.SUSPECT_S)
+                                    self.timeout_s + store.SUSPECT_S)
 
   def post(self, what: str, value: str = "1") -> None:
     self.kv.set(f"{self.key}/{what}/{self.pid}", value)
@@ -132,7 +133,7 @@ class CallWaits:
     self._relay()
     why = self.kv.cut_off()
     if why is not None:
-      raise bootstrap.CoordinatorUnreachable(
+      raise store.CoordinatorUnreachable(
           f"{_API}: cross-process call #{self.n} failed on process {self.pid} while "
           f"waiting for {stage}: {why}.")
     lost = [v for p in watched if (v := self.watch.verdict(p, p in stalled))]
@@ -257,57 +258,6 @@ class CallWaits:
         if not _cleanup_installed:
           _cleanup_installed.append(True)
           self.engine.on_beat(_cleanup)
-
-
-class _Watch:
-  """The peers one call waits on: a peer is suspected once its beat has been silent
-  for SUSPECT_S or (a sender) its data stalls, and then probed (bootstrap.probe, one
-  attempt in flight at a time); the probes decide (bootstrap's opening comment)."""
-
-  def __init__(self, engine: Any):
-    self.engine = engine
-    self._probes: dict[int, tuple[Any, int, str]] = {}  # peer: (in flight, failed, why)
-
-  def verdict(self, peer: int, stalled: bool) -> str | None:
-    """Why `peer` is gone or unreachable, or None (fine, or not proven otherwise)."""
-    live = self.engine.liveness
-    gone = live.gone(peer)
-    if gone is not None:
-      return f"process {peer} left the job ({gone})"
-    silent = live.silent_s(peer)
-    if silent < bootstrap.SUSPECT_S and not stalled:
-      self._probes.pop(peer, None)
-      return None
-    address = self.engine.peer_address(peer)
-    pending, failed, why = self._probes.get(peer, (None, 0, ""))
-    if pending is not None and pending.done():
-      result, pending = pending.result(), None
-      if result is None:
-        failed = 0
-      else:
-        refused, why = result
-        failed += 1
-        if refused and silent >= bootstrap.SUSPECT_S:
-          return (f"process {peer} is gone: its transfer server at {address} refuses "
-                  f"connections ({why}) and its beat stopped {silent:.1f} s ago")
-        if refused:  # alive (it beats), but nothing listens there as seen from here
-          return (f"process {peer}'s transfer server at {address} refuses connections "
-                  f"from this host ({why}): it listens on an address this host does not "
-                  "reach. Hint: unset JAX_M2N_TRANSFER_HOST (each process then binds "
-                  "the address that routes to the coordinator) or set it per host")
-    silent_now = silent > bootstrap.DEAD_AFTER_S
-    if failed and (silent_now or failed >= 2):
-      return (f"process {peer} is unreachable: its transfer server at {address} does "
-              f"not answer ({why}; {failed} attempt{'s' * (failed > 1)} from process "
-              f"{self.engine.pid})"
-              + (f" and its beat stopped {silent:.1f} s ago" if silent_now
-                 else " while its data did not arrive"))
-    if pending is None:
-      timeout = (bootstrap.PROBE_TIMEOUT_S if silent >= bootstrap.SUSPECT_S
-                 else bootstrap.STALL_PROBE_TIMEOUT_S)
-      pending = bootstrap.probe_soon(address, timeout)
-    self._probes[peer] = (pending, failed, why)
-    return None
 
 
 # Calls this process is the lowest participant of, whose keys are not deleted yet:

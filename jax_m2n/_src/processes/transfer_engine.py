@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from jax_m2n._src.errors import ReshardRuntimeError
-from jax_m2n._src.layout import Box, Layout, box_size, intersect
+from jax_m2n._src.layout import Box, box_size, intersect
 from jax_m2n._src.planner import SRC_SHARD, Plan
 
 _API = "reshard"
