@@ -5,13 +5,12 @@ Every process that took part in a cross-process reshard overwrites its beat key 
 BEAT_S and reads every peer's (bootstrap's beat thread). A peer is *suspected* once its
 beat has not changed for store.SUSPECT_S (or, for a sender, its data stalls) and then
 probed (store.probe), which its kernel answers even while the process is busy: refused
-means gone; a failed probe with the beat silent for DEAD_AFTER_S, or two failed stall
-probes in a row, mean unreachable. Owns no thread and reads no key itself.
+means gone; two failed probes in a row mean unreachable. Owns no thread and reads no
+key itself.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any, Callable
@@ -21,7 +20,9 @@ from jax_m2n._src.processes import store
 # The coordination service's own heartbeats see a death only after jax.distributed's
 # heartbeat_timeout_seconds (100 s by default), and then end every process.
 BEAT_S = 0.25
-DEAD_AFTER_S = float(os.environ.get("JAX_M2N_PEER_DEAD_S", "1.0"))
+# Failed probes in a row that make a peer unreachable: one lost SYN, or a neighbour
+# table still stale right after a link came back, fails one probe, not two.
+PROBES_TO_FAIL = 2
 
 
 class Liveness:
@@ -97,12 +98,10 @@ class Watch:
                   f"from this host ({why}): it listens on an address this host does not "
                   "reach. Hint: unset JAX_M2N_TRANSFER_HOST (each process then binds "
                   "the address that routes to the coordinator) or set it per host")
-    silent_now = silent > DEAD_AFTER_S
-    if failed and (silent_now or failed >= 2):
+    if failed >= PROBES_TO_FAIL:
       return (f"process {peer} is unreachable: its transfer server at {address} does "
-              f"not answer ({why}; {failed} attempt{'s' * (failed > 1)} from process "
-              f"{self._me})"
-              + (f" and its beat stopped {silent:.1f} s ago" if silent_now
+              f"not answer ({why}; {failed} attempts from process {self._me})"
+              + (f" and its beat stopped {silent:.1f} s ago" if silent >= store.SUSPECT_S
                  else " while its data did not arrive"))
     if pending is None:
       timeout = (store.PROBE_TIMEOUT_S if silent >= store.SUSPECT_S

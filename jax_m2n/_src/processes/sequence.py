@@ -73,9 +73,9 @@ class CallWaits:
   deadline (ReshardTimeoutError)."""
 
   # Waits poll local state only (futures, readiness, liveness kept by the beat thread),
-  # backing off from 0.1 to 2 ms: Python sleeps, so Ctrl-C interrupts them.
+  # backing off from 0.1 to 1 ms: Python sleeps, so Ctrl-C interrupts them.
   _POLL_MIN_S = 1e-4
-  _POLL_MAX_S = 2e-3
+  _POLL_MAX_S = 1e-3
   # A sender none of whose pulls has completed for STALL_S is suspected (_Watch).
   STALL_S = store.SUSPECT_S
 
@@ -96,7 +96,10 @@ class CallWaits:
                                     self.timeout_s + store.SUSPECT_S)
 
   def post(self, what: str, value: str = "1") -> None:
-    self.kv.set(f"{self.key}/{what}/{self.pid}", value)
+    """Posts this process's `what` without waiting for the store's answer (nothing
+    this process does next depends on it; a peer waiting for it gets it as soon as it
+    lands)."""
+    self.kv.post_soon(f"{self.key}/{what}/{self.pid}", value)
 
   def fail(self, message: str) -> None:
     """Tells the peers this process failed the call (the first failure becomes the
@@ -227,7 +230,7 @@ class CallWaits:
     alike). A counter and one blocking get: no reading per peer."""
     count = self.kv.increment(f"{self.key}/done", 1)
     if count == len(self.participants):
-      self.kv.set(f"{self.key}/outcome", "done", overwrite=False)
+      self.kv.post_soon(f"{self.key}/outcome", "done", overwrite=False)
 
     def check() -> None:
       self._check("the end of the call (every process done)", self.peers,
@@ -248,10 +251,7 @@ class CallWaits:
     """After the call's last wait (or its failure): marks it finished here; its lowest
     participant deletes its keys (on the beat thread) once every participant has
     finished it, or KEYS_KEPT_S after this, whichever is first."""
-    if failed:
-      self.kv.post_soon(f"{self.key}/fin/{self.pid}", "failed")
-    else:
-      self.post("fin")
+    self.post("fin", "failed" if failed else "1")
     if self.pid == min(self.participants):
       with _counter_lock:
         _to_delete.append((self.n, len(self.participants), time.monotonic()))
