@@ -52,26 +52,28 @@ class CoordinatorUnreachable(ReshardRuntimeError):
 class _Workers:
   """Daemon threads that run blocking calls for a caller that waits a bounded time (a
   call that never returns keeps its thread, never the caller; daemon threads never
-  hold up the interpreter's exit)."""
+  hold up the interpreter's exit). At most `limit` threads: beyond, calls queue until
+  one is free (while cut off, the calls in flight hold them; they return once the link
+  does)."""
 
   def __init__(self, limit: int = 16):
     self._jobs: queue.SimpleQueue = queue.SimpleQueue()
     self._lock = threading.Lock()
-    self._idle = 0
+    self._idle = 0      # threads free for a new job (each job queued takes one)
+    self._waiting = 0   # jobs queued with no thread free for them (at the limit)
     self._threads = 0
     self._limit = limit
 
   def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
     with self._lock:
-      if self._idle == 0:
-        if self._threads >= self._limit:  # every thread is stuck in a call
-          future.set_exception(TimeoutError("every helper thread is blocked"))
-          return future
+      if self._idle > 0:
+        self._idle -= 1
+      elif self._threads < self._limit:
         self._threads += 1
         threading.Thread(target=self._loop, name="jax_m2n-store", daemon=True).start()
       else:
-        self._idle -= 1
+        self._waiting += 1
     self._jobs.put((future, fn, args))
     return future
 
@@ -83,8 +85,11 @@ class _Workers:
           future.set_result(fn(*args))
         except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
           future.set_exception(e)
-      with self._lock:
-        self._idle += 1
+      with self._lock:  # free: for a job that waits for a thread, else for the next
+        if self._waiting > 0:
+          self._waiting -= 1
+        else:
+          self._idle += 1
 
 
 def split_address(address: str) -> tuple[str, int]:
