@@ -1,5 +1,7 @@
-"""Relays among subscriber jobs (separate programs on 127.0.0.1): subscribers of one
-group (same dst layouts and dtype) form a relay per version, a bfloat16 subscriber
+"""Relays among subscriber jobs. In this process (8 CPU devices: a publisher on 0-3,
+subscribers on 4-7): a chain and a tree of three members bitwise with one copy from
+the trainer, and properly sealed malformed relay calls refused while the publisher
+serves on. As separate programs on 127.0.0.1: subscribers of one group (same dst layouts and dtype) form a relay per version, a bfloat16 subscriber
 relays in its own group; over several versions one joins late, one leaves cleanly,
 one dies mid-version while others pull from it, one is killed at a random point.
 Every surviving subscriber gets every version from its first bitwise, the trainer
@@ -16,12 +18,111 @@ import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_m2n
+from jax_m2n._src.errors import ReshardError
+from jax_m2n._src.jobs import auth, channel, relay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "jobs_relay_worker.py")
 VERSIONS = 6
 MIB = 4
+
+
+TOKEN = "relay-test-token"
+
+
+@pytest.fixture(scope="module")
+def published():
+  pub = jax_m2n.Publisher(token=TOKEN, keep=2)
+  mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+  rng = np.random.default_rng(0)
+  host = {"w": rng.standard_normal((256, 96)).astype(np.float32),
+          "n": np.arange(64 * 40, dtype=np.int32).reshape(64, 40)}
+  tree = {"w": jax.device_put(host["w"], NamedSharding(mesh, P("x"))),
+          "n": jax.device_put(host["n"], NamedSharding(mesh, P(None, "x")))}
+  pub.publish(tree)
+  yield pub, host
+  pub.close()
+
+
+def _bits(a):
+  a = np.asarray(a)
+  return a.view(f"u{a.dtype.itemsize}")
+
+
+@pytest.mark.parametrize("fanout", [1, 2], ids=["chain", "tree"])
+def test_members_in_one_process_relay_bitwise_with_one_copy_from_the_trainer(
+    published, fanout):
+  pub, host = published
+  gen = Mesh(np.array(jax.devices()[4:]), ("y",))
+  dst = {"w": NamedSharding(gen, P(None, "y")), "n": NamedSharding(gen, P("y"))}
+  subs = [jax_m2n.Subscriber(pub.address, token=TOKEN, relay=True) for _ in range(3)]
+  for s in subs:
+    s._relay.fanout = fanout
+    s._relay.chunk_bytes = 4096  # several chunks per pack
+  before = dict(relay.stats)
+  try:
+    for s in subs:  # one after the other: the later ones pull from the earlier
+      out = s.pull(dst, dtype={"w": jnp.bfloat16, "n": None}, version=1, timeout_s=60)
+      np.testing.assert_array_equal(_bits(out["w"]),
+                                    _bits(host["w"].astype(jnp.bfloat16)))
+      np.testing.assert_array_equal(_bits(out["n"]), _bits(host["n"]))
+      assert out["w"].sharding == dst["w"] and out["n"].sharding == dst["n"]
+  finally:
+    for s in subs:
+      s.close()
+  one_copy = host["w"].size * 2 + host["n"].nbytes
+  got = {k: relay.stats[k] - before.get(k, 0) for k in
+         ("from_trainer_bytes", "from_peers_bytes", "offered_chunk_bytes")}
+  assert got == {"from_trainer_bytes": one_copy, "from_peers_bytes": 2 * one_copy,
+                 "offered_chunk_bytes": one_copy}, got
+
+
+def _call(pub, body):
+  client = channel.Client("test", pub.address, auth.as_key("test", TOKEN), 10.0,
+                          "the publisher")
+  try:
+    return client.call(body, 5.0, "a relay call")
+  finally:
+    client.close()
+
+
+@pytest.mark.parametrize("body", [
+    {"op": "relay_join"},
+    {"op": "relay_join", "version": 1, "group": "g" * 33, "member": "m",
+     "transfer": "x", "fanout": 1},
+    {"op": "relay_join", "version": 1, "group": "g", "member": "m", "transfer": "x",
+     "fanout": 99},
+    {"op": "relay_join", "version": 1 << 63, "group": "g", "member": "m",
+     "transfer": "x", "fanout": 1},
+    {"op": "relay_children", "version": 1, "group": "g", "member": "nobody",
+     "known": 0, "wait_ms": 0},
+    {"op": "relay_reroute", "version": 1, "group": "g", "member": "nobody",
+     "upstream": 3},
+    {"op": "relay_leave"},
+    {"op": "relay_done", "version": "1", "group": "g", "member": "m"},
+    {"op": "pieces", "version": 1, "wire": [[0, "float32"]], "timeout_ms": 1000,
+     "groups": [[[[0, 0, 0, 0, 64, 96]]]], "chunk_bytes": 1, "chunks": [0]},
+    {"op": "pieces", "version": 1, "wire": [[0, "float32"]], "timeout_ms": 1000,
+     "groups": [[[[0, 0, 0, 0, 64, 96]]]], "chunk_bytes": 4096, "chunks": [10 ** 6]},
+    {"op": "pieces", "version": 1, "wire": [[0, "float32"]], "timeout_ms": 1000,
+     "groups": [[[[0, 0, 0, 0, 64, 96]]]], "chunk_bytes": 4096, "chunks": []},
+], ids=lambda b: b["op"])
+def test_malformed_relay_calls_are_refused_and_the_publisher_serves_on(published, body):
+  pub, host = published
+  with pytest.raises(ReshardError):
+    _call(pub, body)
+  assert pub._server._thread.is_alive()
+  gen = Mesh(np.array(jax.devices()[4:]), ("y",))
+  with jax_m2n.Subscriber(pub.address, token=TOKEN, relay=True) as sub:
+    out = sub.pull(NamedSharding(gen, P()), version=1, timeout_s=60)
+  np.testing.assert_array_equal(_bits(out["w"]), _bits(host["w"]))
 
 
 class Procs:

@@ -56,9 +56,7 @@ STALL_S = 10.0
 # A member that leaves waits at most this long for its children to finish the version
 # they pull from it (they re-route to the trainer if it goes sooner).
 LEAVE_S = 10.0
-# How often a member asks whether a child joined while it still receives, and how long
-# its long poll waits once it has every chunk.
-CHILDREN_POLL_S = 0.05
+# A member's long poll for its children (answered at once when one joins).
 CHILDREN_WAIT_S = 0.5
 # Bounds on the coordinator's state (a member is a few hundred bytes).
 MAX_RELAYS = 256
@@ -450,15 +448,19 @@ class Member:
     while len(ready) < len(v.order):
       failed = False
       progressed = False
-      for kj in v.order:
-        if kj not in ready:
-          array = v.get(kj)
-          state = _state(array)
-          if state == "ok":
-            ready.add(kj)
-            progressed = True
-            stats[f"from_{v.sources[kj]}_bytes"] += array.nbytes
-          failed = failed or state == "failed"
+      for kj in v.order:  # in order, up to the first still in flight (they arrive
+        if kj in ready:   # in order: a scan of every chunk would cost CPU per wait)
+          continue
+        array = v.get(kj)
+        state = _state(array)
+        if state == "pending":
+          break
+        if state == "failed":
+          failed = True
+          break
+        ready.add(kj)
+        progressed = True
+        stats[f"from_{v.sources[kj]}_bytes"] += array.nbytes
       now = time.monotonic()
       if progressed:
         last, delay = now, 1e-4
@@ -483,56 +485,63 @@ class Member:
         delay = min(2 * delay, 2e-3)
 
   def _forward(self, v: _Version, server: Any, timeout_s: float) -> None:
-    """The forwarding thread of one version: learns this member's children from the
-    coordinator and offers each chunk to each of them once it has arrived, until the
-    relay closes (or this member leaves)."""
-    try:
-      client = self._client()
-    except Exception as e:  # noqa: BLE001 - no children then: they re-route
-      logger.info("jax_m2n relay: version %d: no forwarding (%s)", v.version, e)
-      return
+    """The forwarding thread of one version: offers each chunk, once it has arrived,
+    to each child (in order), until every child there will be has every chunk. The
+    children come from `_children`, a thread of its own: a control call never holds
+    up an offer (the calls cross the same links as the chunks)."""
     children: list[tuple[str, int]] = []
+    learned = threading.Event()  # no more children will come
+    threading.Thread(target=self._children, args=(v, children, learned),
+                     name=f"jax_m2n relay children v{v.version}", daemon=True).start()
     offered: dict[int, int] = {}  # slot -> chunks offered to it, in order
     deadline = engine.offer_deadline(timeout_s)
     try:
-      closed = False
-      next_poll = 0.0
       while not v.stop.is_set():
-        arrived = all(_state(v.get(kj)) == "ok" for kj in v.order[-1:])
-        served = all(offered.get(s, 0) == len(v.order) for _, s in children)
-        now = time.monotonic()
-        if not closed and now >= next_poll:
-          # While chunks still arrive, a quick look every CHILDREN_POLL_S; once all
-          # are offered, a long poll (a child joining later gets them at once).
-          wait = CHILDREN_WAIT_S if arrived and served else 0.0
-          reply = client.call({"op": "relay_children", "version": v.version,
-                               "group": v.key, "member": self.id, "known": len(children),
-                               "wait_ms": int(wait * 1000)}, wait + 5.0,
-                              "the relay's children")
-          children = [(str(c), int(s)) for c, s in reply.get("children", [])]
-          closed = bool(reply.get("closed"))
-          next_poll = time.monotonic() + (0.0 if wait else CHILDREN_POLL_S)
         progressed = False
-        for _, slot in children:
+        for _, slot in list(children):
           n = offered.get(slot, 0)
           while n < len(v.order):
             k, j = v.order[n]
             array = v.get((k, j))
-            if array is None or _state(array) != "ok":
+            if _state(array) != "ok":
               break  # not arrived yet (or being pulled again after a re-route)
             server.await_pull(chunk_uuid(v.salt, self.id, slot, k, j), [array],
                               timeout=deadline)
             n += 1
             progressed = True
           offered[slot] = n
-        if closed and not any(offered.get(s, 0) < len(v.order) for _, s in children):
+        if learned.is_set() and all(offered.get(s, 0) == len(v.order)
+                                    for _, s in list(children)):
           return
         if not progressed:
           time.sleep(1e-3)
-    except Exception as e:  # noqa: BLE001 - the publisher went: children re-route
+    except Exception as e:  # noqa: BLE001 - the transfer server closed: children re-route
       logger.info("jax_m2n relay: version %d: forwarding ended: %s", v.version, e)
     finally:
-      client.close()
+      v.stop.set()
+
+  def _children(self, v: _Version, children: list[tuple[str, int]],
+                learned: threading.Event) -> None:
+    """Long-polls the coordinator for this member's children of version `v` (answered
+    at once when one joins) until it has `fanout` of them or the relay closes."""
+    client = None
+    try:
+      client = self._client()
+      while not v.stop.is_set() and len(children) < self.fanout:
+        reply = client.call({"op": "relay_children", "version": v.version,
+                             "group": v.key, "member": self.id, "known": len(children),
+                             "wait_ms": int(CHILDREN_WAIT_S * 1000)},
+                            CHILDREN_WAIT_S + 5.0, "the relay's children")
+        got = [(str(c), int(s)) for c, s in reply.get("children", [])]
+        children.extend(got[len(children):])
+        if reply.get("closed"):
+          break
+    except Exception as e:  # noqa: BLE001 - the publisher went: no more children
+      logger.info("jax_m2n relay: version %d: no more children: %s", v.version, e)
+    finally:
+      learned.set()
+      if client is not None:
+        client.close()
 
   def close(self, root: channel.Client | None, answer_s: float) -> None:
     """Leaves: no new child is given this member; waits (at most LEAVE_S) until the
