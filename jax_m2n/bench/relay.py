@@ -158,14 +158,16 @@ def subscriber_main(d: str, name: str, size: int, versions: int, die: bool,
     sub = relayed if v % 2 == 0 else direct
     before = (relay.stats["from_trainer_bytes"], relay.stats["from_peers_bytes"],
               engine.stats["pulled_bytes"], relay.stats["reroutes"])
+    cpu = time.process_time()
     y = sub.pull(dst, version=v, timeout_s=120)
     y.block_until_ready()
     at = time.time()
+    cpu = time.process_time() - cpu
     trainer = (relay.stats["from_trainer_bytes"] - before[0]
                + engine.stats["pulled_bytes"] - before[2])
     ok = bool(np.array_equal(np.asarray(y), _values(n, v)))
     _write(os.path.join(d, f"done_{name}_{v}"), json.dumps({
-        "at": at, "ok": ok, "from_trainer": trainer,
+        "at": at, "ok": ok, "from_trainer": trainer, "cpu_s": cpu,
         "from_peers": relay.stats["from_peers_bytes"] - before[1],
         "reroutes": relay.stats["reroutes"] - before[3]}))
     del y
@@ -254,8 +256,11 @@ def run(size: int, ks=KS, iters: int = 3, warmup: int = 1, rate: str = "1gbit",
              - r["published"] for r in got]
     egress = [r["tx_bytes"] if r["tx_bytes"] is not None else sum(
         s.get("from_trainer", 0) for s in r["subscribers"].values()) for r in got]
+    cpu = [statistics.mean(s["cpu_s"] for s in r["subscribers"].values() if "at" in s)
+           for r in got]
     return {"k": k, "mode": mode, "seconds": statistics.median(times),
-            "egress_bytes": statistics.median(egress)}
+            "egress_bytes": statistics.median(egress),
+            "subscriber_cpu_s": statistics.median(cpu)}
 
   def hosts_for(n):
     return None if reason else hosts_lib.EmulatedHosts(n, rate=rate)
@@ -272,7 +277,8 @@ def run(size: int, ks=KS, iters: int = 3, warmup: int = 1, rate: str = "1gbit",
     for mode in ("direct", "relay"):
       rows.append(timed(k, run_rows, mode))
       echo(f"  relay/K={k} {mode}: {rows[-1]['seconds'] * 1e3:.0f} ms per version, "
-           f"trainer egress {rows[-1]['egress_bytes'] / MIB:.1f} MiB")
+           f"trainer egress {rows[-1]['egress_bytes'] / MIB:.1f} MiB, "
+           f"{rows[-1]['subscriber_cpu_s']:.2f} CPU-s per subscriber")
   # Recovery: 4 members relaying, member s1 dies mid-version.
   recovery = None
   h = hosts_for(5) if recovery_run else None
@@ -322,13 +328,15 @@ def markdown(doc: dict) -> str:
            f"{doc['chunk_bytes'] / MIB:g} MiB, links: {doc['links']}"
            + (f" ({doc['loopback_reason']})" if doc["loopback_reason"] else ""), "",
            "| K | direct s/version | relay s/version | relay / relay at K=1 | "
-           "trainer egress direct MiB | trainer egress relay MiB |",
-           "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "trainer egress direct MiB | trainer egress relay MiB | CPU-s per "
+           "subscriber direct / relay |",
+           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for k in ks:
     d, r = by[(k, "direct")], by[(k, "relay")]
     lines.append(f"| {k} | {d['seconds']:.3f} | {r['seconds']:.3f} | "
                  f"{r['seconds'] / base['seconds']:.2f} | "
-                 f"{d['egress_bytes'] / MIB:.1f} | {r['egress_bytes'] / MIB:.1f} |")
+                 f"{d['egress_bytes'] / MIB:.1f} | {r['egress_bytes'] / MIB:.1f} | "
+                 f"{d['subscriber_cpu_s']:.2f} / {r['subscriber_cpu_s']:.2f} |")
   rec = doc.get("recovery")
   lines.append("")
   if rec:
