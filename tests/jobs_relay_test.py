@@ -13,6 +13,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_m2n
 from jax_m2n._src.errors import ReshardError
 from jax_m2n._src.jobs import auth, channel, relay
+from jax_m2n.testing.hosts import EmulatedHosts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "jobs_relay_worker.py")
@@ -84,6 +86,41 @@ def test_members_in_one_process_relay_bitwise_with_one_copy_from_the_trainer(
                  "offered_chunk_bytes": one_copy}, got
 
 
+def test_an_upstream_dead_before_the_pull_connects_is_passed_over_at_once(published):
+  # A pull from an address nothing listens on would wait forever (the transfer
+  # server's behaviour): the member finds its upstream gone before pulling and takes
+  # the version from the trainer. The upstream "dies" here by its address pointing
+  # at a closed port in the coordinator's record.
+  pub, host = published
+  gen = Mesh(np.array(jax.devices()[4:]), ("y",))
+  first = jax_m2n.Subscriber(pub.address, token=TOKEN, relay=True)
+  second = jax_m2n.Subscriber(pub.address, token=TOKEN, relay=True)
+  try:
+    version = pub.publish({"w": jax.device_put(host["w"] + 1, NamedSharding(
+        Mesh(np.array(jax.devices()[:4]), ("x",)), P("x"))), "n": jax.device_put(
+            host["n"], NamedSharding(Mesh(np.array(jax.devices()[:4]), ("x",)),
+                                     P(None, "x")))})
+    dst = NamedSharding(gen, P("y"))
+    first.pull(dst, version=version, timeout_s=60)
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      closed = f"127.0.0.1:{s.getsockname()[1]}"
+    for (v, _), r in pub._relay._relays.items():
+      if v == version:
+        r.members[first._relay.id].transfer = closed
+    before = relay.stats["reroutes"]
+    t0 = time.monotonic()
+    out = second.pull(dst, version=version, timeout_s=60)
+    seconds = time.monotonic() - t0
+  finally:
+    first.close()
+    second.close()
+  np.testing.assert_array_equal(_bits(out["w"]), _bits(host["w"] + 1))
+  np.testing.assert_array_equal(_bits(out["n"]), _bits(host["n"]))
+  assert relay.stats["reroutes"] == before + 1
+  print(f"a dead upstream passed over: the pull took {seconds:.2f} s")
+
+
 def _call(pub, body):
   client = channel.Client("test", pub.address, auth.as_key("test", TOKEN), 10.0,
                           "the publisher")
@@ -131,6 +168,7 @@ class Procs:
   def __init__(self):
     self.dir = tempfile.mkdtemp(prefix="m2n_relay_")
     self.procs = {}  # name -> (Popen, log)
+    self.hosts = None  # EmulatedHosts: the trainer on host 0, subscriber i on i + 1
 
   def start(self, role, name, *extra):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -138,10 +176,14 @@ class Procs:
     env.pop("XLA_FLAGS", None)
     env.pop("JAX_PLATFORMS", None)
     log = open(os.path.join(self.dir, f"{name}.log"), "w+")
-    p = subprocess.Popen([sys.executable, WORKER, "--role", role, "--name", name,
-                          "--dir", self.dir, "--versions", str(VERSIONS),
-                          "--mib", str(MIB), *map(str, extra)],
-                         env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    argv = [sys.executable, WORKER, "--role", role, "--name", name, "--dir", self.dir,
+            "--versions", str(VERSIONS), "--mib", str(MIB), *map(str, extra)]
+    if self.hosts is None:
+      p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    else:
+      i = len(self.procs)
+      p = self.hosts.popen(i, argv + ["--host", self.hosts.address(i)], env=env,
+                           stdout=log, stderr=subprocess.STDOUT, text=True)
     self.procs[name] = (p, log)
     return p
 
@@ -199,8 +241,26 @@ def _published(procs, version, timeout=120):
   pytest.fail(f"version {version} was not published in time:\n" + procs.logs())
 
 
-def test_joins_leaves_and_deaths_over_versions(procs):
-  rng = random.Random(int(os.environ.get("JAX_M2N_RELAY_SEED", "34")))
+_NO_HOSTS = EmulatedHosts.unavailable()
+
+
+@pytest.mark.parametrize("network", [
+    "loopback", pytest.param("hosts", marks=pytest.mark.skipif(
+        _NO_HOSTS is not None, reason=str(_NO_HOSTS)))])
+def test_joins_leaves_and_deaths_over_versions(procs, network):
+  # "hosts": each program on its own emulated host (its own address, a 1 Gbit/s link).
+  if network == "hosts":
+    procs.hosts = EmulatedHosts(7, rate="1gbit").start()
+  try:
+    _joins_leaves_and_deaths(procs, 34 if network == "loopback" else 35)
+  finally:
+    procs.kill()
+    if procs.hosts is not None:
+      procs.hosts.close()
+
+
+def _joins_leaves_and_deaths(procs, seed):
+  rng = random.Random(int(os.environ.get("JAX_M2N_RELAY_SEED", seed)))
   leave, die, join = rng.randint(1, 3), rng.randint(2, 3), rng.randint(1, 3)
   chunks = rng.randint(1, 6)
   print(f"b leaves after version {leave}; c dies from version {die} once it forwarded "

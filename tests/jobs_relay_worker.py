@@ -196,6 +196,9 @@ def main():
   p.add_argument("--die-chunks", type=int, default=2)
   p.add_argument("--no-relay", action="store_true")
   args = p.parse_args()
+  import logging
+  logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(message)s")
+  logging.getLogger("jax_m2n").setLevel(logging.INFO)  # the relay's joins and re-routes
   import jax
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", args.devices)

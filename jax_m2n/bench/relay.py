@@ -283,7 +283,8 @@ def run(size: int, ks=KS, iters: int = 3, warmup: int = 1, rate: str = "1gbit",
   recovery = None
   h = hosts_for(5) if recovery_run else None
   if not recovery_run:
-    return _doc(size, iters, warmup, rate, reason, fanout, chunk_bytes, rows, None)
+    return dict(_doc(size, iters, warmup, rate, reason, fanout, chunk_bytes, rows, None),
+                recovery_run=False)
   try:
     if h is not None:
       h.start()
@@ -345,7 +346,7 @@ def markdown(doc: dict) -> str:
                  f"(the others {rec['normal_seconds']:.2f} s); the last survivor had it "
                  f"{rec['after_death_s']:.2f} s after the death; {rec['reroutes']} "
                  f"re-route(s); trainer egress {rec['egress_bytes'] / MIB:.1f} MiB.")
-  else:
+  elif doc.get("recovery_run", True):
     lines.append("- Recovery: the member meant to die was the chain's tail every "
                  "version (it forwarded nothing): no recovery measured.")
   lines.append("- Per version: publish to the last subscriber having it (all "

@@ -10,7 +10,9 @@ per module, one way (messages <- auth <- channel <- publisher / subscriber):
   publisher.py  `Publisher`: snapshots, the server, cutting pieces for the engine;
   subscriber.py `Subscriber`: versions, checks, the pull's lifecycle;
   engine.py     a subscriber process's part of a plan: pulls from the publisher's
-                transfer servers, forwards and fan-out inside its job.
+                transfer servers, forwards and fan-out inside its job;
+  relay.py      relays among one-process subscriber jobs: who forwards a version to
+                whom (on the publisher), chunks, forwarding, re-routing.
 It never plans except through the planner, and reads shardings only through
 `Layout.from_sharding`; the bytes move through JAX's transfer server.
 """

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import secrets
+import socket
 import threading
 import time
 from typing import Any, Callable
@@ -51,8 +52,13 @@ MAX_CHUNK_BYTES = 1 << 30
 FANOUT = 1
 MAX_FANOUT = 8
 # An upstream that is alive but delivers no chunk for this long is passed over (one
-# that died is noticed at once: the transfer server's connection closes).
+# that died while connected is noticed at once: the transfer server's connection
+# closes). One that died before the pulls connected is not (a pull from an address
+# nothing listens on waits forever, measured): after PROBE_S without a chunk, and
+# before the first pull, a plain TCP connect to its transfer server says whether
+# anything listens there.
 STALL_S = 10.0
+PROBE_S = 0.5
 # A member that leaves waits at most this long for its children to finish the version
 # they pull from it (they re-route to the trainer if it goes sooner).
 LEAVE_S = 10.0
@@ -268,6 +274,21 @@ class Coordinator:
 # A member's side
 # ---------------------------------------------------------------------------------------
 
+def _listening(address: str) -> bool:
+  """Whether a process listens at `address`: False on a refused (or unroutable)
+  connection; True when it connects or the answer is slow (a loaded link is no
+  death)."""
+  host, port = address.rsplit(":", 1)
+  try:
+    socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S).close()
+  except TimeoutError:
+    return True
+  except OSError as e:
+    logger.info("jax_m2n relay: nothing listens at %s: %s", address, e)
+    return False
+  return True
+
+
 def _state(array: jax.Array | None) -> str:
   """"pending" (or not asked yet), "ok" or "failed" (the transfer that fills it
   broke)."""
@@ -369,6 +390,8 @@ class Member:
                        "fanout": self.fanout}, answer_s, "a relay join")
     if reply.get("direct"):
       return None
+    logger.info("jax_m2n relay: version %d: member %s pulls from %s", version, self.id,
+                "the trainer" if reply.get("upstream") is None else reply["upstream"])
     v = _Version(pp, version, key, str(reply.get("salt")), self.chunk_bytes)
     forwarder = threading.Thread(target=self._forward, args=(v, server, timeout_s),
                                  name=f"jax_m2n relay v{version}", daemon=True)
@@ -380,6 +403,8 @@ class Member:
         self._from_trainer(pp, v, links, v.order, timeout_s, answer_s)
       else:
         try:
+          if not _listening(upstream[1]):
+            raise ReshardRuntimeError("nothing listens there (it died)")
           self._from_member(v, server, upstream, int(reply.get("slot", 0)))
         except Exception as e:  # noqa: BLE001 - an unreachable upstream: re-route now
           logger.info("jax_m2n relay: version %d: upstream %s unreachable: %s",
@@ -442,7 +467,7 @@ class Member:
     transfer from the upstream member fails (it died: its connection closed) or no
     chunk arrives from it for STALL_S."""
     deadline = time.monotonic() + timeout_s
-    last = time.monotonic()
+    last = probed = time.monotonic()
     ready: set[tuple[int, int]] = set()
     delay = 1e-4
     while len(ready) < len(v.order):
@@ -468,10 +493,14 @@ class Member:
         raise ReshardRuntimeError(
             f"{self.api}: the chunks of version {v.version} from the trainer must "
             "arrive; a transfer failed (the trainer died or closed mid-transfer).")
-      if failed or (upstream is not None and now - last > STALL_S):
+      gone = False
+      if upstream is not None and not failed and now - max(last, probed) > PROBE_S:
+        probed = now
+        gone = not _listening(upstream[1])
+      if failed or gone or (upstream is not None and now - last > STALL_S):
         logger.info("jax_m2n relay: version %d: upstream %s %s; the rest comes from "
                     "the trainer", v.version, upstream[1],
-                    "failed" if failed else "stalled")
+                    "failed" if failed else "is gone" if gone else "stalled")
         self._reroute(root, pp, v, links, upstream[0],
                       [kj for kj in v.order if kj not in ready], timeout_s, answer_s)
         upstream, last = None, time.monotonic()
