@@ -11,6 +11,9 @@ P(x) on 4 devices -> P(x) on 4: the raw pull moves exactly the same arrays), `bf
 validated bitwise against numpy once; times are the median of `iters` pulls after
 `warmup`; publish times (snapshot copies) are the trainer's.
 
+Then the relay table (bench/relay.py, issue 34): K = 1, 2, 4, 8 subscriber jobs relaying
+against pulling directly, and the recovery from a member's death.
+
 Usage:
   python -m jax_m2n.bench --suite jobs [--size_mib 64] [--iters 5] [--out_dir DIR]
 """
@@ -219,4 +222,8 @@ def main(jax, out_dir: str, size_mib: float | None, iters: int, warmup: int,
   text = markdown(doc)
   report.write_suite(doc, text, out_dir, "jobs")
   print_fn(text)
-  return 0
+  # Relays among subscriber jobs (issue 34; bench/relay.py): its own programs, on
+  # emulated hosts where they can be made; 3 timed versions per mode (K = 8 pulls
+  # directly in about 5 s a version at 1 Gbit/s).
+  from jax_m2n.bench import relay
+  return relay.main(out_dir, size_mib, max(1, min(iters, 3)), 1, print_fn=print_fn)
