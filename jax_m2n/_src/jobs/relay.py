@@ -33,7 +33,6 @@ from jax import lax
 
 from jax_m2n._src.errors import ReshardRuntimeError, ReshardTimeoutError
 from jax_m2n._src.jobs import channel, engine, messages
-from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE
 from jax_m2n._src.jobs.messages import ProtocolError
 from jax_m2n._src.jobs.planning import PullPlan
 
