@@ -7,8 +7,10 @@ Not a test by itself. Usage, one per process:
       [--versions V] [--period S] [--wait-for N] [--dtype float32|bfloat16]
       [--leave-after V] [--die-version V --die-chunks N] [--mib M] [--no-relay]
 The trainer writes DIR/address, waits (bounded) for N DIR/ready_* files, then publishes
-version v at the start and every `period` s, prints "RESULT published ..." per version
-and waits for DIR/done. A subscriber writes DIR/ready_NAME, pulls the newest version,
+version v, and the next once `period` s have passed and every subscriber that is ready
+and not gone (DIR/gone_NAME) has it (DIR/latest_NAME; bounded: 120 s), as an RL loop
+waits for its rollouts; it prints "RESULT published ..." per version and waits for
+DIR/done. A subscriber writes DIR/ready_NAME, pulls the newest version,
 then each next one, and prints "RESULT pulled name=NAME version=v ok=1 ..." per
 version (bytes from the trainer and from other members, re-routes, seconds), "RESULT
 left" after a clean leave; with --die-version it dies (os._exit(9)) once it has
@@ -58,6 +60,23 @@ def values(shape, version, name):
   return rng.standard_normal(shape, dtype=np.float32)
 
 
+def _behind(directory, version):
+  """The subscribers ready and not gone that do not have `version` yet."""
+  names = [f[len("ready_"):] for f in os.listdir(directory) if f.startswith("ready_")]
+  out = []
+  for name in names:
+    if os.path.exists(os.path.join(directory, f"gone_{name}")):
+      continue
+    try:
+      with open(os.path.join(directory, f"latest_{name}")) as f:
+        latest = int(f.read())
+    except (OSError, ValueError):
+      latest = 0
+    if latest < version:
+      out.append(name)
+  return out
+
+
 def trainer(jax, jax_m2n, args):
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -76,7 +95,9 @@ def trainer(jax, jax_m2n, args):
     jax.block_until_ready(tree)
     print(f"RESULT published role=trainer version={v} at={time.time():.6f}", flush=True)
     done = os.path.join(args.dir, "done")
-    while time.monotonic() < started + args.period and not os.path.exists(done):
+    limit = time.monotonic() + 120
+    while not os.path.exists(done) and time.monotonic() < limit and (
+        time.monotonic() < started + args.period or _behind(args.dir, v)):
       time.sleep(0.02)
   _wait_file(os.path.join(args.dir, "done"), 600)
   pub.close()
@@ -94,6 +115,7 @@ def _die_hooks(args):
   def dying(how, version):
     print(f"RESULT dying name={args.name} version={version} {how}=1 "
           f"at={time.time():.6f}", flush=True)
+    _write(os.path.join(args.dir, f"gone_{args.name}"))
     os._exit(9)
 
   def forward(self, v, server, timeout_s):
@@ -129,7 +151,7 @@ def subscriber(jax, jax_m2n, args):
   import ml_dtypes
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from jax_m2n._src.jobs import relay
+  from jax_m2n._src.jobs import engine, relay
   address = _wait_file(os.path.join(args.dir, "address"), 120)
   sub = jax_m2n.Subscriber(address, token=TOKEN, relay=not args.no_relay)
   if sub._relay is not None and args.chunk_kib:
@@ -141,7 +163,7 @@ def subscriber(jax, jax_m2n, args):
   _write(os.path.join(args.dir, f"ready_{args.name}"))
   out, version = None, None
   while True:
-    before = dict(relay.stats)
+    before = dict(relay.stats, direct=engine.stats["pulled_bytes"])
     state["version"] = version or 1  # (about: the first pull takes the newest)
     t0 = time.perf_counter()
     got = sub.pull(dst, dtype=dtype, version=version, donate=out, timeout_s=60)
@@ -161,14 +183,19 @@ def subscriber(jax, jax_m2n, args):
         return 1
     delta = {k: relay.stats[k] - before.get(k, 0) for k in
              ("from_trainer_bytes", "from_peers_bytes", "reroutes")}
+    # A pull the coordinator sent straight to the trainer (its group relayed a newer
+    # version already) counts as bytes from the trainer too.
+    delta["from_trainer_bytes"] += engine.stats["pulled_bytes"] - before["direct"]
     print(f"RESULT pulled name={args.name} version={v} ok=1 group={args.dtype} "
           f"trainer={delta['from_trainer_bytes']} peers={delta['from_peers_bytes']} "
           f"reroutes={delta['reroutes']} seconds={seconds:.3f} at={time.time():.6f}",
           flush=True)
     out, version = got, v + 1
+    _write(os.path.join(args.dir, f"latest_{args.name}"), str(v))
     if args.leave_after and v >= args.leave_after:
       t0 = time.perf_counter()
       sub.close()
+      _write(os.path.join(args.dir, f"gone_{args.name}"))
       print(f"RESULT left name={args.name} version={v} "
             f"seconds={time.perf_counter() - t0:.3f}", flush=True)
       return 0
