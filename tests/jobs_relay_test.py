@@ -177,7 +177,8 @@ class Procs:
     env.pop("JAX_PLATFORMS", None)
     log = open(os.path.join(self.dir, f"{name}.log"), "w+")
     argv = [sys.executable, WORKER, "--role", role, "--name", name, "--dir", self.dir,
-            "--versions", str(VERSIONS), "--mib", str(MIB), *map(str, extra)]
+            "--versions", str(VERSIONS), "--mib", str(MIB), *map(str, extra)]  # later
+    # flags win (argparse)
     if self.hosts is None:
       p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     else:
@@ -239,6 +240,35 @@ def _published(procs, version, timeout=120):
       break
     time.sleep(0.05)
   pytest.fail(f"version {version} was not published in time:\n" + procs.logs())
+
+
+def test_a_two_process_trainer_job_sends_each_version_once(procs):
+  # The trainer a jax.distributed job of 2 processes (1 device each: each serves its
+  # own shards); 3 subscribers relay 3 versions: the head asks both trainer processes
+  # for its chunks, the others get them from the head's chain.
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  for i in range(2):
+    procs.start("trainer", f"trainer{i}", "--wait-for", 3, "--period", 0.5,
+                "--devices", 1, "--num-processes", 2, "--process-id", i, "--port", port,
+                "--versions", 3)
+  for name in "abc":
+    procs.start("subscriber", name, "--chunk-kib", 256, "--versions", 3)
+  procs.wait(["a", "b", "c"], 240)
+  open(os.path.join(procs.dir, "done"), "w").close()
+  procs.wait(["trainer0", "trainer1"], 60)
+  text = procs.logs()
+  for name in ("a", "b", "c", "trainer0", "trainer1"):
+    assert procs.procs[name][0].returncode == 0, (name, text)
+  pulled = procs.results("pulled")
+  assert all(f["ok"] == "1" for _, f, _ in pulled), text
+  assert sorted(int(f["version"]) for _, f, _ in pulled) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+  payload = MIB << 20  # two float32 leaves of MIB in all
+  for v in (1, 2, 3):
+    got = [f for _, f, _ in pulled if f["version"] == str(v)]
+    assert sum(int(f["trainer"]) for f in got) == payload, text
+    assert sum(int(f["peers"]) for f in got) == 2 * payload, text
 
 
 _NO_HOSTS = EmulatedHosts.unavailable()

@@ -81,7 +81,8 @@ def trainer(jax, jax_m2n, args):
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   pub = jax_m2n.Publisher(f"{args.host}:0", token=TOKEN, keep=args.versions)
-  _write(os.path.join(args.dir, "address"), pub.address)
+  if args.process_id == 0:
+    _write(os.path.join(args.dir, "address"), pub.address)
   deadline = time.monotonic() + 120
   while (len([f for f in os.listdir(args.dir) if f.startswith("ready_")]) < args.wait_for
          and time.monotonic() < deadline):
@@ -90,10 +91,12 @@ def trainer(jax, jax_m2n, args):
   sharding = NamedSharding(mesh, P("x"))
   for v in range(1, args.versions + 1):
     started = time.monotonic()
-    tree = {k: jax.device_put(values(s, v, k), sharding) for k, s in shapes(args.mib).items()}
+    tree = {k: jax.make_array_from_callback(s, sharding, lambda i, h=values(s, v, k): h[i])
+            for k, s in shapes(args.mib).items()}
     pub.publish(tree)
     jax.block_until_ready(tree)
-    print(f"RESULT published role=trainer version={v} at={time.time():.6f}", flush=True)
+    print(f"RESULT published role=trainer process={args.process_id} version={v} "
+          f"at={time.time():.6f}", flush=True)
     done = os.path.join(args.dir, "done")
     limit = time.monotonic() + 120
     while not os.path.exists(done) and time.monotonic() < limit and (
@@ -222,6 +225,9 @@ def main():
   p.add_argument("--die-version", type=int, default=0)
   p.add_argument("--die-chunks", type=int, default=2)
   p.add_argument("--no-relay", action="store_true")
+  p.add_argument("--process-id", type=int, default=0)  # a trainer job of several
+  p.add_argument("--num-processes", type=int, default=1)  # processes (jax.distributed)
+  p.add_argument("--port", type=int, default=0)
   args = p.parse_args()
   import logging
   logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(message)s")
@@ -229,9 +235,21 @@ def main():
   import jax
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", args.devices)
+  if args.num_processes > 1:
+    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
+                               process_id=args.process_id, initialization_timeout=120)
   import jax_m2n
   rc = (trainer if args.role == "trainer" else subscriber)(jax, jax_m2n, args)
   print(f"DONE role={args.role} name={args.name} rc={rc}", flush=True)
+  if args.num_processes > 1:  # process 0 hosts the job's coordination service: last out
+    from jax._src import distributed
+    kv = distributed.global_state.client
+    kv.key_value_set(f"test/end/{args.process_id}", "1")
+    deadline = time.monotonic() + 30
+    while args.process_id == 0 and time.monotonic() < deadline:
+      if len(kv.key_value_dir_get("test/end/")) >= args.num_processes:
+        break
+      time.sleep(0.05)
   sys.stdout.flush()
   os._exit(rc)
 
