@@ -397,6 +397,11 @@ class Member:
     forwarder.start()
     self._versions.append((forwarder, v))
     upstream = reply.get("upstream")
+    if upstream is not None and not (isinstance(upstream, list) and len(upstream) == 2
+                                     and all(isinstance(x, str) for x in upstream)):
+      v.stop.set()
+      raise ReshardRuntimeError(f"{self.api}: the publisher answered a relay join with a "
+                                f"malformed upstream; got {messages._short(upstream)}.")
     try:
       if upstream is None:
         self._from_trainer(pp, v, links, v.order, timeout_s, answer_s)
