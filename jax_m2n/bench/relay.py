@@ -37,7 +37,8 @@ KS = (1, 2, 4, 8)
 TOKEN = "relay-bench"
 DEFAULT_SIZE_MIB = 64
 # The member that dies in the recovery run, and when: from version DIE_VERSION on,
-# once it has forwarded DIE_CHUNKS chunks to a child.
+# once it has forwarded DIE_CHUNKS chunks to a child (a quarter of the version's
+# chunks where that is fewer).
 DIE_VERSION = 4
 DIE_CHUNKS = 8
 
@@ -135,6 +136,7 @@ def subscriber_main(d: str, name: str, size: int, versions: int, die: bool,
   relayed._relay.chunk_bytes = chunk_bytes  # noqa: SLF001
   if die:
     forward = relay.Member._forward
+    die_after = max(1, min(DIE_CHUNKS, size // chunk_bytes // 4))  # mid-version
 
     def dying_forward(self, v, server, timeout_s):
       offer, count = server.await_pull, [0]
@@ -143,7 +145,7 @@ def subscriber_main(d: str, name: str, size: int, versions: int, die: bool,
         def await_pull(self_, *a, **kw):
           offer(*a, **kw)
           count[0] += 1
-          if v.version >= DIE_VERSION and count[0] >= DIE_CHUNKS:
+          if v.version >= DIE_VERSION and count[0] >= die_after:
             _write(os.path.join(d, f"dead_{name}"), json.dumps({"at": time.time(),
                                                                 "version": v.version}))
             os._exit(9)
@@ -347,8 +349,8 @@ def markdown(doc: dict) -> str:
                  f"{rec['after_death_s']:.2f} s after the death; {rec['reroutes']} "
                  f"re-route(s); trainer egress {rec['egress_bytes'] / MIB:.1f} MiB.")
   elif doc.get("recovery_run", True):
-    lines.append("- Recovery: the member meant to die was the chain's tail every "
-                 "version (it forwarded nothing): no recovery measured.")
+    lines.append("- Recovery: the member meant to die never forwarded its chunks (it "
+                 "was the chain's tail every version): no recovery measured.")
   lines.append("- Per version: publish to the last subscriber having it (all "
                "subscribers wait for it; the trainer publishes the next once all have "
                "it); medians over the versions after the warm-up. Egress: the "

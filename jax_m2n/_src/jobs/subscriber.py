@@ -114,11 +114,12 @@ class Subscriber:
     if self._root is None or self._root.broken is not None:
       if self._root is not None:
         self._drop_links()
-      self._root = channel.Client(_API, self._address, self._key, self._connect_s,
-                                  f"the publisher at {self._address}")
+      self._root = self._new_root()
     return self._root
 
   def _new_root(self) -> channel.Client:
+    """A new control client to the publisher's process 0 (a relay's forwarding thread
+    has its own: a zmq socket serves one thread)."""
     return channel.Client(_API, self._address, self._key, self._connect_s,
                           f"the publisher at {self._address}")
 
