@@ -4,6 +4,8 @@
 #   PART=gpu  bash .gpu/one_gpu_batch.sh   # CMake build, GPU tests, jobs on the GPU,
 #                                          # nccl-extensions import check
 #   PART=cpu  bash .gpu/one_gpu_batch.sh   # the 16-core loopback table (CUDA hidden)
+#   PART=main bash .gpu/one_gpu_batch.sh   # the main job on the GPU, the eager fixed
+#                                          # cost, the CPU bench with CUDA visible
 # Wheels the machine lacks (pyzmq; nccl-extensions and nccl4py) travel in .whl/
 # (see the device notes in docs/benchmarks.md) and are installed into /tmp/site.
 # Output: $OUT (logs, JSON), a short summary on stdout.
@@ -54,5 +56,20 @@ if [ "$PART" = cpu ]; then
   CUDA_VISIBLE_DEVICES= timeout 540 bash .gpu/network_loopback.sh "$OUT/loopback" \
     > "$OUT/loopback.log" 2>&1 || rc=1
   cat "$OUT/loopback/multiprocess_cpu.md" 2>/dev/null | head -40 || tail -20 "$OUT/loopback.log"
+fi
+if [ "$PART" = main ]; then
+  timeout 240 python3 -m examples.rl_refit --noprogress --json_out "$OUT/rl_refit_gpu.json" \
+    > "$OUT/rl_refit.log" 2>&1 || rc=1
+  echo "main job: $(tail -2 "$OUT/rl_refit.log" | tr '\n' ' ' | cut -c1-400)"
+  # Issue 31 item 6: the CPU bench's workers stay on CPU with the GPU visible.
+  timeout 150 python3 -m jax_m2n.bench.multiprocess_cpu --out_dir "$OUT/mp_cpu_gpu_visible" \
+    --size_mib 16 --iters 3 --warmup 1 --r_d 2 > "$OUT/mp_cpu_gpu_visible.log" 2>&1
+  mrc=$?; [ $mrc = 0 ] || rc=1
+  echo "CPU bench with the GPU visible: rc=$mrc $(grep -c -i 'duplicate gpu' \
+    "$OUT/mp_cpu_gpu_visible.log") 'Duplicate GPU' lines; $(grep '^| whole' \
+    "$OUT/mp_cpu_gpu_visible/multiprocess_cpu.md" 2>/dev/null | head -1)"
+  timeout 120 python3 scripts/eager_latency.py --iters 1000 > "$OUT/eager_latency.txt" 2>&1 \
+    || rc=1
+  grep -v "^[WIE][0-9]" "$OUT/eager_latency.txt" | tail -12
 fi
 exit $rc

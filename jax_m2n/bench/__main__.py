@@ -113,8 +113,8 @@ _TORCH_DEVICE = flags.DEFINE_enum(
     "processes with gloo (tests the torch engine without GPUs).")
 _PLOTS = flags.DEFINE_boolean("plots", True, "Write PNG plots.")
 _LINK_RATE = flags.DEFINE_string(
-    "link_rate", "1gbit", "network suite: each emulated host's link speed, each way "
-    "(tc rate: '1gbit', '100mbit').")
+    "link_rate", "1gbit", "network and jobs suites: each emulated host's link speed, each "
+    "way (tc rate: '1gbit', '100mbit'); the jobs suite also runs on 127.0.0.1.")
 _MEMORY_LAYOUTS = flags.DEFINE_list(
     "memory_layouts", ["1000", "8000"], "memory suite: RSS checkpoints, in distinct "
     "layouts (the growth between the first and the last is reported).")
@@ -221,7 +221,8 @@ def _main(argv) -> int:
     import jax
     from jax_m2n.bench import jobs as jobs_suite
     jobs_suite.main(jax, out_dir, _SIZE_MIB.value, _ITERS.value, _WARMUP.value,
-                    lambda text: console.print(text, highlight=False, markup=False))
+                    lambda text: console.print(text, highlight=False, markup=False),
+                    link_rate=_LINK_RATE.value)
     chosen_suites.remove("jobs")
     if not chosen_suites:
       return mp_rc

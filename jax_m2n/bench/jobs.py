@@ -11,11 +11,13 @@ P(x) on 4 devices -> P(x) on 4: the raw pull moves exactly the same arrays), `bf
 validated bitwise against numpy once; times are the median of `iters` pulls after
 `warmup`; publish times (snapshot copies) are the trainer's.
 
-Then the relay table (bench/relay.py, issue 34): K = 1, 2, 4, 8 subscriber jobs relaying
+Runs on 127.0.0.1 (this process the generator), then, as root with iproute2, across
+two emulated hosts (jax_m2n.testing.hosts) on --link_rate links (both sides programs
+of their own; report `jobs_network`). Then the relay table (bench/relay.py, issue 34): K = 1, 2, 4, 8 subscriber jobs relaying
 against pulling directly, and the recovery from a member's death.
 
 Usage:
-  python -m jax_m2n.bench --suite jobs [--size_mib 64] [--iters 5] [--out_dir DIR]
+  python -m jax_m2n.bench --suite jobs [--size_mib 64] [--iters 5] [--link_rate 1gbit]
 """
 
 from __future__ import annotations
@@ -64,9 +66,11 @@ def _raw_uuid(case: int, i: int) -> int:
   return 1000 * (case + 1) + i
 
 
-def trainer_main(directory: str, size: int, versions: int) -> None:
-  """The trainer program: publishes every case `versions` times, offers the `same`
-  case's shards raw `versions` times, reports its publish times, waits for the end."""
+def trainer_main(directory: str, size: int, versions: int, host: str = "127.0.0.1"
+                 ) -> None:
+  """The trainer program: publishes every case `versions` times at `host`, offers the
+  `same` case's shards raw `versions` times, reports its publish times, waits for the
+  end."""
   import jax
   if jax.devices()[0].platform == "cpu":
     devices = jax.devices()[:DEVICES]
@@ -74,8 +78,8 @@ def trainer_main(directory: str, size: int, versions: int) -> None:
     devices = jax.devices()[:1]
   import jax_m2n
   from jax_m2n._src.jobs import engine
-  pub = jax_m2n.Publisher("127.0.0.1:0", token=TOKEN, keep=versions * len(CASES))
-  server = engine.transfer_server("127.0.0.1")
+  pub = jax_m2n.Publisher(f"{host}:0", token=TOKEN, keep=versions * len(CASES))
+  server = engine.transfer_server(host)
   publish_ms = {}
   for c, case in enumerate(CASES):
     host, shardings, _ = _tree(jax, case, size, devices, c, "trainer")
@@ -115,85 +119,141 @@ def _as_trainer(jax, sharding, case: str):
   return NamedSharding(sharding.mesh, P("x") if case == "same" else P("x", None))
 
 
-def run(jax, size: int, iters: int, warmup: int,
-        print_fn: Callable[[str], object] = print) -> dict:
+def _wait_json(path: str, procs, timeout_s: float, what: str) -> dict:
+  deadline = time.monotonic() + timeout_s
+  while not os.path.exists(path):
+    dead = [p.poll() for p in procs if p.poll() is not None]
+    if dead or time.monotonic() > deadline:
+      raise RuntimeError(f"jobs bench: {what} exited or hung (rc={dead or 'running'})")
+    time.sleep(0.1)
+  with open(path) as f:
+    return json.load(f)
+
+
+def _pulls(jax, info: dict, size: int, iters: int, warmup: int, devices,
+           print_fn: Callable[[str], object]) -> list[dict]:
+  """The generator's side: every case pulled `warmup + iters` times through a
+  Subscriber and raw through the transfer server; one row per case."""
   import numpy as np
   import jax_m2n
   from jax_m2n._src.jobs import engine, planning
   versions = warmup + iters
+  sub = jax_m2n.Subscriber(info["address"], token=TOKEN)
+  rows = []
+  for c, case in enumerate(CASES):
+    host, shardings, dtype = _tree(jax, case, size, devices, c, "generator")
+    first = c * versions + 1
+    times = []
+    for i in range(versions):
+      t0 = time.perf_counter()
+      out = sub.pull(shardings, dtype=dtype, version=first + i)
+      jax.block_until_ready(out)
+      times.append((time.perf_counter() - t0) * 1e3)
+      if i == 0:  # validated bitwise once
+        for h, y in zip(host, out):
+          want = h if dtype is None else h.astype(dtype)
+          if not np.array_equal(np.asarray(y).view(np.uint8), want.view(np.uint8)):
+            raise AssertionError(f"jobs bench: {case} pulled wrong bytes")
+      del out
+    m = sub._manifests[next(reversed(sub._manifests))]  # noqa: SLF001
+    pp = planning.plan_pull(m, tuple(shardings), tuple(
+        np.dtype(dtype or np.float32) for _ in shardings), "hierarchical")
+    wire = planning.network_bytes(pp)["from_publisher"]
+    row = {"case": case, "payload_bytes": sum(h.nbytes for h in host),
+           "wire_bytes": wire, "pull_ms": statistics.median(times[warmup:]),
+           "pull_ms_min": min(times[warmup:]), "first_pull_ms": times[0],
+           "publish_ms": statistics.median(info["publish_ms"][case])}
+    thost = info["transfer"].rsplit(":", 1)[0]
+    conn = engine.transfer_server(engine.local_host_towards(thost)).connect(
+        info["transfer"])
+    raw = []
+    specs = [jax.ShapeDtypeStruct(s.data.shape, dtype or np.float32,
+                                  sharding=jax.sharding.SingleDeviceSharding(d))
+             for h, sh in zip(host, shardings)
+             for s, d in zip(jax.device_put(h, _as_trainer(jax, sh, case))
+                             .addressable_shards, devices)]
+    for i in range(versions):
+      t0 = time.perf_counter()
+      jax.block_until_ready(conn.pull(_raw_uuid(c, i), specs))
+      raw.append((time.perf_counter() - t0) * 1e3)
+    row["raw_ms"] = statistics.median(raw[warmup:])
+    row["ratio"] = row["pull_ms"] / row["raw_ms"]
+    rows.append(row)
+    print_fn(f"  jobs/{case}: pull {row['pull_ms']:.1f} ms, raw {row['raw_ms']:.1f} ms")
+  sub.close()
+  return rows
+
+
+def generator_main(directory: str, size: int, iters: int, warmup: int) -> None:
+  """The generator program on an emulated host: waits for the trainer's info, pulls
+  (`_pulls`), writes its rows to DIRECTORY/rows.json."""
+  import jax
+  info = _wait_json(os.path.join(directory, "info.json"), [], 600, "the trainer")
+  rows = _pulls(jax, info, size, iters, warmup, jax.devices()[:DEVICES],
+                lambda text: print(text, flush=True))
+  with open(os.path.join(directory, "rows.tmp"), "w") as f:
+    json.dump(rows, f)
+  os.replace(os.path.join(directory, "rows.tmp"), os.path.join(directory, "rows.json"))
+
+
+def _program(fn: str, *args) -> list[str]:
+  """The argv that runs `jobs.<fn>(*args)` in a program of its own (arguments made of
+  digits pass as ints, the others as strings)."""
+  code = ("import sys; from jax_m2n.bench import jobs; "
+          f"jobs.{fn}(*[int(a) if a.isdigit() else a for a in sys.argv[1:]])")
+  return [sys.executable, "-c", code, *map(str, args)]
+
+
+def run(jax, size: int, iters: int, warmup: int,
+        print_fn: Callable[[str], object] = print, link_rate: str | None = None) -> dict:
+  """The suite on 127.0.0.1 (the generator is this process, the trainer a program of
+  its own) or, with `link_rate`, across two emulated hosts (jax_m2n.testing.hosts: the
+  trainer on host 0, the generator on host 1, each link shaped to `link_rate`)."""
+  versions = warmup + iters
   directory = tempfile.mkdtemp(prefix="m2n_jobs_bench_")
   env = dict(os.environ)
-  if jax.devices()[0].platform == "cpu":
+  if jax.devices()[0].platform == "cpu" or link_rate:
     env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
   else:
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.3")
-  trainer = subprocess.Popen(
-      [sys.executable, "-c", "import sys; from jax_m2n.bench import jobs; "
-       "jobs.trainer_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))",
-       directory, str(size), str(versions)], env=env)
+  done = os.path.join(directory, "done")
+  if link_rate:
+    from jax_m2n.testing.hosts import EmulatedHosts
+    with EmulatedHosts(2, rate=link_rate) as hosts:
+      trainer = hosts.popen(0, _program("trainer_main", directory, size, versions,
+                                        hosts.address(0)), env=env)
+      generator = hosts.popen(1, _program("generator_main", directory, size, iters,
+                                          warmup), env=env)
+      try:
+        rows = _wait_json(os.path.join(directory, "rows.json"), [trainer, generator],
+                          1800, "the generator program")
+      finally:
+        open(done, "w").close()
+        for p in (generator, trainer):
+          try:
+            p.wait(timeout=60)
+          except subprocess.TimeoutExpired:
+            p.kill()
+    return {"schema": 1, "suite": "jobs", "iters": iters, "warmup": warmup,
+            "platform": "cpu", "links": f"2 emulated hosts, {link_rate} each way",
+            "rows": rows}
+  trainer = subprocess.Popen(_program("trainer_main", directory, size, versions,
+                                      "127.0.0.1"), env=env)
   try:
-    deadline = time.monotonic() + 600
-    info_path = os.path.join(directory, "info.json")
-    while not os.path.exists(info_path):
-      if trainer.poll() is not None or time.monotonic() > deadline:
-        raise RuntimeError(f"jobs bench: the trainer program exited or hung "
-                           f"(rc={trainer.poll()})")
-      time.sleep(0.1)
-    with open(info_path) as f:
-      info = json.load(f)
+    info = _wait_json(os.path.join(directory, "info.json"), [trainer], 600,
+                      "the trainer program")
     devices = (jax.devices()[DEVICES:2 * DEVICES] if jax.devices()[0].platform == "cpu"
                else jax.devices()[:1])
-    sub = jax_m2n.Subscriber(info["address"], token=TOKEN)
-    rows = []
-    for c, case in enumerate(CASES):
-      host, shardings, dtype = _tree(jax, case, size, devices, c, "generator")
-      first = c * versions + 1
-      times = []
-      for i in range(versions):
-        t0 = time.perf_counter()
-        out = sub.pull(shardings, dtype=dtype, version=first + i)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) * 1e3)
-        if i == 0:  # validated bitwise once
-          for h, y in zip(host, out):
-            want = h if dtype is None else h.astype(dtype)
-            if not np.array_equal(np.asarray(y).view(np.uint8), want.view(np.uint8)):
-              raise AssertionError(f"jobs bench: {case} pulled wrong bytes")
-        del out
-      m = sub._manifests[next(reversed(sub._manifests))]  # noqa: SLF001
-      pp = planning.plan_pull(m, tuple(shardings), tuple(
-          np.dtype(dtype or np.float32) for _ in shardings), "hierarchical")
-      wire = planning.network_bytes(pp)["from_publisher"]
-      row = {"case": case, "payload_bytes": sum(h.nbytes for h in host),
-             "wire_bytes": wire, "pull_ms": statistics.median(times[warmup:]),
-             "pull_ms_min": min(times[warmup:]), "first_pull_ms": times[0],
-             "publish_ms": statistics.median(info["publish_ms"][case])}
-      conn = engine.transfer_server("127.0.0.1").connect(info["transfer"])
-      raw = []
-      specs = [jax.ShapeDtypeStruct(s.data.shape, dtype or np.float32,
-                                    sharding=jax.sharding.SingleDeviceSharding(d))
-               for h, sh in zip(host, shardings)
-               for s, d in zip(jax.device_put(h, _as_trainer(jax, sh, case))
-                               .addressable_shards, devices)]
-      for i in range(versions):
-        t0 = time.perf_counter()
-        jax.block_until_ready(conn.pull(_raw_uuid(c, i), specs))
-        raw.append((time.perf_counter() - t0) * 1e3)
-      row["raw_ms"] = statistics.median(raw[warmup:])
-      row["ratio"] = row["pull_ms"] / row["raw_ms"]
-      rows.append(row)
-      print_fn(f"  jobs/{case}: pull {row['pull_ms']:.1f} ms"
-               + (f", raw {row['raw_ms']:.1f} ms" if "raw_ms" in row else ""))
-    sub.close()
+    rows = _pulls(jax, info, size, iters, warmup, devices, print_fn)
   finally:
-    open(os.path.join(directory, "done"), "w").close()
+    open(done, "w").close()
     try:
       trainer.wait(timeout=60)
     except subprocess.TimeoutExpired:
       trainer.kill()
   return {"schema": 1, "suite": "jobs", "iters": iters, "warmup": warmup,
-          "platform": jax.devices()[0].platform, "rows": rows}
+          "platform": jax.devices()[0].platform, "links": "127.0.0.1", "rows": rows}
 
 
 def markdown(doc: dict) -> str:
@@ -211,19 +271,34 @@ def markdown(doc: dict) -> str:
                "; raw: the transfer server pulls the trainer's shards in the wire dtype, "
                "the same bytes, uuids agreed in advance (no control plane, planning or "
                "slicing); bf16: float32 P(x, None) -> bfloat16 P(None, x); pytree64: 64 "
-               "leaves P(x, None) -> P(None, x). Separate programs, 127.0.0.1.")
+               "leaves P(x, None) -> P(None, x). Separate programs; links: "
+               f"{doc.get('links', '127.0.0.1')}.")
   return "\n".join(lines) + "\n"
 
 
 def main(jax, out_dir: str, size_mib: float | None, iters: int, warmup: int,
-         print_fn: Callable[[str], object] = print) -> int:
-  doc = run(jax, int((size_mib or DEFAULT_SIZE_MIB) * MIB), iters, max(1, warmup),
-            print_fn)
+         print_fn: Callable[[str], object] = print, link_rate: str | None = None) -> int:
+  """The suite on 127.0.0.1, then (where emulated hosts can be made: root and
+  iproute2) across two hosts on `link_rate` links; one report each (`jobs`,
+  `jobs_network`)."""
+  size = int((size_mib or DEFAULT_SIZE_MIB) * MIB)
+  doc = run(jax, size, iters, max(1, warmup), print_fn)
   text = markdown(doc)
   report.write_suite(doc, text, out_dir, "jobs")
   print_fn(text)
+  if link_rate:
+    from jax_m2n.testing.hosts import EmulatedHosts
+    why = EmulatedHosts.unavailable()
+    if why is not None:
+      print_fn(f"jobs over emulated hosts: skipped ({why})")
+    else:
+      doc = run(jax, size, iters, max(1, warmup), print_fn, link_rate)
+      text = markdown(doc)
+      report.write_suite(doc, text, out_dir, "jobs_network")
+      print_fn(text)
   # Relays among subscriber jobs (issue 34; bench/relay.py): its own programs, on
-  # emulated hosts where they can be made; 3 timed versions per mode (K = 8 pulls
-  # directly in about 5 s a version at 1 Gbit/s).
+  # emulated hosts where they can be made (else 127.0.0.1, said in its table); 3
+  # timed versions per mode (K = 8 pulls directly in about 5 s a version at 1 Gbit/s).
   from jax_m2n.bench import relay
-  return relay.main(out_dir, size_mib, max(1, min(iters, 3)), 1, print_fn=print_fn)
+  return relay.main(out_dir, size_mib, max(1, min(iters, 3)), 1,
+                    rate=link_rate or "1gbit", print_fn=print_fn)

@@ -13,6 +13,7 @@ chunk and none per second of waiting. Moves no bytes.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import itertools
 import threading
@@ -73,6 +74,8 @@ class CallWaits:
   _POLL_MAX_S = 1e-3
   # A sender none of whose pulls has completed for STALL_S is suspected (_Watch).
   STALL_S = store.SUSPECT_S
+  # How long `fail` waits for its post to land (a reachable store answers in ms).
+  FAIL_POST_S = 0.5
 
   def __init__(self, n: int, participants: Sequence[int], timeout_ms: int):
     self.n = n
@@ -98,10 +101,14 @@ class CallWaits:
 
   def fail(self, message: str) -> None:
     """Tells the peers this process failed the call (the first failure becomes the
-    call's outcome; they fail at once, naming it); never waits (this process may be
-    the one cut off)."""
-    self.kv.post_soon(f"{self.key}/outcome", f"failed {self.pid} {message[:2000]}",
-                      overwrite=False)
+    call's outcome; they fail at once, naming it). Waits at most FAIL_POST_S for the
+    store to take it, and not at all where this process is cut off from the store:
+    the caller poisons its connections next, and a peer whose pull then fails must
+    find this failure (naming the process at fault) posted, not post its own."""
+    posted = self.kv.post_soon(f"{self.key}/outcome", f"failed {self.pid} "
+                               f"{message[:2000]}", overwrite=False)
+    if self.kv.cut_off() is None:
+      concurrent.futures.wait([posted], timeout=self.FAIL_POST_S)
 
   def close_outcome(self) -> None:
     """Ends the outcome's blocking gets of a call that every process fails on its own

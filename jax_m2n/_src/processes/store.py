@@ -222,11 +222,12 @@ class Store:
   def delete(self, key: str, counter: str = "kv_background_ops") -> None:
     self._call(counter, 0.0, self._client.key_value_delete, key)
 
-  def post_soon(self, key: str, value: str, overwrite: bool = True) -> None:
+  def post_soon(self, key: str, value: str, overwrite: bool = True
+                ) -> concurrent.futures.Future:
     """Sets `key` without waiting (a failure from a process that may be cut off: it
-    must fail at once, not after a probe)."""
+    must fail at once, not after a probe); the Future says when it has landed."""
     stats["kv_ops"] += 1
-    self._workers.submit(self._client.key_value_set, key, value, overwrite)
+    return self._workers.submit(self._client.key_value_set, key, value, overwrite)
 
   def get_soon(self, key: str, timeout_s: float) -> concurrent.futures.Future:
     """A Future of the value of `key` as soon as it is set, or of None after
