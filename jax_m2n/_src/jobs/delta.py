@@ -1,0 +1,505 @@
+"""Delta sync: a version crosses as only the elements that changed since the
+subscriber's last one.
+
+Owns the change test (bitwise, in the wire dtype), the per-chunk encoding (nothing,
+bitmap + values, index runs + values or the dense chunk, whichever is smallest) and its
+decoding, the publisher's side of a delta request (compare, encode, offer) and the
+subscriber's (ask, pull, apply in place to its last result), and the record of that last
+result. Knows no sockets but the engine's, plans nothing (a delta pull runs the flat
+plan's pieces), and never decides by itself that bytes are equal: what it cannot prove
+the subscriber holds crosses dense.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import secrets
+import time
+import weakref
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_m2n._src import jax_compat
+from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError,
+                                 ReshardValueError)
+from jax_m2n._src.jobs import engine, manifest as manifest_lib, messages
+from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE
+from jax_m2n._src.jobs.messages import ProtocolError
+from jax_m2n._src.layout import MAX_RANK, Box
+
+# Elements per chunk: the unit that crosses as nothing, sparse or dense. A bitmap costs
+# CHUNK / 8 bytes, so a chunk goes sparse below ~1/8 changed per value byte; 16 Ki
+# elements keeps the per-chunk mode list (one int in the reply) at 1/16 Ki of the
+# elements and a chunk's bitmap at 2 KiB.
+CHUNK = 1 << 14
+NOTHING, BITMAP, RUNS, DENSE = 0, 1, 2, 3
+MODES = ("nothing", "bitmap", "runs", "dense")
+# A run is two int32s (its start in the piece, its length): pieces of at most 2**31
+# elements take runs; larger ones cross as bitmaps or dense.
+MAX_RUN_PIECE = (1 << 31) - 1
+# A delta request may ask for at most this many times the bytes a version holds on the
+# publisher's process, plus 1 MiB (as a pieces request).
+MAX_REQUEST_FACTOR = 64
+
+# Counters for the bench and the tests: the publisher's ("publisher_*": elements
+# compared, changed, bytes encoded against the dense bytes, seconds comparing and
+# encoding, chunks per mode) and the subscriber's ("subscriber_*": bytes pulled, the
+# control reply's bytes, seconds decoding and applying, pulls by kind).
+stats: collections.Counter = collections.Counter()
+
+
+# ---------------------------------------------------------------------------------------
+# The change test and the encoding (numpy, host memory)
+# ---------------------------------------------------------------------------------------
+
+def _bits(x: np.ndarray) -> np.ndarray:
+  """`x` (1-D) as unsigned ints of its width, or as rows of bytes for wider types:
+  what the change test compares (NaN payloads and -0.0 are bits like any other)."""
+  kind = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(x.dtype.itemsize)
+  if kind is not None:
+    return x.view(kind)
+  return x.view(np.uint8).reshape(x.size, x.dtype.itemsize)
+
+
+def changed(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+  """The change test: a bool per element of two flat arrays of one dtype, True where
+  their bits differ (so NaN == NaN of the same payload, and 0.0 != -0.0)."""
+  a, b = _bits(new), _bits(old)
+  diff = a != b
+  return diff if diff.ndim == 1 else diff.any(axis=1)
+
+
+@dataclasses.dataclass
+class Encoded:
+  """One piece's delta: per chunk a mode (NOTHING, BITMAP, RUNS, DENSE), the bitmaps of
+  BITMAP chunks (CHUNK / 8 bytes each, little bit order), the runs of RUNS chunks (int32
+  pairs: start in the piece, length) and the values, in element order: every element
+  of a DENSE chunk and the changed ones of the sparse chunks, in the wire dtype."""
+
+  modes: np.ndarray
+  bitmaps: np.ndarray
+  runs: np.ndarray
+  values: np.ndarray
+  changed: int
+
+  @property
+  def nbytes(self) -> int:
+    return self.bitmaps.nbytes + self.runs.nbytes + self.values.nbytes
+
+
+def encode(new: np.ndarray, old: np.ndarray | None, chunk: int = CHUNK) -> Encoded:
+  """The smallest per-chunk encoding of `new` (flat, the wire dtype) against `old` (its
+  base, the same dtype and size), or every chunk dense when there is no base.
+
+  Example:
+    >>> e = encode(np.array([1, 2, 3], np.float32), np.array([1, 5, 3], np.float32), 8)
+    >>> e.modes.tolist(), e.values.tolist(), e.changed
+    ([2], [2.0], 1)
+  """
+  n = new.size
+  nchunks = -(-n // chunk)
+  itemsize = new.dtype.itemsize
+  if old is None:
+    return Encoded(np.full(nchunks, DENSE, np.int8), np.zeros(0, np.uint8),
+                   np.zeros(0, np.int32), new, n)
+  if old.shape != new.shape or old.dtype != new.dtype:
+    raise ValueError(f"delta.encode: old must be new's shape and dtype; got {old.shape} "
+                     f"{old.dtype} against {new.shape} {new.dtype}.")
+  grid = np.zeros(nchunks * chunk, bool)
+  grid[:n] = changed(new, old)
+  rows = grid.reshape(nchunks, chunk)
+  count = rows.sum(axis=1)
+  starts = rows.copy()
+  starts[:, 1:] &= ~rows[:, :-1]
+  nruns = starts.sum(axis=1)
+  sizes = np.full(nchunks, chunk, np.int64)
+  sizes[-1] = n - (nchunks - 1) * chunk
+  cost = np.stack([chunk // 8 + count * itemsize,                 # BITMAP
+                   np.where(n <= MAX_RUN_PIECE, 8 * nruns + count * itemsize,
+                            np.iinfo(np.int64).max),            # RUNS
+                   sizes * itemsize])                             # DENSE
+  modes = (np.argmin(cost, axis=0) + 1).astype(np.int8)
+  modes[count == 0] = NOTHING
+  dense = np.repeat(modes == DENSE, chunk)[:n]
+  values = new[grid[:n] | dense]
+  bitmaps = np.packbits(rows[modes == BITMAP], axis=1, bitorder="little").reshape(-1)
+  in_runs = np.repeat(modes == RUNS, chunk)
+  ends = rows.copy()
+  ends[:, :-1] &= ~rows[:, 1:]
+  first = np.flatnonzero(starts.reshape(-1) & in_runs)
+  last = np.flatnonzero(ends.reshape(-1) & in_runs)
+  runs = np.stack([first, last - first + 1], axis=1).astype(np.int32).reshape(-1)
+  return Encoded(modes, bitmaps, runs, values, int(count.sum()))
+
+
+def sizes_of(modes: Sequence[int], nvalues: int, nruns: int, n: int, chunk: int = CHUNK
+             ) -> tuple[int, int, int]:
+  """(bitmap bytes, run int32s, values) a piece's delta arrives as, from its header."""
+  return sum(1 for m in modes if m == BITMAP) * (chunk // 8), 2 * nruns, nvalues
+
+
+def decode(modes: np.ndarray, bitmaps: np.ndarray, runs: np.ndarray, n: int,
+           chunk: int = CHUNK) -> np.ndarray:
+  """The positions (ascending, in the flat piece of `n` elements) that `values` of an
+  `Encoded` fill, in their order.
+
+  Raises:
+    ReshardRuntimeError: a malformed delta (wrong sizes, positions outside the piece
+      or their chunk's mode).
+  """
+  nchunks = -(-n // chunk)
+  modes = np.asarray(modes, np.int8)
+  if modes.shape != (nchunks,) or ((modes < NOTHING) | (modes > DENSE)).any():
+    raise ReshardRuntimeError(f"Subscriber.pull: a delta must have one mode per chunk; "
+                              f"got {modes.size} for {nchunks}.")
+  rows = np.zeros((nchunks, chunk), bool)
+  rows[modes == DENSE] = True
+  nbitmaps = int((modes == BITMAP).sum())
+  if bitmaps.size != nbitmaps * (chunk // 8) or runs.size % 2:
+    raise ReshardRuntimeError("Subscriber.pull: a delta's bitmaps and runs must match "
+                              "its modes; got other sizes.")
+  if nbitmaps:
+    rows[modes == BITMAP] = np.unpackbits(bitmaps.reshape(nbitmaps, chunk // 8), axis=1,
+                                          bitorder="little").astype(bool)
+  if runs.size:
+    first, length = runs[0::2].astype(np.int64), runs[1::2].astype(np.int64)
+    if (length < 1).any() or (first < 0).any() or (first + length > n).any() or (
+        (first // chunk) != (first + length - 1) // chunk).any() or (
+        modes[first // chunk] != RUNS).any():
+      raise ReshardRuntimeError("Subscriber.pull: a delta's runs must lie inside their "
+                                "RUNS chunks; got others.")
+    total = int(length.sum())
+    at = np.repeat(first - np.cumsum(length) + length, length) + np.arange(total)
+    rows.reshape(-1)[at] = True
+  flat = rows.reshape(-1)
+  if nchunks and modes[-1] == DENSE:
+    flat[n:] = False  # a dense last chunk ends with the piece
+  if flat[n:].any():
+    raise ReshardRuntimeError("Subscriber.pull: a delta must mark no position past its "
+                              "piece; got some.")
+  return np.flatnonzero(flat[:n])
+
+
+# ---------------------------------------------------------------------------------------
+# The publisher's side
+# ---------------------------------------------------------------------------------------
+
+def serve(version: Any, base: Any, body: dict[str, Any], transfer: Any) -> dict[str, Any]:
+  """Answers a delta request: every asked piece of `version` encoded against the same
+  box of `base` (a held version of the same manifest, or None: every chunk dense), the
+  arrays offered under one random uuid. `version` and `base` are the publisher's
+  held versions (`_Version`: shards, per wire dtype, by (leaf, device))."""
+  m = version.manifest
+  wire = {}
+  pairs = body.get("wire")
+  if not isinstance(pairs, list) or len(pairs) > len(m.leaves):
+    raise ProtocolError("delta: wire must be a list of [leaf, dtype] pairs.")
+  for pair in pairs:
+    if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int
+            and 0 <= pair[0] < len(m.leaves) and isinstance(pair[1], str)):
+      raise ProtocolError("delta: wire must be a list of [leaf, dtype] pairs.")
+    wire[pair[0]] = manifest_lib.dtype_of(pair[1])
+  asked = body.get("pieces")
+  if not isinstance(asked, list) or not asked or len(asked) > 1 << 20:
+    raise ProtocolError("delta: pieces must be a non-empty list of pieces.")
+  budget = MAX_REQUEST_FACTOR * version.nbytes + (1 << 20)
+  boxes = []
+  for piece in asked:
+    messages.int_list(piece, "delta: a piece", 0, 1 << 62, 2 + 2 * MAX_RANK)
+    if len(piece) < 2 or piece[0] not in wire:
+      raise ProtocolError("delta: a piece must be [leaf, device, lo..., hi...] of a leaf "
+                          "listed in wire.")
+    t, k = piece[0], piece[1]
+    rank = len(m.leaves[t].shape)
+    held = version.shards.get((t, k))
+    if len(piece) != 2 + 2 * rank or held is None:
+      raise ProtocolError(f"delta: leaf {t} must be held on device {k} by this process, "
+                          f"with a box of rank {rank}.")
+    box = tuple(zip(piece[2:2 + rank], piece[2 + rank:]))
+    if any(lo > hi or lo < hlo or hi > hhi for (lo, hi), (hlo, hhi) in zip(box, held[0])):
+      raise ProtocolError(f"delta: box {box} of leaf {t} must lie inside device {k}'s "
+                          f"box {held[0]}.")
+    budget -= math.prod(hi - lo for lo, hi in box) * wire[t].itemsize
+    if budget < 0:
+      raise ProtocolError(f"delta: a request must ask for at most {MAX_REQUEST_FACTOR} x "
+                          "the version's bytes here.")
+    boxes.append((t, k, box))
+  if base is not None and base.manifest.id != m.id:
+    base = None  # another layout set: its shards are other boxes
+  start = time.perf_counter()
+  hosts: dict[tuple[int, int, int], tuple[Box, np.ndarray]] = {}
+
+  def host(v: Any, t: int, k: int) -> np.ndarray:
+    key = (id(v), t, k)
+    got = hosts.get(key)
+    if got is None:
+      held, array = v.shard(t, k, wire[t])
+      got = hosts[key] = (held, np.asarray(array))  # CPU: the buffer itself
+    return got
+
+  heads, bitmaps, runs, values = [], [], [], {}
+  for t, k, box in boxes:
+    held, new = host(version, t, k)
+    cut = tuple(slice(lo - h, hi - h) for (lo, hi), (h, _) in zip(box, held))
+    new = np.ascontiguousarray(new[cut]).reshape(-1)
+    old = None
+    if base is not None and (t, k) in base.shards and base.shards[(t, k)][0] == held:
+      old = np.ascontiguousarray(host(base, t, k)[1][cut]).reshape(-1)
+    e = encode(new, old)
+    heads.append([int(e.values.size), int(e.runs.size // 2), e.modes.tolist()])
+    bitmaps.append(e.bitmaps)
+    runs.append(e.runs)
+    values.setdefault(wire[t].name, []).append(e.values)
+    stats["publisher_elements"] += new.size
+    stats["publisher_changed"] += e.changed
+    stats["publisher_encoded_bytes"] += e.nbytes
+    stats["publisher_dense_bytes"] += new.nbytes
+    for mode, n in zip(*np.unique(e.modes, return_counts=True)):
+      stats[f"publisher_chunks_{MODES[mode]}"] += int(n)
+  arrays = [np.concatenate(bitmaps), np.concatenate(runs)] + [
+      np.concatenate(values[name]) for name in sorted(values)]
+  stats["publisher_encode_s"] += time.perf_counter() - start
+  stats["publisher_requests"] += 1
+  offered = [a for a in arrays if a.size]
+  uuid = None
+  if offered:
+    device = next(iter(version.shard(*boxes[0][:2], wire[boxes[0][0]])[1].devices()))
+    uuid = secrets.randbits(64)
+    transfer.await_pull(uuid, [jax.device_put(a, device) for a in offered],
+                        timeout=engine.offer_deadline(body["timeout_ms"] / 1000))
+  return {"uuid": uuid, "pieces": heads, "base": base.number if base is not None else 0}
+
+
+# ---------------------------------------------------------------------------------------
+# The subscriber's side
+# ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Last:
+  """A subscriber's last delta-enabled pull: what a delta applies to."""
+
+  version: int
+  manifest_id: str
+  dsts: tuple[Any, ...]
+  outs: tuple[np.dtype, ...]
+  arrays: list[weakref.ref]
+
+
+def record(number: int, manifest_id: str, dsts: Sequence[Any], outs: Sequence[Any],
+           arrays: Sequence[jax.Array]) -> Last:
+  return Last(number, manifest_id, tuple(dsts), tuple(np.dtype(o) for o in outs),
+              [weakref.ref(a) for a in arrays])
+
+
+def base_of(last: Last | None, manifest_id: str, dsts: Sequence[Any],
+            outs: Sequence[Any], quantized: bool) -> tuple[list[jax.Array] | None, str]:
+  """The previous result a delta pull applies to, or None and why not: no earlier
+  pull, another layout set, dst layouts or dtypes, Quantize leaves (they cross full:
+  their values are quantized on arrival, so no earlier raw values are held), or arrays
+  that were dropped, deleted or donated elsewhere (never assumed to hold old bytes)."""
+  stats["subscriber_full_pulls"] += 1  # (undone below when a base is found)
+  if quantized:
+    return None, "a Quantize leaf (crosses full)"
+  if last is None:
+    return None, "no earlier pull"
+  if last.manifest_id != manifest_id:
+    return None, "another published layout set"
+  if last.dsts != tuple(dsts) or last.outs != tuple(np.dtype(o) for o in outs):
+    return None, "other dst layouts or dtypes"
+  arrays = [r() for r in last.arrays]
+  if any(a is None or a.is_deleted() for a in arrays):
+    return None, "the previous arrays were dropped, deleted or donated elsewhere"
+  if any(a.size >= 1 << 31 for a in arrays):
+    return None, "a shard of 2**31 elements or more (positions are int32)"
+  stats["subscriber_full_pulls"] -= 1
+  return arrays, ""
+
+
+def agree(waits: Any, base: int) -> None:
+  """In a multi-process generator job, every process must pull against the same base
+  (a delta on one, a full copy on another would leave them without a common plan)."""
+  waits.post("delta", str(base))
+  theirs = waits.wait("delta", waits.peers, "the delta base of every process")
+  bad = {p: v for p, v in sorted(theirs.items()) if v != str(base)}
+  if bad:
+    raise ReshardValueError(
+        f"Subscriber.pull: every process must pull against the same previous version "
+        f"(delta=True applies to each process's last result); got base {base} here and "
+        f"{bad} elsewhere (a process whose previous arrays were deleted, or that skipped "
+        "a pull). Hint: pull with delta=False once on every process. No data moved.")
+
+
+@functools.lru_cache(maxsize=8)
+def _scatter(donate: bool) -> Any:
+  def apply(prev, at, values):
+    flat = prev.reshape(-1).at[at].set(values.astype(prev.dtype), mode="drop",
+                                       unique_indices=True)
+    return flat.reshape(prev.shape)
+  return jax.jit(apply, donate_argnums=(0,) if donate else ())
+
+
+def _bucket(n: int) -> int:
+  """Scatter sizes are padded to powers of two (at least 256): one compilation per
+  size class and device, not per count."""
+  return max(256, 1 << max(0, n - 1).bit_length())
+
+
+def run(pp: Any, links: dict[int, Any], number: int, base_version: int,
+        base: list[jax.Array], donate: bool, timeout_s: float,
+        answer_s: float) -> list[list[jax.Array]]:
+  """This process's delta pull: asks each publisher process for its pieces of the flat
+  plan `pp` (each box once, however many local replicas hold it) encoded against
+  `base_version`, pulls them, and applies them to `base` (the previous result, in the
+  same dst layouts and dtypes): in place where `donate`, else to copies. Returns per
+  leaf its local destination shards (in `pp.local_dst` order)."""
+  devices = {d.id: d for d in jax.local_devices()}
+  deadline = time.monotonic() + timeout_s
+  # Each box once per process, from the first publisher device the flat plan reads it
+  # from (its local replicas all apply the same delta).
+  unique: dict[tuple[int, Box], tuple[int, int, list[int]]] = {}
+  for k, groups in sorted(pp.requests.items()):
+    for ops in groups:
+      for op in ops:
+        unique.setdefault((op.tensor, op.box), (k, op.src, []))[2].append(op.dst)
+  asked: dict[int, list[tuple[int, int, Box, list[int]]]] = {}
+  for (t, box), (k, s, dsts) in unique.items():
+    asked.setdefault(k, []).append((t, s, box, dsts))
+  stats["subscriber_delta_pulls"] += 1
+  landing = devices[asked[min(asked)][0][3][0]] if asked else None
+  replies, pulled = {}, []
+  for k, pieces_ in asked.items():
+    wire = sorted({t for t, *_ in pieces_})
+    body = {"op": "delta", "version": number, "base": base_version,
+            "wire": [[t, pp.wire[t].name] for t in wire],
+            "pieces": [[t, s - PUBLISHER_DEVICE_BASE, *[lo for lo, _ in box],
+                        *[hi for _, hi in box]] for t, s, box, _ in pieces_],
+            "timeout_ms": int(timeout_s * 1000)}
+    reply = links[k].client.call(body, answer_s, f"the delta of version {number}")
+    stats["subscriber_reply_bytes"] += len(messages.encode(reply))
+    heads = reply.get("pieces")
+    if not isinstance(heads, list) or len(heads) != len(pieces_):
+      raise ReshardRuntimeError(f"Subscriber.pull: {links[k].name} answered the delta "
+                                "request with a malformed header.")
+    specs = _specs(pp, pieces_, heads, links[k].name)
+    uuid = reply.get("uuid")
+    arrays = []
+    if any(n for _, n in specs):
+      if type(uuid) is not int:
+        raise ReshardRuntimeError(f"Subscriber.pull: {links[k].name} must offer the "
+                                  "delta's arrays; got no uuid.")
+      sharding = jax.sharding.SingleDeviceSharding(landing)
+      arrays = links[k].connection.pull(uuid, [
+          jax.ShapeDtypeStruct((n,), d, sharding=sharding) for d, n in specs if n])
+      pulled.extend((links[k].name, a) for a in arrays)
+    replies[k] = (heads, specs, arrays)
+  _wait(pulled, deadline, timeout_s)
+  stats["subscriber_pulled_bytes"] += sum(a.nbytes for _, a in pulled)
+  start = time.perf_counter()
+  updates: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}
+  for k, (heads, specs, arrays) in replies.items():
+    host = iter(np.asarray(a) for a in arrays)
+    got = {i: (next(host) if n else np.zeros(0, d)) for i, (d, n) in enumerate(specs)}
+    bitmaps, runs = got[0], got[1]
+    at_bitmap = at_run = 0
+    at_values = collections.Counter()
+    for (t, _, box, dsts), (nvalues, nruns, modes) in zip(asked[k], heads):
+      shape = tuple(hi - lo for lo, hi in box)
+      n = math.prod(shape)
+      nbitmap = sum(1 for m in modes if m == BITMAP) * (CHUNK // 8)
+      positions = decode(np.asarray(modes), bitmaps[at_bitmap:at_bitmap + nbitmap],
+                         runs[at_run:at_run + 2 * nruns], n)
+      at_bitmap += nbitmap
+      at_run += 2 * nruns
+      name = pp.wire[t].name
+      slot = 2 + sorted({pp.wire[u].name for u, *_ in asked[k]}).index(name)
+      values = got[slot][at_values[name]:at_values[name] + nvalues]
+      at_values[name] += nvalues
+      if positions.size != nvalues:
+        raise ReshardRuntimeError(f"Subscriber.pull: a delta from {links[k].name} must "
+                                  f"carry one value per marked position; got {nvalues} "
+                                  f"for {positions.size}.")
+      if not nvalues:
+        continue
+      for d in set(dsts):
+        dbox = pp.plan.tensors[t].dst.box_of(d)
+        at = _in_shard(positions, shape, box, dbox)
+        updates.setdefault((t, d), []).append((at, values))
+  out = []
+  for t, local in enumerate(pp.local_dst):
+    row = []
+    prev = jax_compat.single_device_arrays(base[t])
+    for d, p in zip(local, prev):
+      parts = updates.get((t, d.id), [])
+      n = sum(a.size for a, _ in parts)
+      size = _bucket(n)
+      at = np.full(size, p.size, np.int32)  # past the end: dropped
+      vals = np.zeros(size, pp.wire[t])
+      if parts:
+        at[:n] = np.concatenate([a for a, _ in parts])
+        vals[:n] = np.concatenate([v for _, v in parts])
+      row.append(_scatter(donate)(p, jax.device_put(at, d), jax.device_put(vals, d)))
+    out.append(row)
+  stats["subscriber_apply_s"] += time.perf_counter() - start
+  return out
+
+
+def _specs(pp: Any, pieces_, heads, name: str) -> list[tuple[np.dtype, int]]:
+  """The arrays a reply's header says its offer holds: bitmaps (uint8), runs (int32),
+  then the values per wire dtype (by name), each possibly empty (then not offered)."""
+  bitmap_bytes = runs = 0
+  values: collections.Counter = collections.Counter()
+  for (t, _, box, _), head in zip(pieces_, heads):
+    if not (isinstance(head, list) and len(head) == 3 and type(head[0]) is int
+            and type(head[1]) is int and isinstance(head[2], list)
+            and all(type(m) is int for m in head[2])):
+      raise ReshardRuntimeError(f"Subscriber.pull: {name} answered the delta request "
+                                "with a malformed piece header.")
+    n = math.prod(hi - lo for lo, hi in box)
+    if head[0] < 0 or head[0] > n or head[1] < 0 or head[1] > n:
+      raise ReshardRuntimeError(f"Subscriber.pull: {name} must send at most one value "
+                                f"per element of a piece; got {head[0]} for {n}.")
+    b, r, v = sizes_of(head[2], head[0], head[1], n)
+    bitmap_bytes += b
+    runs += r
+    values[pp.wire[t].name] += v
+  return [(np.dtype(np.uint8), bitmap_bytes), (np.dtype(np.int32), runs)] + [
+      (np.dtype(manifest_lib.dtype_of(k)), values[k]) for k in sorted(values)]
+
+
+def _in_shard(positions: np.ndarray, shape: tuple[int, ...], box: Box, dbox: Box
+              ) -> np.ndarray:
+  """Flat positions in a piece of `shape` at `box` -> flat positions in the destination
+  shard at `dbox` (which contains the box)."""
+  if not shape:
+    return positions
+  index = np.unravel_index(positions, shape)
+  dshape = tuple(hi - lo for lo, hi in dbox)
+  return np.ravel_multi_index(
+      tuple(i + (lo - dlo) for i, (lo, _), (dlo, _) in zip(index, box, dbox)), dshape)
+
+
+def _wait(pulled: Sequence[tuple[str, jax.Array]], deadline: float, timeout_s: float
+          ) -> None:
+  """Waits (bounded) until every pulled array has arrived; a failed pull names its
+  sender."""
+  delay = 1e-4
+  while not all(a.is_ready() for _, a in pulled):
+    if time.monotonic() > deadline:
+      raise ReshardTimeoutError(
+          f"Subscriber.pull: a delta must arrive within timeout_s={timeout_s:g}; got "
+          f"{sum(not a.is_ready() for _, a in pulled)} array(s) still missing.")
+    time.sleep(delay)
+    delay = min(2 * delay, 2e-3)
+  for name, a in pulled:
+    try:
+      a.block_until_ready()
+    except Exception as e:  # noqa: BLE001 - the engine's failure, named
+      raise ReshardRuntimeError(f"Subscriber.pull: the delta from {name} failed (it "
+                                f"died or closed mid-transfer): {type(e).__name__}: "
+                                f"{e}") from e
