@@ -49,8 +49,9 @@ MAX_REQUEST_FACTOR = 64
 
 # Counters for the bench and the tests: the publisher's ("publisher_*": elements
 # compared, changed, bytes encoded against the dense bytes, seconds comparing and
-# encoding, chunks per mode) and the subscriber's ("subscriber_*": bytes pulled, the
-# control reply's bytes, seconds decoding and applying, pulls by kind).
+# encoding, chunks per mode) and the subscriber's ("subscriber_*": bytes pulled against
+# the dense bytes of the same pieces, the control reply's bytes, seconds decoding and
+# applying, pulls by kind).
 stats: collections.Counter = collections.Counter()
 
 
@@ -371,6 +372,9 @@ def run(pp: Any, links: dict[int, Any], number: int, base_version: int,
   for (t, box), (k, s, dsts) in unique.items():
     asked.setdefault(k, []).append((t, s, box, dsts))
   stats["subscriber_delta_pulls"] += 1
+  stats["subscriber_dense_bytes"] += sum(
+      math.prod(hi - lo for lo, hi in box) * pp.wire[t].itemsize
+      for (t, box) in unique)
   landing = devices[asked[min(asked)][0][3][0]] if asked else None
   replies, pulled = {}, []
   for k, pieces_ in asked.items():
