@@ -101,13 +101,16 @@ def test_nan_and_signed_zero_are_changes():
 
 def test_malformed_deltas_are_refused():
   n = 100
+  with pytest.raises(jax_m2n.ReshardRuntimeError, match="must match"):
+    delta.decode(np.array([delta.BITMAP], np.int8), np.zeros(8, np.uint8),
+                 np.zeros(0, np.int32), n)
   with pytest.raises(jax_m2n.ReshardRuntimeError, match="one mode per chunk"):
     delta.decode(np.array([1, 1], np.int8), np.zeros(0, np.uint8), np.zeros(0, np.int32), n)
   with pytest.raises(jax_m2n.ReshardRuntimeError, match="runs must lie"):
     delta.decode(np.array([delta.RUNS], np.int8), np.zeros(0, np.uint8),
                  np.array([90, 20], np.int32), n)
   with pytest.raises(jax_m2n.ReshardRuntimeError, match="past its piece"):
-    bitmap = np.full(delta.CHUNK // 8, 255, np.uint8)
+    bitmap = np.full(13, 255, np.uint8)  # 104 bits for 100 elements
     delta.decode(np.array([delta.BITMAP], np.int8), bitmap, np.zeros(0, np.int32), n)
 
 

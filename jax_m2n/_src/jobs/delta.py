@@ -34,7 +34,7 @@ from jax_m2n._src.jobs.messages import ProtocolError
 from jax_m2n._src.layout import MAX_RANK, Box
 
 # Elements per chunk: the unit that crosses as nothing, sparse or dense. A bitmap costs
-# CHUNK / 8 bytes, so a chunk goes sparse below ~1/8 changed per value byte; 16 Ki
+# CHUNK / 8 bytes (a smaller last chunk's: its size / 8), so a chunk goes sparse below ~1/8 changed per value byte; 16 Ki
 # elements keeps the per-chunk mode list (one int in the reply) at 1/16 Ki of the
 # elements and a chunk's bitmap at 2 KiB.
 CHUNK = 1 << 14
@@ -79,7 +79,8 @@ def changed(new: np.ndarray, old: np.ndarray) -> np.ndarray:
 @dataclasses.dataclass
 class Encoded:
   """One piece's delta: per chunk a mode (NOTHING, BITMAP, RUNS, DENSE), the bitmaps of
-  BITMAP chunks (CHUNK / 8 bytes each, little bit order), the runs of RUNS chunks (int32
+  BITMAP chunks (CHUNK / 8 bytes each, a partial last chunk's its size / 8 rounded
+  up; little bit order), the runs of RUNS chunks (int32
   pairs: start in the piece, length) and the values, in element order: every element
   of a DENSE chunk and the changed ones of the sparse chunks, in the wire dtype."""
 
@@ -121,7 +122,7 @@ def encode(new: np.ndarray, old: np.ndarray | None, chunk: int = CHUNK) -> Encod
   nruns = starts.sum(axis=1)
   sizes = np.full(nchunks, chunk, np.int64)
   sizes[-1] = n - (nchunks - 1) * chunk
-  cost = np.stack([chunk // 8 + count * itemsize,                 # BITMAP
+  cost = np.stack([-(-sizes // 8) + count * itemsize,             # BITMAP
                    np.where(n <= MAX_RUN_PIECE, 8 * nruns + count * itemsize,
                             np.iinfo(np.int64).max),            # RUNS
                    sizes * itemsize])                             # DENSE
@@ -130,6 +131,8 @@ def encode(new: np.ndarray, old: np.ndarray | None, chunk: int = CHUNK) -> Encod
   dense = np.repeat(modes == DENSE, chunk)[:n]
   values = new[grid[:n] | dense]
   bitmaps = np.packbits(rows[modes == BITMAP], axis=1, bitorder="little").reshape(-1)
+  if modes[-1] == BITMAP:  # a partial last chunk's bitmap ends with the piece
+    bitmaps = bitmaps[:bitmaps.size - chunk // 8 + -(-int(sizes[-1]) // 8)]
   in_runs = np.repeat(modes == RUNS, chunk)
   ends = rows.copy()
   ends[:, :-1] &= ~rows[:, 1:]
@@ -139,10 +142,15 @@ def encode(new: np.ndarray, old: np.ndarray | None, chunk: int = CHUNK) -> Encod
   return Encoded(modes, bitmaps, runs, values, int(count.sum()))
 
 
-def sizes_of(modes: Sequence[int], nvalues: int, nruns: int, n: int, chunk: int = CHUNK
-             ) -> tuple[int, int, int]:
-  """(bitmap bytes, run int32s, values) a piece's delta arrives as, from its header."""
-  return sum(1 for m in modes if m == BITMAP) * (chunk // 8), 2 * nruns, nvalues
+def bitmap_bytes(modes: Sequence[int], n: int, chunk: int = CHUNK) -> int:
+  """The bytes of a piece's bitmaps: CHUNK / 8 per BITMAP chunk, the last chunk's
+  rounded up from its own size."""
+  nbitmaps = sum(1 for m in modes if m == BITMAP)
+  if not nbitmaps:
+    return 0
+  last = n - (len(modes) - 1) * chunk
+  return nbitmaps * (chunk // 8) - (chunk // 8 - -(-last // 8) if modes[-1] == BITMAP
+                                    else 0)
 
 
 def decode(modes: np.ndarray, bitmaps: np.ndarray, runs: np.ndarray, n: int,
@@ -162,11 +170,13 @@ def decode(modes: np.ndarray, bitmaps: np.ndarray, runs: np.ndarray, n: int,
   rows = np.zeros((nchunks, chunk), bool)
   rows[modes == DENSE] = True
   nbitmaps = int((modes == BITMAP).sum())
-  if bitmaps.size != nbitmaps * (chunk // 8) or runs.size % 2:
+  if bitmaps.size != bitmap_bytes(modes.tolist(), n, chunk) or runs.size % 2:
     raise ReshardRuntimeError("Subscriber.pull: a delta's bitmaps and runs must match "
                               "its modes; got other sizes.")
   if nbitmaps:
-    rows[modes == BITMAP] = np.unpackbits(bitmaps.reshape(nbitmaps, chunk // 8), axis=1,
+    padded = np.zeros(nbitmaps * (chunk // 8), np.uint8)
+    padded[:bitmaps.size] = bitmaps
+    rows[modes == BITMAP] = np.unpackbits(padded.reshape(nbitmaps, chunk // 8), axis=1,
                                           bitorder="little").astype(bool)
   if runs.size:
     first, length = runs[0::2].astype(np.int64), runs[1::2].astype(np.int64)
@@ -415,7 +425,7 @@ def run(pp: Any, links: dict[int, Any], number: int, base_version: int,
     for (t, _, box, dsts), (nvalues, nruns, modes) in zip(asked[k], heads):
       shape = tuple(hi - lo for lo, hi in box)
       n = math.prod(shape)
-      nbitmap = sum(1 for m in modes if m == BITMAP) * (CHUNK // 8)
+      nbitmap = bitmap_bytes(modes, n)
       positions = decode(np.asarray(modes), bitmaps[at_bitmap:at_bitmap + nbitmap],
                          runs[at_run:at_run + 2 * nruns], n)
       at_bitmap += nbitmap
@@ -456,7 +466,7 @@ def run(pp: Any, links: dict[int, Any], number: int, base_version: int,
 def _specs(pp: Any, pieces_, heads, name: str) -> list[tuple[np.dtype, int]]:
   """The arrays a reply's header says its offer holds: bitmaps (uint8), runs (int32),
   then the values per wire dtype (by name), each possibly empty (then not offered)."""
-  bitmap_bytes = runs = 0
+  nbitmap = runs = 0
   values: collections.Counter = collections.Counter()
   for (t, _, box, _), head in zip(pieces_, heads):
     if not (isinstance(head, list) and len(head) == 3 and type(head[0]) is int
@@ -468,11 +478,13 @@ def _specs(pp: Any, pieces_, heads, name: str) -> list[tuple[np.dtype, int]]:
     if head[0] < 0 or head[0] > n or head[1] < 0 or head[1] > n:
       raise ReshardRuntimeError(f"Subscriber.pull: {name} must send at most one value "
                                 f"per element of a piece; got {head[0]} for {n}.")
-    b, r, v = sizes_of(head[2], head[0], head[1], n)
-    bitmap_bytes += b
-    runs += r
-    values[pp.wire[t].name] += v
-  return [(np.dtype(np.uint8), bitmap_bytes), (np.dtype(np.int32), runs)] + [
+    if len(head[2]) != -(-n // CHUNK):
+      raise ReshardRuntimeError(f"Subscriber.pull: {name} must send one mode per chunk "
+                                f"of a piece; got {len(head[2])} for {n} elements.")
+    nbitmap += bitmap_bytes(head[2], n)
+    runs += 2 * head[1]
+    values[pp.wire[t].name] += head[0]
+  return [(np.dtype(np.uint8), nbitmap), (np.dtype(np.int32), runs)] + [
       (np.dtype(manifest_lib.dtype_of(k)), values[k]) for k in sorted(values)]
 
 
