@@ -15,8 +15,8 @@ PROC, KV, DEV = "#e2f0d9", "#fde9c8", "#dbe9f6"
 # name: (x, y, width, height, colour, title, detail)
 BOXES = {
     "kv": (0.4, 7.6, 9.3, 1.3, KV, "jax.distributed key-value store (coordination service)",
-           "per call n: fp/<p> (plan fingerprint)  w<depth>/<p> (bytes offered)  done/<p>  "
-           "failed/<p>  fin/<p>\nper process: addr/<p> (transfer server)  beat/<p> "
+           "per call n: fp/<p> (plan fingerprint)  outcome ('done' or the first failure)  "
+           "done (a counter)  fin/<p>\nper process: addr/<p> (transfer server)  beat/<p> "
            "(every 0.25 s)  gone/<p> (at exit)"),
     "p0": (0.4, 2.2, 2.9, 4.4, PROC, "process 0 (source)", ""),
     "p1": (3.6, 2.2, 2.9, 4.4, PROC, "process 1", ""),
@@ -28,11 +28,11 @@ BOXES = {
     "d4": (7.1, 4.2, 1.1, 0.9, DEV, "dev 4096", "leader"),
     "d5": (8.3, 4.2, 1.1, 0.9, DEV, "dev 4097", "replica"),
     "note": (0.4, 0.2, 9.3, 1.5, "#f2f2f2", "one call, every process",
-             "1 number it  2 post + compare fingerprints (ReshardValueError before any "
-             "byte)  3 per depth: slice, await_pull,\npost w<depth>; pull from peers "
-             "(inject / forward); in-process copies (local, fanout)  4 assemble, post "
-             "done,\nwait all done (then donate)  Waits poll the store: a failed/ gone/ "
-             "marker or a stale beat fails the call naming the process"),
+             "1 number it, post fp, pull everything (waits at the senders)  2 compare "
+             "fingerprints (ReshardValueError before any\nbyte)  3 offer every chunk, "
+             "copy in-process: ordered by data, no store round per chunk  4 assemble; done "
+             "+1;\nwait for the outcome (then donate)  A peer's failure, or a silent beat / "
+             "stalled data and a failed probe: fails, naming it"),
 }
 
 ARROWS = [

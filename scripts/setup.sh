@@ -9,7 +9,8 @@
 # .venv with the requirement sets its caller names in SETUP_REQUIREMENTS (files under
 # the repository root; default requirements.txt, everything the tests need:
 # scripts/test.sh; scripts/run_example.sh names the main job's set,
-# requirements/runtime.txt, and the example's own). apt needs root or sudo.
+# requirements/runtime.txt, and the example's own), and as root iproute2 (the
+# network tests' `ip`, `tc`). apt needs root or sudo.
 # CUDA: the CUDA extension is built when the machine has a CUDA toolkit (nvcc) and
 # the venv has NCCL's headers (bazel/local_cuda.bzl decides); otherwise the CPU
 # extension alone, and one line says so. A missing toolkit is never an error.
@@ -29,6 +30,7 @@ _setup_main() {
   set -euo pipefail
   ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   _ensure_python
+  _ensure_iproute2
   _build_extensions
   _install_editable
 }
@@ -138,6 +140,14 @@ or drop JAX_M2N_PYTHON: setup then creates .venv with requirements.txt."
     "$PY" -m pip install -q --disable-pip-version-check "${args[@]}" </dev/null
     _requirements_met "$PY" "${files[@]}" \
       || _die "${SETUP_REQUIREMENTS[*]:-requirements.txt} still not met after pip install"
+  fi
+}
+
+# The network tests' emulated hosts (jax_m2n/testing/hosts.py) need `ip` and `tc`.
+# Only as root (they skip, saying why, without root or iproute2 anyway).
+_ensure_iproute2() {
+  if [ "$(id -u)" = 0 ] && ! { command -v ip && command -v tc; } >/dev/null 2>&1; then
+    _apt_install iproute2
   fi
 }
 

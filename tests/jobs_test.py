@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from jax_m2n.testing.hosts import EmulatedHosts
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "jobs_worker.py")
 
@@ -35,7 +37,10 @@ class Jobs:
     self.dir = tempfile.mkdtemp(prefix="m2n_jobs_")
     self.procs = []  # (name, Popen, log file)
 
-  def start(self, role, processes, scenario, devices=4, seed=5, tag=""):
+  def start(self, role, processes, scenario, devices=4, seed=5, tag="", hosts=None,
+            on=()):
+    """Starts `processes` workers of one job; with `hosts` (EmulatedHosts), worker i
+    runs on emulated host `on[i]` and the job's coordinator on `on[0]`'s."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)
@@ -45,11 +50,17 @@ class Jobs:
     for i in range(processes):
       name = f"{role}{tag}{i}"
       log = open(os.path.join(self.dir, f"{name}.log"), "w+")
-      p = subprocess.Popen(
-          [sys.executable, WORKER, "--role", role, "--process-id", str(i),
-           "--num-processes", str(processes), "--devices", str(devices // processes),
-           "--port", str(port), "--dir", self.dir, "--scenario", scenario,
-           "--seed", str(seed)], env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+      argv = [sys.executable, WORKER, "--role", role, "--process-id", str(i),
+              "--num-processes", str(processes), "--devices", str(devices // processes),
+              "--port", str(port), "--dir", self.dir, "--scenario", scenario,
+              "--seed", str(seed)]
+      if hosts is None:
+        p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                             text=True)
+      else:
+        argv += ["--host", hosts.address(on[i]), "--coordinator", hosts.address(on[0])]
+        p = hosts.popen(on[i], argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                        text=True)
       self.procs.append((name, p, log))
       started.append((name, p, log))
     return started
@@ -118,6 +129,36 @@ def test_random_layouts_versions_bitwise(jobs, trainers, generators):
       got[1] = int(f["plan_from_publisher"])
     assert routes["hierarchical"][0] == routes["hierarchical"][1] == routes["hierarchical"][2]
     assert routes["flat"][0] == routes["flat"][1] == 4 * routes["flat"][2]
+  print("\n".join(line for _, _, line in found + jobs.results("route")))
+
+
+@pytest.mark.skipif(EmulatedHosts.unavailable() is not None,
+                    reason=str(EmulatedHosts.unavailable()))
+def test_across_emulated_hosts_on_shaped_links(jobs):
+  # Each of the 4 processes on its own emulated host (own address, 1 Gbit/s link): the
+  # trainer job on hosts 0-1, the generator job on hosts 2-3; no address is configured
+  # for the generator's own transfer servers (they bind the route to its coordinator).
+  with EmulatedHosts(4, rate="1gbit") as hosts:
+    t = jobs.start("trainer", 2, "random", seed=41, hosts=hosts, on=(0, 1))
+    g = jobs.start("generator", 2, "random", seed=41, hosts=hosts, on=(2, 3))
+    jobs.wait(g, 300)
+    jobs.wait(t, 60)
+  text = jobs.logs()
+  assert "FAIL" not in text, text
+  found = jobs.results("random")
+  assert len(found) == 2, text
+  for _, f, line in found:
+    assert int(f["ok"]) == 30 * 3 and f["replanned"] == "0", line
+  # Each generator process's transfer server bound its own host's address, and the
+  # trainer's bytes crossed once per job (hierarchical) or once per device (flat).
+  routes = {}
+  for name, f, line in jobs.results("route"):
+    host = hosts.address(2 + int(name[-1]))
+    assert f["transfer"].startswith(host + ":"), line
+    got = routes.setdefault(f["route"], [0, int(f["payload"])])
+    got[0] += int(f["pulled"])
+  assert routes["hierarchical"][0] == routes["hierarchical"][1], routes
+  assert routes["flat"][0] == 4 * routes["flat"][1], routes
   print("\n".join(line for _, _, line in found + jobs.results("route")))
 
 

@@ -100,7 +100,7 @@ def shardings(jax, seed, devices, shapes):
 
 def trainer(jax, jax_m2n, args):
   import numpy as np
-  pub = jax_m2n.Publisher("127.0.0.1:0", token=TOKEN, keep=VERSIONS)
+  pub = jax_m2n.Publisher(f"{args.host}:0", token=TOKEN, keep=VERSIONS)
   if args.process_id == 0:
     _write(os.path.join(args.dir, "address"), pub.address)
   table = cases(args.seed)
@@ -136,6 +136,7 @@ def _check(y, host, sharding, dtype):
 def generator(jax, jax_m2n, args):
   import numpy as np
   from jax_m2n._src.jobs import engine, planning
+  from jax_m2n._src.processes import bootstrap
   address = _wait_file(os.path.join(args.dir, "address"), 120)
   if args.scenario == "wrong_token":
     try:
@@ -218,7 +219,8 @@ def generator(jax, jax_m2n, args):
       total = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d, _ in table)
       print(f"RESULT route role=generator process={args.process_id} route={route} "
             f"pulled={pulled} plan_from_publisher="
-            f"{planning.network_bytes(pp)['from_publisher']} payload={total}", flush=True)
+            f"{planning.network_bytes(pp)['from_publisher']} payload={total} "
+            f"transfer={bootstrap.engine().address}", flush=True)
   sub.close()
   if args.process_id == 0:
     _write(os.path.join(args.dir, "generator_done"), "")
@@ -235,12 +237,17 @@ def main():
   p.add_argument("--dir", required=True)
   p.add_argument("--scenario", default="random")
   p.add_argument("--seed", type=int, default=0)
+  # On emulated hosts (tests/jobs_test.py): the address the trainer serves at, and the
+  # address of the job's jax.distributed coordinator (its process 0's host).
+  p.add_argument("--host", default="127.0.0.1")
+  p.add_argument("--coordinator", default="127.0.0.1")
   args = p.parse_args()
   import jax
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", args.devices)
   if args.num_processes > 1:
-    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
+    jax.distributed.initialize(f"{args.coordinator}:{args.port}",
+                               num_processes=args.num_processes,
                                process_id=args.process_id,
                                initialization_timeout=120)
   import jax_m2n

@@ -234,3 +234,18 @@ def distributed_client() -> Any:
   the store the multi-controller control plane bootstraps through (processes/)."""
   from jax._src import distributed  # global_state: no public spelling in 0.10-0.11
   return distributed.global_state.client
+
+
+def distributed_coordinator_address() -> str | None:
+  """The `jax.distributed` coordinator's "host:port" (None outside a job): where every
+  process of the job already connects, so the cross-process engine binds the local
+  address that routes there (processes/bootstrap.transfer_host)."""
+  from jax._src import distributed  # global_state: no public spelling in 0.10-0.11
+  return distributed.global_state.coordinator_address
+
+
+def poison_transfer_connection(connection: Any) -> None:
+  """Fails every pull still pending on a `jax.experimental.transfer` connection and
+  closes it (`_poison_connection`: no public spelling in 0.10-0.11). A pull on a cut
+  link otherwise waits until TCP gives up, many minutes later."""
+  connection._poison_connection()  # pylint: disable=protected-access

@@ -18,6 +18,9 @@ from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 # and GB200 (900).
 DEFAULT_NIC_GBPS = 50.0
 DEFAULT_NVLINK_GBPS = 450.0
+# A CPU host's network link (10 Gbit/s Ethernet), shared by that process's CPU devices:
+# the default between CPU processes (Topology.for_devices).
+CPU_HOST_NIC_GBPS = 1.25
 
 _MAX_DEVICE_ID = 2**63 - 1  # device ids travel as int64 in schedules
 
@@ -134,13 +137,19 @@ class Topology:
 
   @classmethod
   def for_devices(cls, devices: Iterable, **bandwidths) -> "Topology":
-    """The runtime default: the devices of one process form one NVLink domain."""
+    """The runtime default: the devices of one process form one NVLink domain. CPU
+    devices of several processes share their host's network link: unless given, each
+    one's `nic_gbps` is CPU_HOST_NIC_GBPS over its process's devices (what prices the
+    cross-process engine's chunks; the GPU default stays the paper's NIC per GPU)."""
+    devices = list(devices)
     by_process: dict[int, list[int]] = {}
     for d in devices:
       by_process.setdefault(d.process_index, []).append(d.id)
     groups = tuple(tuple(sorted(ids)) for _, ids in sorted(by_process.items()))
     if len(groups) <= 1:
       return cls(**bandwidths)
+    if "nic_gbps" not in bandwidths and all(d.platform == "cpu" for d in devices):
+      bandwidths["nic_gbps"] = CPU_HOST_NIC_GBPS / max(len(g) for g in groups)
     return cls(domains=groups, **bandwidths)
 
 

@@ -13,7 +13,10 @@ MoE-shaped pytrees, FSDP/EP -> TP x DP on other devices), emulated (8 CPU device
 emulated NVLink domains of 2), planner (planning a DeepSeek-V3-sized refit, no devices;
 with --planner_scale, the default, also the 4,096-device one in a fresh process),
 multiprocess (2-4 processes x 1 GPU under jax.distributed, spawned by the bench, beside
-torch.distributed, and over NCCL's socket transport: jax_m2n/bench/multiprocess.py),
+torch.distributed, and over NCCL's socket transport: jax_m2n/bench/multiprocess.py;
+without 2 GPUs, CPU processes on loopback: bench/multiprocess_cpu.py), network (CPU
+processes each on its own emulated host behind a --link_rate link, root only:
+bench/network.py),
 fig4 (the paper's Figure 4 in miniature on the emulated network: bench/fig4.py), memory
 (RSS over distinct eager layouts against a plain-JAX control: bench/memory.py), dtype
 (fp32 -> bf16 in flight against casting first: bench/dtype.py), quantize (FP8 values +
@@ -109,6 +112,9 @@ _TORCH_DEVICE = flags.DEFINE_enum(
     "auto: the torch engine runs on GPUs (NCCL) when there are any; cpu: on host "
     "processes with gloo (tests the torch engine without GPUs).")
 _PLOTS = flags.DEFINE_boolean("plots", True, "Write PNG plots.")
+_LINK_RATE = flags.DEFINE_string(
+    "link_rate", "1gbit", "network suite: each emulated host's link speed, each way "
+    "(tc rate: '1gbit', '100mbit').")
 _MEMORY_LAYOUTS = flags.DEFINE_list(
     "memory_layouts", ["1000", "8000"], "memory suite: RSS checkpoints, in distinct "
     "layouts (the growth between the first and the last is reported).")
@@ -175,6 +181,13 @@ def _main(argv) -> int:
     mp_rc = multiprocess.run_suite(out_dir, _SIZE_MIB.value or 1024, _ITERS.value,
                                    _WARMUP.value, echo=console.print)
     chosen_suites.remove("multiprocess")
+    if not chosen_suites:
+      return mp_rc
+  if "network" in chosen_suites:  # CPU processes on emulated hosts (bench/network.py)
+    from jax_m2n.bench import network
+    mp_rc = network.run_suite(out_dir, _SIZE_MIB.value or 64, _ITERS.value,
+                              _WARMUP.value, _LINK_RATE.value, echo=console.print) or mp_rc
+    chosen_suites.remove("network")
     if not chosen_suites:
       return mp_rc
   if "fig4" in chosen_suites:  # its own table, plot and fig4.json (bench/fig4.py)

@@ -1,22 +1,29 @@
-"""The multi-process suite on CPU (`python -m jax_m2n.bench --suite multiprocess` on a
-machine without 2 GPUs): jax_m2n across CPU processes through JAX's transfer server.
+"""jax_m2n across CPU processes through JAX's transfer server: the workers and tables of
+`--suite multiprocess` on a machine without 2 GPUs (loopback) and `--suite network`
+(each process its own emulated host behind a shaped link: bench/network.py).
 
-Owns the launch of CPU processes under jax.distributed on 127.0.0.1 (spawned by the
-bench itself) and two parts, every output checked bitwise before timing:
+Owns the launch of CPU processes under jax.distributed (spawned by the bench itself,
+on 127.0.0.1 or each in a host of a jax_m2n.testing.hosts.EmulatedHosts) and two parts,
+every output checked bitwise before timing, at default reshard arguments:
   engine  2 processes x 2 devices: one reshard of S MiB from process 0 to process 1
           (whole tensor, and P('x') -> P('x') over each process's 2 devices) against
           the engine's raw transfer of the same arrays in the same run (offer, signal
           through the key-value store, pull, confirm: what any caller of the transfer
-          server must do). Goal: reshard / raw <= 1.25 for >= 16 MiB.
+          server must do). Goal: reshard / raw <= 1.15 over shaped links, <= 1.25 on
+          loopback, for >= 16 MiB.
   fig4    the paper's Figure 4 over real inter-process transfers: 2 source devices in
           process 0 (TP over rows) -> TP2 x DP r_d over r_d other processes (one replica
-          each), r_d = 2, 3, routes hierarchical / flat / gather_bcast; measured time,
-          the planner's estimate at the bandwidths measured in the same run, and
+          each), routes hierarchical / flat / gather_bcast; measured time, the plan's
+          step-by-step estimate (processes as domains, priced at the link rate: the
+          shaped rate, or on loopback the raw bandwidth measured in the same run), and
           flat / hierarchical (the paper: about r_d where the source's link is the
-          bottleneck).
+          bottleneck; goal >= 0.85 r_d over shaped links).
+Both report the key-value operations each call makes on the calling thread (the
+control plane per call: it grows with processes, never with chunks).
 Latency = the maximum over processes of each one's mean over --iters timed calls after
 --warmup, each call started behind a barrier. Usage by hand (the bench starts workers):
-  python -m jax_m2n.bench.multiprocess_cpu --out_dir DIR [--size_mib 16,64] [--iters 5]
+  python -m jax_m2n.bench.multiprocess_cpu --out_dir DIR [--size_mib 16,64,256]
+      [--iters 10] [--warmup 3] [--r_d 2,3,4]
 """
 
 from __future__ import annotations
@@ -28,13 +35,12 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Sequence
 
 MIB = 1 << 20
-SCHEMA = 1
+SCHEMA = 2
 ROUTES = ("hierarchical", "flat", "gather_bcast")
-# Figure 4 in chunks of 2 MiB (as --suite fig4): 4+ steps per source piece, so the
-# hierarchical ring forwards chunk c while chunk c + 1 arrives.
-FIG4_CHUNK_BYTES = 2 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _free_port() -> int:
@@ -43,22 +49,37 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(part: str, n: int, argv: list[str], timeout_s: float, log_dir: str
-            ) -> list[dict]:
-  """Starts n workers of `part`; returns every MPRESULT dict they printed (or raises
-  RuntimeError with the logs' tails). Children are killed on timeout."""
-  port = _free_port()
-  env = dict(os.environ, PYTHONUNBUFFERED="1")
-  for k in ("XLA_FLAGS", "JAX_PLATFORMS"):
-    env.pop(k, None)
-  logs = [os.path.join(log_dir, f"multiprocess_cpu_{part}_{n}_{i}.log") for i in range(n)]
+def worker_env() -> dict:
+  """The environment of a CPU worker: JAX on CPU from its first import (a machine with
+  a GPU would otherwise start CUDA in every worker: NCCL "Duplicate GPU detected"),
+  this checkout importable, no inherited device-count flags."""
+  env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  return env
+
+
+def launch(part: str, n: int, argv: list[str], timeout_s: float, log_dir: str,
+           hosts=None) -> list[dict]:
+  """Starts n workers of `part` (in hosts 0..n-1 of `hosts`, an EmulatedHosts, or on
+  127.0.0.1); returns every MPRESULT dict they printed (or raises RuntimeError with the
+  logs' tails). Children are killed on timeout."""
+  if hosts is None:
+    coordinator = f"127.0.0.1:{_free_port()}"
+  else:  # a fresh port per launch: the last job's may linger in TIME_WAIT
+    launch.count = getattr(launch, "count", 0) + 1
+    coordinator = f"{hosts.address(0)}:{7000 + launch.count}"
+  env = worker_env()
+  where = "loopback" if hosts is None else "hosts"
+  logs = [os.path.join(log_dir, f"multiprocess_cpu_{where}_{part}_{n}_{i}.log")
+          for i in range(n)]
   procs = []
   for i in range(n):
+    cmd = [sys.executable, "-m", "jax_m2n.bench.multiprocess_cpu", "--worker", part,
+           "--pid", str(i), "--n", str(n), "--coordinator", coordinator, *argv]
     with open(logs[i], "w") as f:
-      procs.append(subprocess.Popen(
-          [sys.executable, "-m", "jax_m2n.bench.multiprocess_cpu", "--worker", part,
-           "--pid", str(i), "--n", str(n), "--port", str(port), *argv],
-          stdout=f, stderr=subprocess.STDOUT, env=env))
+      kw = dict(stdout=f, stderr=subprocess.STDOUT, env=env)
+      procs.append(subprocess.Popen(cmd, **kw) if hosts is None else hosts.popen(i, cmd, **kw))
   deadline = time.monotonic() + timeout_s
   try:
     for p in procs:
@@ -87,10 +108,9 @@ def _launch(part: str, n: int, argv: list[str], timeout_s: float, log_dir: str
 # ---------------------------------------------------------------------------------------
 
 def _init(args):
-  os.environ["JAX_PLATFORMS"] = "cpu"
   import jax
   jax.config.update("jax_num_cpu_devices", 2)
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
+  jax.distributed.initialize(coordinator_address=args.coordinator,
                              num_processes=args.n, process_id=args.pid,
                              initialization_timeout=120)
   from jax_m2n._src import jax_compat
@@ -120,12 +140,20 @@ def _check(y, host) -> bool:
              for s in y.addressable_shards)
 
 
+def _per_call(fn, calls: int) -> tuple:
+  """(fn's result, key-value operations per call it made on this thread)."""
+  from jax_m2n._src.processes import store
+  before = store.stats["kv_ops"]
+  out = fn()
+  return out, (store.stats["kv_ops"] - before) / max(1, calls)
+
+
 def _raw(jax, kv, eng, tag, arrays_by_pid, specs_fn, iters, warmup):
   """The engine alone: process 0 offers `arrays`, tells process 1 through the store,
   process 1 pulls them and confirms. ms per transfer on this process."""
   pid = jax.process_index()
   if pid == 1:
-    conn = eng.server.connect(kv.blocking_key_value_get("jax_m2n/addr/0", 60_000))
+    conn = eng.server.connect(eng.peer_address(0))
 
   def once(i):
     key = f"bench/raw/{tag}/{i}"
@@ -159,10 +187,11 @@ def worker_engine(args) -> int:
       src = NamedSharding(Mesh(np.array(src_devs), ("x",)), spec)
       dst = NamedSharding(Mesh(np.array(dst_devs), ("x",)), spec)
       x = jax.make_array_from_callback(host.shape, src, lambda i: host[i], dtype=host.dtype)
-      ok = _check(jax_m2n.reshard(x, dst, timeout_s=120), host)
+      ok = _check(jax_m2n.reshard(x, dst), host)
       tag = f"{case}/{size_mib}"
-      t_m2n = _timed(jax, kv, f"m2n/{tag}", args.iters, args.warmup,
-                     lambda i: jax_m2n.reshard(x, dst, timeout_s=120).block_until_ready())
+      t_m2n, kv_ops = _per_call(lambda: _timed(
+          jax, kv, f"m2n/{tag}", args.iters, args.warmup,
+          lambda i: jax_m2n.reshard(x, dst).block_until_ready()), args.iters + args.warmup)
       shards = [s.data for s in x.addressable_shards]
       dst_boxes = dst.devices_indices_map(host.shape)
       specs = [jax.ShapeDtypeStruct(host[dst_boxes[d]].shape, host.dtype,
@@ -172,6 +201,7 @@ def worker_engine(args) -> int:
       _emit(part="engine", case=case, size_mib=size_mib, pid=pid, ok=bool(ok),
             m2n_ms=float(np.mean(t_m2n)), m2n_min_ms=float(np.min(t_m2n)),
             raw_ms=float(np.mean(t_raw)), raw_min_ms=float(np.min(t_raw)),
+            kv_ops=kv_ops, chunks=len(jax_m2n.plan(x, dst).chunks),
             bytes=int(host.nbytes))
   return 0
 
@@ -193,7 +223,7 @@ def worker_fig4(args) -> int:
   gen = Mesh(np.array([d for p in by_proc[1:] for d in p]).reshape(r_d, 2), ("dp", "tp"))
   dst = NamedSharding(gen, P(None, "tp"))
   x = jax.make_array_from_callback(host.shape, src, lambda i: host[i], dtype=host.dtype)
-  # The link speeds of this run: the engine's raw bandwidth (process 0 -> 1, the whole
+  # The speeds of this run: the engine's raw bandwidth (process 0 -> 1, the whole
   # tensor) and an in-process copy.
   whole = jax.device_put(host, by_proc[0][0]) if pid == 0 else None
   spec = [jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=jax.sharding.
@@ -207,19 +237,26 @@ def worker_fig4(args) -> int:
                    jax.local_devices()[1]).block_until_ready()
   copy_ms = (time.perf_counter() - t0) / 3 * 1e3
   for route in ROUTES:
-    ok = _check(jax_m2n.reshard(x, dst, route=route, timeout_s=300,
-                                chunk_bytes=FIG4_CHUNK_BYTES), host)
+    ok = _check(jax_m2n.reshard(x, dst, route=route), host)
     before = transfer_engine.stats["sent_bytes"]
-    times = _timed(jax, kv, f"fig4/{route}", args.iters, args.warmup,
-                   lambda i: jax_m2n.reshard(x, dst, route=route, timeout_s=300,
-                                             chunk_bytes=FIG4_CHUNK_BYTES)
-                   .block_until_ready())
-    sent = (transfer_engine.stats["sent_bytes"] - before) // max(1, args.iters + args.warmup)
+    calls = args.iters + args.warmup
+    times, kv_ops = _per_call(lambda: _timed(
+        jax, kv, f"fig4/{route}", args.iters, args.warmup,
+        lambda i: jax_m2n.reshard(x, dst, route=route).block_until_ready()), calls)
+    sent = (transfer_engine.stats["sent_bytes"] - before) // calls
     plan = jax_m2n.plan(x, dst, route=route)
     _emit(part="fig4", r_d=r_d, route=route, pid=pid, ok=bool(ok),
           ms=float(np.mean(times)), min_ms=float(np.min(times)), sent=int(sent),
           plan_network=int(plan.bytes_by_link["network"]), raw_ms=raw_ms,
-          copy_ms=copy_ms, bytes=int(host.nbytes))
+          copy_ms=copy_ms, bytes=int(host.nbytes), kv_ops=kv_ops,
+          chunks=len(plan.chunks))
+  # The same hierarchical call cut into 8x more chunks: the key-value operations per
+  # call stay the same (none per chunk).
+  small = max(64 << 10, plan.chunk_bytes // 8)
+  _, kv_small = _per_call(lambda: [jax_m2n.reshard(
+      x, dst, chunk_bytes=small).block_until_ready() for _ in range(3)], 3)
+  _emit(part="fig4_chunks", r_d=r_d, pid=pid, kv_ops=kv_small,
+        chunks=len(jax_m2n.plan(x, dst, chunk_bytes=small).chunks), chunk_bytes=small)
   return 0
 
 
@@ -229,8 +266,9 @@ def worker_fig4(args) -> int:
 
 def _estimate_ms(route: str, r_d: int, nbytes: int, nic_gbps: float, copy_gbps: float
                  ) -> float:
-  """The planner's estimate for the fig4 case at the measured link speeds (host-only:
-  the plan over the same layouts, processes as domains)."""
+  """The plan's step-by-step estimate of the fig4 case (host-only: the plan over the
+  same layouts, processes as domains, each process's link at `nic_gbps`, default
+  chunking)."""
   from jax_m2n._src.layout import Layout
   from jax_m2n._src.planner import plan_reshard
   from jax_m2n._src.topology import Topology
@@ -244,34 +282,44 @@ def _estimate_ms(route: str, r_d: int, nbytes: int, nic_gbps: float, copy_gbps: 
   src_l = Layout(shape, tuple(d for d, _ in src_boxes), tuple(b for _, b in src_boxes))
   dst_l = Layout(shape, tuple(d for d, _ in dst_boxes), tuple(b for _, b in dst_boxes))
   domains = [(0, 1)] + [(2 + 2 * k, 3 + 2 * k) for k in range(r_d)]
-  topo = Topology(domains=domains, nic_gbps=nic_gbps, nvlink_gbps=copy_gbps)
-  # The engine runs the schedule's steps one after another (one wave per step): the
-  # step-by-step estimate.
-  plan = plan_reshard([src_l], [dst_l], [4], topo, route, FIG4_CHUNK_BYTES)
+  # The model's NIC is per device; a process's 2 devices share its host's link.
+  topo = Topology(domains=domains, nic_gbps=nic_gbps / 2, nvlink_gbps=copy_gbps)
+  plan = plan_reshard([src_l], [dst_l], [4], topo, route)
   return float(plan.step_estimate_ms())
 
 
-def run_suite(out_dir: str, size_mib: float = 64, iters: int = 5, warmup: int = 2,
-              timeout_s: float = 600, echo=print) -> int:
-  """Runs both parts; writes OUT_DIR/multiprocess_cpu.{json,md}; 0, or 1 on a failure."""
+def run_suite(out_dir: str, size_mib: float | Sequence[float] = 64, iters: int = 5,
+              warmup: int = 2,
+              timeout_s: float = 900, echo=print, hosts=None, link_gbps: float | None = None,
+              r_ds: tuple[int, ...] = (2, 3), name: str = "multiprocess_cpu",
+              title: str = "multiprocess (CPU)", fig4_mib: float | None = None) -> int:
+  """Runs both parts (over `hosts`, an EmulatedHosts with >= max(r_ds) + 1 hosts, or
+  on loopback); writes OUT_DIR/<name>.{json,md}; 0, or 1 on a failure. `link_gbps`
+  (GB/s): each host's link for the estimates (default: the raw bandwidth measured);
+  `size_mib`: the engine part's largest size, or its sizes; `fig4_mib`: Figure 4's
+  size (default: the smallest engine size, 16 MiB)."""
   os.makedirs(out_dir, exist_ok=True)
-  sizes = sorted({16.0, float(size_mib)})
+  if isinstance(size_mib, (int, float)):
+    sizes = sorted({16.0, float(size_mib)})
+  else:
+    sizes = sorted({float(s) for s in size_mib})
+  fig4_mib = fig4_mib or min(sizes)
   common = ["--iters", str(iters), "--warmup", str(warmup)]
   rows, fig4, errors = [], [], []
   try:
-    echo("multiprocess (CPU) suite: engine part, 2 processes x 2 devices ...")
-    rows = _launch("engine", 2, common + ["--size_mib", ",".join(map(str, sizes))],
-                   timeout_s, out_dir)
-    for r_d in (2, 3):
-      echo(f"multiprocess (CPU) suite: fig4 part, r_d = {r_d} ...")
-      fig4 += _launch("fig4", 1 + r_d, common + ["--size_mib", str(min(sizes))],
-                      timeout_s, out_dir)
+    echo(f"{title} suite: engine part, 2 processes x 2 devices ...")
+    rows = launch("engine", 2, common + ["--size_mib", ",".join(map(str, sizes))],
+                  timeout_s, out_dir, hosts)
+    for r_d in r_ds:
+      echo(f"{title} suite: fig4 part, r_d = {r_d} ...")
+      fig4 += launch("fig4", 1 + r_d, common + ["--size_mib", str(fig4_mib)],
+                     timeout_s, out_dir, hosts)
   except RuntimeError as e:
     errors.append(str(e))
-  with open(os.path.join(out_dir, "multiprocess_cpu_raw.json"), "w") as f:
+  with open(os.path.join(out_dir, f"{name}_raw.json"), "w") as f:
     json.dump({"engine": rows, "fig4": fig4}, f)  # every process's own numbers
-  lines = ["| case | MiB | reshard mean / min ms | raw transfer mean / min ms | ratio |",
-           "| --- | --- | --- | --- | --- |"]
+  lines = ["| case | MiB | reshard mean / min ms | raw transfer mean / min ms | ratio | "
+           "KV ops per call | chunks |", "| --- | --- | --- | --- | --- | --- | --- |"]
   table_rows = []
   for case in ("whole", "sharded"):
     for s in sizes:
@@ -281,48 +329,63 @@ def run_suite(out_dir: str, size_mib: float = 64, iters: int = 5, warmup: int = 
       m = max(r["m2n_ms"] for r in mine)
       w = max(r["raw_ms"] for r in mine)
       ok = all(r["ok"] for r in mine)
+      kv = max(r["kv_ops"] for r in mine)
       table_rows.append({"case": case, "size_mib": s, "m2n_ms": m, "raw_ms": w,
-                         "ratio": m / w, "ok": ok})
+                         "ratio": m / w, "ok": ok, "kv_ops": kv,
+                         "chunks": mine[0]["chunks"]})
       lines.append(f"| {case}{'' if ok else ' (WRONG)'} | {s:g} | {m:.1f} / "
                    f"{max(r['m2n_min_ms'] for r in mine):.1f} | {w:.1f} / "
-                   f"{max(r['raw_min_ms'] for r in mine):.1f} | {m / w:.2f} |")
+                   f"{max(r['raw_min_ms'] for r in mine):.1f} | {m / w:.2f} | {kv:.1f} | "
+                   f"{mine[0]['chunks']} |")
   lines += ["", "| r_d | route | mean / min ms | estimate ms | measured / estimate | "
-            "bytes sent (plan) | flat / hierarchical |", "| --- | --- | --- | --- | --- | "
-            "--- | --- |"]
+            "bytes sent (plan) | KV ops per call | chunks | flat / hierarchical |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   fig_rows = []
-  for r_d in (2, 3):
-    mine = [r for r in fig4 if r["r_d"] == r_d]
+  for r_d in r_ds:
+    mine = [r for r in fig4 if r["r_d"] == r_d and r["part"] == "fig4"]
     if not mine:
       continue
     nbytes = mine[0]["bytes"]
     raw = max(r["raw_ms"] for r in mine)
-    nic = nbytes / (raw * 1e6)
+    nic = link_gbps or nbytes / (raw * 1e6)
     copy = nbytes / 2 / (max(r["copy_ms"] for r in mine) * 1e6)
-    means = {}
-    for route in ROUTES:
-      rr = [r for r in mine if r["route"] == route]
-      means[route] = max(r["ms"] for r in rr)
+    means = {route: max(r["ms"] for r in mine if r["route"] == route) for route in ROUTES}
     for route in ROUTES:
       rr = [r for r in mine if r["route"] == route]
       est = _estimate_ms(route, r_d, nbytes, nic, copy)
       sent = sum(r["sent"] for r in rr)
       ok = all(r["ok"] for r in rr)
+      kv = max(r["kv_ops"] for r in rr)
+      ratio = means["flat"] / means["hierarchical"] if route == "flat" else None
       fig_rows.append({"r_d": r_d, "route": route, "ms": means[route], "estimate_ms": est,
                        "sent": sent, "plan_network": rr[0]["plan_network"], "ok": ok,
-                       "nic_gbps": nic, "copy_gbps": copy})
-      ratio = means["flat"] / means["hierarchical"] if route == "flat" else None
+                       "nic_gbps": nic, "copy_gbps": copy, "kv_ops": kv,
+                       "chunks": rr[0]["chunks"], "flat_over_hierarchical": ratio})
       lines.append(f"| {r_d} | {route}{'' if ok else ' (WRONG)'} | {means[route]:.1f} / "
                    f"{min(r['min_ms'] for r in rr):.1f} | {est:.1f} | "
                    f"{means[route] / est:.2f} | {sent} ({rr[0]['plan_network']}) | "
+                   f"{kv:.1f} | {rr[0]['chunks']} | "
                    f"{'' if ratio is None else f'{ratio:.2f} (goal >= {0.85 * r_d:.2f})'} |")
+  chunk_rows = [r for r in fig4 if r["part"] == "fig4_chunks"]
+  if chunk_rows:
+    lines += ["", "| r_d | hierarchical, chunk bytes | chunks | KV ops per call |",
+              "| --- | --- | --- | --- |"]
+    for r_d in r_ds:
+      rr = [r for r in chunk_rows if r["r_d"] == r_d]
+      if rr:
+        lines.append(f"| {r_d} | {rr[0]['chunk_bytes']} | {rr[0]['chunks']} | "
+                     f"{max(r['kv_ops'] for r in rr):.1f} |")
   table = "\n".join(lines)
   echo(table)
   for e in errors:
-    echo("multiprocess (CPU) suite error: " + e[-3000:])
-  with open(os.path.join(out_dir, "multiprocess_cpu.json"), "w") as f:
-    json.dump({"schema": SCHEMA, "sizes_mib": sizes, "iters": iters, "warmup": warmup,
-               "engine": table_rows, "fig4": fig_rows, "errors": errors}, f, indent=1)
-  with open(os.path.join(out_dir, "multiprocess_cpu.md"), "w") as f:
+    echo(f"{title} suite error: " + e[-3000:])
+  with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+    json.dump({"schema": SCHEMA, "sizes_mib": sizes, "fig4_mib": fig4_mib,
+               "iters": iters, "warmup": warmup,
+               "placement": "loopback" if hosts is None else "emulated hosts",
+               "link_gbps": link_gbps, "engine": table_rows, "fig4": fig_rows,
+               "fig4_chunks": chunk_rows, "errors": errors}, f, indent=1)
+  with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
     f.write(table + "\n")
   bad = errors or not all(r["ok"] for r in table_rows + fig_rows)
   return 1 if bad else 0
@@ -333,20 +396,32 @@ def main(argv=None) -> int:
   ap.add_argument("--worker", choices=("engine", "fig4"))
   ap.add_argument("--pid", type=int, default=0)
   ap.add_argument("--n", type=int, default=2)
-  ap.add_argument("--port", type=int, default=0)
+  ap.add_argument("--coordinator", default="")
   ap.add_argument("--size_mib", default="64")
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--out_dir", default="/tmp/jax_m2n_bench")
+  ap.add_argument("--r_d", default="2,3", help="Figure 4's r_d values (the launcher).")
   args = ap.parse_args(argv)
   if args.worker:
     rc = {"engine": worker_engine, "fig4": worker_fig4}[args.worker](args)
     sys.stdout.flush()
     from jax_m2n._src import jax_compat
-    jax_compat.distributed_client().wait_at_barrier("bench/end", 120_000)
+    kv = jax_compat.distributed_client()
+    kv.wait_at_barrier("bench/end", 120_000)
+    # Process 0 hosts the coordination service and leaves last: a worker still talking
+    # to it when it goes is ended by JAX ("the leader task died").
+    kv.key_value_set(f"bench/left/{args.pid}", "1")
+    if args.pid == 0:
+      deadline = time.monotonic() + 30
+      while (len(kv.key_value_dir_get("bench/left/")) < args.n
+             and time.monotonic() < deadline):
+        time.sleep(0.05)
+      time.sleep(0.2)
     os._exit(rc)  # no shutdown barrier: the launcher collects every worker's output
-  return run_suite(args.out_dir, max(float(s) for s in args.size_mib.split(",")),
-                   args.iters, args.warmup)
+  return run_suite(args.out_dir, [float(s) for s in args.size_mib.split(",")],
+                   args.iters, args.warmup,
+                   r_ds=tuple(int(r) for r in args.r_d.split(",")))
 
 
 if __name__ == "__main__":

@@ -336,8 +336,8 @@ def agree(waits: Any, base: int) -> None:
   """In a multi-process generator job, every process must pull against the same base
   (a delta on one, a full copy on another would leave them without a common plan)."""
   waits.post("delta", str(base))
-  theirs = waits.wait("delta", waits.peers, "the delta base of every process")
-  bad = {p: v for p, v in sorted(theirs.items()) if v != str(base)}
+  theirs = waits.gather("delta", waits.peers, "the delta base of every process")
+  bad = {p: v for p, v in zip(waits.peers, theirs) if v != str(base)}
   if bad:
     raise ReshardValueError(
         f"Subscriber.pull: every process must pull against the same previous version "

@@ -167,10 +167,9 @@ def run(pp: PullPlan, links: dict[int, Link], uuids: dict[int, list[int]],
     for peer, ops in sorted(wave.recvs.items()):
       if peer >= PUBLISHER_PROCESS_BASE:
         continue
-      waits.wait(f"w{w}", [peer], f"process {peer}'s forwards (wave {w})")
+      waits.gather(f"w{w}", [peer], f"process {peer}'s forwards (wave {w})")
       eng = bootstrap.engine()
-      address = eng.kv.key_value_try_get(f"{bootstrap.PREFIX}/addr/{peer}")
-      arrays = eng.connection(peer, address).pull(peer_uuid(salt, w, peer, me), [
+      arrays = eng.connection(peer).pull(peer_uuid(salt, w, peer, me), [
           _pack_spec(pp, [op], devices) for op in ops])
       stats["forwarded_in_bytes"] += sum(a.nbytes for a in arrays)
       for op, arr in zip(ops, arrays):
@@ -256,7 +255,7 @@ def _wait_ready(pending: Sequence[tuple[str, jax.Array]], waits: Any, w: int,
     return not left
 
   if waits is not None:
-    waits.wait(f"w{w}", [], f"the wave-{w} transfers to arrive", ready)
+    waits.wait_ready(ready, {}, f"the wave-{w} transfers to arrive")
   else:
     delay = 1e-4
     while not ready():

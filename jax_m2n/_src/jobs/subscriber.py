@@ -240,26 +240,22 @@ class Subscriber:
     random salt (the forwards' uuids) and posts them under the call's key."""
     n = sequence.next_call()
     waits = sequence.CallWaits(n, range(jax.process_count()), int(timeout_s * 1000))
-    waits.cleanup()
     try:
       if waits.pid == 0:
         number, mid = self._choose(api, version, timeout_s)
         salt = secrets.token_bytes(16)
         waits.post("version", json.dumps([number, mid, salt.hex()]))
       else:
-        got = waits.wait("version", [0], "the version process 0 chose")[0]
+        got = waits.gather("version", [0], "the version process 0 chose")[0]
         number, mid, salt_hex = json.loads(got)
         salt = bytes.fromhex(salt_hex)
       out = self._pull(api, dst, dtype, number, mid, donated, route, timeout_s, waits,
                        salt, delta)
-    except PeerFailed:
-      raise
-    except ReshardError as e:
-      waits.fail(f"{type(e).__name__}: {e}")
-      raise
     except BaseException as e:
-      waits.fail(f"{type(e).__name__}: {e}")
-      if isinstance(e, Exception):
+      if not isinstance(e, PeerFailed):  # the peers fail at once, naming it
+        waits.fail(f"{type(e).__name__}: {e}")
+      waits.finish(failed=True)
+      if isinstance(e, Exception) and not isinstance(e, ReshardError):
         raise ReshardRuntimeError(f"{api}: failed on process {waits.pid}: "
                                   f"{type(e).__name__}: {e}") from e
       raise
@@ -333,6 +329,7 @@ class Subscriber:
                             "flat" if base is not None else route)
     if waits is not None:
       delta_lib.agree(waits, base_version)
+      waits.post("fp", pp.fingerprint)
       waits.agree(pp.fingerprint, lambda: f"{len(m.leaves)} leaves")
     try:
       links = {k: self._link(k, m) for k in pp.requests}
@@ -349,9 +346,8 @@ class Subscriber:
       self._forget_broken()
       raise
     if waits is not None:
-      waits.post("done")
-      waits.wait("done", pp.participants, "the end of the pull (every process done)")
-      waits.finish(pp.participants)
+      waits.end()  # every process of the job done: a pull succeeds or fails everywhere
+      waits.finish()
     arrays = [jax.make_array_from_single_device_arrays(l.shape, d, s, dtype=o)
               for l, d, s, o in zip(m.leaves, dsts, shards, outs)]
     self._last = delta_lib.record(number, mid, dsts, outs, arrays) if delta else None

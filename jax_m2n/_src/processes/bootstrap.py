@@ -1,8 +1,10 @@
-"""Bootstrap of the cross-process CPU engine: the distributed key-value store, one JAX
-transfer server per process (addresses exchanged through the store) and liveness.
+"""Bootstrap of the cross-process CPU engine, made once per job: one JAX transfer server
+per process on an address its peers can reach, the connections to peers, and the beat
+thread (this process's beat, every peer's, deleting finished calls' keys) and exit
+marker.
 
-Owns process-wide state made once per job: the server, its connections, the beat
-thread and the exit marker. It moves no array bytes itself.
+Owns that process-wide state; the key-value store (store.py) and the liveness rules
+(liveness.py) are below it. It moves no array bytes itself and knows nothing of plans.
 """
 
 from __future__ import annotations
@@ -10,25 +12,19 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import socket
 import threading
-import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
 from jax_m2n._src import jax_compat
 from jax_m2n._src.errors import ReshardRuntimeError
+from jax_m2n._src.processes import liveness, store
+from jax_m2n._src.processes.store import CoordinatorUnreachable, split_address
 
 from jax_m2n._src.errors import API as _API
 PREFIX = "jax_m2n"
-
-# Liveness through the key-value store: every process that took part in a cross-process
-# reshard overwrites its beat key every BEAT_S; a peer whose beat has not changed for
-# DEAD_AFTER_S while someone waits for it is taken for dead. The coordination service's
-# own heartbeats see a death only after jax.distributed's heartbeat_timeout_seconds
-# (100 s by default) and then end every process, so they cannot name a peer in 2 s.
-BEAT_S = 0.25
-DEAD_AFTER_S = float(os.environ.get("JAX_M2N_PEER_DEAD_S", "1.5"))
 
 
 def kv_client() -> Any:
@@ -41,22 +37,42 @@ def kv_client() -> Any:
   return client
 
 
+def transfer_host() -> str:
+  """The address this process's transfer server binds: JAX_M2N_TRANSFER_HOST where set;
+  else this host's own address on the interface that routes to the jax.distributed
+  coordinator, an address every peer reaches already (they all reach the coordinator).
+  A coordinator on loopback gives 127.0.0.1 (one host)."""
+  host = os.environ.get("JAX_M2N_TRANSFER_HOST")
+  if host:
+    return host
+  coordinator = jax_compat.distributed_coordinator_address()
+  target, port = split_address(coordinator)
+  family, _, _, _, sockaddr = socket.getaddrinfo(target, port, type=socket.SOCK_DGRAM)[0]
+  with socket.socket(family, socket.SOCK_DGRAM) as s:
+    s.connect(sockaddr)  # a route lookup: a datagram socket sends nothing on connect
+    return s.getsockname()[0]
+
+
 class _Engine:
   """This process's transfer server, its connections to peers, and its beat thread."""
 
   def __init__(self):
     from jax.experimental import transfer
-    self.kv = kv_client()
     self.pid = jax.process_index()
+    self.kv = store.Store(kv_client(), jax_compat.distributed_coordinator_address())
     client = jax.local_devices()[0].client
-    host = os.environ.get("JAX_M2N_TRANSFER_HOST", "127.0.0.1")
-    self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
-    self.kv.key_value_set(f"{PREFIX}/addr/{self.pid}", self.server.address(),
-                          allow_overwrite=True)
+    host = transfer_host()
+    where = f"[{host}]" if ":" in host else host
+    self.server = transfer.start_transfer_server(client, f"{where}:0", [f"{where}:0"])
+    self.address = self.server.address()
+    self.kv.set(f"{PREFIX}/addr/{self.pid}", self.address)
+    self.liveness = liveness.Liveness()
+    self._addresses: dict[int, str] = {}
     self._connections: dict[int, Any] = {}
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._beats = 0
+    self._cleanups: list[Callable[[], None]] = []
     self._beat()
     self._thread = threading.Thread(target=self._beat_loop, name="jax_m2n-beat",
                                     daemon=True)
@@ -65,15 +81,25 @@ class _Engine:
 
   def _beat(self) -> None:
     self._beats += 1
-    self.kv.key_value_set(f"{PREFIX}/beat/{self.pid}", str(self._beats),
-                          allow_overwrite=True)
+    c = "kv_background_ops"
+    self.kv.set(f"{PREFIX}/beat/{self.pid}", str(self._beats), counter=c)
+    self.liveness.update(self.kv.dir_get(f"{PREFIX}/beat/", counter=c),
+                         self.kv.dir_get(f"{PREFIX}/gone/", counter=c))
 
   def _beat_loop(self) -> None:
-    while not self._stop.wait(BEAT_S):
+    while not self._stop.wait(liveness.BEAT_S):
       try:
         self._beat()
+        for cleanup in list(self._cleanups):
+          cleanup()
+      except CoordinatorUnreachable:
+        continue  # cut off (kv.cut_off() says so meanwhile): try again
       except Exception:  # noqa: BLE001 - the store is gone (shutdown): stop beating
         return
+
+  def on_beat(self, fn: Callable[[], None]) -> None:
+    """Runs fn() after every beat on the beat thread (deleting finished calls' keys)."""
+    self._cleanups.append(fn)
 
   def leave(self) -> None:
     """At exit: stops beating and tells the peers this process is gone, so that one
@@ -82,19 +108,44 @@ class _Engine:
       return
     self._stop.set()
     try:
-      self.kv.key_value_set(f"{PREFIX}/gone/{self.pid}", "exited", allow_overwrite=True)
-    except Exception:  # noqa: BLE001 - the store is already down
+      self.kv.set(f"{PREFIX}/gone/{self.pid}", "exited")
+    except Exception:  # noqa: BLE001 - the store is already down or unreachable
       pass
 
-  def connection(self, peer: int, address: str) -> Any:
-    """The connection to `peer`'s server (made once)."""
+  def peer_address(self, peer: int) -> str:
+    """`peer`'s transfer server address (posted at its bootstrap; read once)."""
+    address = self._addresses.get(peer)
+    if address is None:
+      address = self.kv.blocking_get(f"{PREFIX}/addr/{peer}", 10.0)
+      if address is None:
+        raise ReshardRuntimeError(
+            f"{_API}: process {peer} has not posted its transfer server's address "
+            "within 10 s (it never started the cross-process engine).")
+      self._addresses[peer] = address
+    return address
+
+  def connection(self, peer: int) -> Any:
+    """The connection to `peer`'s server (made once, until dropped)."""
     conn = self._connections.get(peer)
     if conn is None:
+      address = self.peer_address(peer)
       with self._lock:
         conn = self._connections.get(peer)
         if conn is None:
           conn = self._connections[peer] = self.server.connect(address)
     return conn
+
+  def drop_connections(self) -> None:
+    """After a failed call: fails what is still pending on every connection (a pull
+    stalled on a cut link would otherwise wait for TCP to give up, many minutes) and
+    forgets them; the next call connects again."""
+    with self._lock:
+      dropped, self._connections = self._connections, {}
+    for conn in dropped.values():
+      try:
+        jax_compat.poison_transfer_connection(conn)
+      except Exception:  # noqa: BLE001 - best effort: the connection is forgotten anyway
+        pass
 
 
 _engine: list[_Engine] = []
@@ -108,44 +159,6 @@ def engine() -> _Engine:
       if not _engine:
         _engine.append(_Engine())
   return _engine[0]
-
-
-class Liveness:
-  """What a waiting process knows of its peers: the beats it has seen (and when they
-  last changed) and the processes that left. `dead(peers)` reads the store at most
-  every BEAT_S."""
-
-  def __init__(self, kv: Any):
-    self._kv = kv
-    self._seen: dict[int, tuple[str, float]] = {}
-    self._gone: dict[int, str] = {}
-    self._read_at = 0.0
-
-  def _read(self, now: float) -> None:
-    self._read_at = now
-    for key, value in self._kv.key_value_dir_get(f"{PREFIX}/beat/"):
-      pid = int(key.rsplit("/", 1)[1])
-      last = self._seen.get(pid)
-      if last is None or last[0] != value:
-        self._seen[pid] = (value, now)
-    for key, value in self._kv.key_value_dir_get(f"{PREFIX}/gone/"):
-      self._gone[int(key.rsplit("/", 1)[1])] = value
-
-  def dead(self, peers) -> dict[int, str]:
-    """The peers known to be gone, each with why."""
-    now = time.monotonic()
-    if now - self._read_at >= BEAT_S:
-      self._read(now)
-    out = {}
-    for p in peers:
-      if p in self._gone:
-        out[p] = f"process {p} left the job ({self._gone[p]})"
-        continue
-      seen = self._seen.get(p)
-      if seen is not None and now - seen[1] > DEAD_AFTER_S:
-        out[p] = (f"process {p} stopped beating {now - seen[1]:.1f} s ago (died, or "
-                  "stalled without releasing the GIL)")
-    return out
 
 
 @functools.lru_cache(maxsize=None)

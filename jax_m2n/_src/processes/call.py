@@ -108,30 +108,26 @@ class CrossProcessReshard:
     if len(self.participants) == 1:  # all in another process: that one runs it alone
       return self._assemble([[] for _ in self.shapes])
     n = sequence.next_call()  # every process numbers the calls that span processes
-    waits = sequence.CallWaits(n, self.participants, self.timeout_ms)
     if self.me not in self.participants:
-      waits.post("fp", self.fingerprint)
       return self._assemble([[] for _ in self.shapes])
+    waits = sequence.CallWaits(n, self.participants, self.timeout_ms)
     names = lambda: f"{len(leaves)} leaves"  # noqa: E731
-    waits.cleanup()
     try:
+      waits.post("fp", self.fingerprint)
+      run = transfer_engine.Run(self.waves, self._buffers(leaves), waits,
+                                self.fingerprint)
+      run.request()  # waits at the senders until they offer: no byte moves yet
       waits.agree(self.fingerprint, names)
-      buffers = self._buffers(leaves)
-      transfer_engine.run(self.waves, buffers, waits)
-      arrays = [[buffers.compose(t, d.id, 1, self.dst_layouts[t].box_of(d.id),
-                                 self.out_dtypes[t]) for d in self.local_dst[t]]
+      run.offer()
+      arrays = [[run.buffers.compose(t, d.id, 1, self.dst_layouts[t].box_of(d.id),
+                                     self.out_dtypes[t]) for d in self.local_dst[t]]
                 for t in range(len(self.shapes))]
-      waits.post("done")
-      waits.wait("done", self.participants, "the end of the call (every process done)")
-      waits.finish(self.participants)
-    except (ReshardValueError, PeerFailed):
-      raise  # every process sees every fingerprint / the peer's marker is posted
-    except ReshardError as e:
-      waits.fail(f"{type(e).__name__}: {e}")
-      raise
-    except BaseException as e:  # Ctrl-C or an engine error: the peers fail at once
-      waits.fail(f"{type(e).__name__}: {e}")
-      if isinstance(e, Exception):
+      run.wait([a for per_leaf in arrays for a in per_leaf])
+      waits.end()  # every participant done (a call succeeds or fails everywhere)
+      waits.finish()
+    except BaseException as e:
+      self._failed(waits, e)
+      if isinstance(e, Exception) and not isinstance(e, ReshardError):
         raise ReshardRuntimeError(
             f"{_API}: cross-process call #{n} failed on process {self.me}: "
             f"{type(e).__name__}: {e}") from e
@@ -142,6 +138,17 @@ class CrossProcessReshard:
       if flag is True and not x.is_deleted():
         x.delete()
     return out
+
+  def _failed(self, waits, e: BaseException) -> None:
+    """A failed call: the peers learn it (unless every process raises on its own: a
+    fingerprint mismatch, or a relayed failure), pending pulls fail and connections
+    are made afresh by the next call."""
+    if isinstance(e, ReshardValueError):  # every process raises it on its own
+      waits.close_outcome()
+    elif not isinstance(e, PeerFailed):
+      waits.fail(f"{type(e).__name__}: {e}")
+    waits.finish(failed=True)
+    bootstrap.engine().drop_connections()
 
   def _buffers(self, leaves) -> transfer_engine.Buffers:
     shards = {}

@@ -1,9 +1,14 @@
-"""The call sequence of cross-process reshards and the agreement on their arguments.
+"""The call sequence of cross-process reshards, the agreement on their arguments, and
+every wait of a call.
 
 Owns the call numbers (every process numbers its cross-process calls alike, as it
 orders its jit calls), the plan fingerprint each process posts under its call's key,
-and the waits of one call: bounded by the call's timeout, woken by a peer's failure
-marker or its death (bootstrap.Liveness), and interruptible (Ctrl-C). Moves no bytes.
+the call's outcome, and the waits of one call: for peers' keys (blocking gets, woken by
+the key itself) and for this process's transfers (local polling only), each bounded by
+the call's timeout, woken by a peer's failure, its death or unreachability
+(liveness.Watch: beats and reachability probes) or this process being cut off, and
+interruptible (Ctrl-C). A call makes a fixed number of key-value operations, none per
+chunk and none per second of waiting. Moves no bytes.
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ import time
 from typing import Any, Callable, Sequence
 
 from jax_m2n._src.errors import API as _API
-from jax_m2n._src.errors import (PeerFailed, ReshardRuntimeError, ReshardTimeoutError,
-                                 ReshardValueError)
-from jax_m2n._src.processes import bootstrap
+from jax_m2n._src.errors import (PeerFailed, ReshardError, ReshardRuntimeError,
+                                 ReshardTimeoutError, ReshardValueError)
+from jax_m2n._src.processes import bootstrap, liveness, store
 
 
 _counter = itertools.count(1)
@@ -54,95 +59,127 @@ def mismatch(mine: str, theirs: str) -> list[str]:
 
 
 class CallWaits:
-  """The keys and waits of call number `n`: its prefix in the store, the peers it
-  waits for, its deadline. Every wait polls the store (one directory read per round,
-  backing off from 0.1 to 1 ms), reads liveness, and raises: a peer's failure marker
-  or death as ReshardRuntimeError naming it, the deadline as ReshardTimeoutError."""
+  """The keys and waits of call number `n`: its prefix in the store, its participants,
+  its deadline, and its outcome key (set once: "done" by the last participant to
+  finish, or a failure by the first that fails), which a background blocking get
+  watches from the start: a peer's failure wakes every wait at once, with no reading
+  of the store in between. Every wait raises: a peer's failure (PeerFailed), a dead or
+  unreachable peer or this process cut off (ReshardRuntimeError naming it), the
+  deadline (ReshardTimeoutError)."""
 
-  # Polling, not a blocking get: a blocking get cannot also watch for failure markers
-  # and dead peers, and cannot be interrupted. A round costs one store read (~0.2 ms
-  # on loopback); the 1 ms cap bounds how late a wait sees its key.
+  # Waits poll local state only (futures, readiness, liveness kept by the beat thread),
+  # backing off from 0.1 to 1 ms: Python sleeps, so Ctrl-C interrupts them.
   _POLL_MIN_S = 1e-4
   _POLL_MAX_S = 1e-3
-  _READ_EVERY_S = 5e-3
+  # A sender none of whose pulls has completed for STALL_S is suspected (_Watch).
+  STALL_S = store.SUSPECT_S
 
-  def __init__(self, n: int, peers: Sequence[int], timeout_ms: int):
+  def __init__(self, n: int, participants: Sequence[int], timeout_ms: int):
     self.n = n
     self.engine = bootstrap.engine()
     self.kv = self.engine.kv
     self.pid = self.engine.pid
     self.key = f"{bootstrap.PREFIX}/call/{n}"
-    self.peers = [p for p in peers if p != self.pid]
-    self.deadline = time.monotonic() + timeout_ms / 1000.0
-    self.timeout_s = timeout_ms / 1000.0
-    self.liveness = bootstrap.Liveness(self.kv)
+    self.participants = list(participants)
+    self.peers = [p for p in participants if p != self.pid]
     self.started = time.monotonic()
+    self.timeout_s = timeout_ms / 1000.0
+    self.deadline = self.started + self.timeout_s
+    self.watch = liveness.Watch(self.engine.liveness, self.engine.peer_address,
+                                self.pid)
+    self.outcome = self.kv.get_soon(f"{self.key}/outcome",
+                                    self.timeout_s + store.SUSPECT_S)
 
   def post(self, what: str, value: str = "1") -> None:
-    self.kv.key_value_set(f"{self.key}/{what}/{self.pid}", value, allow_overwrite=True)
+    """Posts this process's `what` without waiting for the store's answer (nothing
+    this process does next depends on it; a peer waiting for it gets it as soon as it
+    lands)."""
+    self.kv.post_soon(f"{self.key}/{what}/{self.pid}", value)
 
   def fail(self, message: str) -> None:
-    """Tells the peers this process failed the call (they fail at once, naming it)."""
-    try:
-      self.post("failed", message[:2000])
-    except Exception:  # noqa: BLE001 - the store is down: the peers see our death
-      pass
+    """Tells the peers this process failed the call (the first failure becomes the
+    call's outcome; they fail at once, naming it); never waits (this process may be
+    the one cut off)."""
+    self.kv.post_soon(f"{self.key}/outcome", f"failed {self.pid} {message[:2000]}",
+                      overwrite=False)
 
-  def wait(self, what: str, peers: Sequence[int], stage: str,
-           ready: Callable[[], bool] | None = None) -> dict[int, str]:
-    """Waits until every one of `peers` has posted `what` (and `ready()`, if given,
-    is true); returns {peer: value}."""
-    peers = [p for p in peers if p != self.pid]
-    want = {f"{self.key}/{what}/{p}": p for p in peers}
-    got: dict[int, str] = {}
+  def close_outcome(self) -> None:
+    """Ends the outcome's blocking gets of a call that every process fails on its own
+    (different arguments): no peer's failure to relay."""
+    self.kv.post_soon(f"{self.key}/outcome", "refused", overwrite=False)
+
+  # -- checks shared by the waits -------------------------------------------------------
+
+  def _relay(self) -> None:
+    """Raises PeerFailed where a peer's failure is the call's outcome."""
+    if not self.outcome.done():
+      return
+    value = self.outcome.result()
+    if value is None or not value.startswith("failed "):
+      return
+    _, who, message = value.split(" ", 2)
+    if int(who) != self.pid:
+      raise PeerFailed(
+          f"{_API}: process {who} failed cross-process call #{self.n}, so the call "
+          f"failed on process {self.pid} too: {message}")
+
+  def _check(self, stage: str, watched: Sequence[int], late: str,
+             stalled: Sequence[int] = ()) -> None:
+    """A peer's failure, this process's own link, the peers in `watched` (those in
+    `stalled` suspected already: their data stalls), and the deadline (`late`: what a
+    missed deadline most likely means)."""
+    self._relay()
+    why = self.kv.cut_off()
+    if why is not None:
+      raise store.CoordinatorUnreachable(
+          f"{_API}: cross-process call #{self.n} failed on process {self.pid} while "
+          f"waiting for {stage}: {why}.")
+    lost = [v for p in watched if (v := self.watch.verdict(p, p in stalled))]
+    if lost:
+      raise ReshardRuntimeError(
+          f"{_API}: cross-process call #{self.n} failed on process {self.pid} while "
+          f"waiting for {stage}: " + "; ".join(lost) + ".")
+    now = time.monotonic()
+    if now > self.deadline:
+      raise ReshardTimeoutError(
+          f"{_API}: cross-process call #{self.n} must complete within "
+          f"timeout_s={self.timeout_s:g}; process {self.pid} still waited for {stage} "
+          f"after {now - self.started:.1f} s ({late}).")
+
+  def _poll(self, done: Callable[[], bool], check: Callable[[], None]) -> None:
     delay = self._POLL_MIN_S
-    read_at = -1.0
-    failed: dict[int, str] = {}
-    while True:
-      # The store is read every round while keys are awaited; while only `ready()` is
-      # (transfers in flight), every _READ_EVERY_S (failure markers), not every round.
-      if len(got) < len(peers) or time.monotonic() - read_at >= self._READ_EVERY_S:
-        read_at = time.monotonic()
-        for k, v in self.kv.key_value_dir_get(self.key + "/"):
-          if k in want:
-            got[want[k]] = v
-          elif k.startswith(f"{self.key}/failed/"):
-            who = int(k.rsplit("/", 1)[1])
-            if who != self.pid:
-              failed[who] = v
-      if len(got) == len(peers) and (ready is None or ready()):
-        return got  # what was awaited came: a later failure is the next wait's
-      if failed:
-        who, v = min(failed.items())
-        raise PeerFailed(
-            f"{_API}: process {who} failed cross-process call #{self.n} while this "
-            f"process waited for {stage}, so the call failed here too: {v}")
-      missing = [p for p in peers if p not in got] or list(self.peers)
-      dead = self.liveness.dead(missing)
-      if dead:
-        raise ReshardRuntimeError(
-            f"{_API}: cross-process call #{self.n} failed while waiting for {stage}: "
-            + "; ".join(dead.values()) + ".")
-      now = time.monotonic()
-      if now > self.deadline:
-        absent = [p for p in peers if p not in got] or missing
-        who = ("process " if len(absent) == 1 else "processes ") + ", ".join(
-            map(str, absent))
-        raise ReshardTimeoutError(
-            f"{_API}: every process of cross-process call #{self.n} must reach "
-            f"{stage} within timeout_s={self.timeout_s:g}; got no sign of {who} after "
-            f"{now - self.started:.1f} s (alive, but not "
-            "calling reshard with these devices). Hint: every process must make the "
-            "same sequence of reshard calls.")
+    while not done():
+      check()
       time.sleep(delay)  # Python sleep: Ctrl-C interrupts it
       delay = min(2 * delay, self._POLL_MAX_S)
 
+  # -- the waits ------------------------------------------------------------------------
+
   def agree(self, fp: str, names: Callable[[], str]) -> None:
-    """Posts this process's fingerprint and waits for every peer's: a peer that
+    """Waits for every peer's fingerprint (this process posted its own): a peer that
     called with other arguments is a ReshardValueError on every process (each sees
-    every fingerprint), before any byte moves."""
-    self.post("fp", fp)
-    theirs = self.wait("fp", self.peers, "the argument check (plan fingerprints)")
+    every fingerprint), before any byte leaves any process. One directory read, then
+    one blocking get per peer not there yet."""
+    want = {f"{self.key}/fp/{p}": p for p in self.peers}
+    theirs = {want[k]: v for k, v in self.kv.dir_get(f"{self.key}/fp/") if k in want}
+    pending = {p: self.kv.get_soon(f"{self.key}/fp/{p}", self.timeout_s)
+               for p in self.peers if p not in theirs}
+
+    def arrived() -> bool:
+      for p, f in list(pending.items()):
+        if f.done() and f.result() is not None:
+          theirs[p] = pending.pop(p).result()
+      return not pending
+
+    def check() -> None:
+      missing = sorted(pending)
+      who = ("process " if len(missing) == 1 else "processes ") + ", ".join(
+          map(str, missing))
+      self._check("the argument check (plan fingerprints)", missing,
+                  f"{who} alive, but not calling reshard with these devices. Hint: "
+                  "every process must make the same sequence of reshard calls")
+
+    self._poll(arrived, check)
     bad = {p: mismatch(fp, v) for p, v in sorted(theirs.items()) if v != fp}
     if bad:
       detail = "; ".join(f"process {p} differs in {', '.join(f)}" for p, f in bad.items())
@@ -151,33 +188,115 @@ class CallWaits:
           f"multi-controller convention); got different arguments in cross-process call "
           f"#{self.n} on process {self.pid} ({names()}): {detail}. No data moved.")
 
-  def finish(self, participants: Sequence[int]) -> None:
-    """After the call's last wait: marks it finished here; its lowest participant
-    remembers to delete its keys once every participant has finished it."""
-    self.post("fin")
-    if self.pid == min(participants):
+  def wait_ready(self, ready: Callable[[], bool], senders: dict[int, Callable[[], int]],
+                 stage: str) -> None:
+    """Waits until `ready()` (this process's transfers and outputs are done), watching
+    the senders (the processes this one pulls from, each with a count of its completed
+    pulls): one whose pulls stall for STALL_S is suspected and probed."""
+    progress = {p: (count(), time.monotonic()) for p, count in senders.items()}
+
+    def check() -> None:
+      now = time.monotonic()
+      stalled = []
+      for p, count in senders.items():
+        done = count()
+        if done != progress[p][0]:
+          progress[p] = (done, now)
+        elif now - progress[p][1] > self.STALL_S:
+          stalled.append(p)
+      self._check(stage, list(senders), "the transfers are still running: a slow "
+                  "link, or a timeout_s too small for these bytes", stalled)
+
+    self._poll(ready, check)
+
+  def gather(self, what: str, peers: Sequence[int], stage: str) -> list[str]:
+    """Waits for the values `peers` posted under `what` (`post`) and returns them in
+    `peers`' order: one blocking get per peer, the peers watched meanwhile (a separate
+    job's pull uses it: the version its process 0 chose, a wave's forwards offered)."""
+    pending = {p: self.kv.get_soon(f"{self.key}/{what}/{p}", self.timeout_s)
+               for p in peers}
+
+    def arrived() -> bool:
+      return all(f.done() and f.result() is not None for f in pending.values())
+
+    def check() -> None:
+      missing = [p for p, f in pending.items() if not f.done()]
+      self._check(stage, missing, "a process alive, but not making the same call")
+
+    self._poll(arrived, check)
+    return [pending[p].result() for p in peers]
+
+  def relay_failure(self, sender: int, within_s: float = 1.0) -> None:
+    """After a pull from `sender` failed: raises PeerFailed with the call's failure
+    where one is posted within `within_s` (a sender that forwards data it failed to get
+    posts the original cause), or returns at once where `sender` is gone."""
+    until = time.monotonic() + within_s
+    while time.monotonic() < until and not self.watch.verdict(sender, True):
+      self._relay()
+      time.sleep(0.005)
+
+  def end(self) -> None:
+    """The end of the call: this process is done; the last of the participants to be
+    done makes "done" the outcome, which every one of them waits for (a call succeeds
+    on every process or fails on every process, so all of them can handle or retry it
+    alike). A counter and one blocking get: no reading per peer."""
+    count = self.kv.increment(f"{self.key}/done", 1)
+    if count == len(self.participants):
+      self.kv.post_soon(f"{self.key}/outcome", "done", overwrite=False)
+
+    def check() -> None:
+      self._check("the end of the call (every process done)", self.peers,
+                  "a process still moving its bytes, or one that does not call")
+
+    try:
+      self._poll(self.outcome.done, check)
+    except ReshardError:
+      # The outcome may have come while a peer, done and gone, looked lost: it wins.
+      if self.kv.try_get(f"{self.key}/outcome") != "done":
+        raise
+      return
+    self._relay()
+    if self.outcome.result() != "done":  # the blocking get timed out
+      self._check("the end of the call (every process done)", self.peers, "")
+
+  def finish(self, failed: bool = False) -> None:
+    """After the call's last wait (or its failure): marks it finished here; its lowest
+    participant deletes its keys (on the beat thread) once every participant has
+    finished it, or KEYS_KEPT_S after this, whichever is first."""
+    self.post("fin", "failed" if failed else "1")
+    if self.pid == min(self.participants):
       with _counter_lock:
-        _to_delete.append((self.n, tuple(participants)))
-
-  def cleanup(self) -> None:
-    """Deletes the keys of earlier calls that every participant has finished (a
-    participant may still read a call's keys until it has passed its last wait)."""
-    keep = []
-    with _counter_lock:
-      pending, _to_delete[:] = list(_to_delete), []
-    for n, participants in pending:
-      key = f"{bootstrap.PREFIX}/call/{n}"
-      try:
-        fin = {k for k, _ in self.kv.key_value_dir_get(f"{key}/fin/")}
-        if len(fin) >= len(participants):
-          self.kv.key_value_delete(key)
-        else:
-          keep.append((n, participants))
-      except Exception:  # noqa: BLE001 - best effort: stale keys are never read again
-        pass
-    with _counter_lock:
-      _to_delete.extend(keep)
+        _to_delete.append((self.n, len(self.participants), time.monotonic()))
+        if not _cleanup_installed:
+          _cleanup_installed.append(True)
+          self.engine.on_beat(_cleanup)
 
 
-# Calls this process is the lowest participant of, whose keys are not deleted yet.
-_to_delete: list[tuple[int, tuple[int, ...]]] = []
+# Calls this process is the lowest participant of, whose keys are not deleted yet:
+# (call number, participants, when it finished here). A failed call's keys go after
+# KEYS_KEPT_S at the latest (a participant that died never posts its fin).
+_to_delete: list[tuple[int, int, float]] = []
+_cleanup_installed: list[bool] = []
+KEYS_KEPT_S = 600.0
+
+
+def _cleanup() -> None:
+  """Deletes the keys of earlier calls that every participant has finished (a
+  participant may still read a call's keys until it has passed its last wait); runs
+  on the beat thread, off every call's path."""
+  kv = bootstrap.engine().kv
+  with _counter_lock:
+    pending, _to_delete[:] = list(_to_delete), []
+  keep = []
+  for n, participants, at in pending:
+    key = f"{bootstrap.PREFIX}/call/{n}"
+    try:
+      fin = kv.dir_get(f"{key}/fin/", counter="kv_background_ops")
+      if len(fin) >= participants or time.monotonic() - at > KEYS_KEPT_S:
+        kv.delete(key)
+      else:
+        keep.append((n, participants, at))
+    except Exception:  # noqa: BLE001 - best effort: stale keys are never read again
+      keep.append((n, participants, at))
+  with _counter_lock:
+    _to_delete.extend(keep)
