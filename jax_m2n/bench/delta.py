@@ -1,14 +1,15 @@
 """The `delta` suite: delta sync (`Subscriber.pull(delta=True)`) against full pulls on
 the RL example's real training.
 
-Owns one measurement (issue 33): a trainer program (a subprocess, 8 CPU devices) runs
+Owns one measurement (issue 33): a trainer program (8 CPU devices) runs
 examples/rl_refit.py's RL loop (its policy, task, verifier, Adam step and layouts:
 the refit to its own generator half, the rollout, the train step) and publishes the
-float32 params after every step; this program (the generator job, the example's
-generator layout on 4 of its devices) pulls every version twice, in bfloat16 (the wire
-carries bfloat16): once with delta=True (donating the last delta result) and once in
-full (another Subscriber), checks that both are bitwise equal, and counts the bytes
-each pulled. The trainer waits for both pulls before it trains on (lockstep: neither
+float32 params after every step; a generator program (the example's generator layout
+on 4 of its 8 devices) pulls every version twice, in bfloat16 (the wire carries
+bfloat16): once with delta=True (donating the last delta result) and once in full
+(another Subscriber), checks that both are bitwise equal, and counts the bytes each
+pulled. Both run on 127.0.0.1, or on two emulated hosts (jax_m2n.testing.hosts) joined
+by shaped links (--rates 1gbit). The trainer waits for both pulls before it trains on (lockstep: neither
 side's work is timed against the other's). Per step: the fraction of bfloat16 elements
 that changed (computed by the trainer from its own params), wire bytes full and delta,
 pull times, the publisher's compare + encode seconds. Steady state: the steps after the
@@ -17,7 +18,7 @@ first half.
 Usage:
   python -m jax_m2n.bench --suite delta [--out_dir DIR]
   python -m jax_m2n.bench.delta [--steps 60] [--lrs 3e-3,3e-2] [--d_model 64] \
-      [--layers 2] [--out_dir DIR]
+      [--layers 2] [--rates loopback,1gbit] [--out_dir DIR]
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def _config(lr: float, d_model: int, layers: int):
                                         progress=False)
 
 
-def trainer_main(directory: str, lr: float, steps: int, d_model: int, layers: int) -> None:
+def trainer_main(directory: str, lr: float, steps: int, d_model: int, layers: int,
+                 host: str) -> None:
   """The trainer program: rl_refit's RL step (refit to its generator half, rollout,
   verifier, Adam) `steps` times, publishing the params after each and waiting for the
   generator's pulls; writes one JSON line per version to DIR/trainer.jsonl."""
@@ -99,7 +101,7 @@ def trainer_main(directory: str, lr: float, steps: int, d_model: int, layers: in
           y, jnp.uint16)).sum() for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
   elements = sum(x.size for x in jax.tree.leaves(params))
   rng = np.random.default_rng(cfg.seed)
-  pub = jax_m2n.Publisher(token=TOKEN, keep=2)
+  pub = jax_m2n.Publisher(f"{host}:0", token=TOKEN, keep=2)
   _write(os.path.join(directory, "address"), pub.address)
   log = open(os.path.join(directory, "trainer.jsonl"), "w")
   prev = None
@@ -141,84 +143,114 @@ def trainer_main(directory: str, lr: float, steps: int, d_model: int, layers: in
   pub.close()
 
 
-def run_one(jax, lr: float, steps: int, d_model: int, layers: int,
-            print_fn: Callable[[str], object] = print) -> dict:
-  """One training run at `lr`: per version the trainer's and the generator's numbers."""
+def generator_main(directory: str, lr: float, steps: int, d_model: int,
+                   layers: int) -> None:
+  """The generator program: pulls every version twice in bfloat16 (delta=True, and
+  in full by another Subscriber; each goes first every other version), checks them
+  bitwise equal, acknowledges; one JSON line per version to DIR/generator.jsonl."""
   import functools
+  import jax
   import jax.numpy as jnp
   import numpy as np
   import jax_m2n
   from jax_m2n._src.jobs import delta, engine
+  address = _wait_file(os.path.join(directory, "address"), 600)
+  rl_refit, cfg = _config(lr, d_model, layers)
+  _, generator = rl_refit.make_sides(cfg, jax.devices())
+  shapes = jax.eval_shape(functools.partial(rl_refit.init_params, cfg=cfg),
+                          jax.random.key(0))
+  dst = rl_refit.param_shardings(shapes, generator)
+  sub = jax_m2n.Subscriber(address, token=TOKEN)
+  ref = jax_m2n.Subscriber(address, token=TOKEN)
+  log = open(os.path.join(directory, "generator.jsonl"), "w")
+  prev = prev_full = None
+  for v in range(1, steps + 1):
+    times, nbytes, got = {}, {}, {}
+    for which in (("delta", "full") if v % 2 else ("full", "delta")):
+      before = dict(delta.stats), engine.stats["pulled_bytes"]
+      t0 = time.perf_counter()
+      if which == "delta":
+        out = jax.block_until_ready(sub.pull(dst, dtype=jnp.bfloat16, version=v,
+                                             delta=True, donate=prev, timeout_s=600))
+      else:
+        full = jax.block_until_ready(ref.pull(dst, dtype=jnp.bfloat16, version=v,
+                                              donate=prev_full, timeout_s=600))
+      times[which] = (time.perf_counter() - t0) * 1e3
+      got = {k: delta.stats[k] - before[0].get(k, 0) for k in delta.stats}
+      # A delta pull's bytes: its arrays and its JSON header (a delta=True pull that
+      # went full, the first, counts in the engine's bytes like a full one).
+      nbytes[which] = (got.get("subscriber_pulled_bytes", 0)
+                       + got.get("subscriber_reply_bytes", 0)
+                       + engine.stats["pulled_bytes"] - before[1])
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(full)):
+      if not np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)):
+        raise AssertionError(f"delta bench: version {v}: the delta pull must equal the "
+                             "full pull bitwise; it does not")
+    prev, prev_full = out, full
+    log.write(json.dumps({"version": v, "delta_bytes": nbytes["delta"],
+                          "full_bytes": nbytes["full"], "delta_ms": times["delta"],
+                          "full_ms": times["full"], "delta_first": bool(v % 2)}) + "\n")
+    log.flush()
+    _write(os.path.join(directory, f"ack_{v}"), "")
+  sub.close()
+  ref.close()
+  log.close()
+  _write(os.path.join(directory, "done"), "")
+
+
+def run_one(lr: float, steps: int, d_model: int, layers: int, rate: str | None,
+            print_fn: Callable[[str], object] = print) -> dict:
+  """One training run at `lr`, the trainer and the generator as separate programs on
+  127.0.0.1, or (rate, e.g. "1gbit") on two emulated hosts joined by links of that
+  rate (jax_m2n.testing.hosts; needs root)."""
   directory = tempfile.mkdtemp(prefix="m2n_delta_bench_")
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
              XLA_FLAGS="--xla_force_host_platform_device_count=8",
              PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  trainer = subprocess.Popen(
-      [sys.executable, "-c", "import sys; from jax_m2n.bench import delta; "
-       "delta.trainer_main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), "
-       "int(sys.argv[4]), int(sys.argv[5]))",
-       directory, repr(lr), str(steps), str(d_model), str(layers)], env=env)
-  rows = []
+  args = [repr(lr), str(steps), str(d_model), str(layers)]
+  code = ("import sys; from jax_m2n.bench import delta; delta.{}(sys.argv[1], "
+          "float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]){})")
+  trainer_argv = [sys.executable, "-c", code.format("trainer_main", ", sys.argv[6]"),
+                  directory, *args]
+  generator_argv = [sys.executable, "-c", code.format("generator_main", ""), directory,
+                    *args]
+  hosts = None
+  procs = []
   try:
-    address = _wait_file(os.path.join(directory, "address"), 600, trainer)
-    rl_refit, cfg = _config(lr, d_model, layers)
-    devices = jax.devices()[:8]
-    _, generator = rl_refit.make_sides(cfg, devices)
-    shapes = jax.eval_shape(functools.partial(rl_refit.init_params, cfg=cfg),
-                            jax.random.key(0))
-    dst = rl_refit.param_shardings(shapes, generator)
-    sub = jax_m2n.Subscriber(address, token=TOKEN)
-    ref = jax_m2n.Subscriber(address, token=TOKEN)
-    prev = prev_full = None
-    for v in range(1, steps + 1):
-      times = {}
-      for which in (("delta", "full") if v % 2 else ("full", "delta")):
-        before = dict(delta.stats), engine.stats["pulled_bytes"]
-        t0 = time.perf_counter()
-        if which == "delta":
-          out = sub.pull(dst, dtype=jnp.bfloat16, version=v, delta=True, donate=prev,
-                         timeout_s=600)
-        else:
-          full = ref.pull(dst, dtype=jnp.bfloat16, version=v, donate=prev_full,
-                          timeout_s=600)
-        jax.block_until_ready(out if which == "delta" else full)
-        times[which] = (time.perf_counter() - t0) * 1e3
-        if which == "delta":
-          got = {k: delta.stats[k] - before[0].get(k, 0) for k in delta.stats}
-          # A delta pull's bytes: its arrays and its header; a full one through the
-          # delta path (the first) counts in the engine's bytes.
-          delta_bytes = (got.get("subscriber_pulled_bytes", 0)
-                         + got.get("subscriber_reply_bytes", 0)
-                         + engine.stats["pulled_bytes"] - before[1])
-        else:
-          full_bytes = engine.stats["pulled_bytes"] - before[1]
-      for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(full)):
-        if not np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)):
-          raise AssertionError(f"delta bench: version {v}: the delta pull must equal the "
-                               "full pull bitwise; it does not")
-      prev, prev_full = out, full
-      rows.append({"version": v, "delta_bytes": delta_bytes, "full_bytes": full_bytes,
-                   "delta_ms": times["delta"], "full_ms": times["full"],
-                   "delta_first": bool(v % 2)})
-      _write(os.path.join(directory, f"ack_{v}"), "")
-    sub.close()
-    ref.close()
+    if rate is None:
+      procs.append(subprocess.Popen(trainer_argv + ["127.0.0.1"], env=env))
+      procs.append(subprocess.Popen(generator_argv, env=env))
+    else:
+      from jax_m2n.testing.hosts import EmulatedHosts
+      hosts = EmulatedHosts(2, rate=rate).start()
+      procs.append(hosts.popen(0, trainer_argv + [hosts.address(0)], env=env))
+      procs.append(hosts.popen(1, generator_argv, env=env))
+    deadline = time.monotonic() + 60 * 30
+    while any(p.poll() is None for p in procs):
+      if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+        raise RuntimeError(f"delta bench: a program failed or hung (rc="
+                           f"{[p.poll() for p in procs]}); logs in {directory}")
+      time.sleep(0.2)
   finally:
-    _write(os.path.join(directory, "done"), "")
-    try:
-      trainer.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-      trainer.kill()
-      trainer.wait()
-  with open(os.path.join(directory, "trainer.jsonl")) as f:
-    for row, line in zip(rows, f):
-      row.update(json.loads(line))
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+    if hosts is not None:
+      hosts.close()
+  rows = []
+  with open(os.path.join(directory, "generator.jsonl")) as g, open(
+      os.path.join(directory, "trainer.jsonl")) as t:
+    for a, b in zip(g, t):
+      rows.append({**json.loads(b), **json.loads(a)})
   summary = _summary(rows)
-  print_fn(f"  delta/lr={lr:g}: changed {100 * summary['changed_fraction']:.2f}%, wire "
-           f"{summary['full_bytes'] / 1024:.1f} KiB full vs {summary['delta_bytes'] / 1024:.1f}"
-           f" KiB delta ({summary['wire_ratio']:.2f}x), pull {summary['full_ms']:.1f} vs "
-           f"{summary['delta_ms']:.1f} ms, encode {summary['encode_ms']:.2f} ms")
-  return {"lr": lr, "rows": rows, "summary": summary}
+  print_fn(f"  delta/lr={lr:g}{'/' + rate if rate else ''}: changed "
+           f"{100 * summary['changed_fraction']:.2f}%, wire "
+           f"{summary['full_bytes'] / 1024:.1f} KiB full vs "
+           f"{summary['delta_bytes'] / 1024:.1f} KiB delta ({summary['wire_ratio']:.2f}x), "
+           f"pull {summary['full_ms']:.1f} vs {summary['delta_ms']:.1f} ms, encode "
+           f"{summary['encode_ms']:.2f} ms")
+  return {"lr": lr, "rate": rate or "loopback", "rows": rows, "summary": summary}
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -246,23 +278,24 @@ def _summary(rows: list[dict]) -> dict:
       "reward_last": rows[-1].get("reward")}
 
 
-def run(jax, lrs, steps: int, d_model: int, layers: int,
+def run(lrs, steps: int, d_model: int, layers: int, rates,
         print_fn: Callable[[str], object] = print) -> dict:
-  runs = [run_one(jax, lr, steps, d_model, layers, print_fn) for lr in lrs]
+  runs = [run_one(lr, steps, d_model, layers, rate, print_fn)
+          for rate in rates for lr in lrs]
   return {"schema": 1, "suite": "delta", "steps": steps, "d_model": d_model,
-          "layers": layers, "platform": jax.devices()[0].platform, "runs": runs}
+          "layers": layers, "platform": "cpu", "runs": runs}
 
 
 def markdown(doc: dict) -> str:
-  lines = ["| learning rate | changed / step (steady; first 10) | wire KiB full | "
+  lines = ["| link | learning rate | changed / step (steady; first 10) | wire KiB full | "
            "wire KiB delta | full / delta | pull ms full | pull ms delta | "
            "first pull ms full / delta | publisher compare+encode ms |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for r in doc["runs"]:
     s = r["summary"]
     first = (f"{100 * s['changed_fraction_first10']:.1f}%"
              if s["changed_fraction_first10"] is not None else "-")
-    lines.append(f"| {r['lr']:g} | {100 * s['changed_fraction']:.2f}%; {first} | "
+    lines.append(f"| {r['rate']} | {r['lr']:g} | {100 * s['changed_fraction']:.2f}%; {first} | "
                  f"{s['full_bytes'] / 1024:.1f} | {s['delta_bytes'] / 1024:.1f} | "
                  f"{s['wire_ratio']:.2f}x | {s['full_ms']:.1f} | {s['delta_ms']:.1f} | "
                  f"{s['full_ms_first']:.0f} / {s['delta_ms_first']:.0f} | "
@@ -283,9 +316,10 @@ def markdown(doc: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def main(jax, out_dir: str, print_fn: Callable[[str], object] = print, lrs=DEFAULT_LRS,
-         steps: int = DEFAULT_STEPS, d_model: int = 64, layers: int = 2) -> int:
-  doc = run(jax, lrs, steps, d_model, layers, print_fn)
+def main(out_dir: str, print_fn: Callable[[str], object] = print, lrs=DEFAULT_LRS,
+         steps: int = DEFAULT_STEPS, d_model: int = 64, layers: int = 2,
+         rates=(None,)) -> int:
+  doc = run(lrs, steps, d_model, layers, rates, print_fn)
   text = markdown(doc)
   report.write_suite(doc, text, out_dir, "delta")
   print_fn(text)
@@ -298,10 +332,11 @@ if __name__ == "__main__":
   parser.add_argument("--lrs", default=",".join(f"{x:g}" for x in DEFAULT_LRS))
   parser.add_argument("--d_model", type=int, default=64)
   parser.add_argument("--layers", type=int, default=2)
+  parser.add_argument("--rates", default="loopback",
+                      help="comma-separated: loopback and/or tc rates such as 1gbit "
+                      "(two emulated hosts; needs root and iproute2)")
   parser.add_argument("--out_dir", default="/tmp/jax_m2n_bench")
   flags = parser.parse_args()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  import jax as jax_module
-  jax_module.config.update("jax_num_cpu_devices", 8)
-  sys.exit(main(jax_module, flags.out_dir, lrs=[float(x) for x in flags.lrs.split(",")],
-                steps=flags.steps, d_model=flags.d_model, layers=flags.layers))
+  sys.exit(main(flags.out_dir, lrs=[float(x) for x in flags.lrs.split(",")],
+                steps=flags.steps, d_model=flags.d_model, layers=flags.layers,
+                rates=[None if r == "loopback" else r for r in flags.rates.split(",")]))

@@ -104,17 +104,26 @@ def encode(new: np.ndarray, old: np.ndarray | None, chunk: int = CHUNK) -> Encod
     >>> e.modes.tolist(), e.values.tolist(), e.changed
     ([2], [2.0], 1)
   """
-  n = new.size
-  nchunks = -(-n // chunk)
-  itemsize = new.dtype.itemsize
   if old is None:
-    return Encoded(np.full(nchunks, DENSE, np.int8), np.zeros(0, np.uint8),
-                   np.zeros(0, np.int32), new, n)
+    return encode_changes(new, None, chunk)
   if old.shape != new.shape or old.dtype != new.dtype:
     raise ValueError(f"delta.encode: old must be new's shape and dtype; got {old.shape} "
                      f"{old.dtype} against {new.shape} {new.dtype}.")
+  return encode_changes(new, changed(new, old), chunk)
+
+
+def encode_changes(new: np.ndarray, mask: np.ndarray | None, chunk: int = CHUNK
+                   ) -> Encoded:
+  """`encode` from the change test's result (`mask`, a bool per element; None: every
+  element changed)."""
+  n = new.size
+  nchunks = -(-n // chunk)
+  itemsize = new.dtype.itemsize
+  if mask is None:
+    return Encoded(np.full(nchunks, DENSE, np.int8), np.zeros(0, np.uint8),
+                   np.zeros(0, np.int32), new, n)
   grid = np.zeros(nchunks * chunk, bool)
-  grid[:n] = changed(new, old)
+  grid[:n] = mask
   rows = grid.reshape(nchunks, chunk)
   count = rows.sum(axis=1)
   starts = rows.copy()
@@ -202,9 +211,11 @@ def decode(modes: np.ndarray, bitmaps: np.ndarray, runs: np.ndarray, n: int,
 # ---------------------------------------------------------------------------------------
 
 def serve(version: Any, base: Any, body: dict[str, Any], transfer: Any) -> dict[str, Any]:
-  """Answers a delta request: every asked piece of `version` encoded against the same
-  box of `base` (a held version of the same manifest, or None: every chunk dense), the
-  arrays offered under one random uuid. `version` and `base` are the publisher's
+  """Answers a delta request: the asked pieces of `version`, per wire dtype one stream
+  (the pieces concatenated in request order) encoded against the same boxes of `base`
+  (a held version of the same manifest, or None: every chunk dense); the arrays (per
+  stream bitmaps, runs and values, the empty ones left out) offered under one random
+  uuid; the reply's header lists per stream [dtype, values, runs, modes]. `version` and `base` are the publisher's
   held versions (`_Version`: shards, per wire dtype, by (leaf, device))."""
   m = version.manifest
   wire = {}
@@ -254,27 +265,34 @@ def serve(version: Any, base: Any, body: dict[str, Any], transfer: Any) -> dict[
       got = hosts[key] = (held, np.asarray(array))  # CPU: the buffer itself
     return got
 
-  heads, bitmaps, runs, values = [], [], [], {}
+  # One stream per wire dtype: its pieces concatenated in request order (the pieces of
+  # a model are many and often small: one encoding of the stream, whose chunks span
+  # pieces, costs a few numpy passes instead of a few per piece).
+  streams: dict[str, tuple[list[np.ndarray], list[np.ndarray | None]]] = {}
   for t, k, box in boxes:
     held, new = host(version, t, k)
     cut = tuple(slice(lo - h, hi - h) for (lo, hi), (h, _) in zip(box, held))
     new = np.ascontiguousarray(new[cut]).reshape(-1)
-    old = None
+    mask = None
     if base is not None and (t, k) in base.shards and base.shards[(t, k)][0] == held:
-      old = np.ascontiguousarray(host(base, t, k)[1][cut]).reshape(-1)
-    e = encode(new, old)
-    heads.append([int(e.values.size), int(e.runs.size // 2), e.modes.tolist()])
-    bitmaps.append(e.bitmaps)
-    runs.append(e.runs)
-    values.setdefault(wire[t].name, []).append(e.values)
+      mask = changed(new, np.ascontiguousarray(host(base, t, k)[1][cut]).reshape(-1))
+    news, masks = streams.setdefault(wire[t].name, ([], []))
+    news.append(new)
+    masks.append(mask)
+  heads, arrays = [], []
+  for name in sorted(streams):
+    news, masks = streams[name]
+    new = np.concatenate(news)
+    e = encode_changes(new, np.concatenate(
+        [np.ones(a.size, bool) if m is None else m for a, m in zip(news, masks)]))
+    heads.append([name, int(e.values.size), int(e.runs.size // 2), e.modes.tolist()])
+    arrays += [e.bitmaps, e.runs, e.values]
     stats["publisher_elements"] += new.size
     stats["publisher_changed"] += e.changed
     stats["publisher_encoded_bytes"] += e.nbytes
     stats["publisher_dense_bytes"] += new.nbytes
     for mode, n in zip(*np.unique(e.modes, return_counts=True)):
       stats[f"publisher_chunks_{MODES[mode]}"] += int(n)
-  arrays = [np.concatenate(bitmaps), np.concatenate(runs)] + [
-      np.concatenate(values[name]) for name in sorted(values)]
   stats["publisher_encode_s"] += time.perf_counter() - start
   stats["publisher_requests"] += 1
   offered = [a for a in arrays if a.size]
@@ -284,7 +302,7 @@ def serve(version: Any, base: Any, body: dict[str, Any], transfer: Any) -> dict[
     uuid = secrets.randbits(64)
     transfer.await_pull(uuid, [jax.device_put(a, device) for a in offered],
                         timeout=engine.offer_deadline(body["timeout_ms"] / 1000))
-  return {"uuid": uuid, "pieces": heads, "base": base.number if base is not None else 0}
+  return {"uuid": uuid, "streams": heads, "base": base.number if base is not None else 0}
 
 
 # ---------------------------------------------------------------------------------------
@@ -355,10 +373,22 @@ def _scatter(donate: bool) -> Any:
   return jax.jit(apply, donate_argnums=(0,) if donate else ())
 
 
-def _bucket(n: int) -> int:
-  """Scatter sizes are padded to powers of two (at least 256): one compilation per
-  size class and device, not per count."""
-  return max(256, 1 << max(0, n - 1).bit_length())
+# Per destination shard (shape, dtype, device): the scatter size it last used.
+_buckets: dict[tuple[Any, ...], int] = {}
+
+
+def _bucket(key: tuple[Any, ...], n: int) -> int:
+  """The scatter size for `n` updates of one shard: a power of two (at least 256),
+  kept while n stays between 1/8 of it and it. Each size is one compilation per shard
+  shape and device, and a training run's change counts drift around a level: without
+  the hysteresis a count wandering across a power of two recompiled (~50 ms a shard)."""
+  last = _buckets.get(key)
+  if last is not None and last // 8 <= n <= last:
+    return last
+  size = _buckets[key] = max(256, 1 << max(0, n - 1).bit_length())
+  if len(_buckets) > 1 << 16:
+    _buckets.clear()
+  return size
 
 
 def run(pp: Any, links: dict[int, Any], number: int, base_version: int,
@@ -396,11 +426,8 @@ def run(pp: Any, links: dict[int, Any], number: int, base_version: int,
             "timeout_ms": int(timeout_s * 1000)}
     reply = links[k].client.call(body, answer_s, f"the delta of version {number}")
     stats["subscriber_reply_bytes"] += len(messages.encode(reply))
-    heads = reply.get("pieces")
-    if not isinstance(heads, list) or len(heads) != len(pieces_):
-      raise ReshardRuntimeError(f"Subscriber.pull: {links[k].name} answered the delta "
-                                "request with a malformed header.")
-    specs = _specs(pp, pieces_, heads, links[k].name)
+    streams = _streams(pp, pieces_, reply.get("streams"), links[k].name)
+    specs = [(d, n) for _, _, sizes in streams for d, n in sizes]
     uuid = reply.get("uuid")
     arrays = []
     if any(n for _, n in specs):
@@ -411,39 +438,31 @@ def run(pp: Any, links: dict[int, Any], number: int, base_version: int,
       arrays = links[k].connection.pull(uuid, [
           jax.ShapeDtypeStruct((n,), d, sharding=sharding) for d, n in specs if n])
       pulled.extend((links[k].name, a) for a in arrays)
-    replies[k] = (heads, specs, arrays)
+    replies[k] = (streams, arrays)
   _wait(pulled, deadline, timeout_s)
   stats["subscriber_pulled_bytes"] += sum(a.nbytes for _, a in pulled)
   start = time.perf_counter()
   updates: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}
-  for k, (heads, specs, arrays) in replies.items():
+  for k, (streams, arrays) in replies.items():
     host = iter(np.asarray(a) for a in arrays)
-    got = {i: (next(host) if n else np.zeros(0, d)) for i, (d, n) in enumerate(specs)}
-    bitmaps, runs = got[0], got[1]
-    at_bitmap = at_run = 0
-    at_values = collections.Counter()
-    for (t, _, box, dsts), (nvalues, nruns, modes) in zip(asked[k], heads):
-      shape = tuple(hi - lo for lo, hi in box)
-      n = math.prod(shape)
-      nbitmap = bitmap_bytes(modes, n)
-      positions = decode(np.asarray(modes), bitmaps[at_bitmap:at_bitmap + nbitmap],
-                         runs[at_run:at_run + 2 * nruns], n)
-      at_bitmap += nbitmap
-      at_run += 2 * nruns
-      name = pp.wire[t].name
-      slot = 2 + sorted({pp.wire[u].name for u, *_ in asked[k]}).index(name)
-      values = got[slot][at_values[name]:at_values[name] + nvalues]
-      at_values[name] += nvalues
+    for members, modes, ((_, nbitmap), (_, nruns), (dtype, nvalues)) in streams:
+      bitmaps, runs, values = (next(host) if n else np.zeros(0, d) for d, n in (
+          (np.uint8, nbitmap), (np.int32, nruns), (dtype, nvalues)))
+      sizes = [math.prod(hi - lo for lo, hi in box) for _, _, box, _ in members]
+      offsets = np.cumsum([0] + sizes)
+      positions = decode(np.asarray(modes), bitmaps, runs, int(offsets[-1]))
       if positions.size != nvalues:
         raise ReshardRuntimeError(f"Subscriber.pull: a delta from {links[k].name} must "
                                   f"carry one value per marked position; got {nvalues} "
                                   f"for {positions.size}.")
-      if not nvalues:
-        continue
-      for d in set(dsts):
-        dbox = pp.plan.tensors[t].dst.box_of(d)
-        at = _in_shard(positions, shape, box, dbox)
-        updates.setdefault((t, d), []).append((at, values))
+      cuts = np.searchsorted(positions, offsets)
+      for (t, _, box, dsts), lo, a, b in zip(members, offsets, cuts, cuts[1:]):
+        if a == b:
+          continue
+        shape = tuple(hi - lo_ for lo_, hi in box)
+        for d in set(dsts):
+          at = _in_shard(positions[a:b] - lo, shape, box, pp.plan.tensors[t].dst.box_of(d))
+          updates.setdefault((t, d), []).append((at, values[a:b]))
   out = []
   for t, local in enumerate(pp.local_dst):
     row = []
@@ -451,7 +470,7 @@ def run(pp: Any, links: dict[int, Any], number: int, base_version: int,
     for d, p in zip(local, prev):
       parts = updates.get((t, d.id), [])
       n = sum(a.size for a, _ in parts)
-      size = _bucket(n)
+      size = _bucket((p.shape, p.dtype, pp.wire[t], d.id), n)
       at = np.full(size, p.size, np.int32)  # past the end: dropped
       vals = np.zeros(size, pp.wire[t])
       if parts:
@@ -463,29 +482,33 @@ def run(pp: Any, links: dict[int, Any], number: int, base_version: int,
   return out
 
 
-def _specs(pp: Any, pieces_, heads, name: str) -> list[tuple[np.dtype, int]]:
-  """The arrays a reply's header says its offer holds: bitmaps (uint8), runs (int32),
-  then the values per wire dtype (by name), each possibly empty (then not offered)."""
-  nbitmap = runs = 0
-  values: collections.Counter = collections.Counter()
-  for (t, _, box, _), head in zip(pieces_, heads):
-    if not (isinstance(head, list) and len(head) == 3 and type(head[0]) is int
-            and type(head[1]) is int and isinstance(head[2], list)
-            and all(type(m) is int for m in head[2])):
+def _streams(pp: Any, pieces_, heads: Any, name: str) -> list[tuple[list, Any, list]]:
+  """The streams a delta reply announces, checked against the request: per wire dtype
+  (by name) of the asked pieces, (its pieces in request order, its modes, the sizes of
+  its bitmaps (uint8), runs (int32) and values: the arrays offered, empty ones left
+  out)."""
+  names = sorted({pp.wire[t].name for t, *_ in pieces_})
+  if not isinstance(heads, list) or len(heads) != len(names):
+    raise ReshardRuntimeError(f"Subscriber.pull: {name} answered the delta request with "
+                              "a malformed header.")
+  out = []
+  for wire_name, head in zip(names, heads):
+    if not (isinstance(head, list) and len(head) == 4 and head[0] == wire_name
+            and type(head[1]) is int and type(head[2]) is int
+            and isinstance(head[3], list) and all(type(m) is int for m in head[3])):
       raise ReshardRuntimeError(f"Subscriber.pull: {name} answered the delta request "
-                                "with a malformed piece header.")
-    n = math.prod(hi - lo for lo, hi in box)
-    if head[0] < 0 or head[0] > n or head[1] < 0 or head[1] > n:
-      raise ReshardRuntimeError(f"Subscriber.pull: {name} must send at most one value "
-                                f"per element of a piece; got {head[0]} for {n}.")
-    if len(head[2]) != -(-n // CHUNK):
-      raise ReshardRuntimeError(f"Subscriber.pull: {name} must send one mode per chunk "
-                                f"of a piece; got {len(head[2])} for {n} elements.")
-    nbitmap += bitmap_bytes(head[2], n)
-    runs += 2 * head[1]
-    values[pp.wire[t].name] += head[0]
-  return [(np.dtype(np.uint8), nbitmap), (np.dtype(np.int32), runs)] + [
-      (np.dtype(manifest_lib.dtype_of(k)), values[k]) for k in sorted(values)]
+                                "with a malformed stream header.")
+    members = [p for p in pieces_ if pp.wire[p[0]].name == wire_name]
+    n = sum(math.prod(hi - lo for lo, hi in box) for _, _, box, _ in members)
+    _, nvalues, nruns, modes = head
+    if not (0 <= nvalues <= n and 0 <= nruns <= n and len(modes) == -(-n // CHUNK)):
+      raise ReshardRuntimeError(f"Subscriber.pull: {name} must send at most one value per "
+                                f"element and one mode per chunk of a stream of {n}; got "
+                                f"{nvalues} values, {len(modes)} modes.")
+    out.append((members, modes, [(np.dtype(np.uint8), bitmap_bytes(modes, n)),
+                                 (np.dtype(np.int32), 2 * nruns),
+                                 (np.dtype(manifest_lib.dtype_of(wire_name)), nvalues)]))
+  return out
 
 
 def _in_shard(positions: np.ndarray, shape: tuple[int, ...], box: Box, dbox: Box
