@@ -140,7 +140,11 @@ LEAVES = [((64, 300), np.float32, BF16), ((8, 6, 70), BF16, np.float32),
           ((), np.float16, None), ((33, 2 * 8192 + 7), np.float32, None)]
 
 
-def test_random_updates_bitwise_against_full_pull(sides):
+@pytest.mark.parametrize("host_apply", [True, False], ids=["numpy", "compiled"])
+def test_random_updates_bitwise_against_full_pull(sides, host_apply, monkeypatch):
+  # On CPU the delta is applied with numpy; the compiled path (other platforms:
+  # programs updating the donated shards in place) is run here too.
+  monkeypatch.setattr(delta, "HOST_APPLY", host_apply)
   trainer, gen = sides
   rng = np.random.default_rng(7)
   pub = jax_m2n.Publisher(token=TOKEN, keep=3)

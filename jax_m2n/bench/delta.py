@@ -19,6 +19,7 @@ Usage:
   python -m jax_m2n.bench --suite delta [--out_dir DIR]
   python -m jax_m2n.bench.delta [--steps 60] [--lrs 3e-3,3e-2] [--d_model 64] \
       [--layers 2] [--rates loopback,1gbit] [--out_dir DIR]
+  (JAX_M2N_DELTA_BATCH=64: the example's --batch_size, for larger models on CPU)
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def _write(path: str, text: str) -> None:
 def _config(lr: float, d_model: int, layers: int):
   sys.path.insert(0, ROOT)
   from examples import rl_refit
+  batch = int(os.environ.get("JAX_M2N_DELTA_BATCH", 0)) or rl_refit.RefitConfig.batch_size
   return rl_refit, rl_refit.RefitConfig(learning_rate=lr, d_model=d_model, layers=layers,
-                                        progress=False)
+                                        batch_size=batch, progress=False)
 
 
 def trainer_main(directory: str, lr: float, steps: int, d_model: int, layers: int,
@@ -115,6 +117,7 @@ def trainer_main(directory: str, lr: float, steps: int, d_model: int, layers: in
     version = pub.publish(params)
     jax.block_until_ready(params)
     publish_ms = (time.perf_counter() - t0) * 1e3
+    _write(os.path.join(directory, f"published_{version}"), "")
     _wait_file(os.path.join(directory, f"ack_{version}"), 600)
     got = {k: delta.stats[k] - before.get(k, 0) for k in delta.stats}
     log.write(json.dumps({
@@ -165,7 +168,9 @@ def generator_main(directory: str, lr: float, steps: int, d_model: int,
   log = open(os.path.join(directory, "generator.jsonl"), "w")
   prev = prev_full = None
   for v in range(1, steps + 1):
-    times, nbytes, got = {}, {}, {}
+    # Timed from when the version is out (not while the trainer still trains on).
+    _wait_file(os.path.join(directory, f"published_{v}"), 600)
+    times, nbytes, got, apply_ms = {}, {}, {}, 0.0
     for which in (("delta", "full") if v % 2 else ("full", "delta")):
       before = dict(delta.stats), engine.stats["pulled_bytes"]
       t0 = time.perf_counter()
@@ -179,6 +184,7 @@ def generator_main(directory: str, lr: float, steps: int, d_model: int,
       got = {k: delta.stats[k] - before[0].get(k, 0) for k in delta.stats}
       # A delta pull's bytes: its arrays and its JSON header (a delta=True pull that
       # went full, the first, counts in the engine's bytes like a full one).
+      apply_ms += 1e3 * got.get("subscriber_apply_s", 0.0)
       nbytes[which] = (got.get("subscriber_pulled_bytes", 0)
                        + got.get("subscriber_reply_bytes", 0)
                        + engine.stats["pulled_bytes"] - before[1])
@@ -189,7 +195,8 @@ def generator_main(directory: str, lr: float, steps: int, d_model: int,
     prev, prev_full = out, full
     log.write(json.dumps({"version": v, "delta_bytes": nbytes["delta"],
                           "full_bytes": nbytes["full"], "delta_ms": times["delta"],
-                          "full_ms": times["full"], "delta_first": bool(v % 2)}) + "\n")
+                          "full_ms": times["full"], "delta_first": bool(v % 2),
+                          "apply_ms": apply_ms}) + "\n")
     log.flush()
     _write(os.path.join(directory, f"ack_{v}"), "")
   sub.close()
@@ -274,6 +281,7 @@ def _summary(rows: list[dict]) -> dict:
           r["full_ms"] for r in steady if not r["delta_first"]),
       "delta_ms_first": statistics.median(r["delta_ms"] for r in steady if r["delta_first"]),
       "encode_ms": med("encode_ms"), "publish_ms": med("publish_ms"),
+      "apply_ms": med("apply_ms"),
       "elements": rows[0]["elements"],
       "reward_last": rows[-1].get("reward")}
 
