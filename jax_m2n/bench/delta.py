@@ -320,7 +320,9 @@ def markdown(doc: dict) -> str:
                "one conversion of the version to bfloat16. The publisher's extra memory "
                "for delta: the base version held (keep=2), "
                f"{r0['elements'] * 4 / 1024:.0f} KiB in float32 plus its bfloat16 wire "
-               f"copy, {r0['elements'] * 2 / 1024:.0f} KiB. Separate programs, 127.0.0.1.")
+               f"copy, {r0['elements'] * 2 / 1024:.0f} KiB. Separate programs: link "
+               "loopback on 127.0.0.1; a rate (1gbit) on two emulated hosts "
+               "(jax_m2n.testing.hosts) joined by tc-shaped links of that rate.")
   return "\n".join(lines) + "\n"
 
 

@@ -4,8 +4,8 @@ subscriber's last one.
 Owns the change test (bitwise, in the wire dtype), the per-chunk encoding (nothing,
 bitmap + values, index runs + values or the dense chunk, whichever is smallest) and its
 decoding, the publisher's side of a delta request (compare, encode, offer) and the
-subscriber's (ask, pull, apply in place to its last result), and the record of that last
-result. Knows no sockets but the engine's, plans nothing (a delta pull runs the flat
+subscriber's (ask, pull, apply to its last result: in place where donated, with
+numpy on CPU), and the record of that last result. Knows no sockets but the engine's, plans nothing (a delta pull runs the flat
 plan's pieces), and never decides by itself that bytes are equal: what it cannot prove
 the subscriber holds crosses dense.
 """
@@ -22,7 +22,6 @@ import weakref
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_m2n._src import jax_compat
@@ -34,9 +33,9 @@ from jax_m2n._src.jobs.messages import ProtocolError
 from jax_m2n._src.layout import MAX_RANK, Box
 
 # Elements per chunk: the unit that crosses as nothing, sparse or dense. A bitmap costs
-# CHUNK / 8 bytes (a smaller last chunk's: its size / 8), so a chunk goes sparse below ~1/8 changed per value byte; 16 Ki
-# elements keeps the per-chunk mode list (one int in the reply) at 1/16 Ki of the
-# elements and a chunk's bitmap at 2 KiB.
+# CHUNK / 8 bytes (a smaller last chunk's: its size / 8), so a chunk goes sparse while
+# fewer than about 15/16 of its elements changed; 16 Ki elements keeps the per-chunk
+# mode list (one int in the reply) at 1/16 Ki of the elements and a bitmap at 2 KiB.
 CHUNK = 1 << 14
 NOTHING, BITMAP, RUNS, DENSE = 0, 1, 2, 3
 MODES = ("nothing", "bitmap", "runs", "dense")
@@ -332,7 +331,13 @@ def base_of(last: Last | None, manifest_id: str, dsts: Sequence[Any],
   pull, another layout set, dst layouts or dtypes, Quantize leaves (they cross full:
   their values are quantized on arrival, so no earlier raw values are held), or arrays
   that were dropped, deleted or donated elsewhere (never assumed to hold old bytes)."""
-  stats["subscriber_full_pulls"] += 1  # (undone below when a base is found)
+  arrays, why = _base(last, manifest_id, dsts, outs, quantized)
+  if arrays is None:
+    stats["subscriber_full_pulls"] += 1
+  return arrays, why
+
+
+def _base(last, manifest_id, dsts, outs, quantized):
   if quantized:
     return None, "a Quantize leaf (crosses full)"
   if last is None:
@@ -346,7 +351,6 @@ def base_of(last: Last | None, manifest_id: str, dsts: Sequence[Any],
     return None, "the previous arrays were dropped, deleted or donated elsewhere"
   if any(a.size >= 1 << 31 for a in arrays):
     return None, "a shard of 2**31 elements or more (positions are int32)"
-  stats["subscriber_full_pulls"] -= 1
   return arrays, ""
 
 

@@ -185,9 +185,9 @@ class Subscriber:
       delta: False (default) or True: the version crosses as only the elements whose
         wire-dtype bits changed since this subscriber's last pull (per chunk of 16 Ki
         elements nothing, a bitmap or index runs with the changed values, or the
-        dense chunk: whichever is smallest), applied to that pull's result: in place
-        when `donate` is it, else to a copy. The result is bitwise what a full pull
-        returns. A full copy instead (as delta=False) when there is no earlier
+        dense chunk: whichever is smallest), applied to that pull's result (in place
+        when `donate` is it, off CPU; on CPU to copies of its shards, the donated ones
+        then deleted). The result is bitwise what a full pull returns. A full copy instead (as delta=False) when there is no earlier
         delta=True pull, the published layouts, dst layouts or dtypes changed, a
         leaf is quantized, or the previous arrays were deleted or donated elsewhere;
         chunks whose base version the publisher no longer holds (beyond `keep`) cross
