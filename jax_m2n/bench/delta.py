@@ -124,6 +124,7 @@ def trainer_main(directory: str, lr: float, steps: int, d_model: int, layers: in
         "version": version, "changed": changed, "elements": elements,
         "publish_ms": publish_ms, "reward": rewards[-1] if rewards else None,
         "encode_ms": 1e3 * got.get("publisher_encode_s", 0.0),
+        "convert_ms": 1e3 * got.get("publisher_convert_s", 0.0),
         "encoded_bytes": got.get("publisher_encoded_bytes", 0),
         "compared": got.get("publisher_elements", 0),
         "chunks": {m: got.get(f"publisher_chunks_{m}", 0) for m in delta.MODES}}) + "\n")
