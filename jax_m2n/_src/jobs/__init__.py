@@ -10,7 +10,9 @@ per module, one way (messages <- auth <- channel <- publisher / subscriber):
   publisher.py  `Publisher`: snapshots, the server, cutting pieces for the engine;
   subscriber.py `Subscriber`: versions, checks, the pull's lifecycle;
   engine.py     a subscriber process's part of a plan: pulls from the publisher's
-                transfer servers, forwards and fan-out inside its job.
+                transfer servers, forwards and fan-out inside its job;
+  delta.py      delta sync: the change test, the per-chunk encoding, both sides of a
+                delta pull and the subscriber's base.
 It never plans except through the planner, and reads shardings only through
 `Layout.from_sharding`; the bytes move through JAX's transfer server.
 """
