@@ -333,4 +333,7 @@ def test_separate_jobs_delta_bitwise(jobs, trainers, generators, monkeypatch):
   for _, f, line in found:
     assert f["ok"] == "1" and int(f["deltas"]) >= 3 and f["in_place"] == "True", line
     assert int(f["delta_bytes"]) * 3 < int(f["full_bytes"]), line
-  print("\n".join(line for _, _, line in found))
+  if generators == 2:  # bases that differ between the processes: an error on both
+    mismatch = jobs.results("mismatch")
+    assert len(mismatch) == 2 and all(f["ok"] == "1" for _, f, _ in mismatch), text
+  print("\n".join(line for _, _, line in found + jobs.results("mismatch")))

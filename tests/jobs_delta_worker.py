@@ -10,7 +10,9 @@ The trainer publishes VERSIONS versions of LEAVES random-layout leaves, each ver
 changing a sparse random set of elements of the last (plus one leaf entirely); the
 generator pulls every version with delta=True, donating the last result, checks each
 bitwise, and prints "RESULT delta role=generator process=I ok=1 deltas=N in_place=B
-delta_bytes=X full_bytes=Y".
+delta_bytes=X full_bytes=Y"; in a 2-process generator job, then a pull whose processes
+hold different bases (process 1 deleted its previous arrays): "RESULT mismatch ...
+ok=1" when it failed on both with the rule's message.
 """
 
 import os
@@ -90,6 +92,18 @@ def generator(jax, jax_m2n, args):
         return 1
     prev = out
   got = {k: delta.stats[k] - start.get(k, 0) for k in delta.stats}
+  if jax.process_count() > 1:
+    # Process 1 loses its previous arrays, process 0 keeps them: their bases differ,
+    # and the pull must fail on both, naming it, before any byte moves.
+    if args.process_id == 1:
+      for a in out:
+        a.delete()
+    try:
+      sub.pull(dsts, dtype=outs, version=VERSIONS, delta=True, timeout_s=60)
+      print(f"RESULT mismatch role=generator process={args.process_id} ok=0", flush=True)
+    except jax_m2n.ReshardValueError as e:
+      print(f"RESULT mismatch role=generator process={args.process_id} "
+            f"ok={int('same previous version' in str(e))} {e}", flush=True)
   print(f"RESULT delta role=generator process={args.process_id} ok=1 "
         f"deltas={got['subscriber_delta_pulls']} in_place={in_place} "
         f"delta_bytes={got['subscriber_pulled_bytes']} "
