@@ -105,7 +105,8 @@ def test_malformed_deltas_are_refused():
     delta.decode(np.array([delta.BITMAP], np.int8), np.zeros(8, np.uint8),
                  np.zeros(0, np.int32), n)
   with pytest.raises(jax_m2n.ReshardRuntimeError, match="one mode per chunk"):
-    delta.decode(np.array([1, 1], np.int8), np.zeros(0, np.uint8), np.zeros(0, np.int32), n)
+    delta.decode(np.array([1, 1], np.int8), np.zeros(0, np.uint8), np.zeros(0, np.int32),
+                 n)
   with pytest.raises(jax_m2n.ReshardRuntimeError, match="runs must lie"):
     delta.decode(np.array([delta.RUNS], np.int8), np.zeros(0, np.uint8),
                  np.array([90, 20], np.int32), n)

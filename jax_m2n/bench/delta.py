@@ -9,11 +9,11 @@ on 4 of its 8 devices) pulls every version twice, in bfloat16 (the wire carries
 bfloat16): once with delta=True (donating the last delta result) and once in full
 (another Subscriber), checks that both are bitwise equal, and counts the bytes each
 pulled. Both run on 127.0.0.1, or on two emulated hosts (jax_m2n.testing.hosts) joined
-by shaped links (--rates 1gbit). The trainer waits for both pulls before it trains on (lockstep: neither
-side's work is timed against the other's). Per step: the fraction of bfloat16 elements
-that changed (computed by the trainer from its own params), wire bytes full and delta,
-pull times, the publisher's compare + encode seconds. Steady state: the steps after the
-first half.
+by shaped links (--rates 1gbit). The trainer waits for both pulls before it trains on
+(lockstep: neither side's work is timed against the other's). Per step: the fraction
+of bfloat16 elements that changed (computed by the trainer from its own params), wire
+bytes full and delta, pull times, the publisher's compare + encode seconds. Steady
+state: the steps after the first half.
 
 Usage:
   python -m jax_m2n.bench --suite delta [--out_dir DIR]
@@ -92,10 +92,12 @@ def trainer_main(directory: str, lr: float, steps: int, d_model: int, layers: in
   opt_state = (zeros(params), zeros(params),
                jax.device_put(jnp.zeros((), jnp.int32), trainer.sharding(())))
   train_fn = jax.jit(
-      rl_refit.train_step, static_argnames=("heads", "learning_rate"), donate_argnums=(0, 1),
+      rl_refit.train_step, static_argnames=("heads", "learning_rate"),
+      donate_argnums=(0, 1),
       out_shardings=(train_shardings, jax.tree.map(lambda x: x.sharding, opt_state),
                      trainer.sharding(())))
-  gen_batch, train_batch = generator.sharding(("batch", None)), trainer.sharding(("batch", None))
+  gen_batch = generator.sharding(("batch", None))
+  train_batch = trainer.sharding(("batch", None))
   sample_fn = jax.jit(rl_refit.sample, static_argnames=("heads",), out_shardings=gen_batch)
   to_bf16 = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p))
   changed_fn = jax.jit(lambda a, b: sum(
@@ -277,10 +279,12 @@ def _summary(rows: list[dict]) -> dict:
       # dtype (once per version): each kind goes first every other version, and its
       # time is reported both ways.
       "full_ms": statistics.median(r["full_ms"] for r in steady if r["delta_first"]),
-      "delta_ms": statistics.median(r["delta_ms"] for r in steady if not r["delta_first"]),
+      "delta_ms": statistics.median(
+          r["delta_ms"] for r in steady if not r["delta_first"]),
       "full_ms_first": statistics.median(
           r["full_ms"] for r in steady if not r["delta_first"]),
-      "delta_ms_first": statistics.median(r["delta_ms"] for r in steady if r["delta_first"]),
+      "delta_ms_first": statistics.median(
+          r["delta_ms"] for r in steady if r["delta_first"]),
       "encode_ms": med("encode_ms"), "publish_ms": med("publish_ms"),
       "apply_ms": med("apply_ms"),
       "elements": rows[0]["elements"],

@@ -5,9 +5,9 @@ Owns the change test (bitwise, in the wire dtype), the per-chunk encoding (nothi
 bitmap + values, index runs + values or the dense chunk, whichever is smallest) and its
 decoding, the publisher's side of a delta request (compare, encode, offer) and the
 subscriber's (ask, pull, apply to its last result: in place where donated, with
-numpy on CPU), and the record of that last result. Knows no sockets but the engine's, plans nothing (a delta pull runs the flat
-plan's pieces), and never decides by itself that bytes are equal: what it cannot prove
-the subscriber holds crosses dense.
+numpy on CPU), and the record of that last result. Knows no sockets but the engine's,
+plans nothing (a delta pull runs the flat plan's pieces), and never decides by itself
+that bytes are equal: what it cannot prove the subscriber holds crosses dense.
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ MAX_REQUEST_FACTOR = 64
 
 # Counters for the bench and the tests: the publisher's ("publisher_*": elements
 # compared, changed, bytes encoded against the dense bytes, seconds converting to the
-# wire dtype and fetching to the host, seconds comparing and encoding, chunks per mode) and the subscriber's ("subscriber_*": bytes pulled against
-# the dense bytes of the same pieces, the control reply's bytes, seconds decoding and
-# applying, pulls by kind).
+# wire dtype and fetching to the host, seconds comparing and encoding, chunks per
+# mode) and the subscriber's ("subscriber_*": bytes pulled against the dense bytes of
+# the same pieces, the control reply's bytes, seconds decoding and applying, pulls by
+# kind).
 stats: collections.Counter = collections.Counter()
 
 
@@ -214,8 +215,9 @@ def serve(version: Any, base: Any, body: dict[str, Any], transfer: Any) -> dict[
   (the pieces concatenated in request order) encoded against the same boxes of `base`
   (a held version of the same manifest, or None: every chunk dense); the arrays (per
   stream bitmaps, runs and values, the empty ones left out) offered under one random
-  uuid; the reply's header lists per stream [dtype, values, runs, modes]. `version` and `base` are the publisher's
-  held versions (`_Version`: shards, per wire dtype, by (leaf, device))."""
+  uuid; the reply's header lists per stream [dtype, values, runs, modes]. `version`
+  and `base` are the publisher's held versions (`_Version`: shards, per wire dtype,
+  by (leaf, device))."""
   m = version.manifest
   wire = {}
   pairs = body.get("wire")
@@ -434,7 +436,8 @@ def _apply_host(pp: Any, device: Any, group, parts, donate: bool) -> list[jax.Ar
     at = np.concatenate([a for a, _ in updates])
     vals = np.concatenate([v for _, v in updates])
     if vals.dtype != p.dtype:
-      vals = np.asarray(pieces._converter(np.dtype(p.dtype))(jax.device_put(vals, device)))
+      convert = pieces._converter(np.dtype(p.dtype))
+      vals = np.asarray(convert(jax.device_put(vals, device)))
     host = np.array(p)
     host.reshape(-1)[at] = vals
     out.append(jax.device_put(host, device))
@@ -529,7 +532,8 @@ def run(pp: Any, links: dict[int, Any], number: int, base_version: int,
           continue
         shape = tuple(hi - lo_ for lo_, hi in box)
         for d in set(dsts):
-          at = _in_shard(positions[a:b] - lo, shape, box, pp.plan.tensors[t].dst.box_of(d))
+          dbox = pp.plan.tensors[t].dst.box_of(d)
+          at = _in_shard(positions[a:b] - lo, shape, box, dbox)
           updates.setdefault((t, d), []).append((at, values[a:b]))
   prevs = [jax_compat.single_device_arrays(base[t]) for t in range(len(pp.local_dst))]
   per_device: dict[int, list[tuple[int, int, jax.Array]]] = {}

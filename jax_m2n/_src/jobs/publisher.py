@@ -308,8 +308,8 @@ class Publisher:
       self._deferred.append((caller, body, time.monotonic() + min(
           timeout_ms, MAX_WAIT_MS) / 1000))
     else:
-      raise ProtocolError(f"call: op must be versions, manifest, pieces, delta or bye; got "
-                          f"{messages._short(op)}.")
+      raise ProtocolError(f"call: op must be versions, manifest, pieces, delta or bye; "
+                          f"got {messages._short(op)}.")
     self._tick()
 
   def _tick(self) -> None:
@@ -331,7 +331,8 @@ class Publisher:
         caller.reply({"error": "the publisher closed.", "kind": "runtime"})
       elif version <= published:
         try:
-          caller.reply(self._pieces(body) if body["op"] == "pieces" else self._delta(body))
+          caller.reply(self._pieces(body) if body["op"] == "pieces"
+                       else self._delta(body))
         except ProtocolError as e:
           caller.reply({"error": str(e), "kind": "value"})
       elif now >= deadline:

@@ -187,12 +187,13 @@ class Subscriber:
         elements nothing, a bitmap or index runs with the changed values, or the
         dense chunk: whichever is smallest), applied to that pull's result (in place
         when `donate` is it, off CPU; on CPU to copies of its shards, the donated ones
-        then deleted). The result is bitwise what a full pull returns. A full copy instead (as delta=False) when there is no earlier
-        delta=True pull, the published layouts, dst layouts or dtypes changed, a
-        leaf is quantized, or the previous arrays were deleted or donated elsewhere;
-        chunks whose base version the publisher no longer holds (beyond `keep`) cross
-        dense. A delta pull runs the flat route's pieces (each box once per process).
-        docs/jobs.md ("Delta sync") has the measurements behind the default.
+        then deleted). The result is bitwise what a full pull returns. A full copy
+        instead (as delta=False) when there is no earlier delta=True pull, the
+        published layouts, dst layouts or dtypes changed, a leaf is quantized, or
+        the previous arrays were deleted or donated elsewhere; chunks whose base
+        version the publisher no longer holds (beyond `keep`) cross dense. A delta
+        pull runs the flat route's pieces (each box once per process). docs/jobs.md
+        ("Delta sync") has the measurements behind the default.
 
     Returns:
       The pytree: the published structure where it is made of dicts, lists, tuples
