@@ -22,7 +22,8 @@ fig4 (the paper's Figure 4 in miniature on the emulated network: bench/fig4.py),
 (fp32 -> bf16 in flight against casting first: bench/dtype.py), quantize (FP8 values +
 scales in flight against device_put + qwix.quantize: bench/quantize.py), jobs
 (Publisher.publish + Subscriber.pull between two programs against the transfer server's
-raw pull of the same bytes: bench/jobs.py).
+raw pull of the same bytes: bench/jobs.py), delta (Subscriber.pull(delta=True) against
+full pulls on examples/rl_refit.py's training: bench/delta.py).
 Engines: m2n_{hierarchical,flat,gather_bcast} (eager), m2n_jit_{...} (inside jit),
 jit_identity (XLA), device_put, numpy_copy (CPU), torch_gather_bcast (GPUs, torch).
 
@@ -224,6 +225,13 @@ def _main(argv) -> int:
                     lambda text: console.print(text, highlight=False, markup=False),
                     link_rate=_LINK_RATE.value)
     chosen_suites.remove("jobs")
+    if not chosen_suites:
+      return mp_rc
+  if "delta" in chosen_suites:  # delta sync vs full pulls on rl_refit's training
+    from jax_m2n.bench import delta as delta_suite
+    delta_suite.main(out_dir, lambda text: console.print(text, highlight=False,
+                                                         markup=False))
+    chosen_suites.remove("delta")
     if not chosen_suites:
       return mp_rc
   if "quantize" in chosen_suites:  # FP8 + scales in flight vs device_put + qwix

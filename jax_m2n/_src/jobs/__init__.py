@@ -11,6 +11,8 @@ per module, one way (messages <- auth <- channel <- publisher / subscriber):
   subscriber.py `Subscriber`: versions, checks, the pull's lifecycle;
   engine.py     a subscriber process's part of a plan: pulls from the publisher's
                 transfer servers, forwards and fan-out inside its job;
+  delta.py      delta sync: the change test, the per-chunk encoding, both sides of a
+                delta pull and the subscriber's base.
   relay.py      relays among one-process subscriber jobs: who forwards a version to
                 whom (on the publisher), chunks, forwarding, re-routing.
 It never plans except through the planner, and reads shardings only through

@@ -30,7 +30,7 @@ from jax_m2n._src import checks
 from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTypeError,
                                  ReshardValueError)
 from jax_m2n._src.jobs import auth, channel, engine, manifest as manifest_lib, messages
-from jax_m2n._src.jobs import pieces, relay
+from jax_m2n._src.jobs import delta, pieces, relay
 from jax_m2n._src.jobs.messages import ProtocolError
 from jax_m2n._src.layout import MAX_RANK, Box, Layout
 from jax_m2n._src.planner import DST_SHARD, SRC_SHARD
@@ -302,16 +302,18 @@ class Publisher:
                       "kind": "runtime"})
       else:
         caller.reply({"manifest": found.to_json()})
-    elif op == "pieces":
+    elif op in ("pieces", "delta"):
       messages.field(body, "version", int, lo=1, hi=1 << 62)
+      if op == "delta":  # the version the subscriber holds (0: none)
+        messages.field(body, "base", int, lo=0, hi=1 << 62)
       timeout_ms = messages.field(body, "timeout_ms", int, lo=1, hi=MAX_OFFER_MS)
       self._deferred.append((caller, body, time.monotonic() + min(
           timeout_ms, MAX_WAIT_MS) / 1000))
     elif op in relay.OPS and self._pid == 0:
       self._relay.handle(caller, body)
     else:
-      raise ProtocolError(f"call: op must be versions, manifest, pieces, relay_* or bye; "
-                          f"got {messages._short(op)}.")
+      raise ProtocolError(f"call: op must be versions, manifest, pieces, delta, relay_* or "
+                          f"bye; got {messages._short(op)}.")
     self._tick()
 
   def _held(self) -> list[int]:
@@ -337,7 +339,8 @@ class Publisher:
         caller.reply({"error": "the publisher closed.", "kind": "runtime"})
       elif version <= published:
         try:
-          caller.reply(self._pieces(body))
+          caller.reply(self._pieces(body) if body["op"] == "pieces"
+                       else self._delta(body))
         except ProtocolError as e:
           caller.reply({"error": str(e), "kind": "value"})
       elif now >= deadline:
@@ -419,6 +422,18 @@ class Publisher:
                                 timeout=engine.offer_deadline(timeout_s))
       uuids.append(uuid)
     return {"uuids": uuids}
+
+  def _delta(self, body: dict[str, Any]) -> dict[str, Any]:
+    """The asked boxes of a held version as a delta against the subscriber's base
+    version (`delta.serve`; every chunk dense when the base is no longer held)."""
+    with self._lock:
+      version = self._versions.get(body["version"])
+      base = self._versions.get(body["base"])
+      held = list(self._versions)
+    if version is None:
+      return {"error": f"version {body['version']} must be held to be pulled; trainer "
+              f"process {self._pid} holds {held} (keep={self._keep}).", "kind": "gone"}
+    return delta.serve(version, base, body, self._transfer)
 
 
 def _cut(version: _Version, packs: list[list[transfer_engine.Op]],

@@ -11,6 +11,7 @@ made on first need and remade after a failure.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from typing import Any, Callable
@@ -25,11 +26,12 @@ from jax_m2n._src import checks
 from jax_m2n._src.errors import (PeerFailed, ReshardError, ReshardRuntimeError,
                                  ReshardTimeoutError, ReshardTypeError, ReshardValueError)
 from jax_m2n._src.jobs import auth, channel, engine, manifest as manifest_lib, messages
-from jax_m2n._src.jobs import planning, relay as relay_lib
+from jax_m2n._src.jobs import delta as delta_lib, planning, relay as relay_lib
 from jax_m2n._src.jobs.manifest import Manifest
 from jax_m2n._src.processes import sequence
 
 _API = "Subscriber"
+logger = logging.getLogger("jax_m2n")
 # The routes a pull runs (gather_bcast, reshard's legacy baseline, gathers on a trainer
 # device first: the trainer job would have to run part of the plan itself).
 ROUTES = ("hierarchical", "flat")
@@ -104,6 +106,7 @@ class Subscriber:
     self._links: dict[int, engine.Link] = {}
     self._manifests: dict[str, Manifest] = {}
     self._closed = False
+    self._last: delta_lib.Last | None = None  # what a delta pull applies to
     self.version = 0
     """The version of the last successful pull (0 before the first)."""
     self._root_client()
@@ -170,7 +173,7 @@ class Subscriber:
 
   def pull(self, dst: Any, *, dtype: Any = None, version: int | None = None,
            donate: Any = None, route: str = "hierarchical",
-           timeout_s: float | None = None) -> Any:
+           timeout_s: float | None = None, delta: bool = False) -> Any:
     """Returns a published version in this job's layouts.
 
     Without `version`, the newest version published after this subscriber's last
@@ -201,6 +204,18 @@ class Subscriber:
         trainer).
       timeout_s: bound on each wait: for a version, for the publisher's answers and
         for the bytes to arrive (default 300 s).
+      delta: False (default) or True: the version crosses as only the elements whose
+        wire-dtype bits changed since this subscriber's last pull (per chunk of 16 Ki
+        elements nothing, a bitmap or index runs with the changed values, or the
+        dense chunk: whichever is smallest), applied to that pull's result (in place
+        when `donate` is it, off CPU; on CPU to copies of its shards, the donated ones
+        then deleted). The result is bitwise what a full pull returns. A full copy
+        instead (as delta=False) when there is no earlier delta=True pull, the
+        published layouts, dst layouts or dtypes changed, a leaf is quantized, or
+        the previous arrays were deleted or donated elsewhere; chunks whose base
+        version the publisher no longer holds (beyond `keep`) cross dense. A delta
+        pull runs the flat route's pieces (each box once per process). docs/jobs.md
+        ("Delta sync") has the measurements behind the default.
 
     Returns:
       The pytree: the published structure where it is made of dicts, lists, tuples
@@ -227,20 +242,23 @@ class Subscriber:
                                 or version < 1):
       raise ReshardValueError(f"{api}: version must be None or an int >= 1; got "
                               f"{version!r}.")
+    if not isinstance(delta, bool):
+      raise ReshardTypeError(f"{api}: delta must be a bool; got {type(delta).__name__}.")
     donated = _donated(api, donate)
     if jax.process_count() == 1:
       while True:
         number, mid = self._choose(api, version, timeout_s)
         try:
           return self._pull(api, dst, dtype, number, mid, donated, route, timeout_s,
-                            None, b"")
+                            None, b"", delta)
         except messages.VersionGone:
           if version is not None:
             raise
           continue  # dropped while we asked for it: the next newest
-    return self._pull_job(api, dst, dtype, version, donated, route, timeout_s)
+    return self._pull_job(api, dst, dtype, version, donated, route, timeout_s, delta)
 
-  def _pull_job(self, api, dst, dtype, version, donated, route, timeout_s) -> Any:
+  def _pull_job(self, api, dst, dtype, version, donated, route, timeout_s,
+                delta) -> Any:
     """A pull in a multi-process generator job: process 0 chooses the version and a
     random salt (the forwards' uuids) and posts them under the call's key."""
     n = sequence.next_call()
@@ -255,7 +273,7 @@ class Subscriber:
         number, mid, salt_hex = json.loads(got)
         salt = bytes.fromhex(salt_hex)
       out = self._pull(api, dst, dtype, number, mid, donated, route, timeout_s, waits,
-                       salt)
+                       salt, delta)
     except BaseException as e:
       if not isinstance(e, PeerFailed):  # the peers fail at once, naming it
         waits.fail(f"{type(e).__name__}: {e}")
@@ -318,23 +336,38 @@ class Subscriber:
     return m
 
   def _pull(self, api, dst, dtype, number, mid, donated, route, timeout_s, waits,
-            salt) -> Any:
+            salt, delta) -> Any:
     m = self._manifest(api, mid)
     dsts, outs, specs, build = _match(api, m, dst, dtype)
     planning.check_devices(api, dsts)
-    pp = planning.plan_pull(m, tuple(dsts), tuple(outs), route)
+    base, why = None, "delta=False"
+    if delta:  # the previous result, if a delta can apply to it (delta.base_of)
+      base, why = delta_lib.base_of(self._last, mid, dsts, outs,
+                                    any(s is not None for s in specs))
+      logger.debug("Subscriber.pull: version %d %s", number,
+                   f"as a delta against {self._last.version}" if base is not None
+                   else f"in full ({why})")
+    base_version = self._last.version if base is not None else 0
+    pp = planning.plan_pull(m, tuple(dsts), tuple(outs),
+                            "flat" if base is not None else route)
     if waits is not None:
+      delta_lib.agree(waits, base_version)
       waits.post("fp", pp.fingerprint)
       waits.agree(pp.fingerprint, lambda: f"{len(m.leaves)} leaves")
     try:
       links = {k: self._link(k, m) for k in pp.requests}
-      pulled = uuids = None
-      if self._relay is not None and links:
-        pulled = self._relay.receive(self._root_client(), pp, links, number, timeout_s,
-                                     REQUEST_S)
-      if pulled is None:
-        uuids = engine.request_pieces(pp, links, number, timeout_s, REQUEST_S)
-      shards = engine.run(pp, links, uuids, waits, salt, timeout_s, pulled)
+      if base is not None:  # a delta pull (delta.py): pulled directly, never relayed
+        in_place = {id(a) for a in donated} >= {id(a) for a in base}
+        shards = delta_lib.run(pp, links, number, base_version, base, in_place,
+                               timeout_s, REQUEST_S)
+      else:
+        pulled = uuids = None
+        if self._relay is not None and links:
+          pulled = self._relay.receive(self._root_client(), pp, links, number, timeout_s,
+                                       REQUEST_S)
+        if pulled is None:
+          uuids = engine.request_pieces(pp, links, number, timeout_s, REQUEST_S)
+        shards = engine.run(pp, links, uuids, waits, salt, timeout_s, pulled)
     except messages.VersionGone:
       raise
     except ReshardError:
@@ -345,6 +378,7 @@ class Subscriber:
       waits.finish()
     arrays = [jax.make_array_from_single_device_arrays(l.shape, d, s, dtype=o)
               for l, d, s, o in zip(m.leaves, dsts, shards, outs)]
+    self._last = delta_lib.record(number, mid, dsts, outs, arrays) if delta else None
     arrays = _quantized(api, m, arrays, specs)
     keep = {id(a) for a in arrays}
     for a in donated:
