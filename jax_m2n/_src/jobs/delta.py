@@ -219,15 +219,7 @@ def serve(version: Any, base: Any, body: dict[str, Any], transfer: Any) -> dict[
   and `base` are the publisher's held versions (`_Version`: shards, per wire dtype,
   by (leaf, device))."""
   m = version.manifest
-  wire = {}
-  pairs = body.get("wire")
-  if not isinstance(pairs, list) or len(pairs) > len(m.leaves):
-    raise ProtocolError("delta: wire must be a list of [leaf, dtype] pairs.")
-  for pair in pairs:
-    if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int
-            and 0 <= pair[0] < len(m.leaves) and isinstance(pair[1], str)):
-      raise ProtocolError("delta: wire must be a list of [leaf, dtype] pairs.")
-    wire[pair[0]] = manifest_lib.dtype_of(pair[1])
+  wire = manifest_lib.wire_field(body, "delta", len(m.leaves))
   asked = body.get("pieces")
   if not isinstance(asked, list) or not asked or len(asked) > 1 << 20:
     raise ProtocolError("delta: pieces must be a non-empty list of pieces.")

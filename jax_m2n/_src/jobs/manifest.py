@@ -43,6 +43,21 @@ def dtype_of(name: str) -> np.dtype:
   return np.dtype(jax.numpy.dtype(name))
 
 
+def wire_field(body: dict[str, Any], op: str, leaves: int) -> dict[int, np.dtype]:
+  """A request's `wire` field (`[[leaf, dtype name], ...]`, the leaves pulled in
+  another dtype than published) as {leaf: dtype}; refuses anything else."""
+  pairs = body.get("wire")
+  if not isinstance(pairs, list) or len(pairs) > leaves:
+    raise ProtocolError(f"{op}: wire must be a list of [leaf, dtype] pairs.")
+  wire: dict[int, np.dtype] = {}
+  for pair in pairs:
+    if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int
+            and 0 <= pair[0] < leaves and isinstance(pair[1], str)):
+      raise ProtocolError(f"{op}: wire must be a list of [leaf, dtype] pairs.")
+    wire[pair[0]] = dtype_of(pair[1])
+  return wire
+
+
 @dataclasses.dataclass(frozen=True)
 class Leaf:
   """One published leaf: key path (jax.tree_util key strings), shape, dtype (as

@@ -363,15 +363,7 @@ class Publisher:
       return {"error": f"version {number} must be held to be pulled; trainer process "
               f"{self._pid} holds {held} (keep={self._keep}).", "kind": "gone"}
     m = version.manifest
-    wire: dict[int, np.dtype] = {}
-    pairs = body.get("wire")
-    if not isinstance(pairs, list) or len(pairs) > len(m.leaves):
-      raise ProtocolError("pieces: wire must be a list of [leaf, dtype] pairs.")
-    for pair in pairs:
-      if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int
-              and 0 <= pair[0] < len(m.leaves) and isinstance(pair[1], str)):
-        raise ProtocolError("pieces: wire must be a list of [leaf, dtype] pairs.")
-      wire[pair[0]] = manifest_lib.dtype_of(pair[1])
+    wire = manifest_lib.wire_field(body, "pieces", len(m.leaves))
     groups = body.get("groups")
     if not isinstance(groups, list) or not groups or len(groups) > 1 << 16:
       raise ProtocolError("pieces: groups must be a non-empty list of piece lists.")
