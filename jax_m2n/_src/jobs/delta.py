@@ -30,7 +30,7 @@ from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError,
 from jax_m2n._src.jobs import engine, manifest as manifest_lib, messages, pieces
 from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE
 from jax_m2n._src.jobs.messages import ProtocolError
-from jax_m2n._src.layout import MAX_RANK, Box
+from jax_m2n._src.layout import Box
 
 # Elements per chunk: the unit that crosses as nothing, sparse or dense. A bitmap costs
 # CHUNK / 8 bytes (a smaller last chunk's: its size / 8), so a chunk goes sparse while
@@ -226,21 +226,9 @@ def serve(version: Any, base: Any, body: dict[str, Any], transfer: Any) -> dict[
   budget = MAX_REQUEST_FACTOR * version.nbytes + (1 << 20)
   boxes = []
   for piece in asked:
-    messages.int_list(piece, "delta: a piece", 0, 1 << 62, 2 + 2 * MAX_RANK)
-    if len(piece) < 2 or piece[0] not in wire:
-      raise ProtocolError("delta: a piece must be [leaf, device, lo..., hi...] of a leaf "
-                          "listed in wire.")
-    t, k = piece[0], piece[1]
-    rank = len(m.leaves[t].shape)
-    held = version.shards.get((t, k))
-    if len(piece) != 2 + 2 * rank or held is None:
-      raise ProtocolError(f"delta: leaf {t} must be held on device {k} by this process, "
-                          f"with a box of rank {rank}.")
-    box = tuple(zip(piece[2:2 + rank], piece[2 + rank:]))
-    if any(lo > hi or lo < hlo or hi > hhi for (lo, hi), (hlo, hhi) in zip(box, held[0])):
-      raise ProtocolError(f"delta: box {box} of leaf {t} must lie inside device {k}'s "
-                          f"box {held[0]}.")
-    budget -= math.prod(hi - lo for lo, hi in box) * wire[t].itemsize
+    t, k, box, nbytes = manifest_lib.piece_field(piece, "delta", m.leaves,
+                                                 version.shards, wire)
+    budget -= nbytes
     if budget < 0:
       raise ProtocolError(f"delta: a request must ask for at most {MAX_REQUEST_FACTOR} x "
                           "the version's bytes here.")

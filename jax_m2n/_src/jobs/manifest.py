@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 from typing import Any, Sequence
 
 import jax
@@ -56,6 +57,28 @@ def wire_field(body: dict[str, Any], op: str, leaves: int) -> dict[int, np.dtype
       raise ProtocolError(f"{op}: wire must be a list of [leaf, dtype] pairs.")
     wire[pair[0]] = dtype_of(pair[1])
   return wire
+
+
+def piece_field(piece: Any, op: str, leaves: Sequence[Any], shards: dict,
+                wire: dict[int, np.dtype]) -> tuple[int, int, Box, int]:
+  """A request's piece (`[leaf, device, lo..., hi...]`) as (leaf, device, box, wire
+  bytes), refused unless its leaf is listed in `wire` and its box lies inside the shard
+  this process holds (`shards`: (leaf, device) -> (box, array))."""
+  messages.int_list(piece, f"{op}: a piece", 0, 1 << 62, 2 + 2 * MAX_RANK)
+  if len(piece) < 2 or piece[0] not in wire:
+    raise ProtocolError(f"{op}: a piece must be [leaf, device, lo..., hi...] of a leaf "
+                        "listed in wire.")
+  t, k = piece[0], piece[1]
+  rank = len(leaves[t].shape)
+  held = shards.get((t, k))
+  if len(piece) != 2 + 2 * rank or held is None:
+    raise ProtocolError(f"{op}: leaf {t} must be held on device {k} by this process, "
+                        f"with a box of rank {rank}.")
+  box = tuple(zip(piece[2:2 + rank], piece[2 + rank:]))
+  if any(lo > hi or lo < hlo or hi > hhi for (lo, hi), (hlo, hhi) in zip(box, held[0])):
+    raise ProtocolError(f"{op}: box {box} of leaf {t} must lie inside device {k}'s "
+                        f"box {held[0]}.")
+  return t, k, box, math.prod(hi - lo for lo, hi in box) * wire[t].itemsize
 
 
 @dataclasses.dataclass(frozen=True)

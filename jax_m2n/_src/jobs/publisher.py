@@ -16,7 +16,6 @@ import functools
 import itertools
 import json
 import logging
-import math
 import secrets
 import threading
 import time
@@ -378,22 +377,9 @@ class Publisher:
           raise ProtocolError("pieces: every pack must be a non-empty list of pieces.")
         ops = []
         for piece in pack:
-          messages.int_list(piece, "pieces: a piece", 0, 1 << 62, 2 + 2 * MAX_RANK)
-          if len(piece) < 2 or piece[0] not in wire:
-            raise ProtocolError("pieces: a piece must be [leaf, device, lo..., hi...] of "
-                                "a leaf listed in wire.")
-          t, k = piece[0], piece[1]
-          rank = len(m.leaves[t].shape)
-          held_shard = version.shards.get((t, k))
-          if len(piece) != 2 + 2 * rank or held_shard is None:
-            raise ProtocolError(f"pieces: leaf {t} must be held on device {k} by this "
-                                f"process, with a box of rank {rank}.")
-          box = tuple(zip(piece[2:2 + rank], piece[2 + rank:]))
-          if any(lo > hi or lo < hlo or hi > hhi
-                 for (lo, hi), (hlo, hhi) in zip(box, held_shard[0])):
-            raise ProtocolError(f"pieces: box {box} of leaf {t} must lie inside device "
-                                f"{k}'s box {held_shard[0]}.")
-          budget -= math.prod(hi - lo for lo, hi in box) * wire[t].itemsize
+          t, k, box, nbytes = manifest_lib.piece_field(piece, "pieces", m.leaves,
+                                                       version.shards, wire)
+          budget -= nbytes
           if budget < 0:
             raise ProtocolError(f"pieces: a request must ask for at most "
                                 f"{MAX_REQUEST_FACTOR} x the version's bytes here.")
