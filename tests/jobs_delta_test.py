@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
-from jax_m2n._src.jobs import delta
+from jax_m2n._src.jobs import codec, delta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -56,32 +56,32 @@ def _changes(rng, n, how):
 @pytest.mark.parametrize("how", ["none", "sparse", "runs", "half", "all"])
 def test_encode_decode_round_trip(dtype, how):
   rng = np.random.default_rng(len(how))
-  n = 3 * delta.CHUNK + 1234  # a partial last chunk
+  n = 3 * codec.CHUNK + 1234  # a partial last chunk
   old = (rng.standard_normal(n) * 10).astype(dtype)
   mask = _changes(rng, n, how)
   new = old.copy()
   new[mask] = (rng.standard_normal(int(mask.sum())) * 10 + 100).astype(dtype)
   if dtype == np.bool_:
     new[mask] = ~old[mask]
-  e = delta.encode(new, old)
-  assert e.changed == int(delta.changed(new, old).sum())
-  at = delta.decode(e.modes, e.bitmaps, e.runs, n)
+  e = codec.encode(new, old)
+  assert e.changed == int(codec.changed(new, old).sum())
+  at = codec.decode(e.modes, e.bitmaps, e.runs, n)
   rebuilt = old.copy()
   rebuilt[at] = e.values
   assert np.array_equal(_bits(rebuilt), _bits(new))
   assert e.nbytes <= new.nbytes  # never more than dense
   if how == "none":
-    assert e.nbytes == 0 and set(e.modes.tolist()) == {delta.NOTHING}
+    assert e.nbytes == 0 and set(e.modes.tolist()) == {codec.NOTHING}
   if how == "sparse":
     assert e.nbytes < new.nbytes / 4, (e.modes, e.nbytes)
   if how == "runs":
-    assert delta.RUNS in e.modes.tolist()
+    assert codec.RUNS in e.modes.tolist()
   if how == "all":
-    assert set(e.modes.tolist()) == {delta.DENSE}
+    assert set(e.modes.tolist()) == {codec.DENSE}
   # No base: every chunk dense, the values are the piece.
-  full = delta.encode(new, None)
-  assert set(full.modes.tolist()) == {delta.DENSE}
-  assert np.array_equal(delta.decode(full.modes, full.bitmaps, full.runs, n), np.arange(n))
+  full = codec.encode(new, None)
+  assert set(full.modes.tolist()) == {codec.DENSE}
+  assert np.array_equal(codec.decode(full.modes, full.bitmaps, full.runs, n), np.arange(n))
 
 
 def test_nan_and_signed_zero_are_changes():
@@ -90,29 +90,29 @@ def test_nan_and_signed_zero_are_changes():
   new[0] = -0.0                                             # +0 -> -0
   new[1] = 0.0                                              # -0 -> +0
   new[3] = np.frombuffer(np.uint32(0x7FC00001).tobytes(), np.float32)[0]  # other NaN
-  assert delta.changed(new, old).tolist() == [True, True, False, True, False, False]
+  assert codec.changed(new, old).tolist() == [True, True, False, True, False, False]
   b_old, b_new = old.astype(BF16), new.astype(BF16)
-  assert delta.changed(b_new, b_old).tolist()[:2] == [True, True]
-  e = delta.encode(new, old, chunk=8)
+  assert codec.changed(b_new, b_old).tolist()[:2] == [True, True]
+  e = codec.encode(new, old, chunk=8)
   rebuilt = old.copy()
-  rebuilt[delta.decode(e.modes, e.bitmaps, e.runs, old.size, chunk=8)] = e.values
+  rebuilt[codec.decode(e.modes, e.bitmaps, e.runs, old.size, chunk=8)] = e.values
   assert np.array_equal(rebuilt.view(np.uint32), new.view(np.uint32))
 
 
 def test_malformed_deltas_are_refused():
   n = 100
   with pytest.raises(jax_m2n.ReshardRuntimeError, match="must match"):
-    delta.decode(np.array([delta.BITMAP], np.int8), np.zeros(8, np.uint8),
+    codec.decode(np.array([codec.BITMAP], np.int8), np.zeros(8, np.uint8),
                  np.zeros(0, np.int32), n)
   with pytest.raises(jax_m2n.ReshardRuntimeError, match="one mode per chunk"):
-    delta.decode(np.array([1, 1], np.int8), np.zeros(0, np.uint8), np.zeros(0, np.int32),
+    codec.decode(np.array([1, 1], np.int8), np.zeros(0, np.uint8), np.zeros(0, np.int32),
                  n)
   with pytest.raises(jax_m2n.ReshardRuntimeError, match="runs must lie"):
-    delta.decode(np.array([delta.RUNS], np.int8), np.zeros(0, np.uint8),
+    codec.decode(np.array([codec.RUNS], np.int8), np.zeros(0, np.uint8),
                  np.array([90, 20], np.int32), n)
   with pytest.raises(jax_m2n.ReshardRuntimeError, match="past its piece"):
     bitmap = np.full(13, 255, np.uint8)  # 104 bits for 100 elements
-    delta.decode(np.array([delta.BITMAP], np.int8), bitmap, np.zeros(0, np.int32), n)
+    codec.decode(np.array([codec.BITMAP], np.int8), bitmap, np.zeros(0, np.int32), n)
 
 
 # ---------------------------------------------------------------- one program, two jobs
@@ -145,7 +145,7 @@ LEAVES = [((64, 300), np.float32, BF16), ((8, 6, 70), BF16, np.float32),
 def test_random_updates_bitwise_against_full_pull(sides, host_apply, monkeypatch):
   # On CPU the delta is applied with numpy; the compiled path (other platforms:
   # programs updating the donated shards in place) is run here too.
-  monkeypatch.setattr(delta, "HOST_APPLY", host_apply)
+  monkeypatch.setattr(codec, "HOST_APPLY", host_apply)
   trainer, gen = sides
   rng = np.random.default_rng(7)
   pub = jax_m2n.Publisher(token=TOKEN, keep=3)

@@ -66,8 +66,8 @@ def test_members_in_one_process_relay_bitwise_with_one_copy_from_the_trainer(
   dst = {"w": NamedSharding(gen, P(None, "y")), "n": NamedSharding(gen, P("y"))}
   subs = [jax_m2n.Subscriber(pub.address, token=TOKEN, relay=True) for _ in range(3)]
   for s in subs:
-    s._relay.fanout = fanout
-    s._relay.chunk_bytes = 4096  # several chunks per pack
+    s._state.relay.fanout = fanout
+    s._state.relay.chunk_bytes = 4096  # several chunks per pack
   before = dict(relay.stats)
   try:
     for s in subs:  # one after the other: the later ones pull from the earlier
@@ -105,9 +105,9 @@ def test_an_upstream_dead_before_the_pull_connects_is_passed_over_at_once(publis
     with socket.socket() as s:
       s.bind(("127.0.0.1", 0))
       closed = f"127.0.0.1:{s.getsockname()[1]}"
-    for (v, _), r in pub._relay._relays.items():
+    for (v, _), r in pub._service._relay._relays.items():
       if v == version:
-        r.members[first._relay.id].transfer = closed
+        r.members[first._state.relay.id].address = closed
     before = relay.stats["reroutes"]
     t0 = time.monotonic()
     out = second.pull(dst, version=version, timeout_s=60)

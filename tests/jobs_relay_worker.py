@@ -112,7 +112,7 @@ def _die_hooks(args):
   from), or, by version V + 2, once N chunks arrived."""
   from jax_m2n._src.jobs import relay
   state = {"version": 0, "offered": 0, "arrived": 0}
-  original_forward = relay.Member._forward
+  original_init = relay._Forwarder.__init__
   original_state = relay._state
 
   def dying(how, version):
@@ -121,20 +121,19 @@ def _die_hooks(args):
     _write(os.path.join(args.dir, f"gone_{args.name}"))
     os._exit(9)
 
-  def forward(self, v, server, timeout_s):
-    offer = server.await_pull
-
-    class Server:  # the member's own transfer server, counting its offers
-      def await_pull(self_, *a, **k):
-        offer(*a, **k)
+  def forwarder(self, member, v, transport, timeout_s):
+    class Counting:  # the member's own transport, counting its offers to children
+      def offer(self_, *a, **k):
+        ticket = transport.offer(*a, **k)
         if v.version >= args.die_version:
           state["offered"] += 1
           if state["offered"] >= args.die_chunks:
             dying("forwarding", v.version)
+        return ticket
 
       def __getattr__(self_, name):
-        return getattr(server, name)
-    return original_forward(self, v, Server(), timeout_s)
+        return getattr(transport, name)
+    original_init(self, member, v, Counting(), timeout_s)
 
   def watched(array):
     out = original_state(array)
@@ -145,7 +144,7 @@ def _die_hooks(args):
         dying("receiving", state["version"])
     return out
 
-  relay.Member._forward = forward
+  relay._Forwarder.__init__ = forwarder
   relay._state = watched
   return state
 
@@ -157,8 +156,8 @@ def subscriber(jax, jax_m2n, args):
   from jax_m2n._src.jobs import engine, relay
   address = _wait_file(os.path.join(args.dir, "address"), 120)
   sub = jax_m2n.Subscriber(address, token=TOKEN, relay=not args.no_relay)
-  if sub._relay is not None and args.chunk_kib:
-    sub._relay.chunk_bytes = args.chunk_kib << 10
+  if sub._state.relay is not None and args.chunk_kib:
+    sub._state.relay.chunk_bytes = args.chunk_kib << 10
   state = _die_hooks(args) if args.die_version else {}
   mesh = Mesh(np.array(jax.devices()), ("y",))
   dst = {"w": NamedSharding(mesh, P(None, "y")), "b": NamedSharding(mesh, P("y"))}

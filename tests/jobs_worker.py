@@ -136,7 +136,6 @@ def _check(y, host, sharding, dtype):
 def generator(jax, jax_m2n, args):
   import numpy as np
   from jax_m2n._src.jobs import engine, planning
-  from jax_m2n._src.processes import bootstrap
   address = _wait_file(os.path.join(args.dir, "address"), 120)
   if args.scenario == "wrong_token":
     try:
@@ -213,14 +212,14 @@ def generator(jax, jax_m2n, args):
       for c, (shape, dt, _) in enumerate(table):
         _check(y["leaves"][c], values(args.seed, c, VERSIONS, shape, dt),
                NamedSharding(mesh, P()), None)
-      m = sub._manifests[next(reversed(sub._manifests))]
+      m = sub._state.manifests[next(reversed(sub._state.manifests))]
       pp = planning.plan_pull(m, tuple([NamedSharding(mesh, P())] * CASES),
                               tuple(np.dtype(d) for _, d, _ in table), route)
       total = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d, _ in table)
       print(f"RESULT route role=generator process={args.process_id} route={route} "
             f"pulled={pulled} plan_from_publisher="
             f"{planning.network_bytes(pp)['from_publisher']} payload={total} "
-            f"transfer={bootstrap.engine().address}", flush=True)
+            f"transfer={sub._state.connections.transport(address).address}", flush=True)
   sub.close()
   if args.process_id == 0:
     _write(os.path.join(args.dir, "generator_done"), "")

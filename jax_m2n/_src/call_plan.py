@@ -34,7 +34,8 @@ class CallPlan:
     dtypes: per leaf, the dtype of the operand (what the source holds).
     out_dtypes: per leaf, the dtype of the result (the operand's where nothing
       converts; a different one is converted in flight, `schedule.fused_conversion`).
-    srcs, dsts: per leaf, the source and destination shardings.
+    srcs, dsts: per leaf, the source and destination shardings (no srcs for a pull:
+      its sources are `src_layouts` over the publisher's devices).
     devices: every participating device (of any leaf, source or destination) by id.
     platform: their platform (`cpu`, `gpu`, `cuda`).
     topology: the topology planned for (`options.topology` resolved on `devices`).
@@ -78,8 +79,11 @@ def chunking(platform: str, chunk_bytes: int | None) -> Chunking:
 
 
 def plan_call(shapes: Sequence[Sequence[int]], dtypes: Sequence[Any],
-              srcs: Sequence[Sharding], dsts: Sequence[Sharding], options: Options,
-              out_dtypes: Sequence[Any] | None = None, *, path: str) -> CallPlan:
+              srcs: Sequence[Sharding] | None, dsts: Sequence[Sharding], options: Options,
+              out_dtypes: Sequence[Any] | None = None, *, path: str,
+              src_layouts: Sequence[Layout] | None = None,
+              topology: Topology | None = None,
+              chunking_for: str | None = None) -> CallPlan:
   """The plan of one reshard call: every path's one way from a call to its plan.
 
   Pure in its arguments (plans are cached, so every process and every path derives the
@@ -88,12 +92,19 @@ def plan_call(shapes: Sequence[Sequence[int]], dtypes: Sequence[Any],
   Args:
     shapes: per leaf, the global shape.
     dtypes: per leaf, the operand dtype.
-    srcs: per leaf, the source sharding (concrete devices).
+    srcs: per leaf, the source sharding (concrete devices); None with `src_layouts`.
     dsts: per leaf, the destination sharding (concrete devices, the same platform).
     options: the call's `Options` (route, topology, timeout, chunk bytes).
     out_dtypes: per leaf, the result dtype of a conversion fused into the copies
       (`schedule.fused_conversion`), None (or the list) to keep the operand's.
     path: which path plans, for the debug line (e.g. `eager per-device programs`).
+    src_layouts: per leaf, the source layout, where the source devices are not this
+      job's (a pull between separate jobs: the publisher's devices under plan ids of
+      their own, jobs/planning.py); `srcs` is None then.
+    topology: the domains to plan for, where not `options.topology` resolved on the
+      devices (a pull: one domain per process of either job).
+    chunking_for: the transport whose chunking to plan with, where not the devices'
+      platform's (a pull: "cpu", the costs of moving arrays between processes).
 
   Returns:
     The `CallPlan`: devices, platform, topology, layouts, wire types and the `Plan`.
@@ -114,26 +125,28 @@ def plan_call(shapes: Sequence[Sequence[int]], dtypes: Sequence[Any],
   out_dtypes = tuple(dt if o is None else np.dtype(o)
                      for dt, o in zip(dtypes, out_dtypes or [None] * len(dtypes)))
   devices: dict[int, Any] = {}
-  for s in (*srcs, *dsts):
+  for s in (*(srcs or ()), *dsts):
     for d in jax_compat.device_assignment(s):
       devices[d.id] = d
   platform = next(iter(devices.values())).platform if devices else "cpu"
-  topology = as_topology(options.topology, devices.values() if devices else None)
-  src_layouts = tuple(Layout.from_sharding(s, shape) for s, shape in zip(srcs, shapes))
+  if topology is None:
+    topology = as_topology(options.topology, devices.values() if devices else None)
+  if src_layouts is None:
+    src_layouts = tuple(Layout.from_sharding(s, shape) for s, shape in zip(srcs, shapes))
   dst_layouts = tuple(Layout.from_sharding(s, shape) for s, shape in zip(dsts, shapes))
   itemsizes, types = schedule.wire_itemsizes(dtypes, out_dtypes)
-  plan = plan_layouts(src_layouts, dst_layouts, itemsizes, topology, options, platform,
-                      path=path)
-  return CallPlan(shapes, dtypes, out_dtypes, tuple(srcs), tuple(dsts), devices,
-                  platform, topology, src_layouts, dst_layouts, types, options, plan)
+  plan = plan_layouts(tuple(src_layouts), dst_layouts, itemsizes, topology, options,
+                      chunking_for or platform, path=path)
+  return CallPlan(shapes, dtypes, out_dtypes, tuple(srcs or ()), tuple(dsts), devices,
+                  platform, topology, tuple(src_layouts), dst_layouts, types, options,
+                  plan)
 
 
 def plan_layouts(src_layouts: Sequence[Layout], dst_layouts: Sequence[Layout],
                  itemsizes: Sequence[int], topology: Topology, options: Options,
                  platform: str, *, path: str) -> Plan:
-  """The plan between layouts already known (plan_call's last step, and the whole of
-  it for a path whose sources are not this job's devices: jobs/planning.py plans the
-  publisher's layouts under ids of its own). Logs the one debug line of every plan."""
+  """The plan between layouts already known (plan_call's last step). Logs the one
+  debug line of every plan."""
   plan = plan_reshard(src_layouts, dst_layouts, itemsizes, topology, options.route,
                       chunking(platform, options.chunk_bytes))
   if logger.isEnabledFor(logging.DEBUG):  # the traffic summary costs a pass over the plan

@@ -144,7 +144,7 @@ def leaf_names(x: Any) -> list[str]:
 
 
 def _broadcast(api: str, rule: str, prefix: Any, x: Any, treedef, n: int,
-               is_leaf: Callable[[Any], bool] | None) -> list[Any]:
+               is_leaf: Callable[[Any], bool] | None, x_name: str = "x") -> list[Any]:
   """The leaves of `prefix` (a pytree prefix of x) broadcast onto x's `n` leaves, one
   per leaf of its subtree of x (jax.device_put's rule: a None node of x has no leaves,
   so {'b': None} takes any prefix entry there). `rule` states what the argument must
@@ -158,23 +158,23 @@ def _broadcast(api: str, rule: str, prefix: Any, x: Any, treedef, n: int,
                  prefix, x, is_leaf=is_leaf)
   except (ValueError, TypeError) as e:
     raise ReshardValueError(
-        f"{api}: {rule}; got structure {tree} for x of structure {treedef}. "
+        f"{api}: {rule}; got structure {tree} for {x_name} of structure {treedef}. "
         f"Detail: {e}") from None
   if len(full) != n:
     raise ReshardValueError(
         f"{api}: {rule}; got {len(full)} leaves after broadcasting onto the {n} leaves "
-        "of x.")
+        f"of {x_name}.")
   return full
 
 
 def broadcast_prefix(api: str, what: str, prefix: Any, x: Any, treedef,
-                     n: int) -> list[Any]:
+                     n: int, x_name: str = "x") -> list[Any]:
   """The leaves of `prefix` (one destination or source per leaf, like jax.device_put's
-  argument) broadcast onto x's leaves."""
+  argument) broadcast onto x's leaves (`x_name`: how messages call x)."""
   if prefix is None or isinstance(prefix, _DST_TYPES):
     return [prefix] * n
-  return _broadcast(api, f"{what} must be one Sharding or a pytree prefix of x (as for "
-                    "jax.device_put)", prefix, x, treedef, n, is_dst_leaf)
+  return _broadcast(api, f"{what} must be one Sharding or a pytree prefix of {x_name} "
+                    "(as for jax.device_put)", prefix, x, treedef, n, is_dst_leaf, x_name)
 
 
 def donate_flags(api: str, donate: Any, x: Any, treedef, n: int) -> list[bool]:
@@ -217,7 +217,7 @@ def as_dtype(api: str, v: Any) -> np.dtype:
 def dtypes_per_leaf(api: str, dtype: Any, x: Any, treedef, n: int, *,
                 is_leaf: Callable[[Any], bool] = is_dtype_leaf,
                 convert: Callable[[Any], Any] | None = None,
-                what: str = "one dtype") -> list[Any]:
+                what: str = "one dtype", x_name: str = "x") -> list[Any]:
   """One destination dtype per leaf (None: keep) from `dtype=`: a dtype, None, or a
   pytree prefix of x of them, broadcast like `donate` and `dst_sharding`. `is_leaf`
   and `convert` (default: `as_dtype`) widen what a leaf may be (quantize.py adds
@@ -227,8 +227,8 @@ def dtypes_per_leaf(api: str, dtype: Any, x: Any, treedef, n: int, *,
     return [None] * n
   if is_leaf(dtype):
     return [convert(dtype)] * n
-  flat = _broadcast(api, f"dtype must be {what} or a pytree prefix of x of them (None: "
-                    "keep)", dtype, x, treedef, n, is_leaf)
+  flat = _broadcast(api, f"dtype must be {what} or a pytree prefix of {x_name} of them "
+                    "(None: keep)", dtype, x, treedef, n, is_leaf, x_name)
   return [None if v is None else convert(v) for v in flat]
 
 
@@ -284,10 +284,10 @@ def dst_sharding_of(api: str, name: str, dst: Any, shape, dtype) -> Sharding:
   if isinstance(dst, jax.ShapeDtypeStruct):
     if tuple(dst.shape) != tuple(shape) or np.dtype(dst.dtype) != np.dtype(dtype):
       raise ReshardValueError(
-          f"{api}: the destination of {name} must keep its shape and dtype (reshard "
+          f"{api}: the destination of {name} must keep its shape and dtype (jax_m2n "
           f"moves data, it does not reshape or cast); got {dtype}{list(shape)} -> "
-          f"{np.dtype(dst.dtype)}{list(dst.shape)}. Hint: reshape before or after the "
-          "reshard; convert with dtype= (the destination then has that dtype).")
+          f"{np.dtype(dst.dtype)}{list(dst.shape)}. Hint: reshape before or after "
+          f"{api}; convert with dtype= (the destination then has that dtype).")
     dst = dst.sharding
     if dst is None:
       raise ReshardTypeError(
@@ -527,13 +527,27 @@ def plan_leaf(api: str, name: str, leaf: Any, dst: Any, src: Any,
     raise ReshardValueError(
         f"{api}: {name} must be a leaf jax_m2n moves; got one that reshard "
         f"hands to JAX ({why}), which jax_m2n does not plan.")
-  dst = dst_sharding_of(api, name, dst, shape,
-                         leaf.dtype if out is None else out)
-  for s, what in ((src, "source"), (dst, "destination")):
-    check_mesh(api, name, s, what)
-    check_reduction(api, name, s, what)
-    check_holds(api, name, s, shape, what)
-  return src, dst
+  check_mesh(api, name, src, "source")
+  check_reduction(api, name, src, "source")
+  check_holds(api, name, src, shape, "source")
+  return src, check_destination(api, name, dst, shape,
+                                leaf.dtype if out is None else out)
+
+
+def check_destination(api: str, name: Any, dst: Any, shape, dtype, *,
+                      device_memory: bool = False) -> Sharding:
+  """One leaf's destination after every rule a destination jax_m2n moves into meets
+  (the shape and dtype of a ShapeDtypeStruct, a Device or PartitionSpec normalized, a
+  concrete mesh listing each device once, nothing unreduced, able to hold `shape`;
+  with `device_memory`, in device memory): plan()'s and a pull's one check, so the
+  same mistake gets the same error from reshard, plan and Subscriber.pull."""
+  dst = dst_sharding_of(api, name, dst, shape, dtype)
+  check_mesh(api, name, dst, "destination")
+  check_reduction(api, name, dst, "destination")
+  check_holds(api, name, dst, shape, "destination")
+  if device_memory:
+    check_memory_kind(api, name, dst, "destination")
+  return dst
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The jax_m2n exception family.
 
 Owns every error type any layer raises (the public family and the two internal
-signals, `Unplaceable` and `PeerFailed`) and the API name messages start with. Messages
+signals, `Unplaceable` and `PeerFailed`, and the jobs layer's `ProtocolError` and
+`VersionGone`) and the API name messages start with. Messages
 follow one rule: "<api>: <what> must <rule>; got <value>." plus a hint. Nothing here
 moves data. Argument errors are raised before data moves and are also ValueError /
 TypeError (JAX's convention); failures while data moves are also RuntimeError, timeouts
@@ -52,6 +53,16 @@ class Unplaceable(ReshardValueError):
 class PeerFailed(ReshardRuntimeError):
   """Another process posted its failure of a cross-process call (relayed, not posted
   again: processes/sequence.py)."""
+
+
+class ProtocolError(ReshardValueError):
+  """A control message between jobs broke the format (jobs/messages.py): refused
+  without effect."""
+
+
+class VersionGone(ReshardValueError):
+  """The version a pull asked for is no longer held by the publisher (beyond `keep`);
+  a pull of the newest moves on to the next newest."""
 
 
 def _status_code(msg: str) -> str | None:

@@ -14,7 +14,7 @@ import functools
 import math
 import numbers
 import types
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -242,7 +242,7 @@ def _qtype_kind(qtype: Any) -> str | None:
 _NAME = "\x00leaf\x00"  # where a message names the leaf: filled in only on failure
 
 
-def _resolve(api: str, names: Callable[[], list[str]], i: int, spec: Quantize,
+def resolve(api: str, names: Callable[[], list[str]], i: int, spec: Quantize,
              shape: tuple[int, ...], dtype: np.dtype) -> _Leaf:
   """The spec checked against leaf i (every rule; the message names the leaf)."""
   try:
@@ -358,11 +358,12 @@ def has_spec(dtype: Any) -> bool:
              for v in jax.tree_util.tree_leaves(dtype, is_leaf=_is_spec_leaf))
 
 
-def _spec_leaves(api: str, dtype: Any, x: Any, treedef, n: int) -> list[Any]:
+def spec_leaves(api: str, dtype: Any, x: Any, treedef, n: int,
+                x_name: str = "x") -> list[Any]:
   """One entry per leaf of x: a Quantize, a dtype or None (checks.dtypes_per_leaf' rule)."""
   return dtypes_per_leaf(api, dtype, x, treedef, n, is_leaf=_is_spec_leaf,
                      convert=lambda v: v if isinstance(v, Quantize) else as_dtype(api, v),
-                     what="one dtype or Quantize")
+                     what="one dtype or Quantize", x_name=x_name)
 
 
 def _names_of(x: Any) -> Callable[[], list[str]]:
@@ -391,7 +392,7 @@ def _per_leaf(api: str, x: Any, dst_sharding: Any, src_sharding: Any, dtype: Any
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
   names = _names_of(x)
-  specs = _spec_leaves(api, dtype, x, treedef, n)
+  specs = spec_leaves(api, dtype, x, treedef, n)
   dsts = broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n)
   srcs = ([None] * n if src_sharding is None else
           broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n))
@@ -422,7 +423,7 @@ def reshard(move: Callable[..., Any], x: Any, dst_sharding: Any, dtype: Any, *,
     if not isinstance(spec, Quantize):
       continue
     shape, leaf_dtype = _leaf_info(api, LazyName(names, i), leaves[i])
-    leaf = _resolve(api, names, i, spec, shape, leaf_dtype)
+    leaf = resolve(api, names, i, spec, shape, leaf_dtype)
     dst = dsts[i]
     if dst is not None:
       dst = dst_sharding_of(api, LazyName(names, i), dst, shape, leaf.qdtype)
@@ -503,6 +504,23 @@ def _run_program(xs: list[jax.Array], leaves: list[_Leaf]) -> list[tuple[Any, An
   return list(numerics.program(tuple(leaves), outs, platform)(tuple(xs)))
 
 
+def quantize_where_they_live(arrays: Sequence[jax.Array], leaves: Sequence[_Leaf]
+                             ) -> list[Any]:
+  """Each array quantized on its own layout (`leaves[i]`: its resolved spec, from
+  `resolve`), as a QArray: one compiled program per device assignment. The jobs layer
+  quantizes a pulled leaf this way, on the dst layout it arrived in."""
+  groups: dict[tuple[int, ...], list[int]] = {}
+  for i, x in enumerate(arrays):
+    key = tuple(d.id for d in jax_compat.device_assignment(x.sharding))
+    groups.setdefault(key, []).append(i)
+  out: list[Any] = [None] * len(arrays)
+  for members in groups.values():
+    for i, (qvalue, scale) in zip(members, _run_program(
+        [arrays[i] for i in members], [leaves[i] for i in members])):
+      out[i] = _wrap(qvalue, scale, leaves[i].qtype)
+  return out
+
+
 def _platform(sharding: Any) -> str:
   """The platform a traced leaf is quantized for: its destination's, else the default."""
   devices = getattr(sharding, "device_set", None)
@@ -527,7 +545,7 @@ def plan_arguments(x: Any, dst_sharding: Any, src_sharding: Any,
       out_dtype.append(spec)
       continue
     shape, leaf_dtype = _leaf_info(api, LazyName(names, i), v)
-    leaf = _resolve(api, names, i, spec, shape, leaf_dtype)
+    leaf = resolve(api, names, i, spec, shape, leaf_dtype)
     src = src if src is not None else getattr(v, "sharding", None)
     if not isinstance(src, Sharding):
       raise ReshardValueError(

@@ -41,6 +41,11 @@ class Options:
   timeout_ms: int = DEFAULT_TIMEOUT_MS
   chunk_bytes: int | None = None
 
+  @property
+  def timeout_s(self) -> float:
+    """`timeout_ms` in seconds (what waits in Python take)."""
+    return self.timeout_ms / 1000
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Request:

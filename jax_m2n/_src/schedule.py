@@ -52,6 +52,15 @@ def type_codes(src_dtype, dst_dtype) -> tuple[int, int]:
   return TYPE_CODES[np.dtype(src_dtype)], TYPE_CODES[np.dtype(dst_dtype)]
 
 
+def source_dtype(src_dtype, dst_dtype) -> np.dtype:
+  """The dtype a leaf's bytes are in when they leave the source: its own where nothing
+  converts or the transports convert in flight (`fused_conversion`), else `dst_dtype`
+  (converted with astype on the source first). reshard's rule, and a pull's (the
+  publisher converts); then `wire_dtype(source_dtype(s, d), d)` is what crosses."""
+  s, d = np.dtype(src_dtype), np.dtype(dst_dtype)
+  return s if s == d or fused_conversion(s, d) else d
+
+
 def wire_dtype(src_dtype, dst_dtype) -> np.dtype:
   """The type the bytes cross links in: the narrower of the two for a fused
   conversion (narrow on the sender, widen on the receiver), else the source type."""

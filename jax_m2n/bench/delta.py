@@ -79,7 +79,7 @@ def trainer_main(directory: str, lr: float, steps: int, d_model: int, layers: in
   import jax.numpy as jnp
   import numpy as np
   import jax_m2n
-  from jax_m2n._src.jobs import delta
+  from jax_m2n._src.jobs import codec, delta
   rl_refit, cfg = _config(lr, d_model, layers)
   trainer, generator = rl_refit.make_sides(cfg, jax.devices())
   key = jax.random.key(cfg.seed)
@@ -129,7 +129,7 @@ def trainer_main(directory: str, lr: float, steps: int, d_model: int, layers: in
         "convert_ms": 1e3 * got.get("publisher_convert_s", 0.0),
         "encoded_bytes": got.get("publisher_encoded_bytes", 0),
         "compared": got.get("publisher_elements", 0),
-        "chunks": {m: got.get(f"publisher_chunks_{m}", 0) for m in delta.MODES}}) + "\n")
+        "chunks": {m: got.get(f"publisher_chunks_{m}", 0) for m in codec.MODES}}) + "\n")
     log.flush()
     # The example's RL step: refit to the generator half, rollout, verifier, train.
     gen_params = jax_m2n.reshard(params, gen_shardings, dtype=jnp.bfloat16)

@@ -77,9 +77,9 @@ def trainer_main(directory: str, size: int, versions: int, host: str = "127.0.0.
   else:
     devices = jax.devices()[:1]
   import jax_m2n
-  from jax_m2n._src.jobs import engine
+  from jax_m2n._src.jobs import transport
   pub = jax_m2n.Publisher(f"{host}:0", token=TOKEN, keep=versions * len(CASES))
-  server = engine.transfer_server(host)
+  server = transport.acquire(host)
   publish_ms = {}
   for c, case in enumerate(CASES):
     host, shardings, _ = _tree(jax, case, size, devices, c, "trainer")
@@ -97,12 +97,12 @@ def trainer_main(directory: str, size: int, versions: int, host: str = "127.0.0.
     if case == "bf16":
       raw = [a.astype(jax.numpy.bfloat16) for a in raw]
     for i in range(versions):
-      server.await_pull(_raw_uuid(c, i), raw)
+      server.offer(raw, 3600.0, ticket=_raw_uuid(c, i))
   # publish returns before its snapshot copies have run: let them finish, so that the
   # pulls are not timed against the trainer's own copying on the same cores.
-  jax.block_until_ready([a for v in pub._versions.values()  # noqa: SLF001
-                         for _, a in v.shards.values()])
-  info = {"address": pub.address, "transfer": server.address(), "publish_ms": publish_ms}
+  jax.block_until_ready([a for n in pub._versions.numbers()  # noqa: SLF001
+                         for _, a in pub._versions.get(n).shards.values()])
+  info = {"address": pub.address, "transfer": server.address, "publish_ms": publish_ms}
   with open(os.path.join(directory, "info.tmp"), "w") as f:
     json.dump(info, f)
   os.replace(os.path.join(directory, "info.tmp"), os.path.join(directory, "info.json"))
@@ -136,7 +136,7 @@ def _pulls(jax, info: dict, size: int, iters: int, warmup: int, devices,
   Subscriber and raw through the transfer server; one row per case."""
   import numpy as np
   import jax_m2n
-  from jax_m2n._src.jobs import engine, planning
+  from jax_m2n._src.jobs import connections, planning, transport
   versions = warmup + iters
   sub = jax_m2n.Subscriber(info["address"], token=TOKEN)
   rows = []
@@ -155,7 +155,7 @@ def _pulls(jax, info: dict, size: int, iters: int, warmup: int, devices,
           if not np.array_equal(np.asarray(y).view(np.uint8), want.view(np.uint8)):
             raise AssertionError(f"jobs bench: {case} pulled wrong bytes")
       del out
-    m = sub._manifests[next(reversed(sub._manifests))]  # noqa: SLF001
+    m = sub._state.manifests[next(reversed(sub._state.manifests))]  # noqa: SLF001
     pp = planning.plan_pull(m, tuple(shardings), tuple(
         np.dtype(dtype or np.float32) for _ in shardings), "hierarchical")
     wire = planning.network_bytes(pp)["from_publisher"]
@@ -164,8 +164,7 @@ def _pulls(jax, info: dict, size: int, iters: int, warmup: int, devices,
            "pull_ms_min": min(times[warmup:]), "first_pull_ms": times[0],
            "publish_ms": statistics.median(info["publish_ms"][case])}
     thost = info["transfer"].rsplit(":", 1)[0]
-    conn = engine.transfer_server(engine.local_host_towards(thost)).connect(
-        info["transfer"])
+    raw_transport = transport.acquire(connections.local_host_towards(thost))
     raw = []
     specs = [jax.ShapeDtypeStruct(s.data.shape, dtype or np.float32,
                                   sharding=jax.sharding.SingleDeviceSharding(d))
@@ -174,7 +173,7 @@ def _pulls(jax, info: dict, size: int, iters: int, warmup: int, devices,
                              .addressable_shards, devices)]
     for i in range(versions):
       t0 = time.perf_counter()
-      jax.block_until_ready(conn.pull(_raw_uuid(c, i), specs))
+      jax.block_until_ready(raw_transport.fetch(info["transfer"], _raw_uuid(c, i), specs))
       raw.append((time.perf_counter() - t0) * 1e3)
     row["raw_ms"] = statistics.median(raw[warmup:])
     row["ratio"] = row["pull_ms"] / row["raw_ms"]

@@ -132,28 +132,29 @@ def subscriber_main(d: str, name: str, size: int, versions: int, die: bool,
   address = _wait(os.path.join(d, "address"), 300)
   direct = jax_m2n.Subscriber(address, token=TOKEN)
   relayed = jax_m2n.Subscriber(address, token=TOKEN, relay=True)
-  relayed._relay.fanout = fanout  # noqa: SLF001 - the bench compares chains and trees
-  relayed._relay.chunk_bytes = chunk_bytes  # noqa: SLF001
+  relayed._state.relay.fanout = fanout  # noqa: SLF001 - the bench compares chains and trees
+  relayed._state.relay.chunk_bytes = chunk_bytes  # noqa: SLF001
   if die:
-    forward = relay.Member._forward
+    init = relay._Forwarder.__init__  # noqa: SLF001 - the bench kills a member
     die_after = max(1, min(DIE_CHUNKS, size // chunk_bytes // 4))  # mid-version
 
-    def dying_forward(self, v, server, timeout_s):
-      offer, count = server.await_pull, [0]
+    def dying_forwarder(self, member, v, transport, timeout_s):
+      count = [0]
 
       class Counting:
-        def await_pull(self_, *a, **kw):
-          offer(*a, **kw)
+        def offer(self_, *a, **kw):
+          ticket = transport.offer(*a, **kw)
           count[0] += 1
           if v.version >= DIE_VERSION and count[0] >= die_after:
             _write(os.path.join(d, f"dead_{name}"), json.dumps({"at": time.time(),
                                                                 "version": v.version}))
             os._exit(9)
+          return ticket
 
         def __getattr__(self_, attr):
-          return getattr(server, attr)
-      return forward(self, v, Counting(), timeout_s)
-    relay.Member._forward = dying_forward
+          return getattr(transport, attr)
+      init(self, member, v, Counting(), timeout_s)
+    relay._Forwarder.__init__ = dying_forwarder  # noqa: SLF001
   dst = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   _write(os.path.join(d, f"ready_{name}"))
   for v in range(1, versions + 1):

@@ -1,20 +1,30 @@
 """Separate jobs: a trainer job publishes versions of a pytree, generator jobs pull them.
 
 The two sides share no `jax.distributed` cluster; they meet at an address. One concern
-per module, one way (messages <- auth <- channel <- publisher / subscriber):
-  messages.py   the control messages: a versioned JSON format, size limits, schemas;
-  auth.py       the token: challenge-response, session keys, per-message MACs;
-  channel.py    the zmq endpoints (a server loop, a client with bounded requests);
-  manifest.py   what a version is made of: paths, shapes, dtypes, layouts, addresses;
-  planning.py   a pull's plan (the publisher's layouts -> the dst layouts), cached;
-  publisher.py  `Publisher`: snapshots, the server, cutting pieces for the engine;
-  subscriber.py `Subscriber`: versions, checks, the pull's lifecycle;
-  engine.py     a subscriber process's part of a plan: pulls from the publisher's
-                transfer servers, forwards and fan-out inside its job;
-  delta.py      delta sync: the change test, the per-chunk encoding, both sides of a
-                delta pull and the subscriber's base.
-  relay.py      relays among one-process subscriber jobs: who forwards a version to
-                whom (on the publisher), chunks, forwarding, re-routing.
-It never plans except through the planner, and reads shardings only through
-`Layout.from_sharding`; the bytes move through JAX's transfer server.
+per module, dependencies one way (each line uses only the lines above it):
+  messages.py    the control messages: a versioned JSON format, size limits, schemas;
+  auth.py        the token: challenge-response, session keys, per-message MACs;
+  channel.py     the zmq endpoints (a server loop, a client with bounded requests);
+  transport.py   the transport interface (offer / fetch / cancel arrays between
+                 processes) and its implementations: the one seam bytes cross;
+  manifest.py    what a version is made of: paths, shapes, dtypes, layouts, addresses;
+  request.py     a pull as values: PullOptions (reshard's Options extended) and the
+                 checked PullRequest (reshard's rules: checks.py);
+  planning.py    a pull's plan (call_plan.plan_call, reshard's), cached;
+  connections.py a subscriber process's control clients and transport;
+  pull.py        one pull in flight (`Pull`), passed whole to what moves its bytes;
+  pieces.py      the compiled programs that cut, pack and compose boxes;
+  engine.py      a full pull on a subscriber process: waves, forwards, compose;
+  codec.py       the delta codec: change test, encoding, decoding, applying;
+  delta.py       delta sync's requests: serving (publisher) and pulling (subscriber);
+  membership.py  relays: who forwards a version to whom (on the publisher);
+  relay.py       relays: a member's data path (chunks, forwarding, re-routing);
+  versions.py    a publisher process's held versions (snapshots, manifests);
+  serving.py     a publisher process's answers to subscribers (server thread);
+  publisher.py   `Publisher`, the trainer's API;
+  pulling.py     a pull's lifecycle (version, manifest, plan, data path, result);
+  subscriber.py  `Subscriber`, the generator's API.
+It never plans except through call_plan, reads shardings only through
+`Layout.from_sharding`, checks arguments with checks.py's rules, and moves bytes only
+through transport.py.
 """

@@ -129,6 +129,14 @@ class Manifest:
             "processes": [list(p) for p in self.processes],
             "skeleton": self.skeleton}
 
+  def names(self) -> list[str]:
+    """Per leaf, how messages name it (its key path: `['layers'][0]`)."""
+    return self._names
+
+  @functools.cached_property
+  def _names(self) -> list[str]:
+    return ["".join(l.path) or "the root" for l in self.leaves]
+
   @functools.cached_property
   def plan_layouts(self) -> tuple[Layout, ...]:
     """Per leaf, its layout over the publisher's devices as plan ids."""

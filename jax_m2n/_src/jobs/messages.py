@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jax_m2n._src.errors import ReshardValueError
+from jax_m2n._src.errors import ProtocolError, VersionGone  # noqa: F401 - re-exported
 
 # The protocol's version: a peer speaking another is refused, naming both.
 PROTOCOL = 1
@@ -22,14 +22,6 @@ MAX_MESSAGE_BYTES = 64 << 20
 MAX_LIST = 1 << 22
 MAX_DEPTH = 16
 MAX_STRING = 1 << 16
-
-
-class ProtocolError(ReshardValueError):
-  """A control message broke the format: refused without effect."""
-
-
-class VersionGone(ReshardValueError):
-  """The version asked for is no longer held by the publisher (beyond `keep`)."""
 
 
 def encode(message: dict[str, Any]) -> bytes:

@@ -1,9 +1,9 @@
 """A pull's plan: the publisher's layouts (from the manifest) -> the subscriber's dst.
 
-Owns `plan_pull`, the one function from a pull to its plan (layouts through
-`Layout.from_sharding`, the plan through `call_plan.plan_layouts`, the step every
-path shares; the publisher's devices under ids
-that cannot collide with the subscriber's, each job's processes its domains), cached per
+Owns `plan_pull`, the one function from a pull to its plan (through
+`call_plan.plan_call`, reshard's: the publisher's layouts as the source side, its
+devices under ids that cannot collide with the subscriber's, each job's processes its
+domains), cached per
 (manifest, dst shardings, dtypes, route): a second pull of the same shapes plans
 nothing. Also this process's part of the plan: its waves, and per publisher process the
 pieces to ask it for. Moves nothing.
@@ -23,8 +23,8 @@ from jax_m2n._src import call_plan
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
 from jax_m2n._src.errors import ReshardValueError
+from jax_m2n._src.jobs import manifest as manifest_lib
 from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE, Manifest
-from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import Plan
 from jax_m2n._src.processes import sequence, transfer_engine
 from jax_m2n._src.request import Options
@@ -33,19 +33,6 @@ from jax_m2n._src.topology import Topology
 # The publisher's processes in the plan's device -> process map (the subscriber job's
 # own processes keep their indices, 0, 1, ...).
 PUBLISHER_PROCESS_BASE = 1 << 20
-
-
-def wire_dtype(published: Any, out: Any) -> np.dtype:
-  """The dtype a leaf crosses between the jobs in: the narrower of the two for a
-  conversion the transports fuse (narrowed by the publisher, widened on arrival), the
-  destination's for any other conversion (converted by the publisher: `astype` first,
-  as reshard does), else the published one."""
-  published, out = np.dtype(published), np.dtype(out)
-  if out == published:
-    return published
-  if schedule.fused_conversion(published, out):
-    return schedule.wire_dtype(published, out)
-  return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -98,15 +85,18 @@ class PullPlan:
 @functools.lru_cache(maxsize=64)
 def plan_pull(manifest: Manifest, dsts: tuple[Sharding, ...], outs: tuple[np.dtype, ...],
               route: str) -> PullPlan:
-  """The plan of pulling every leaf of `manifest` into `dsts` as `outs`, by `route`.
+  """The plan of pulling every leaf of `manifest` into `dsts` as `outs`, by `route`:
+  `call_plan.plan_call`, reshard's own, with the publisher's layouts as the source side
+  (its devices under plan ids of their own) and one domain per process of either job.
 
   Every process of the subscriber job derives the same plan (pure, from the manifest
   and the global dst shardings).
   """
   me = jax.process_index()
-  wire = tuple(wire_dtype(l.dtype, o) for l, o in zip(manifest.leaves, outs))
-  src_layouts = manifest.plan_layouts
-  dst_layouts = [Layout.from_sharding(d, l.shape) for d, l in zip(dsts, manifest.leaves)]
+  published = [manifest_lib.dtype_of(l.dtype) for l in manifest.leaves]
+  # What leaves the publisher: the published dtype where the copies convert in flight,
+  # else the delivered one (the publisher converts first), as reshard's sources.
+  sources = [schedule.source_dtype(p, o) for p, o in zip(published, outs)]
   process_of = {d.id: d.process_index for d in jax.devices()}
   for k, p in enumerate(manifest.devices):
     process_of[PUBLISHER_DEVICE_BASE + k] = PUBLISHER_PROCESS_BASE + p
@@ -114,9 +104,13 @@ def plan_pull(manifest: Manifest, dsts: tuple[Sharding, ...], outs: tuple[np.dty
   for device, p in sorted(process_of.items()):
     domains.setdefault(p, []).append(device)
   topology = Topology(domains=tuple(tuple(ds) for _, ds in sorted(domains.items())))
-  plan = call_plan.plan_layouts(src_layouts, dst_layouts, [w.itemsize for w in wire],
-                                topology, Options(route=route), "cpu", path="jobs pull")
-  participants = tuple(sorted({process_of[d] for l in dst_layouts for d in l.devices}))
+  call = call_plan.plan_call(
+      [l.shape for l in manifest.leaves], sources, None, dsts, Options(route=route),
+      outs, path="jobs pull", src_layouts=manifest.plan_layouts, topology=topology,
+      chunking_for="cpu")
+  plan, wire = call.plan, tuple(call.wire_dtypes)
+  participants = tuple(sorted({process_of[d] for l in call.dst_layouts
+                               for d in l.devices}))
   waves = tuple(transfer_engine.waves_of(plan, me, process_of)) if me in participants else ()
   requests: dict[int, list[list[transfer_engine.Op]]] = {}
   for wave in waves:
@@ -129,7 +123,7 @@ def plan_pull(manifest: Manifest, dsts: tuple[Sharding, ...], outs: tuple[np.dty
       "dtypes": [l.dtype for l in manifest.leaves],
       "destination dtypes": [str(o) for o in outs],
       "source shardings": manifest.id,
-      "destination shardings": [tuple(l.shards()) for l in dst_layouts],
+      "destination shardings": [tuple(l.shards()) for l in call.dst_layouts],
       "route": route, "topology": repr(topology), "chunk_bytes": None})
   return PullPlan(plan, wire, tuple(np.dtype(o) for o in outs), dsts, process_of,
                   participants, waves, requests, fingerprint)

@@ -1,0 +1,219 @@
+"""A pull's lifecycle on one subscriber process.
+
+Owns the steps between `Subscriber.pull` and its result: choosing the version (newest
+not yet pulled, or the one asked; in a multi-process job process 0 chooses and tells
+the others through the job's key-value store), fetching its manifest (cached), the
+request (request.py) and plan (planning.py), the data path (a delta: delta.py; through
+a relay: relay.py; else engine.py), assembling the global arrays, quantizing,
+donating. Every wait is bounded; a multi-process job fails together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import secrets
+import time
+from typing import Any
+
+import jax
+
+from jax_m2n._src import quantize
+from jax_m2n._src.errors import (PeerFailed, ReshardError, ReshardRuntimeError,
+                                 ReshardTimeoutError, VersionGone)
+from jax_m2n._src.jobs import delta as delta_lib, engine, manifest as manifest_lib
+from jax_m2n._src.jobs import planning
+from jax_m2n._src.jobs.connections import Connections
+from jax_m2n._src.jobs.pull import API, Pull
+from jax_m2n._src.jobs.request import PullOptions, pull_request
+from jax_m2n._src.processes import sequence
+
+logger = logging.getLogger("jax_m2n")
+# A waiting pull asks the publisher every POLL_S and allows ANSWER_S more for the
+# answer: a publisher that died or stalled is named within POLL_S + ANSWER_S = 1.5 s.
+POLL_S = 0.5
+ANSWER_S = 1.0
+# A control request that is not a long poll (manifests, pieces) must be answered within
+# this long (a pieces request waits for a lagging trainer process to publish).
+REQUEST_S = 60.0
+MAX_MANIFESTS = 16
+
+
+@dataclasses.dataclass
+class State:
+  """What a Subscriber keeps between pulls."""
+
+  connections: Connections
+  relay: Any = None                       # relay.Member, or None
+  version: int = 0                        # the last successful pull's
+  manifests: dict[str, manifest_lib.Manifest] = dataclasses.field(default_factory=dict)
+  last: delta_lib.Last | None = None      # what a delta pull applies to
+  peers: dict[int, str] | None = None     # the job's processes' transport addresses
+
+
+def pull(state: State, dst: Any, dtype: Any, donate: Any, options: PullOptions) -> Any:
+  """`Subscriber.pull` after its options were checked (see its contract)."""
+  if jax.process_count() > 1:
+    return _pull_job(state, dst, dtype, donate, options)
+  while True:
+    number, mid = choose(state, options)
+    try:
+      return _pull(state, dst, dtype, donate, options, number, mid, None, b"")
+    except VersionGone:
+      if options.version is not None:
+        raise
+      # dropped while we asked for it: the next newest
+
+
+def _pull_job(state: State, dst, dtype, donate, options: PullOptions) -> Any:
+  """A pull in a multi-process generator job: process 0 chooses the version and a
+  random salt (the forwards' tickets) and posts them under the call's key."""
+  waits = sequence.CallWaits(sequence.next_call(), range(jax.process_count()),
+                             options.timeout_ms)
+  try:
+    if waits.pid == 0:
+      number, mid = choose(state, options)
+      salt = secrets.token_bytes(16)
+      waits.post("version", json.dumps([number, mid, salt.hex()]))
+    else:
+      got = waits.gather("version", [0], "the version process 0 chose")[0]
+      number, mid, salt_hex = json.loads(got)
+      salt = bytes.fromhex(salt_hex)
+    return _pull(state, dst, dtype, donate, options, number, mid, waits, salt)
+  except BaseException as e:
+    if not isinstance(e, PeerFailed):  # the peers fail at once, naming it
+      waits.fail(f"{type(e).__name__}: {e}")
+    waits.finish(failed=True)
+    if isinstance(e, Exception) and not isinstance(e, ReshardError):
+      raise ReshardRuntimeError(f"{API}: failed on process {waits.pid}: "
+                                f"{type(e).__name__}: {e}") from e
+    raise
+
+
+def choose(state: State, options: PullOptions) -> tuple[int, str]:
+  """(version, manifest id): the newest held version after the last pull, or
+  `options.version`; waits for it in long polls of POLL_S."""
+  root = state.connections.root()
+  version = options.version
+  after = state.version if version is None else version - 1
+  deadline = time.monotonic() + options.timeout_s
+  while True:
+    wait_s = max(0.0, min(POLL_S, deadline - time.monotonic()))
+    reply = root.call({"op": "versions", "after": after,
+                       "wait_ms": int(wait_s * 1000)}, wait_s + ANSWER_S,
+                      "the list of versions")
+    held = reply.get("versions")
+    if not isinstance(held, list) or not all(
+        isinstance(v, list) and len(v) == 2 and type(v[0]) is int
+        and isinstance(v[1], str) for v in held):
+      raise ReshardRuntimeError(f"{API}: {root.peer} answered with a malformed list "
+                                "of versions.")
+    if reply.get("closed"):
+      raise ReshardRuntimeError(f"{API}: {root.peer} closed (the trainer stopped "
+                                "publishing).")
+    numbers = {n: mid for n, mid in held}
+    if version is None:
+      newer = [n for n in numbers if n > after]
+      if newer:
+        return max(newer), numbers[max(newer)]
+    elif version in numbers:
+      return version, numbers[version]
+    elif numbers and version < max(numbers):
+      raise VersionGone(
+          f"{API}: version must be one the publisher holds; got {version}, and "
+          f"{root.peer} holds {sorted(numbers)} (keep={reply.get('keep')}).")
+    if time.monotonic() >= deadline:
+      want = (f"a version newer than {after}" if version is None
+              else f"version {version}")
+      raise ReshardTimeoutError(
+          f"{API}: {want} must be published within timeout_s={options.timeout_s:g}; "
+          f"got none ({root.peer} is alive and holds {sorted(numbers) or 'no version'}).")
+
+
+def _manifest(state: State, mid: str) -> manifest_lib.Manifest:
+  m = state.manifests.get(mid)
+  if m is None:
+    reply = state.connections.root().call({"op": "manifest", "id": mid}, REQUEST_S,
+                                          "a manifest")
+    m = manifest_lib.from_json(reply.get("manifest"))
+    if m.id != mid:
+      raise ReshardRuntimeError(f"{API}: the manifest must match its id; got another.")
+    if len(state.manifests) >= MAX_MANIFESTS:
+      state.manifests.pop(next(iter(state.manifests)))
+    state.manifests[mid] = m
+  return m
+
+
+def _peers(state: State, waits: Any, address: str) -> dict[int, str]:
+  """Every process of this job's transport address (exchanged on the first pull)."""
+  if state.peers is None:
+    waits.post("transport", address)
+    got = waits.gather("transport", waits.peers, "the transport addresses of the job")
+    state.peers = dict(zip(waits.peers, got))
+  return state.peers
+
+
+def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
+          mid: str, waits: Any, salt: bytes) -> Any:
+  m = _manifest(state, mid)
+  request = pull_request(API, m, dst, dtype, donate, options)
+  planning.check_devices(API, request.dsts)
+  base, why = None, "delta=False"
+  if options.delta:  # the previous result, if a delta can apply to it (delta.base_of)
+    base, why = delta_lib.base_of(state.last, mid, request.dsts, request.outs,
+                                  request.quantized)
+    logger.debug("Subscriber.pull: version %d %s", number,
+                 f"as a delta against {state.last.version}" if base is not None
+                 else f"in full ({why})")
+  base_version = state.last.version if base is not None else 0
+  pp = planning.plan_pull(m, request.dsts, request.outs,
+                          "flat" if base is not None else options.route)
+  conn = state.connections
+  transport = conn.transport(m.processes[0][1])
+  if waits is not None:
+    delta_lib.agree(waits, base_version)
+    waits.post("fp", pp.fingerprint)
+    waits.agree(pp.fingerprint, lambda: f"{len(m.leaves)} leaves")
+  try:
+    p = Pull(request, pp, number, {k: conn.link(k, m) for k in pp.requests}, transport,
+             waits, salt, _peers(state, waits, transport.address) if waits else {})
+    if base is not None:  # a delta pull (delta.py): pulled directly, never relayed
+      in_place = {id(a) for a in request.donated} >= {id(a) for a in base}
+      shards = delta_lib.run(p, base_version, base, in_place, REQUEST_S)
+    else:
+      pulled = None
+      if state.relay is not None and p.links:
+        pulled = state.relay.receive(conn.root(), p, REQUEST_S)
+      tickets = None if pulled is not None else engine.request_pieces(p, REQUEST_S)
+      shards = engine.run(p, tickets, pulled)
+  except VersionGone:
+    raise
+  except ReshardError:
+    conn.forget_broken()
+    raise
+  if waits is not None:
+    waits.end()  # every process of the job done: a pull succeeds or fails everywhere
+    waits.finish()
+  return _finish(state, request, number, shards)
+
+
+def _finish(state: State, request, number: int, shards) -> Any:
+  """The global arrays from this process's shards; quantized leaves as QArrays; the
+  donated arrays deleted; the record a later delta pull applies to."""
+  m = request.manifest
+  arrays = [jax.make_array_from_single_device_arrays(l.shape, d, s, dtype=o)
+            for l, d, s, o in zip(m.leaves, request.dsts, shards, request.outs)]
+  state.last = (delta_lib.record(number, m.id, request.dsts, request.outs, arrays)
+                if request.options.delta else None)
+  quantized = [t for t, s in enumerate(request.specs) if s is not None]
+  if quantized:
+    for t, q in zip(quantized, quantize.quantize_where_they_live(
+        [arrays[t] for t in quantized], [request.specs[t] for t in quantized])):
+      arrays[t] = q
+  keep = {id(a) for a in arrays}
+  for a in request.donated:
+    if id(a) not in keep and not a.is_deleted():
+      a.delete()
+  state.version = max(state.version, number)
+  return request.build(arrays)

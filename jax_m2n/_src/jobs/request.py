@@ -1,0 +1,182 @@
+"""A pull as values: its options (`PullOptions`, a reshard's `Options` extended with what
+a pull needs more) and, per published leaf, what the caller asked (`PullRequest`: the
+dst sharding, the delivered dtype, the Quantize spec, the donated arrays, how to build
+the result's pytree).
+
+Owns building both once at the API (`pull_options`, `pull_request`), with reshard's own
+rules (checks.py, quantize.resolve) for everything the two calls share, so the same
+mistake gets the same error from `reshard` and `Subscriber.pull`. Moves nothing, plans
+nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Sharding
+
+from jax_m2n._src import checks
+from jax_m2n._src import quantize
+from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
+from jax_m2n._src.jobs import manifest as manifest_lib
+from jax_m2n._src.jobs.manifest import Manifest
+from jax_m2n._src.request import Options
+
+# The routes a pull runs (gather_bcast, reshard's legacy baseline, gathers on a trainer
+# device first: the trainer job would have to run part of the plan itself).
+ROUTES = ("hierarchical", "flat")
+# How messages name the pytree dst and dtype are prefixes of.
+PUBLISHED = "the published pytree"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PullOptions(Options):
+  """A pull's options: a reshard's (`route`: hierarchical or flat; `timeout_ms`: the
+  bound on each wait of the pull) and a pull's own.
+
+  Attributes:
+    version: the version to pull, or None (the newest not yet pulled).
+    delta: whether only the elements that changed since the last pull cross.
+  """
+
+  version: int | None = None
+  delta: bool = False
+
+
+def pull_options(api: str, *, route: Any = "hierarchical", timeout_s: Any = None,
+                 version: Any = None, delta: Any = False) -> PullOptions:
+  """The pull's `PullOptions` after every per-call rule (reshard's for route and
+  timeout, then the pull's own), before anything is asked of the publisher."""
+  base = checks.options(api, route=route, timeout_s=timeout_s)
+  if route not in ROUTES:
+    raise ReshardValueError(f"{api}: route must be one of {ROUTES}; got {route!r}.")
+  if version is not None and (isinstance(version, bool) or not isinstance(version, int)
+                              or version < 1):
+    raise ReshardValueError(f"{api}: version must be None or an int >= 1; got "
+                            f"{version!r}.")
+  if not isinstance(delta, bool):
+    raise ReshardTypeError(f"{api}: delta must be a bool; got {type(delta).__name__}.")
+  return PullOptions(base.route, None, base.timeout_ms, None, version, delta)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PullRequest:
+  """One pull of the published pytree `manifest` describes.
+
+  Attributes:
+    manifest: what the version is made of.
+    dsts: per published leaf, its destination sharding (checked).
+    outs: per leaf, the delivered dtype (the published one where a Quantize spec
+      applies: those leaves are quantized on arrival).
+    specs: per leaf, its resolved Quantize spec (`quantize.resolve`) or None.
+    donated: the previous version's arrays, deleted once the new one has arrived.
+    options: the pull's options.
+    build: the result's pytree from the delivered leaves (in manifest order).
+  """
+
+  manifest: Manifest
+  dsts: tuple[Sharding, ...]
+  outs: tuple[np.dtype, ...]
+  specs: tuple[Any, ...]
+  donated: tuple[jax.Array, ...]
+  options: PullOptions
+  build: Callable[[list[Any]], Any]
+
+  @property
+  def quantized(self) -> bool:
+    return any(s is not None for s in self.specs)
+
+
+def _is_dst_leaf(v: Any) -> bool:
+  return checks.is_dst_leaf(v) or isinstance(v, jax.Array)
+
+
+def _as_struct(v: Any) -> Any:
+  """An array given as a destination stands for its shape and sharding."""
+  if isinstance(v, jax.Array):
+    return jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+  return v
+
+
+def _published(api: str, m: Manifest, dst: Any) -> tuple[Any, Any, Callable]:
+  """The published pytree (ShapeDtypeStruct leaves) that dst and dtype are prefixes
+  of, its treedef, and how to build the result from the delivered leaves: dst's own
+  structure where dst is the whole tree with the published key paths (how custom
+  nodes such as flax's State come back), else the published skeleton's."""
+  structs = [jax.ShapeDtypeStruct(l.shape, manifest_lib.dtype_of(l.dtype))
+             for l in m.leaves]
+  flat, treedef = jax.tree_util.tree_flatten_with_path(dst, is_leaf=_is_dst_leaf)
+  if len(flat) == len(m.leaves) and all(
+      manifest_lib.key_path(p) == l.path for (p, _), l in zip(flat, m.leaves)):
+    return (jax.tree_util.tree_unflatten(treedef, structs), treedef,
+            lambda arrays: jax.tree_util.tree_unflatten(treedef, arrays))
+  if m.skeleton is None:
+    raise ReshardValueError(
+        f"{api}: dst must be the whole pytree (not a prefix) when the published pytree "
+        "holds nodes other than dicts, lists, tuples and None (their classes do not "
+        "travel); got a prefix. Hint: pass this job's own params (or their shardings) "
+        "as dst.")
+  tree = manifest_lib.rebuild(m.skeleton, structs)
+  return (tree, jax.tree_util.tree_structure(tree),
+          lambda arrays: manifest_lib.rebuild(m.skeleton, arrays))
+
+
+def pull_request(api: str, m: Manifest, dst: Any, dtype: Any, donate: Any,
+                 options: PullOptions) -> PullRequest:
+  """The checked request of pulling `m` into `dst` as `dtype`: dst and dtype are
+  pytree prefixes of the published pytree, broadcast as reshard broadcasts its own
+  (checks.broadcast_prefix, quantize.spec_leaves), and each destination meets
+  reshard's rules (checks.check_destination, in device memory).
+
+  Raises:
+    ReshardValueError / ReshardTypeError: a dst or dtype that does not fit the
+      published pytree, a destination or dtype that breaks a rule; before any byte
+      moves.
+  """
+  n = len(m.leaves)
+  names = m.names
+  tree, treedef, build = _published(api, m, dst)
+  specs = (quantize.spec_leaves(api, dtype, tree, treedef, n, PUBLISHED)
+           if quantize.has_spec(dtype) else  # as reshard: its messages name Quantize
+           checks.dtypes_per_leaf(api, dtype, tree, treedef, n, x_name=PUBLISHED))
+  dsts = checks.broadcast_prefix(
+      api, "dst", jax.tree.map(_as_struct, dst, is_leaf=_is_dst_leaf), tree, treedef, n,
+      PUBLISHED)
+  outs, resolved, shardings = [], [], []
+  for t, (leaf, spec, d) in enumerate(zip(m.leaves, specs, dsts)):
+    published = manifest_lib.dtype_of(leaf.dtype)
+    if isinstance(spec, quantize.Quantize):
+      resolved.append(quantize.resolve(api, names, t, spec, leaf.shape, published))
+      out = published
+    else:
+      resolved.append(None)
+      out = published if spec is None else np.dtype(jax.dtypes.canonicalize_dtype(spec))
+      if out.name not in manifest_lib.DTYPES:
+        raise ReshardTypeError(f"{api}: dtype must be one of {manifest_lib.DTYPES}; got "
+                               f"{out} for {names()[t]}.")
+    if d is None:
+      raise ReshardTypeError(
+          f"{api}: the destination of {names()[t]} must be a Sharding, a Device, a "
+          "PartitionSpec (under jax.set_mesh), an array or a ShapeDtypeStruct; got None "
+          "(a pull has no layout to keep).")
+    if isinstance(d, jax.ShapeDtypeStruct) and d.dtype != out:  # an array's dtype:
+      d = jax.ShapeDtypeStruct(d.shape, out, sharding=d.sharding)  # its shape counts
+    shardings.append(checks.check_destination(api, checks.LazyName(names, t), d,
+                                              leaf.shape, out, device_memory=True))
+    outs.append(out)
+  return PullRequest(m, tuple(shardings), tuple(outs), tuple(resolved),
+                     tuple(_donated(api, donate)), options, build)
+
+
+def _donated(api: str, donate: Any) -> list[jax.Array]:
+  if donate is None or donate is False:
+    return []
+  leaves = jax.tree_util.tree_leaves(donate)
+  for leaf in leaves:
+    if not isinstance(leaf, jax.Array):
+      raise ReshardTypeError(f"{api}: donate must be None or a pytree of jax.Arrays (the "
+                             f"previous version's); got a {type(leaf).__name__} leaf.")
+  return leaves

@@ -1,0 +1,193 @@
+"""A publisher process's answers to subscribers: the control calls, on the server thread.
+
+Owns the calls a Publisher serves (`versions`: a long poll; `manifest`; `pieces`: cut
+the asked boxes of a held version in their wire dtypes and offer them through the
+transport; `delta`: delta.serve; the relay calls, handed to the Coordinator on process
+0), the requests deferred until this process has published the version asked for, and
+the tick that answers them. Every field of a request is checked before use. Plans
+nothing; holds no version itself (versions.py does).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_m2n._src.errors import ProtocolError
+from jax_m2n._src.jobs import channel, delta, manifest as manifest_lib, membership
+from jax_m2n._src.jobs import messages, pieces, relay
+from jax_m2n._src.jobs.versions import Version, Versions
+from jax_m2n._src.planner import DST_SHARD, SRC_SHARD
+from jax_m2n._src.processes import transfer_engine
+
+# The longest a subscriber may ask the publisher to hold a long poll or an offer.
+MAX_WAIT_MS = 60_000
+MAX_OFFER_MS = 1 << 31
+# A pieces request may ask for at most this many times the bytes this process holds of
+# the version (flat routes send a box once per destination replica), plus 1 MiB.
+MAX_REQUEST_FACTOR = 64
+
+
+class Service:
+  """The handler and tick a `channel.Server` runs for one publisher process.
+
+  Args:
+    pid: this process's index in the trainer job.
+    versions: its held versions.
+    transport: its transport (the offers).
+  """
+
+  def __init__(self, pid: int, versions: Versions, transport: Any):
+    self._pid = pid
+    self._versions = versions
+    self._transport = transport
+    self.closed = False
+    self._polls: list[tuple[channel.Caller, int, float]] = []
+    self._deferred: list[tuple[channel.Caller, dict[str, Any], float]] = []
+    # Relays among subscribers (process 0 coordinates; every process offers chunks).
+    self._relay = membership.Coordinator(versions.numbers)
+
+  @property
+  def waiting(self) -> bool:
+    """Whether a long poll or a deferred request is still unanswered."""
+    return bool(self._polls or self._deferred)
+
+  def handle(self, caller: channel.Caller, body: dict[str, Any]) -> None:
+    op = messages.field(body, "op", str, max_len=32)
+    if op == "versions":
+      after = messages.field(body, "after", int, lo=0, hi=1 << 62)
+      wait_ms = messages.field(body, "wait_ms", int, lo=0, hi=MAX_WAIT_MS)
+      self._polls.append((caller, after, time.monotonic() + wait_ms / 1000))
+    elif op == "manifest":
+      want = messages.field(body, "id", str, max_len=64)
+      found = self._versions.manifest(want)
+      if found is None:
+        caller.reply({"error": f"manifest {messages._short(want)} must belong to a held "
+                      "version; got an unknown one (dropped: pull again).",
+                      "kind": "runtime"})
+      else:
+        caller.reply({"manifest": found.to_json()})
+    elif op in ("pieces", "delta"):
+      messages.field(body, "version", int, lo=1, hi=1 << 62)
+      if op == "delta":  # the version the subscriber holds (0: none)
+        messages.field(body, "base", int, lo=0, hi=1 << 62)
+      timeout_ms = messages.field(body, "timeout_ms", int, lo=1, hi=MAX_OFFER_MS)
+      self._deferred.append((caller, body, time.monotonic() + min(
+          timeout_ms, MAX_WAIT_MS) / 1000))
+    elif op in membership.OPS and self._pid == 0:
+      self._relay.handle(caller, body)
+    else:
+      raise ProtocolError(f"call: op must be versions, manifest, pieces, delta, relay_* or "
+                          f"bye; got {messages._short(op)}.")
+    self.tick()
+
+  def tick(self) -> None:
+    """Answers the long polls with news (or expired), and the deferred requests whose
+    version this process has published (or whose wait expired)."""
+    now = time.monotonic()
+    held, published = self._versions.listing(), self._versions.published
+    keep = []
+    for caller, after, deadline in self._polls:
+      if self.closed or any(n > after for n, _ in held) or now >= deadline:
+        caller.reply({"versions": held, "closed": self.closed,
+                      "keep": self._versions.keep})
+      else:
+        keep.append((caller, after, deadline))
+    self._polls = keep
+    keep = []
+    for caller, body, deadline in self._deferred:
+      version = body["version"]
+      if self.closed:
+        caller.reply({"error": "the publisher closed.", "kind": "runtime"})
+      elif version <= published:
+        try:
+          caller.reply(self._answer(body))
+        except ProtocolError as e:
+          caller.reply({"error": str(e), "kind": "value"})
+      elif now >= deadline:
+        caller.reply({"error": f"version {version} must be published by trainer process "
+                      f"{self._pid} in time; it has published {published} so far.",
+                      "kind": "timeout"})
+      else:
+        keep.append((caller, body, deadline))  # this process has not published it yet
+    self._deferred = keep
+    self._relay.tick(self.closed)
+
+  def _answer(self, body: dict[str, Any]) -> dict[str, Any]:
+    """A pieces or delta request for a published version: gone, or served."""
+    version = self._versions.get(body["version"])
+    if version is None:
+      return {"error": f"version {body['version']} must be held to be pulled; trainer "
+              f"process {self._pid} holds {self._versions.numbers()} "
+              f"(keep={self._versions.keep}).", "kind": "gone"}
+    if body["op"] == "delta":
+      return delta.serve(version, self._versions.get(body["base"]), body,
+                         self._transport)
+    return self._pieces(version, body)
+
+  def _pieces(self, version: Version, body: dict[str, Any]) -> dict[str, Any]:
+    """Cuts the asked boxes of a held version (in their wire dtypes), offers each
+    group through the transport, and returns the tickets."""
+    m = version.manifest
+    wire = manifest_lib.wire_field(body, "pieces", len(m.leaves))
+    groups = body.get("groups")
+    if not isinstance(groups, list) or not groups or len(groups) > 1 << 16:
+      raise ProtocolError("pieces: groups must be a non-empty list of piece lists.")
+    budget = MAX_REQUEST_FACTOR * version.nbytes + (1 << 20)
+    offers = []
+    for group in groups:
+      if not isinstance(group, list) or not group:
+        raise ProtocolError("pieces: every group must be a non-empty list of packs.")
+      packs = []
+      for pack in group:
+        if not isinstance(pack, list) or not pack:
+          raise ProtocolError("pieces: every pack must be a non-empty list of pieces.")
+        ops = []
+        for piece in pack:
+          t, k, box, nbytes = manifest_lib.piece_field(piece, "pieces", m.leaves,
+                                                       version.shards, wire)
+          budget -= nbytes
+          if budget < 0:
+            raise ProtocolError(f"pieces: a request must ask for at most "
+                                f"{MAX_REQUEST_FACTOR} x the version's bytes here.")
+          ops.append(transfer_engine.Op(t, k, -1, SRC_SHARD, DST_SHARD, box, "inject"))
+        if len({op.src for op in ops}) != 1 or len({wire[op.tensor] for op in ops}) != 1:
+          raise ProtocolError("pieces: the pieces of a pack must share a device and a "
+                              "wire dtype.")
+        packs.append(ops)
+      offers.append(packs)
+    timeout_s = body["timeout_ms"] / 1000
+    if "chunk_bytes" in body:  # a relay's head (or a re-route): chunks, one offer each
+      return relay.offer_chunks(self._transport, [cut(version, ops, wire)
+                                                  for ops in offers], body, timeout_s)
+    return {"tickets": [self._transport.offer(cut(version, ops, wire), timeout_s)
+                        for ops in offers]}
+
+
+def cut(version: Version, packs: list[list[transfer_engine.Op]],
+        wire: dict[int, np.dtype]) -> list[jax.Array]:
+  """One array per pack: its one box in the wire dtype (the snapshot itself where that
+  is a whole shard in its own dtype), or its boxes flattened and concatenated; one
+  compiled program per source device."""
+  batches: dict[int, pieces.Batch] = {}
+  slots = []
+  for ops in packs:
+    k, dtype = ops[0].src, wire[ops[0].tensor]
+    batch = batches.setdefault(k, pieces.Batch())
+    boxes = []
+    for op in ops:
+      held, array = version.shard(op.tensor, k, dtype)
+      starts = tuple(lo - h for (lo, _), (h, _) in zip(op.box, held))
+      limits = tuple(hi - h for (_, hi), (h, _) in zip(op.box, held))
+      shape = pieces.shape_of(op.box)
+      boxes.append(([((array, -1, pieces.shape_of(held)), starts, limits,
+                      (0,) * len(shape))], shape))
+    if len(ops) == 1:
+      slots.append((k, batch.box(boxes[0][0], boxes[0][1], dtype, dtype)))
+    else:
+      slots.append((k, batch.pack(boxes, dtype)))
+  results = {k: b.run() for k, b in batches.items()}
+  return [results[k][j] for k, j in slots]

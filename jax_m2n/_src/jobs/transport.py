@@ -1,0 +1,170 @@
+"""How arrays cross between the processes of separate jobs: the transport interface.
+
+Owns the seam between a pull's plan and the bytes: a sender `offer`s arrays under a
+ticket (send boxes), a receiver that learned the ticket over the authenticated control
+channel `fetch`es them into its own devices' memory (receive boxes), an offer can be
+withdrawn (`cancel`) and expires at its deadline either way. Publisher, Subscriber,
+relays and delta pulls move bytes only through this interface, so another engine (the
+local data plane, NCCL between jobs) plugs in here without touching planning or the API.
+Implementations: `TransferServerTransport` (JAX's transfer server). Knows no plans,
+versions or control messages.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+import secrets
+import threading
+from typing import Any, Sequence
+
+import jax
+
+from jax_m2n._src import jax_compat
+from jax_m2n._src.jobs import channel
+
+# How long after its deadline an offer stays fetchable (the receiver's own deadline
+# passes first; then the offer is dropped: a receiver that died leaks nothing).
+OFFER_GRACE_S = 30.0
+
+
+class Transport(abc.ABC):
+  """One process's end of a transport, shared by its Publisher and Subscribers.
+
+  Threads: every method may be called from any thread. Lifetime: made and released
+  through `acquire` / `release` (the last release closes it: its ports stop listening).
+  """
+
+  kind: str = ""
+
+  @property
+  @abc.abstractmethod
+  def address(self) -> str:
+    """Where peers fetch this process's offers ("host:port")."""
+
+  @abc.abstractmethod
+  def offer(self, arrays: Sequence[jax.Array], timeout_s: float,
+            ticket: int | None = None) -> int:
+    """Offers `arrays` (on this process's devices) to one fetch, for `timeout_s`
+    (+ OFFER_GRACE_S); returns the ticket (a random 64-bit one, or `ticket`: a value
+    both sides derived from a shared secret). The arrays must stay unmodified until
+    fetched or expired (offers hold references to them)."""
+
+  @abc.abstractmethod
+  def fetch(self, address: str, ticket: int,
+            specs: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
+    """The arrays offered under `ticket` at `address`, landing on the devices of
+    `specs` (each with a SingleDeviceSharding). Asynchronous: the arrays are ready once
+    they arrived, or raise the transport's failure when waited on."""
+
+  @abc.abstractmethod
+  def cancel(self, ticket: int) -> bool:
+    """Withdraws an offer not fetched yet; False where the engine cannot (the offer
+    then expires at its deadline)."""
+
+  @abc.abstractmethod
+  def forget(self, address: str) -> None:
+    """Fails what is pending from `address` and drops the connection to it (after a
+    failure: the next fetch connects anew)."""
+
+  @abc.abstractmethod
+  def _close(self) -> None:
+    """Stops listening and drops every connection and offer."""
+
+
+class TransferServerTransport(Transport):
+  """JAX's transfer server (`jax.experimental.transfer`): host-staged TCP between
+  processes, on every platform. It authenticates nobody (offers are named by
+  unguessable tickets sent only over the control channel) and cannot withdraw an
+  offer (offers expire)."""
+
+  kind = "transfer_server"
+
+  def __init__(self, host: str):
+    from jax.experimental import transfer  # pylint: disable=import-outside-toplevel
+    client = jax.local_devices()[0].client
+    # The bulk transport listens on `host` too: the peer it pulls from connects back
+    # to it, so it must be an address the peer can reach.
+    bind = channel.join_address(host, 0)
+    self._server = transfer.start_transfer_server(client, bind, [bind])
+    self._connections: dict[str, Any] = {}
+    self._lock = threading.Lock()
+
+  @property
+  def address(self) -> str:
+    return self._server.address()
+
+  def offer(self, arrays, timeout_s, ticket=None):
+    ticket = secrets.randbits(64) if ticket is None else ticket
+    deadline = datetime.datetime.now() + datetime.timedelta(
+        seconds=timeout_s + OFFER_GRACE_S)
+    self._server.await_pull(ticket, list(arrays), timeout=deadline)
+    return ticket
+
+  def fetch(self, address, ticket, specs):
+    return self._connection(address).pull(ticket, list(specs))
+
+  def cancel(self, ticket):
+    del ticket
+    return False  # the transfer server has no per-offer withdrawal
+
+  def _connection(self, address: str) -> Any:
+    with self._lock:
+      conn = self._connections.get(address)
+      if conn is None:
+        conn = self._connections[address] = self._server.connect(address)
+      return conn
+
+  def forget(self, address):
+    with self._lock:
+      conn = self._connections.pop(address, None)
+    if conn is not None:
+      try:
+        jax_compat.poison_transfer_connection(conn)
+      except Exception:  # noqa: BLE001 - best effort: it is forgotten anyway
+        pass
+
+  def _close(self):
+    with self._lock:
+      connections, self._connections = self._connections, {}
+    for conn in connections.values():
+      try:
+        jax_compat.poison_transfer_connection(conn)
+      except Exception:  # noqa: BLE001 - best effort
+        pass
+    self._server = None  # JAX stops a transfer server when its last reference goes
+
+
+# ---------------------------------------------------------------------------------------
+# One transport per (kind, host) and process, shared, closed by its last user
+# ---------------------------------------------------------------------------------------
+
+_KINDS = {TransferServerTransport.kind: TransferServerTransport}
+_open: dict[tuple[str, str], tuple[Transport, int]] = {}
+_open_lock = threading.Lock()
+
+
+def acquire(host: str, kind: str = TransferServerTransport.kind) -> Transport:
+  """This process's transport of `kind` bound to `host` (made on first use); every
+  acquire is paired with one `release`."""
+  with _open_lock:
+    got = _open.get((kind, host))
+    if got is None:
+      got = (_KINDS[kind](host), 0)
+    _open[(kind, host)] = (got[0], got[1] + 1)
+    return got[0]
+
+
+def release(transport: Transport) -> None:
+  """Gives back one `acquire`; the last closes the transport (its ports close)."""
+  with _open_lock:
+    for key, (t, users) in list(_open.items()):
+      if t is transport:
+        if users > 1:
+          _open[key] = (t, users - 1)
+          return
+        del _open[key]
+        break
+    else:
+      return
+  transport._close()  # pylint: disable=protected-access
