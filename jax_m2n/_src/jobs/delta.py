@@ -23,16 +23,13 @@ import jax
 import numpy as np
 
 from jax_m2n._src import jax_compat
-from jax_m2n._src.errors import ProtocolError, ReshardRuntimeError, ReshardValueError
+from jax_m2n._src.errors import ReshardRuntimeError, ReshardValueError
 from jax_m2n._src.jobs import codec, manifest as manifest_lib, messages, pieces
 from jax_m2n._src.jobs.codec import CHUNK, MODES
 from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE
 from jax_m2n._src.jobs.pull import API, Pull, wait_arrived
 from jax_m2n._src.layout import Box
 
-# A delta request may ask for at most this many times the bytes a version holds on the
-# publisher's process, plus 1 MiB (as a pieces request).
-MAX_REQUEST_FACTOR = 64
 
 # Counters for the bench and the tests: the publisher's ("publisher_*": elements
 # compared, changed, bytes encoded against the dense bytes, seconds converting to the
@@ -57,19 +54,9 @@ def serve(version: Any, base: Any, body: dict[str, Any], transport: Any) -> dict
   by (leaf, device))."""
   m = version.manifest
   wire = manifest_lib.wire_field(body, "delta", len(m.leaves))
-  asked = body.get("pieces")
-  if not isinstance(asked, list) or not asked or len(asked) > 1 << 20:
-    raise ProtocolError("delta: pieces must be a non-empty list of pieces.")
-  budget = MAX_REQUEST_FACTOR * version.nbytes + (1 << 20)
-  boxes = []
-  for piece in asked:
-    t, k, box, nbytes = manifest_lib.piece_field(piece, "delta", m.leaves,
-                                                 version.shards, wire)
-    budget -= nbytes
-    if budget < 0:
-      raise ProtocolError(f"delta: a request must ask for at most {MAX_REQUEST_FACTOR} x "
-                          "the version's bytes here.")
-    boxes.append((t, k, box))
+  boxes = manifest_lib.pieces_field(body.get("pieces"), "delta", m.leaves,
+                                    version.shards, wire,
+                                    manifest_lib.request_budget(version.nbytes))
   if base is not None and base.manifest.id != m.id:
     base = None  # another layout set: its shards are other boxes
   # The held shards in the wire dtype, on the host (converted once per version on the

@@ -81,6 +81,34 @@ def piece_field(piece: Any, op: str, leaves: Sequence[Any], shards: dict,
   return t, k, box, math.prod(hi - lo for lo, hi in box) * wire[t].itemsize
 
 
+# A request may ask for at most this many times the bytes a version holds on the
+# publisher's process (flat routes send a box once per destination replica), + 1 MiB.
+MAX_REQUEST_FACTOR = 64
+
+
+def request_budget(nbytes: int) -> list[int]:
+  """The wire bytes one request for a version of `nbytes` here may ask for (a mutable
+  cell `pieces_field` draws on)."""
+  return [MAX_REQUEST_FACTOR * nbytes + (1 << 20)]
+
+
+def pieces_field(asked: Any, op: str, leaves: Sequence[Any], shards: dict,
+                 wire: dict[int, np.dtype], budget: list[int]) -> list[tuple[int, int, Box]]:
+  """A request's non-empty list of pieces, each checked (`piece_field`), as (leaf,
+  device, box); their wire bytes are drawn from `budget` (`request_budget`)."""
+  if not isinstance(asked, list) or not asked or len(asked) > 1 << 20:
+    raise ProtocolError(f"{op}: pieces must be a non-empty list of pieces.")
+  out = []
+  for piece in asked:
+    t, k, box, nbytes = piece_field(piece, op, leaves, shards, wire)
+    budget[0] -= nbytes
+    if budget[0] < 0:
+      raise ProtocolError(f"{op}: a request must ask for at most {MAX_REQUEST_FACTOR} x "
+                          "the version's bytes here.")
+    out.append((t, k, box))
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Leaf:
   """One published leaf: key path (jax.tree_util key strings), shape, dtype (as

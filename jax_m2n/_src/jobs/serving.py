@@ -26,9 +26,6 @@ from jax_m2n._src.processes import transfer_engine
 # The longest a subscriber may ask the publisher to hold a long poll or an offer.
 MAX_WAIT_MS = 60_000
 MAX_OFFER_MS = 1 << 31
-# A pieces request may ask for at most this many times the bytes this process holds of
-# the version (flat routes send a box once per destination replica), plus 1 MiB.
-MAX_REQUEST_FACTOR = 64
 
 
 class Service:
@@ -136,24 +133,16 @@ class Service:
     groups = body.get("groups")
     if not isinstance(groups, list) or not groups or len(groups) > 1 << 16:
       raise ProtocolError("pieces: groups must be a non-empty list of piece lists.")
-    budget = MAX_REQUEST_FACTOR * version.nbytes + (1 << 20)
+    budget = manifest_lib.request_budget(version.nbytes)
     offers = []
     for group in groups:
       if not isinstance(group, list) or not group:
         raise ProtocolError("pieces: every group must be a non-empty list of packs.")
       packs = []
       for pack in group:
-        if not isinstance(pack, list) or not pack:
-          raise ProtocolError("pieces: every pack must be a non-empty list of pieces.")
-        ops = []
-        for piece in pack:
-          t, k, box, nbytes = manifest_lib.piece_field(piece, "pieces", m.leaves,
-                                                       version.shards, wire)
-          budget -= nbytes
-          if budget < 0:
-            raise ProtocolError(f"pieces: a request must ask for at most "
-                                f"{MAX_REQUEST_FACTOR} x the version's bytes here.")
-          ops.append(transfer_engine.Op(t, k, -1, SRC_SHARD, DST_SHARD, box, "inject"))
+        ops = [transfer_engine.Op(t, k, -1, SRC_SHARD, DST_SHARD, box, "inject")
+               for t, k, box in manifest_lib.pieces_field(pack, "pieces", m.leaves,
+                                                          version.shards, wire, budget)]
         if len({op.src for op in ops}) != 1 or len({wire[op.tensor] for op in ops}) != 1:
           raise ProtocolError("pieces: the pieces of a pack must share a device and a "
                               "wire dtype.")
