@@ -215,18 +215,20 @@ def run(pull: Pull, base_version: int, base: list[jax.Array], donate: bool,
     streams = _streams(pp, pieces_, reply.get("streams"), links[k].name)
     specs = [(d, n) for _, _, sizes in streams for d, n in sizes]
     ticket = reply.get("ticket")
-    arrays = []
-    if any(n for _, n in specs):
+    fetched = any(n for _, n in specs)
+    if fetched:
       if type(ticket) is not int or not 0 <= ticket < 1 << 64:
         raise ReshardRuntimeError(f"{API}: {links[k].name} must offer the delta's "
                                   "arrays; got no ticket.")
       sharding = jax.sharding.SingleDeviceSharding(landing)
-      arrays = pull.transport.fetch(links[k].address, ticket, [
-          jax.ShapeDtypeStruct((n,), d, sharding=sharding) for d, n in specs if n])
-      pulled.extend((links[k].name, a) for a in arrays)
-    replies[k] = (streams, arrays)
-  wait_arrived(pull, pulled, f"the delta of version {number}")
-  stats["subscriber_pulled_bytes"] += sum(a.nbytes for _, a in pulled)
+      pulled.append((links[k].name, pull.transport.fetch(links[k].address, ticket, [
+          jax.ShapeDtypeStruct((n,), d, sharding=sharding) for d, n in specs if n])))
+    replies[k] = (streams, fetched)
+  got = iter(wait_arrived(pull, pulled, f"the delta of version {number}"))
+  replies = {k: (streams, next(got) if fetched else [])
+             for k, (streams, fetched) in replies.items()}
+  stats["subscriber_pulled_bytes"] += sum(a.nbytes for _, arrays in replies.values()
+                                          for a in arrays)
   start = time.perf_counter()
   updates: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}
   for k, (streams, arrays) in replies.items():

@@ -22,6 +22,7 @@ from jax_m2n._src.jobs import pieces
 from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE
 from jax_m2n._src.jobs.planning import PUBLISHER_PROCESS_BASE, PullPlan
 from jax_m2n._src.jobs.pull import API, Pull, wait_arrived
+from jax_m2n._src.jobs.transport import Arrived
 from jax_m2n._src.layout import box_size
 from jax_m2n._src.planner import DST_SHARD
 
@@ -83,21 +84,17 @@ def run(pull: Pull, tickets: dict[int, list[int]] | None,
   store = pieces.Store()
   # The publisher's pieces depend on nothing: every wave's fetch is issued at once, so
   # the transport streams them together; a wave waits only for its own.
-  arrived: dict[int, list[tuple[str, list[Any], jax.Array]]] = {}
+  arrived: dict[int, list[tuple[str, list[list[Any]], Any]]] = {}
   offers = {k: iter(u) for k, u in (tickets or {}).items()}
   for wave in pp.waves:
     for peer, ops in sorted(wave.recvs.items()):
       if peer >= PUBLISHER_PROCESS_BASE:
         k = peer - PUBLISHER_PROCESS_BASE
         packs = pp.packs_of(ops)
-        if pulled is not None:
-          arrays = next(pulled[k])
-        else:
-          arrays = transport.fetch(pull.links[k].address, next(offers[k]), [
-              pack_spec(pp, pack, devices) for pack in packs])
-          stats["pulled_bytes"] += sum(a.nbytes for a in arrays)
-        arrived.setdefault(wave.depth, []).extend(
-            (pull.links[k].name, pack, a) for pack, a in zip(packs, arrays))
+        fetch = Arrived(next(pulled[k])) if pulled is not None else transport.fetch(
+            pull.links[k].address, next(offers[k]),
+            [pack_spec(pp, pack, devices) for pack in packs])
+        arrived.setdefault(wave.depth, []).append((pull.links[k].name, packs, fetch))
   for wave in pp.waves:
     w = wave.depth
     if wave.sends:  # forwards to the job's own processes: one array per box
@@ -107,26 +104,28 @@ def run(pull: Pull, tickets: dict[int, list[int]] | None,
         stats["forwarded_bytes"] += sum(a.nbytes for a in arrays)
       pull.waits.post(f"w{w}")
     _local(pp, store, wave.local, devices)  # fan-out inside this process
-    pending = []
-    for name, pack, arr in arrived.get(w, []):
-      if len(pack) == 1:
-        store.add(pack[0].tensor, pack[0].dst, pack[0].dst_kind, pack[0].box, arr)
-      else:
-        for op, at in zip(pack, pieces.run_offsets([op.box for op in pack])):
-          store.add(op.tensor, op.dst, op.dst_kind, op.box, arr, at)
-      pending.append((name, arr))
+    pending = [(name, packs, fetch) for name, packs, fetch in arrived.get(w, [])]
     for peer, ops in sorted(wave.recvs.items()):
       if peer >= PUBLISHER_PROCESS_BASE:
         continue
       pull.waits.gather(f"w{w}", [peer], f"process {peer}'s forwards (wave {w})")
-      arrays = transport.fetch(pull.peers[peer], peer_ticket(pull.salt, w, peer, me), [
-          pack_spec(pp, [op], devices) for op in ops])
-      stats["forwarded_in_bytes"] += sum(a.nbytes for a in arrays)
-      for op, arr in zip(ops, arrays):
-        store.add(op.tensor, op.dst, op.dst_kind, op.box, arr)
-        pending.append((f"process {peer} of this job", arr))
-    if pending:
-      wait_arrived(pull, pending, f"the wave-{w} transfers")
+      pending.append((f"process {peer} of this job", [[op] for op in ops],
+                      transport.fetch(pull.peers[peer], peer_ticket(pull.salt, w, peer, me),
+                                      [pack_spec(pp, [op], devices) for op in ops])))
+    if not pending:
+      continue
+    got = wait_arrived(pull, [(name, fetch) for name, _, fetch in pending],
+                       f"the wave-{w} transfers")
+    for (name, packs, _), arrays in zip(pending, got):
+      key = "forwarded_in_bytes" if name.startswith("process ") else "pulled_bytes"
+      stats[key] += 0 if pulled is not None and key == "pulled_bytes" else sum(
+          a.nbytes for a in arrays)
+      for pack, arr in zip(packs, arrays):
+        if len(pack) == 1:
+          store.add(pack[0].tensor, pack[0].dst, pack[0].dst_kind, pack[0].box, arr)
+        else:
+          for op, at in zip(pack, pieces.run_offsets([op.box for op in pack])):
+            store.add(op.tensor, op.dst, op.dst_kind, op.box, arr, at)
   return _compose(pp, store, devices)
 
 

@@ -17,7 +17,7 @@ from jax_m2n._src.errors import ReshardRuntimeError, ReshardTimeoutError
 from jax_m2n._src.jobs.connections import Link
 from jax_m2n._src.jobs.planning import PullPlan
 from jax_m2n._src.jobs.request import PullOptions, PullRequest
-from jax_m2n._src.jobs.transport import Transport
+from jax_m2n._src.jobs.transport import Pending, Transport
 
 API = "Subscriber.pull"
 
@@ -60,15 +60,17 @@ class Pull:
     return self.started + self.timeout_s
 
 
-def wait_arrived(pull: Pull, pending: Sequence[tuple[str, jax.Array]], what: str) -> None:
+def wait_arrived(pull: Pull, pending: Sequence[tuple[str, Pending]], what: str
+                 ) -> list[list[jax.Array]]:
   """Waits (bounded by the pull's deadline; in a multi-process job also ended by a
-  peer's failure or death) until every fetched array has arrived; a failed fetch is a
-  ReshardRuntimeError naming its sender (`pending`: (sender's name, array))."""
+  peer's failure or death) until every fetch is done; returns their arrays, in order.
+  A failed fetch is a ReshardRuntimeError naming its sender (`pending`: (sender's
+  name, what `Transport.fetch` returned))."""
   left = list(pending)
 
   def ready() -> bool:
     nonlocal left
-    left = [(p, a) for p, a in left if not a.is_ready()]
+    left = [(p, f) for p, f in left if not f.done()]
     return not left
 
   if pull.waits is not None:
@@ -79,14 +81,16 @@ def wait_arrived(pull: Pull, pending: Sequence[tuple[str, jax.Array]], what: str
       if time.monotonic() > pull.deadline:
         raise ReshardTimeoutError(
             f"{API}: {what} must arrive within timeout_s={pull.timeout_s:g}; got "
-            f"{len(left)} array(s) from {left[0][0]} still missing (the publisher "
+            f"{len(left)} fetch(es) from {left[0][0]} still missing (the publisher "
             "stalled, or its link is too slow for this timeout).")
       time.sleep(delay)
       delay = min(2 * delay, 2e-3)
-  for name, array in pending:
+  out = []
+  for name, fetch in pending:
     try:
-      array.block_until_ready()
+      out.append(fetch.result())
     except Exception as e:  # noqa: BLE001 - the transport's failure, named
       raise ReshardRuntimeError(
           f"{API}: the transfer from {name} failed ({what}; it died or closed "
           f"mid-transfer): {type(e).__name__}: {e}") from e
+  return out

@@ -34,6 +34,7 @@ from jax_m2n._src.errors import ProtocolError, ReshardRuntimeError, ReshardTimeo
 from jax_m2n._src.jobs import channel, engine, messages
 from jax_m2n._src.jobs.planning import PullPlan
 from jax_m2n._src.jobs.pull import Pull
+from jax_m2n._src.jobs.transport import Pending
 
 logger = logging.getLogger("jax_m2n")
 
@@ -146,13 +147,13 @@ def _listening(address: str) -> bool:
   return True
 
 
-def _state(array: jax.Array | None) -> str:
-  """"pending" (or not asked yet), "ok" or "failed" (the transfer that fills it
+def _state(fetch: Pending | None) -> str:
+  """"pending" (or not asked yet), "ok" or "failed" (the fetch that fills it
   broke)."""
-  if array is None or not array.is_ready():
+  if fetch is None or not fetch.done():
     return "pending"
   try:
-    array.block_until_ready()
+    fetch.result()
   except Exception:  # noqa: BLE001 - the transport's failure: the caller re-routes
     return "failed"
   return "ok"
@@ -160,7 +161,7 @@ def _state(array: jax.Array | None) -> str:
 
 class _Version:
   """One version's chunks on a member: per trainer process k, its chunk table and the
-  arrays (replaced where a re-route fetched one again)."""
+  fetches bringing them (replaced where a re-route fetched one again)."""
 
   def __init__(self, pp: PullPlan, version: int, key: str, salt: str,
                chunk_bytes: int):
@@ -179,19 +180,23 @@ class _Version:
                                                   sharding=flat[a].sharding)
                              for a, _, n in self.table[k]]
     self.order = [(k, j) for k in sorted(self.table) for j in range(len(self.table[k]))]
-    self.arrays: dict[tuple[int, int], jax.Array] = {}
+    self.fetches: dict[tuple[int, int], Pending] = {}
     self.sources: dict[tuple[int, int], str] = {}  # "trainer" or "peers"
     self.lock = threading.Lock()
     self.stop = threading.Event()
 
-  def get(self, kj: tuple[int, int]) -> jax.Array | None:
+  def get(self, kj: tuple[int, int]) -> Pending | None:
     with self.lock:
-      return self.arrays.get(kj)
+      return self.fetches.get(kj)
 
-  def put(self, kj: tuple[int, int], array: jax.Array, source: str) -> None:
+  def put(self, kj: tuple[int, int], fetch: Pending, source: str) -> None:
     with self.lock:
-      self.arrays[kj] = array
+      self.fetches[kj] = fetch
       self.sources[kj] = source
+
+  def array(self, kj: tuple[int, int]) -> jax.Array:
+    """Chunk kj, arrived (`_state` said "ok")."""
+    return self.get(kj).result()[0]
 
   def packs(self) -> dict[int, Any]:
     """Per trainer process, an iterator over its waves' pack arrays (what
@@ -201,7 +206,7 @@ class _Version:
       flat = [s for group in specs for s in group]
       parts: list[list[jax.Array]] = [[] for _ in flat]
       for j, (a, _, _) in enumerate(self.table[k]):
-        parts[a].append(self.arrays[(k, j)])
+        parts[a].append(self.array((k, j)))
       arrays = [(p[0] if len(p) == 1 else jnp.concatenate(p)).reshape(s.shape)
                 for p, s in zip(parts, flat)]
       it = iter(arrays)
@@ -270,7 +275,7 @@ class Member:
           for k, j in v.order:  # all at once: each waits until the upstream offers it
             v.put((k, j), pull.transport.fetch(upstream[1], chunk_ticket(
                 v.salt, upstream[0], int(reply.get("slot", 0)), k, j),
-                [v.chunk_specs[k][j]])[0], "peers")
+                [v.chunk_specs[k][j]]), "peers")
         except Exception as e:  # noqa: BLE001 - an unreachable upstream: re-route now
           logger.info("jax_m2n relay: version %d: upstream %s unreachable: %s",
                       pull.number, upstream[1], e)
@@ -300,7 +305,7 @@ class Member:
       for j, ticket in zip(js, engine.tickets_of(reply, len(js), link.name,
                                                  "the chunks request")):
         v.put((k, j), pull.transport.fetch(link.address, ticket,
-                                           [v.chunk_specs[k][j]])[0], "trainer")
+                                           [v.chunk_specs[k][j]]), "trainer")
 
   def _reroute(self, root: channel.Client, pull: Pull, v: _Version, up_id: str,
                missing: list[tuple[int, int]], answer_s: float) -> None:
@@ -330,7 +335,7 @@ class Member:
           break
         ready.add(kj)
         progressed = True
-        stats[f"from_{v.sources[kj]}_bytes"] += v.get(kj).nbytes
+        stats[f"from_{v.sources[kj]}_bytes"] += v.array(kj).nbytes
       now = time.monotonic()
       if progressed:
         last, delay = now, 1e-4
@@ -403,11 +408,10 @@ class _Forwarder(threading.Thread):
           n = offered.get(slot, 0)
           while n < len(v.order):
             k, j = v.order[n]
-            array = v.get((k, j))
-            if _state(array) != "ok":
+            if _state(v.get((k, j))) != "ok":
               break  # not arrived yet (or being fetched again after a re-route)
-            self._transport.offer([array], self._timeout_s, ticket=chunk_ticket(
-                v.salt, self._member.id, slot, k, j))
+            self._transport.offer([v.array((k, j))], self._timeout_s,
+                                  ticket=chunk_ticket(v.salt, self._member.id, slot, k, j))
             n += 1
             progressed = True
           offered[slot] = n

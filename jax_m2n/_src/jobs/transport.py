@@ -28,6 +28,36 @@ from jax_m2n._src.jobs import channel
 OFFER_GRACE_S = 30.0
 
 
+class Pending(abc.ABC):
+  """What a fetch is bringing: `done()` once its arrays arrived or the fetch failed;
+  then `result()` is the arrays (on the devices the fetch named) or raises the
+  transport's failure. Never blocks in `done()`."""
+
+  @abc.abstractmethod
+  def done(self) -> bool:
+    """Whether the arrays arrived or the fetch failed (non-blocking)."""
+
+  @abc.abstractmethod
+  def result(self) -> list[jax.Array]:
+    """The arrays (waits for them where not `done()`); the transport's failure raises."""
+
+
+class Arrived(Pending):
+  """Arrays that are (or become, by themselves) ready: JAX's asynchronous arrays, or
+  arrays already there."""
+
+  def __init__(self, arrays: Sequence[jax.Array]):
+    self._arrays = list(arrays)
+
+  def done(self) -> bool:
+    return all(a.is_ready() for a in self._arrays)
+
+  def result(self) -> list[jax.Array]:
+    for a in self._arrays:
+      a.block_until_ready()
+    return self._arrays
+
+
 class Transport(abc.ABC):
   """One process's end of a transport, shared by its Publisher and Subscribers.
 
@@ -52,10 +82,10 @@ class Transport(abc.ABC):
 
   @abc.abstractmethod
   def fetch(self, address: str, ticket: int,
-            specs: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
+            specs: Sequence[jax.ShapeDtypeStruct]) -> Pending:
     """The arrays offered under `ticket` at `address`, landing on the devices of
-    `specs` (each with a SingleDeviceSharding). Asynchronous: the arrays are ready once
-    they arrived, or raise the transport's failure when waited on."""
+    `specs` (each with a SingleDeviceSharding). Asynchronous: returns at once; the
+    `Pending` is done once they arrived (or the fetch failed)."""
 
   @abc.abstractmethod
   def cancel(self, ticket: int) -> bool:
@@ -102,7 +132,7 @@ class TransferServerTransport(Transport):
     return ticket
 
   def fetch(self, address, ticket, specs):
-    return self._connection(address).pull(ticket, list(specs))
+    return Arrived(self._connection(address).pull(ticket, list(specs)))
 
   def cancel(self, ticket):
     del ticket
