@@ -84,9 +84,12 @@ class Budget:
     (True, True)
   """
 
-  def __init__(self, burst: int = BURST, refill_per_s: float = REFILL_PER_S,
-               max_addresses: int = MAX_ADDRESSES):
-    self._burst, self._rate, self._max = burst, refill_per_s, max_addresses
+  def __init__(self, burst: int | None = None, refill_per_s: float | None = None,
+               max_addresses: int | None = None):
+    # The module's limits as they are now (tests lower them).
+    self._burst = BURST if burst is None else burst
+    self._rate = REFILL_PER_S if refill_per_s is None else refill_per_s
+    self._max = MAX_ADDRESSES if max_addresses is None else max_addresses
     self._buckets: dict[str, _Bucket] = {}
 
   def _bucket(self, address: str, now: float) -> _Bucket:
