@@ -31,8 +31,12 @@ logger = logging.getLogger("jax_m2n")
 # connection takes one, each that authenticates gives it back, BURST refill at
 # REFILL_PER_S. An address with none left has its new connections closed at accept
 # (before zmq reads its greeting). A legitimate job makes a few connections, all of
-# which authenticate; a flood of garbage or of wrong keys spends its address's budget in
-# a fraction of a second, and then costs the publisher a closed socket per connect.
+# which authenticate; a flood of half-open connections or of wrong keys spends its
+# address's budget in a fraction of a second, and then costs the publisher a closed
+# socket per connect, so one address holds at most BURST + REFILL_PER_S x HANDSHAKE_S
+# sockets. (A connection zmq closed before the gate read its accept event, such as
+# garbage refused in microseconds, cannot be attributed and is not charged: it held
+# nothing.)
 BURST = 64
 REFILL_PER_S = 16.0
 # The addresses tracked at once (IPv6 ones per /64); beyond, the fullest bucket is
