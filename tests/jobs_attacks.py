@@ -1,8 +1,8 @@
 """What a stranger can send to a jobs control port, for tests and the flood bench: raw
 ZMTP 3 bytes (greetings, CURVE HELLOs with keys nobody holds, frames announcing 64 MiB),
-a paced flood of them from one source address, and readers of a process's peak RSS and
-of its threads' CPU time. Knows nothing of jax_m2n beyond the wire (ZMTP 3.0, RFC 23;
-CurveZMQ, RFC 26); never holds a token.
+a paced flood of them from one source address, a hypothesis strategy of such cases,
+and readers of a process's peak RSS and of its threads' CPU time. Knows nothing of
+jax_m2n beyond the wire (ZMTP 3.0, RFC 23; CurveZMQ, RFC 26); never holds a token.
 
   python tests/jobs_attacks.py --port 7000 --kind hello --rate 200 --seconds 10
 """
@@ -93,6 +93,58 @@ def payload(kind: str) -> bytes:
   if kind == "bigframe":  # announces 64 MiB, sends 1 MiB of it
     return greeting() + frame(b"\x00" * (1 << 20), size=64 << 20)
   return b""
+
+
+def _mutate(data: bytes, edits: list[tuple[int, int]]) -> bytes:
+  out = bytearray(data)
+  for pos, byte in edits:
+    if out:
+      out[pos % len(out)] = byte
+  return bytes(out)
+
+
+def pre_auth():
+  """A hypothesis strategy of what a stranger sends: ("pre", kind, bytes, source
+  address), kind one of bytes, greeting (mutated, any mechanism), hello (mutated CURVE
+  HELLO), bigframe (a frame announcing 64 KiB to 2^63 bytes), frames, halfopen."""
+  from hypothesis import strategies as st
+  edits = st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), max_size=4)
+
+  @st.composite
+  def case(draw):
+    kind = draw(st.sampled_from(["bytes", "greeting", "hello", "bigframe", "frames",
+                                 "halfopen"]))
+    tail = draw(st.binary(max_size=64))
+    if kind == "bytes":
+      data = draw(st.binary(max_size=300))
+    elif kind == "greeting":
+      mech = draw(st.sampled_from([b"CURVE", b"NULL", b"PLAIN", b"GSSAPI", b"\xff" * 20]))
+      data = _mutate(greeting(mech, draw(st.booleans())), draw(edits)) + tail
+    elif kind == "hello":
+      data = greeting() + _mutate(hello(), draw(edits)) + tail
+    elif kind == "bigframe":
+      data = greeting() + frame(tail, command=draw(st.booleans()),
+                                size=draw(st.integers(1 << 16, (1 << 63) - 1)))
+    elif kind == "frames":
+      data = greeting() + b"".join(
+          frame(draw(st.binary(max_size=40)), command=draw(st.booleans()),
+                more=draw(st.booleans())) for _ in range(draw(st.integers(1, 4))))
+    else:
+      data = b""
+    # Many source addresses: the cases test the parser, not one address's budget.
+    return "pre", kind, data, f"127.0.0.{draw(st.integers(10, 250))}"
+  return case()
+
+
+def send_case(port: int, kind: str, data: bytes, source: str) -> None:
+  """Sends one `pre_auth` case to 127.0.0.1:port."""
+  if kind == "halfopen":
+    try:
+      connect(port, source).close()
+    except OSError:
+      pass
+  else:
+    send_and_close(port, data, source)
 
 
 def flood(port: int, kind: str, rate: float, seconds: float,

@@ -548,42 +548,6 @@ def test_close_frees_every_thread_and_descriptor():
 # The fuzzer
 # ---------------------------------------------------------------------------------------
 
-def _mutate(data, edits):
-  data = bytearray(data)
-  for pos, byte in edits:
-    if data:
-      data[pos % len(data)] = byte
-  return bytes(data)
-
-
-_edits = st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), max_size=4)
-
-
-@st.composite
-def _pre_auth(draw):
-  kind = draw(st.sampled_from(["bytes", "greeting", "hello", "bigframe", "frames",
-                               "halfopen"]))
-  tail = draw(st.binary(max_size=64))
-  if kind == "bytes":
-    data = draw(st.binary(max_size=300))
-  elif kind == "greeting":
-    mech = draw(st.sampled_from([b"CURVE", b"NULL", b"PLAIN", b"GSSAPI", b"\xff" * 20]))
-    data = _mutate(attacks.greeting(mech, draw(st.booleans())), draw(_edits)) + tail
-  elif kind == "hello":
-    data = attacks.greeting() + _mutate(attacks.hello(), draw(_edits)) + tail
-  elif kind == "bigframe":
-    data = attacks.greeting() + attacks.frame(
-        tail, command=draw(st.booleans()), size=draw(st.integers(1 << 16, (1 << 63) - 1)))
-  elif kind == "frames":
-    data = attacks.greeting() + b"".join(
-        attacks.frame(draw(st.binary(max_size=40)), command=draw(st.booleans()),
-                      more=draw(st.booleans()))
-        for _ in range(draw(st.integers(1, 4))))
-  else:
-    data = b""
-  return "pre", kind, data, f"127.0.0.{draw(st.integers(10, 250))}"
-
-
 @st.composite
 def _post_auth(draw):
   kind = draw(st.sampled_from(["chunks", "multi", "body", "oversized"]))
@@ -616,18 +580,12 @@ def fuzzed():
 @settings(max_examples=1000, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
-@given(case=st.one_of(_pre_auth(), _post_auth()))
+@given(case=st.one_of(attacks.pre_auth(), _post_auth()))
 def test_fuzz_the_control_port_before_and_after_authentication(fuzzed, case):
   s, state = fuzzed
   side, kind, data, source = case
   if side == "pre":
-    if kind == "halfopen":
-      try:
-        attacks.connect(s.port, source).close()
-      except OSError:
-        pass
-    else:
-      attacks.send_and_close(s.port, data, source)
+    attacks.send_case(s.port, kind, data, source)
   elif kind == "body":
     try:
       out = state["client"].call(data, 2.0, "a fuzzed call")
