@@ -185,8 +185,11 @@ class Server:
 
   def notify(self, to: Caller | bytes, body: dict[str, Any]) -> None:
     """Sends `body` to a connected client unasked (any thread): `to` is a Caller of that
-    client or its `peer`. The client reads it with `Client.wait_notice`; a client gone
-    meanwhile never gets it (zmq drops it)."""
+    client or its `peer`. The client reads it with `Client.wait_notice` (its calls keep
+    notices aside meanwhile); a client gone meanwhile never gets it (zmq drops it). A
+    client that reads nothing holds about 2,000 messages in zmq's queues (1,000 each
+    way); beyond, zmq drops what is sent to it, replies included: notices are for
+    rare events (a version published), not a stream."""
     self._post(to.peer if isinstance(to, Caller) else to, {"type": "notice", "body": body})
 
   def close(self) -> None:

@@ -250,19 +250,6 @@ def field(message: dict[str, Any], name: str, kind: Any, *, lo: int | None = Non
   return value
 
 
-def hex_field(message: dict[str, Any], name: str, nbytes: int) -> bytes:
-  """A field holding exactly `nbytes` bytes as lowercase hex."""
-  text = field(message, name, str, max_len=2 * nbytes)
-  what = message.get("type") or "message"
-  if len(text) != 2 * nbytes:
-    raise ProtocolError(f"{what}: field {name!r} must be {2 * nbytes} hex digits; got "
-                        f"{len(text)}.")
-  try:
-    return bytes.fromhex(text)
-  except ValueError:
-    raise ProtocolError(f"{what}: field {name!r} must be hex; got {_short(text)}.") from None
-
-
 def int_list(value: Any, what: str, lo: int, hi: int, max_len: int = MAX_LIST) -> list[int]:
   """A list of ints in [lo, hi]."""
   if not isinstance(value, list) or len(value) > max_len:
