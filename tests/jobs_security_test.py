@@ -152,7 +152,8 @@ def test_split_then_assemble_round_trips_interleaved_peers(sizes, peers):
     datas.append(data)
     chunks = messages.split(data)
     assert all(len(c) <= messages.CHUNK_BYTES + 1 for c in chunks)
-    assert all(c[:1] == messages.MORE for c in chunks[:-1]) and chunks[-1][:1] == messages.LAST
+    assert all(c[:1] == messages.MORE for c in chunks[:-1])
+    assert chunks[-1][:1] == messages.LAST
     queues.append((bytes([i % peers]), collections.deque(chunks)))
   got = collections.defaultdict(list)
   # Peers interleave, but each sends its messages one after another.

@@ -83,6 +83,14 @@ class Keys:
 def as_key(api: str, token: Any) -> Keys:
   """The keys of `token`, checked against the token rules (derived once per token).
 
+  What a weak token costs: nobody can check a guess against a live publisher without
+  a connection per guess (a HELLO made without the server key is dropped), but whoever
+  records one legitimate handshake can test guesses offline (scrypt, then whether the
+  HELLO's box opens with the guessed server key): ~20 per second per core here, so a
+  dictionary word falls in hours. Hence at least MIN_TOKEN characters; new_token()'s
+  256 random bits are beyond reach. Recorded sessions stay secret even then (CurveZMQ's
+  short-term keys), but a found token lets its finder act as either side.
+
   Raises:
     ReshardTypeError: the token is not a str or bytes.
     ReshardValueError: the token is shorter than MIN_TOKEN characters (str) or bytes.

@@ -171,7 +171,7 @@ class Server:
 
   @property
   def gate(self) -> handshake.Gate:
-    """The handshake's guard (its `stats` and `budget`: tests and benchmarks read them)."""
+    """The handshake's guard (tests and benchmarks read its `stats` and `budget`)."""
     return self._gate
 
   def wake(self) -> None:
@@ -190,7 +190,8 @@ class Server:
     client that reads nothing holds about 2,000 messages in zmq's queues (1,000 each
     way); beyond, zmq drops what is sent to it, replies included: notices are for
     rare events (a version published), not a stream."""
-    self._post(to.peer if isinstance(to, Caller) else to, {"type": "notice", "body": body})
+    peer = to.peer if isinstance(to, Caller) else to
+    self._post(peer, {"type": "notice", "body": body})
 
   def close(self) -> None:
     """Stops the threads (bounded), then closes the sockets and the context."""
@@ -429,7 +430,8 @@ class Client:
         if self._notices:
           return self._notices.popleft()
         if self.broken is not None:
-          raise ReshardRuntimeError(f"{self._api}: {self.peer} is unusable: {self.broken}")
+          raise ReshardRuntimeError(
+              f"{self._api}: {self.peer} is unusable: {self.broken}")
         left = deadline - time.monotonic()
         if left <= 0:
           return None

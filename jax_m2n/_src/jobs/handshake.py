@@ -63,7 +63,8 @@ def _event(frames: list[bytes]) -> tuple[int, int] | None:
   a 4-byte value, then the endpoint), None for anything else."""
   if len(frames) != 2 or len(frames[0]) != 6:
     return None
-  return (int.from_bytes(frames[0][:2], "little"), int.from_bytes(frames[0][2:], "little"))
+  head = frames[0]
+  return int.from_bytes(head[:2], "little"), int.from_bytes(head[2:], "little")
 
 
 def address_key(host: str) -> str:
@@ -214,7 +215,8 @@ class Gate:
     proved the server key; only the token's client key passes."""
     request_id = request[1] if len(request) > 1 else b""
     ok = (len(request) == 7 and request[0] == b"1.0" and request[2] == DOMAIN
-          and request[5] == b"CURVE" and hmac.compare_digest(request[6], self._client_key))
+          and request[5] == b"CURVE"
+          and hmac.compare_digest(request[6], self._client_key))
     if ok:
       self.budget.give_back(request[3].decode("ascii", "replace"), time.monotonic())
       self.stats["authenticated"] += 1
