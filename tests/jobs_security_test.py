@@ -312,6 +312,17 @@ def test_a_wrong_token_is_named_quickly(server):
   c.close()
 
 
+def test_a_leaked_server_key_alone_does_not_pass_the_gate(server):
+  """A client holding the server's public key but not the token's client keypair
+  completes CURVE's first steps; the ZAP handler refuses it (400)."""
+  public, secret = zmq.curve_keypair()
+  forged = auth.Keys(KEYS.server_public, b"", public, secret)
+  with pytest.raises(jax_m2n.ReshardValueError, match="ZAP handler refused our client"):
+    _client(server, forged, connect_s=5.0)
+  assert server.gate.stats["wrong_key"] >= 1
+  assert server.gate.stats["authenticated"] == 0
+
+
 def test_no_publisher_is_a_runtime_error_within_connect_s():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

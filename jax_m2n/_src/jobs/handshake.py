@@ -214,17 +214,18 @@ class Gate:
     mechanism, credentials. zmq sends one per connection whose CURVE HELLO and INITIATE
     proved the server key; only the token's client key passes."""
     request_id = request[1] if len(request) > 1 else b""
-    ok = (len(request) == 7 and request[0] == b"1.0" and request[2] == DOMAIN
-          and request[5] == b"CURVE"
-          and hmac.compare_digest(request[6], self._client_key))
-    if ok:
-      self.budget.give_back(request[3].decode("ascii", "replace"), time.monotonic())
-      self.stats["authenticated"] += 1
-    else:
-      self.stats["wrong_key"] += 1
-    self._zap.send_multipart([b"1.0", request_id, b"200" if ok else b"400",
-                              b"OK" if ok else b"the client key must be the token's",
-                              b"", b""])
+    ok = False
+    try:
+      ok = (len(request) == 7 and request[0] == b"1.0" and request[2] == DOMAIN
+            and request[5] == b"CURVE"
+            and hmac.compare_digest(request[6], self._client_key))
+      if ok:
+        self.budget.give_back(request[3].decode("ascii", "replace"), time.monotonic())
+      self.stats["authenticated" if ok else "wrong_key"] += 1
+    finally:  # a REP socket must answer every request, or it answers no later one
+      self._zap.send_multipart([b"1.0", request_id, b"200" if ok else b"400",
+                                b"OK" if ok else b"the client key must be the token's",
+                                b"", b""])
 
   def _accepted(self, event: tuple[int, int] | None) -> None:
     if event is None or event[0] != self._zmq.EVENT_ACCEPTED:
