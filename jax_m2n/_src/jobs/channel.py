@@ -1,17 +1,17 @@
-"""The control channel between jobs: zmq endpoints that speak messages.py and auth.py.
+"""The control channel between jobs: zmq endpoints that speak messages.py over CurveZMQ.
 
-Owns the sockets: a `Server` (one ROUTER socket served by one thread: handshakes,
-sessions, sealed calls handed to a handler, deferred replies, bounded state) and a
-`Client` (one DEALER socket: the handshake, then one sealed request at a time, each
-answered within a deadline or reported as a dead peer). Every wait is bounded; nothing
-here knows versions, arrays or plans.
+Owns the sockets: a `Server` (a CURVE ROUTER socket behind handshake.Gate, served by one
+thread: requests reassembled within bounds and handed to a handler; replies and notices
+posted from any thread) and a `Client` (a CURVE DEALER socket: one request at a time,
+each answered within a deadline or reported as a dead peer; notices kept aside, counted
+traffic). Every wait is bounded; nothing here knows versions, arrays or plans.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import ipaddress
-import itertools
 import logging
 import secrets
 import socket
@@ -21,28 +21,26 @@ from typing import Any, Callable
 
 from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError,
                                  ReshardTypeError, ReshardValueError)
-from jax_m2n._src.jobs import auth, messages
+from jax_m2n._src.jobs import auth, handshake, messages
 from jax_m2n._src.jobs.messages import ProtocolError
 
 logger = logging.getLogger("jax_m2n")
 
-# Bounds on the server's state: sessions beyond MAX_SESSIONS evict the least recently
-# used; a handshake left half-done is forgotten after HANDSHAKE_S.
-MAX_SESSIONS = 1024
-MAX_HANDSHAKES = 256
-HANDSHAKE_S = 10.0
 # How often the server loop runs its tick (deferred replies, expiries) while idle.
 TICK_S = 0.05
+# Messages (of at most messages.MAX_FRAME_BYTES) zmq queues per authenticated peer
+# before it stops reading that peer's connection: 4 MiB.
+SERVER_RCVHWM = 64
+# A client's send queue: one whole request of MAX_MESSAGE_BYTES fits.
+CLIENT_SNDHWM = messages.MAX_MESSAGE_BYTES // messages.CHUNK_BYTES + 64
+# Notices a client keeps while nobody reads them; beyond, the oldest are dropped (and
+# counted in stats["notices_dropped"]).
+MAX_NOTICES = 1024
 
-
-def _zmq():
-  try:
-    import zmq
-  except ImportError:
-    raise ReshardRuntimeError(
-        "jax_m2n jobs: pyzmq must be installed for Publisher/Subscriber; got no module "
-        "zmq. Hint: pip install 'jax_m2n[jobs]' (or pyzmq).") from None
-  return zmq
+# Every client's traffic in this process (a pull's control round trips, for tests and
+# benchmarks): calls, messages and bytes sent and received, notices.
+stats: collections.Counter = collections.Counter()
+_stats_lock = threading.Lock()
 
 
 def split_address(api: str, address: Any) -> tuple[str, int]:
@@ -86,53 +84,57 @@ def is_wildcard(host: str) -> bool:
     return False
 
 
-@dataclasses.dataclass
-class _Session:
-  key: bytes
-  seq: int = -1
-  used: float = 0.0
-
-
 @dataclasses.dataclass(frozen=True)
 class Caller:
-  """Whom a sealed call came from, to answer it (now or later, from the server
-  thread): `reply(body)` seals and sends."""
+  """Whom a call came from, to answer it: `reply(body)` from any thread, now or later
+  (once). `peer` names the connection for `Server.notify`."""
 
   server: "Server"
-  ident: bytes
-  session: bytes
+  peer: bytes
   seq: int
 
   def reply(self, body: dict[str, Any]) -> None:
-    self.server._send_sealed(self, body)
+    self.server._post(self.peer, {"type": "reply", "seq": self.seq, "body": body})
+
+
+def _keys(api: str, key: Any) -> auth.Keys:
+  if not isinstance(key, auth.Keys):
+    raise ReshardTypeError(f"{api}: key must come from auth.as_key(api, token); got "
+                           f"{type(key).__name__}.")
+  return key
 
 
 class Server:
-  """A ROUTER socket bound to `address`, served by one daemon thread.
+  """A CURVE ROUTER socket bound to `address`, served by one daemon thread.
 
-  `handler(caller, body)` runs on the server thread for every authenticated call; it
-  answers with `caller.reply(...)` at once or keeps `caller` and answers from `tick()`
-  (also on the server thread, every TICK_S or after `wake()`). Anything malformed,
-  oversized, unauthenticated or out of order is answered with an error (or dropped by
-  zmq, for oversized frames) and changes nothing.
+  Only clients holding the token's keys get through the handshake (handshake.Gate, its
+  own thread); nothing else reaches this thread. `handler(caller, body)` runs on the
+  server thread for every call; it answers with `caller.reply(...)` at once, or later
+  from any thread (encoded there, sent by the server thread), or from `tick()` (on the
+  server thread, every TICK_S or after `wake()`). `notify(peer, body)` sends a client
+  a message it did not ask for. A malformed or oversized request is answered with an
+  error and changes nothing.
   """
 
-  def __init__(self, api: str, address: str, key: bytes,
+  def __init__(self, api: str, address: str, key: Any,
                handler: Callable[[Caller, dict[str, Any]], None],
                tick: Callable[[], None] | None = None, name: str = "jax_m2n-publisher"):
-    zmq = _zmq()
+    zmq = auth.zmq_module()
+    keys = _keys(api, key)
     self._zmq = zmq
     self._api = api
-    self._key = key
     self._handler = handler
     self._tick = tick
     host, port = split_address(api, address)
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.ROUTER)
+    # A context of its own: its own ZAP endpoint (one handler per context) and I/O thread.
+    self._ctx = zmq.Context(io_threads=1)
+    self._gate = handshake.Gate(zmq, self._ctx, keys, name)
+    sock = self._ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.RCVHWM, SERVER_RCVHWM)
     if ":" in host:
       sock.setsockopt(zmq.IPV6, 1)
+    self._gate.protect(sock)
     endpoint = f"tcp://{join_address(_bind_host(api, host), port) if port else None}"
     if not port:  # a free port, chosen by zmq
       endpoint = f"tcp://{join_address(_bind_host(api, host), 0)[:-1]}*"
@@ -140,22 +142,26 @@ class Server:
       sock.bind(endpoint)
     except zmq.ZMQError as e:
       sock.close(0)
+      self._gate.close()
+      self._ctx.term()
       raise ReshardRuntimeError(
           f"{api}: the control socket must bind {address!r}; got {e}. Hint: another "
           "process holds the port, or the host is not an address of this machine.") from None
     bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     self.host, self.port = host, int(bound.rsplit(":", 1)[1])
     self._sock = sock
-    self._wake_in = ctx.socket(zmq.PAIR)
-    self._wake_out = ctx.socket(zmq.PAIR)
+    self._gate.start(self.port)
+    self._wake_in = self._ctx.socket(zmq.PAIR)
+    self._wake_out = self._ctx.socket(zmq.PAIR)
     wake = f"inproc://jax_m2n-wake-{secrets.token_hex(8)}"
     self._wake_out.bind(wake)
     self._wake_in.connect(wake)
     self._wake_lock = threading.Lock()
-    self._sessions: dict[bytes, _Session] = {}
-    self._handshakes: dict[bytes, tuple[bytes, bytes, float]] = {}
+    self._outbox: collections.deque[tuple[bytes, bytes]] = collections.deque()
+    self._assembler = messages.Assembler()
     self._stop = threading.Event()
-    self.refused = 0  # messages refused (tests read it)
+    self.refused = 0  # requests refused (tests read it)
+    self.stats: collections.Counter = collections.Counter()  # calls, replies, notices
     self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
     self._thread.start()
 
@@ -163,24 +169,64 @@ class Server:
   def address(self) -> str:
     return join_address(self.host, self.port)
 
+  @property
+  def gate(self) -> handshake.Gate:
+    """The handshake's guard (tests and benchmarks read its `stats` and `budget`)."""
+    return self._gate
+
   def wake(self) -> None:
     """Runs `tick()` soon on the server thread (any thread may call it)."""
     with self._wake_lock:
       if not self._stop.is_set():
-        self._wake_in.send(b"", self._zmq.NOBLOCK)
+        try:
+          self._wake_in.send(b"", self._zmq.NOBLOCK)
+        except self._zmq.Again:
+          pass  # wakes are pending already: one is enough
+
+  def notify(self, to: Caller | bytes, body: dict[str, Any]) -> None:
+    """Sends `body` to a connected client unasked (any thread): `to` is a Caller of that
+    client or its `peer`. The client reads it with `Client.wait_notice` (its calls keep
+    notices aside meanwhile); a client gone meanwhile never gets it (zmq drops it). A
+    client that reads nothing holds about 2,000 messages in zmq's queues (1,000 each
+    way); beyond, zmq drops what is sent to it, replies included: notices are for
+    rare events (a version published), not a stream."""
+    peer = to.peer if isinstance(to, Caller) else to
+    self._post(peer, {"type": "notice", "body": body})
 
   def close(self) -> None:
-    """Stops the thread (bounded), then closes the sockets."""
+    """Stops the threads (bounded), then closes the sockets and the context."""
     self._stop.set()
     with self._wake_lock:
       try:
         self._wake_in.send(b"", self._zmq.NOBLOCK)
       except self._zmq.ZMQError:
         pass
+    joined = True
     if threading.current_thread() is not self._thread:
       self._thread.join(timeout=5.0)
+      joined = not self._thread.is_alive()
     for s in (self._sock, self._wake_in, self._wake_out):
       s.close(0)
+    self._gate.close()
+    if joined:  # every socket of the context is closed: term returns at once
+      self._ctx.term()
+
+  # Any thread ---------------------------------------------------------------------------
+
+  def _post(self, peer: bytes, message: dict[str, Any]) -> None:
+    """Encodes `message` here (a big reply costs the posting thread, not the server
+    thread) and sends it from the server thread."""
+    data = messages.encode({"m2n": messages.PROTOCOL, **message})
+    if len(data) > messages.MAX_MESSAGE_BYTES:
+      data = messages.encode({
+          "m2n": messages.PROTOCOL, "type": "error", "seq": message.get("seq"),
+          "message": f"{message['type']}: must be at most {messages.MAX_MESSAGE_BYTES} "
+                     f"bytes; got {len(data)}."})
+    if threading.current_thread() is self._thread:
+      self._send(peer, data)
+    else:
+      self._outbox.append((peer, data))
+      self.wake()
 
   # The server thread ------------------------------------------------------------------
 
@@ -202,136 +248,81 @@ class Server:
             self._wake_out.recv(zmq.NOBLOCK)
           except zmq.Again:
             break
+      while self._outbox:
+        self._send(*self._outbox.popleft())
       if self._sock in events:
-        for _ in range(64):  # a burst, then the tick
+        for _ in range(256):  # a burst, then the tick
           try:
-            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            peer = self._sock.recv(zmq.NOBLOCK)
           except zmq.Again:
             break
-          self._serve(frames)
+          except zmq.ZMQError:
+            return
+          self._receive(peer)
+      self._assembler.expire()
       try:
         if self._tick is not None:
           self._tick()
       except Exception:  # noqa: BLE001 - the server must outlive a bad tick
         logger.exception("jax_m2n jobs: the publisher's tick failed")
 
-  def _serve(self, frames: list[bytes]) -> None:
-    if len(frames) != 2:  # [peer identity, one message]: anything else is refused
-      self.refused += 1
-      if frames:
-        self._send(frames[0], {"type": "error", "message":
-                               "message: must be one frame; got "
-                               f"{len(frames) - 1}."})
+  def _receive(self, peer: bytes) -> None:
+    """One message of `peer` (its routing id read already): one chunk frame. A message
+    of several frames is refused (each frame is read and dropped: zmq holds it whole)."""
+    frames, chunk = 0, b""
+    while self._sock.getsockopt(self._zmq.RCVMORE):
+      frame = self._sock.recv()
+      frames += 1
+      if frames == 1:
+        chunk = frame
+    if frames != 1:
+      self._refuse(peer, None, f"message: must be one frame per chunk; got {frames}.")
       return
-    ident, data = frames
+    self.stats["received"] += 1
+    seq = None
     try:
+      data = self._assembler.add(peer, chunk)
+      if data is None:
+        return
       message = messages.decode(data)
-      if message["type"] != "sealed" and len(data) > messages.MAX_HANDSHAKE_BYTES:
-        raise ProtocolError(f"message: a handshake must be at most "
-                            f"{messages.MAX_HANDSHAKE_BYTES} bytes; got {len(data)}.")
-      kind = message["type"]
-      if kind == "hello":
-        self._hello(ident, message)
-      elif kind == "auth":
-        self._auth(ident, message)
-      elif kind == "sealed":
-        self._sealed(ident, message)
-      else:
-        raise ProtocolError(f"message: type must be hello, auth or sealed; got "
-                            f"{messages._short(kind)}.")
+      if message["type"] != "call":
+        raise ProtocolError(f"message: type must be call; got "
+                            f"{messages._short(message['type'])}.")
+      seq = messages.field(message, "seq", int, lo=0, hi=1 << 62)
+      body = messages.field(message, "body", dict)
+      self.stats["calls"] += 1
+      self._handler(Caller(self, peer, seq), body)
     except ProtocolError as e:
-      self.refused += 1
-      self._send(ident, {"type": "error", "message": str(e)})
+      self._refuse(peer, seq, str(e))
     except Exception as e:  # noqa: BLE001 - a handler bug must not end the server
-      self.refused += 1
       logger.exception("jax_m2n jobs: a control message failed")
-      self._send(ident, {"type": "error", "message": f"internal error: "
-                         f"{type(e).__name__}: {e}"})
+      self._refuse(peer, seq, f"internal error: {type(e).__name__}: {e}")
 
-  def _send(self, ident: bytes, body: dict[str, Any]) -> None:
+  def _refuse(self, peer: bytes, seq: int | None, why: str) -> None:
+    self.refused += 1
+    self._post(peer, {"type": "error", "seq": seq, "message": why})
+
+  def _send(self, peer: bytes, data: bytes) -> None:
     try:
-      self._sock.send_multipart(
-          [ident, messages.encode({"m2n": messages.PROTOCOL, **body})],
-          self._zmq.NOBLOCK)
+      self._sock.send_multipart([peer, data], self._zmq.NOBLOCK)
+      self.stats["sent"] += 1
     except self._zmq.ZMQError:
-      pass  # the peer is gone: nothing to answer
-
-  def _hello(self, ident: bytes, message: dict[str, Any]) -> None:
-    client_nonce = messages.hex_field(message, "nonce", auth.NONCE_BYTES)
-    now = time.monotonic()
-    for s, (_, _, t) in list(self._handshakes.items()):
-      if now - t > HANDSHAKE_S:
-        del self._handshakes[s]
-    if len(self._handshakes) >= MAX_HANDSHAKES:
-      self._handshakes.pop(next(iter(self._handshakes)))
-    session = secrets.token_bytes(auth.SESSION_BYTES)
-    server_nonce = auth.nonce()
-    self._handshakes[session] = (client_nonce, server_nonce, now)
-    self._send(ident, {"type": "challenge", "nonce": server_nonce.hex(),
-                       "session": session.hex(), "proof": auth.server_proof(
-                           self._key, client_nonce, server_nonce, session).hex()})
-
-  def _auth(self, ident: bytes, message: dict[str, Any]) -> None:
-    session = messages.hex_field(message, "session", auth.SESSION_BYTES)
-    proof = messages.hex_field(message, "proof", auth.MAC_BYTES)
-    pending = self._handshakes.pop(session, None)
-    if pending is None:
-      raise ProtocolError("auth: the session must come from a hello of the last "
-                          f"{HANDSHAKE_S:g} s; got an unknown session.")
-    client_nonce, server_nonce, _ = pending
-    if not auth.verify(auth.client_proof(self._key, client_nonce, server_nonce, session),
-                       proof):
-      raise ProtocolError("auth: the proof must show the publisher's token; it does "
-                          "not (wrong token).")
-    if len(self._sessions) >= MAX_SESSIONS:
-      oldest = min(self._sessions, key=lambda s: self._sessions[s].used)
-      del self._sessions[oldest]
-    self._sessions[session] = _Session(
-        auth.session_key(self._key, client_nonce, server_nonce, session),
-        used=time.monotonic())
-    self._send(ident, {"type": "welcome", "session": session.hex()})
-
-  def _sealed(self, ident: bytes, message: dict[str, Any]) -> None:
-    session = auth.session_of(message)
-    state = self._sessions.get(session)
-    if state is None:
-      raise ProtocolError("sealed: the session must be authenticated; got an unknown "
-                          "(or evicted) session. Hint: connect again.")
-    seq, body = auth.open_sealed(state.key, auth.TO_SERVER, message)
-    if seq <= state.seq:
-      raise ProtocolError(f"sealed: seq must grow; got {seq} after {state.seq} "
-                          "(replayed or out of order).")
-    state.seq = seq
-    state.used = time.monotonic()
-    if body.get("op") == "bye":
-      del self._sessions[session]
-      return
-    self._handler(Caller(self, ident, session, seq), body)
-
-  def _send_sealed(self, caller: Caller, body: dict[str, Any]) -> None:
-    state = self._sessions.get(caller.session)
-    if state is None:
-      return  # evicted or said bye meanwhile
-    try:
-      self._sock.send_multipart(
-          [caller.ident, auth.seal(state.key, caller.session, auth.TO_CLIENT, caller.seq,
-                                   body)], self._zmq.NOBLOCK)
-    except self._zmq.ZMQError:
-      pass
+      pass  # the peer is gone (or not reading): nothing to answer
 
 
 class Client:
-  """One authenticated connection to a `Server` (one request at a time).
+  """One authenticated connection to a `Server`: one request at a time; notices the
+  server sends unasked wait in a queue for `wait_notice`.
 
-  Raises from the constructor: ReshardValueError for a wrong token (either side's
-  proof fails), ReshardRuntimeError when nothing answers within `connect_s`.
+  Raises from the constructor: ReshardValueError for a wrong token (the publisher
+  dropped or refused our keys), ReshardRuntimeError when nothing completes the
+  handshake within `connect_s` (the error names what was seen: no listener, another
+  protocol, a refusal of this address, a stall).
   """
 
-  _ids = itertools.count()
-
-  def __init__(self, api: str, address: str, key: bytes, connect_s: float,
-               peer: str):
-    zmq = _zmq()
+  def __init__(self, api: str, address: str, key: Any, connect_s: float, peer: str):
+    zmq = auth.zmq_module()
+    keys = _keys(api, key)
     self._zmq = zmq
     self._api = api
     self.address = address
@@ -339,96 +330,85 @@ class Client:
     host, port = split_address(api, address)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
+    # Replies come whole in one frame (this side connects out; it is no listening port).
+    sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES + messages.CURVE_OVERHEAD)
+    sock.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
     if ":" in host:
       sock.setsockopt(zmq.IPV6, 1)
-    sock.connect(f"tcp://{join_address(host, port)}")
+    sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
+    monitor = sock.get_monitor_socket(handshake.client_events(zmq))
     self._sock = sock
     self._lock = threading.Lock()
     self._seq = 0
+    self._notices: collections.deque[dict[str, Any]] = collections.deque()
     self.broken: str | None = None
+    self.stats: collections.Counter = collections.Counter()
+    started = time.monotonic()
     try:
-      self._handshake(key, connect_s)
+      sock.connect(f"tcp://{join_address(host, port)}")
+      handshake.wait(zmq, monitor, api, peer, host, port, started + connect_s, connect_s)
     except BaseException:
+      sock.disable_monitor()
+      monitor.close(0)
       sock.close(0)
       raise
+    sock.disable_monitor()
+    monitor.close(0)
 
-  def _exchange(self, message: dict[str, Any], deadline: float, what: str
-                ) -> dict[str, Any]:
-    self._sock.send(messages.encode({"m2n": messages.PROTOCOL, **message}))
-    while True:
-      left = deadline - time.monotonic()
-      if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
-        raise ReshardRuntimeError(
-            f"{self._api}: {self.peer} must answer {what} in time; got no answer "
-            f"within {max(0.0, deadline - self._started):.1f} s (not running, not "
-            "reachable, or not a jax_m2n publisher).")
-      reply = messages.decode(self._sock.recv())
-      if reply["type"] == "error":
-        raise ReshardValueError(f"{self._api}: {self.peer} refused {what}: "
-                                f"{reply.get('message')}")
-      return reply
-
-  def _handshake(self, key: bytes, connect_s: float) -> None:
-    self._started = time.monotonic()
-    deadline = self._started + connect_s
-    mine = auth.nonce()
-    challenge = self._exchange({"type": "hello", "nonce": mine.hex()}, deadline,
-                               "the handshake")
-    if challenge["type"] != "challenge":
-      raise ProtocolError(f"handshake: expected a challenge; got {challenge['type']}.")
-    theirs = messages.hex_field(challenge, "nonce", auth.NONCE_BYTES)
-    session = messages.hex_field(challenge, "session", auth.SESSION_BYTES)
-    proof = messages.hex_field(challenge, "proof", auth.MAC_BYTES)
-    if not auth.verify(auth.server_proof(key, mine, theirs, session), proof):
-      raise ReshardValueError(
-          f"{self._api}: token must be the one the publisher holds; {self.peer} proved "
-          "another token (wrong token on one side, or not our publisher). Hint: give "
-          "both jobs the same token.")
-    try:
-      welcome = self._exchange(
-          {"type": "auth", "session": session.hex(),
-           "proof": auth.client_proof(key, mine, theirs, session).hex()}, deadline,
-          "the handshake")
-    except ReshardValueError as e:
-      raise ReshardValueError(
-          f"{self._api}: token must be the one the publisher holds; {e}") from None
-    if welcome["type"] != "welcome":
-      raise ProtocolError(f"handshake: expected welcome; got {welcome['type']}.")
-    self._session = session
-    self._key = auth.session_key(key, mine, theirs, session)
+  def _count(self, name: str, n: int = 1) -> None:
+    self.stats[name] += n
+    with _stats_lock:
+      stats[name] += n
 
   def call(self, body: dict[str, Any], answer_s: float, what: str) -> dict[str, Any]:
-    """Sends one sealed request; returns the body of its sealed reply.
+    """Sends one request; returns the body of its reply (notices that arrive meanwhile
+    are kept for `wait_notice`).
 
     Raises:
       ReshardRuntimeError: no reply within `answer_s` (the peer died, closed or
-        stalled: named) or a broken connection; the reply's own error, as its kind
-        says (ReshardValueError / ReshardRuntimeError / ReshardTimeoutError).
+        stalled: named; the client is then broken), a refused request, a broken client;
+        the reply's own error, as its kind says (ReshardValueError /
+        ReshardRuntimeError / ReshardTimeoutError / VersionGone).
     """
     with self._lock:
       if self.broken is not None:
         raise ReshardRuntimeError(f"{self._api}: {self.peer} is unusable: {self.broken}")
       self._seq += 1
       seq = self._seq
-      self._sock.send(auth.seal(self._key, self._session, auth.TO_SERVER, seq, body))
-      started = time.monotonic()
-      deadline = started + answer_s
+      data = messages.encode({"m2n": messages.PROTOCOL, "type": "call", "seq": seq,
+                              "body": body})
+      if len(data) > messages.MAX_MESSAGE_BYTES:
+        raise ReshardValueError(f"{self._api}: a request must be at most "
+                                f"{messages.MAX_MESSAGE_BYTES} bytes; {what} is "
+                                f"{len(data)}.")
+      chunks = messages.split(data)
+      try:
+        for chunk in chunks:
+          self._sock.send(chunk, self._zmq.NOBLOCK)
+      except self._zmq.ZMQError as e:
+        self.broken = f"sending {what} failed ({e})"
+        raise ReshardRuntimeError(f"{self._api}: {self.peer}: {self.broken}.") from None
+      self._count("calls")
+      self._count("sent", len(chunks))
+      self._count("sent_bytes", len(data))
+      deadline = time.monotonic() + answer_s
       while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
+        message = self._receive(deadline)
+        if message is None:
           self.broken = f"no answer to {what} within {answer_s:.1f} s"
           raise ReshardRuntimeError(
               f"{self._api}: {self.peer} must answer {what} within {answer_s:.1f} s; "
               "got no answer (the publisher died, closed or stalled).")
-        reply = messages.decode(self._sock.recv())
-        if reply["type"] == "error":
-          self.broken = str(reply.get("message"))
-          raise ReshardRuntimeError(f"{self._api}: {self.peer} refused {what}: "
-                                    f"{reply.get('message')}")
-        got_seq, out = auth.open_sealed(self._key, auth.TO_CLIENT, reply)
-        if got_seq != seq:
+        if message.get("seq") not in (seq, None):
           continue  # the late answer of an earlier request: not ours
+        if message["type"] == "error":
+          raise ReshardRuntimeError(f"{self._api}: {self.peer} refused {what}: "
+                                    f"{messages._short(message.get('message'))}")
+        if message["type"] != "reply":
+          continue
+        out = messages.field(message, "body", dict)
         error = out.get("error")
         if error is not None:
           kind = {"value": ReshardValueError, "timeout": ReshardTimeoutError,
@@ -437,14 +417,57 @@ class Client:
           raise kind(f"{self._api}: {self.peer}: {error}")
         return out
 
+  def wait_notice(self, timeout_s: float) -> dict[str, Any] | None:
+    """The next notice the server sent (kept while calls ran), or None after
+    `timeout_s`. Any thread; a call from another thread goes between its polls.
+
+    Raises:
+      ReshardRuntimeError: the client is broken or closed.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+      with self._lock:
+        if self._notices:
+          return self._notices.popleft()
+        if self.broken is not None:
+          raise ReshardRuntimeError(
+              f"{self._api}: {self.peer} is unusable: {self.broken}")
+        left = deadline - time.monotonic()
+        if left <= 0:
+          return None
+        # A reply read here is a late one (no call runs while the lock is held): dropped.
+        self._receive(time.monotonic() + min(left, TICK_S))
+
+  def _receive(self, deadline: float) -> dict[str, Any] | None:
+    """The next reply or error (with the lock held), keeping notices aside; None at
+    `deadline`."""
+    while True:
+      left = deadline - time.monotonic()
+      if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
+        return None
+      data = self._sock.recv()
+      self._count("received")
+      self._count("received_bytes", len(data))
+      try:
+        message = messages.decode(data)
+        if message["type"] == "notice":
+          body = messages.field(message, "body", dict)
+        elif message["type"] not in ("reply", "error"):
+          raise ProtocolError(f"message: type must be reply, error or notice; got "
+                              f"{messages._short(message['type'])}.")
+      except ProtocolError as e:
+        logger.warning("jax_m2n jobs: %s sent a malformed message (dropped): %s",
+                       self.peer, e)
+        continue
+      if message["type"] != "notice":
+        return message
+      self._count("notices")
+      if len(self._notices) >= MAX_NOTICES:
+        self._notices.popleft()
+        self._count("notices_dropped")
+      self._notices.append(body)
+
   def close(self) -> None:
     with self._lock:
-      if self.broken is None:
-        try:
-          self._seq += 1
-          self._sock.send(auth.seal(self._key, self._session, auth.TO_SERVER,
-                                    self._seq, {"op": "bye"}), self._zmq.NOBLOCK)
-        except Exception:  # noqa: BLE001 - best effort
-          pass
       self.broken = "closed"
       self._sock.close(0)

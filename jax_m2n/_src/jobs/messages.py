@@ -1,23 +1,43 @@
 """The control messages between jobs: one versioned JSON format with size limits.
 
 Owns encoding and decoding (JSON only: nothing is ever unpickled or evaluated), the
-limits every message is held to before it is parsed, and the schema checks of each
-message kind. Knows no sockets, no tokens, no arrays.
+limits every message is held to before it is parsed, cutting a message into frames of
+at most MAX_FRAME_BYTES and putting a peer's frames back together within bounds, and
+the schema checks of each message kind. Knows no sockets, no tokens, no arrays.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from typing import Any
 
 from jax_m2n._src.errors import ProtocolError, VersionGone  # noqa: F401 - re-exported
 
-# The protocol's version: a peer speaking another is refused, naming both.
-PROTOCOL = 1
-# Bounds on one message. A handshake message is tiny; a call carries at most a pull's
-# piece list (a 2,000-leaf model over 256 devices is ~2 MB); a reply at most a manifest.
-MAX_HANDSHAKE_BYTES = 4096
+# The protocol's version: 2 is CurveZMQ (auth.py's keys) with chunked requests; a peer
+# speaking another fails its handshake (1 was an HMAC challenge-response over plain TCP).
+PROTOCOL = 2
+# The largest frame a publisher's zmq socket accepts from anyone (its ZMQ_MAXMSGSIZE):
+# zmq's decoder refuses a larger frame, handshake commands included, before allocating
+# it, so an unauthenticated peer can make it hold at most this much per connection.
+MAX_FRAME_BYTES = 64 << 10
+# CurveZMQ's MESSAGE command adds 33 bytes to a frame's payload (measured: 65503 bytes
+# pass a 64 KiB limit, 65504 do not); one more byte is the chunk's flag.
+CURVE_OVERHEAD = 33
+CHUNK_BYTES = MAX_FRAME_BYTES - CURVE_OVERHEAD - 1
+# Bounds on one message. A call carries at most a pull's piece list (a 2,000-leaf model
+# over 256 devices is ~2 MB); a reply at most a manifest. A request arrives as separate
+# one-frame messages of CHUNK_BYTES (not one multipart message: zmq holds a multipart
+# message whole before the reader sees any frame, and its receive high-water mark counts
+# messages, so it would bound nothing), reassembled here within these bounds.
 MAX_MESSAGE_BYTES = 64 << 20
+# All requests being reassembled at once on one server (across its peers), and how long
+# a request may take to arrive whole.
+MAX_ASSEMBLING_BYTES = 256 << 20
+ASSEMBLY_S = 60.0
+# A chunk's first byte: more chunks of this message follow, or this one ends it.
+MORE, LAST = b"+", b"."
 # Bounds on what a message may hold once parsed.
 MAX_LIST = 1 << 22
 MAX_DEPTH = 16
@@ -103,6 +123,95 @@ def _short(value: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# Chunks: a message as frames of at most MAX_FRAME_BYTES, and back
+# ---------------------------------------------------------------------------------------
+
+def split(data: bytes) -> list[bytes]:
+  """`data` as chunks of at most CHUNK_BYTES, each led by its flag (MORE or LAST)."""
+  view = memoryview(data)
+  out = [MORE + view[i:i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES)]
+  if out:
+    out[-1] = LAST + out[-1][1:]
+  return out or [LAST]
+
+
+@dataclasses.dataclass
+class _Partial:
+  data: bytearray
+  started: float
+  failed: bool = False  # refused: its remaining chunks are dropped up to its last
+
+
+class Assembler:
+  """Puts each peer's chunks back into whole messages, within bounds: a message at most
+  `limit` bytes, all partial messages together at most `total`, each whole within
+  `expire_s` of its first chunk. One message at a time per peer (chunks of one peer
+  arrive in order). Not thread-safe: the server thread owns it.
+  """
+
+  def __init__(self, limit: int | None = None, total: int | None = None,
+               expire_s: float | None = None):
+    # The module's limits as they are now (tests lower them).
+    self._limit = MAX_MESSAGE_BYTES if limit is None else limit
+    self._total = MAX_ASSEMBLING_BYTES if total is None else total
+    self._expire_s = ASSEMBLY_S if expire_s is None else expire_s
+    self._partial: dict[bytes, _Partial] = {}
+    self.held = 0  # bytes held in partial messages
+
+  def add(self, peer: bytes, frame: bytes) -> bytes | None:
+    """The whole message when `frame` (a chunk of `peer`) ends one, else None.
+
+    Raises:
+      ProtocolError: the chunk has no flag, or its message breaks a bound (raised once
+        per message; its later chunks are dropped quietly up to its last).
+    """
+    flag, payload = frame[:1], frame[1:]
+    if flag not in (MORE, LAST):
+      self._drop(peer)
+      raise ProtocolError(f"message: a chunk must start with {MORE!r} or {LAST!r}; got "
+                          f"{_short(bytes(flag))}.")
+    part = self._partial.get(peer)
+    if part is None:
+      if flag == LAST:  # the common case: a message of one chunk, never held here
+        if len(payload) > self._limit:  # (a frame is far below the limit; kept exact)
+          raise ProtocolError(f"message: must be at most {self._limit} bytes.")
+        return bytes(payload)
+      part = self._partial[peer] = _Partial(bytearray(), time.monotonic())
+    if not part.failed:
+      size = len(part.data) + len(payload)
+      if size > self._limit or self.held + len(payload) > self._total:
+        self.held -= len(part.data)
+        part.data = bytearray()
+        part.failed = True
+        if flag == LAST:
+          del self._partial[peer]
+        raise ProtocolError(
+            f"message: must be at most {self._limit} bytes" if size > self._limit else
+            f"message: the server must have room for it; {self._total} bytes of other "
+            "requests are being received. Hint: retry.")
+      part.data += payload
+      self.held += len(payload)
+    if flag == MORE:
+      return None
+    del self._partial[peer]
+    self.held -= len(part.data)
+    return None if part.failed else bytes(part.data)
+
+  def expire(self) -> int:
+    """Drops the partial messages older than expire_s; returns how many."""
+    now = time.monotonic()
+    old = [p for p, part in self._partial.items() if now - part.started > self._expire_s]
+    for peer in old:
+      self._drop(peer)
+    return len(old)
+
+  def _drop(self, peer: bytes) -> None:
+    part = self._partial.pop(peer, None)
+    if part is not None:
+      self.held -= len(part.data)
+
+
+# ---------------------------------------------------------------------------------------
 # Schema checks: each field of a message kind, its type and range
 # ---------------------------------------------------------------------------------------
 
@@ -131,19 +240,6 @@ def field(message: dict[str, Any], name: str, kind: Any, *, lo: int | None = Non
     raise ProtocolError(f"{what}: field {name!r} must be at most {max_len} characters; "
                         f"got {len(value)}.")
   return value
-
-
-def hex_field(message: dict[str, Any], name: str, nbytes: int) -> bytes:
-  """A field holding exactly `nbytes` bytes as lowercase hex."""
-  text = field(message, name, str, max_len=2 * nbytes)
-  what = message.get("type") or "message"
-  if len(text) != 2 * nbytes:
-    raise ProtocolError(f"{what}: field {name!r} must be {2 * nbytes} hex digits; got "
-                        f"{len(text)}.")
-  try:
-    return bytes.fromhex(text)
-  except ValueError:
-    raise ProtocolError(f"{what}: field {name!r} must be hex; got {_short(text)}.") from None
 
 
 def int_list(value: Any, what: str, lo: int, hi: int, max_len: int = MAX_LIST) -> list[int]:
