@@ -34,9 +34,9 @@ def main():
   host = [rng.standard_normal((4096, 2048), dtype=np.float32) for _ in range(8)]
   out = []
   for fraction in FRACTIONS:
-    pub = jax_m2n.Publisher(token="gpu", keep=2)
-    sub = jax_m2n.Subscriber(pub.address, token="gpu")
-    ref = jax_m2n.Subscriber(pub.address, token="gpu")
+    pub = jax_m2n.Publisher(token="gpu-machine-token-0123", keep=2)
+    sub = jax_m2n.Subscriber(pub.address, token="gpu-machine-token-0123")
+    ref = jax_m2n.Subscriber(pub.address, token="gpu-machine-token-0123")
     prev = full = None
     rows = []
     for v in range(VERSIONS):

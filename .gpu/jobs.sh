@@ -27,7 +27,7 @@ from jax.sharding import SingleDeviceSharding
 d = tempfile.mkdtemp()
 trainer = textwrap.dedent(f"""
     import jax, numpy as np, jax_m2n, time, os
-    pub = jax_m2n.Publisher(token="gpu", keep=2)
+    pub = jax_m2n.Publisher(token="gpu-machine-token-0123", keep=2)
     x = jax.device_put(np.arange(1 << 24, dtype=np.float32).reshape(4096, 4096), jax.devices()[0])
     pub.publish({{"w": x}})
     open("{d}/addr", "w").write(pub.address)
@@ -36,7 +36,7 @@ trainer = textwrap.dedent(f"""
 p = subprocess.Popen([sys.executable, "-c", trainer])
 while not os.path.exists(f"{d}/addr"): time.sleep(0.1)
 time.sleep(0.5)
-sub = jax_m2n.Subscriber(open(f"{d}/addr").read(), token="gpu")
+sub = jax_m2n.Subscriber(open(f"{d}/addr").read(), token="gpu-machine-token-0123")
 t = time.perf_counter()
 out = sub.pull(SingleDeviceSharding(jax.devices()[0]), dtype=jnp.bfloat16)
 jax.block_until_ready(out)

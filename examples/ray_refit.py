@@ -45,7 +45,6 @@ _ADDRESS = flags.DEFINE_string("address", "", "a Ray cluster to join ('' starts 
 flags.FLAGS.set_default("steps", 30)
 flags.FLAGS.set_default("batch_size", 256)
 LAYOUTS = "fsdp2xtp2->tp2xdp2@same"  # each actor lays its side out on its own devices
-TOKEN_BYTES = 16
 
 
 def _start_jax(devices: int):
@@ -171,7 +170,7 @@ def main(argv):
   del argv
   import ray
   import secrets
-  token = secrets.token_hex(TOKEN_BYTES)  # travels to the actors in their arguments
+  token = jax_m2n.new_token()  # travels to the actors in their arguments
   started = time.perf_counter()
   env = {"env_vars": {"PYTHONPATH": os.pathsep.join(
       p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}}

@@ -4,7 +4,8 @@ The public surface: `reshard` (move a pytree of arrays into new layouts, eagerly
 device sets or inside jit), `plan` (the transfer plan without moving anything),
 `check_errors` (did an in-jit reshard fail?), `Quantize` (a `dtype=` that quantizes:
 FP8 values and scales on the wire) and `QuantizedArray`, `Topology`, `Layout`,
-`Publisher` / `Subscriber` (versions of a pytree between separate jobs) and the
+`Publisher` / `Subscriber` (versions of a pytree between separate jobs) with
+`new_token`, and the
 `ReshardError` family. Internals live in `jax_m2n._src`.
 """
 
@@ -25,6 +26,7 @@ from jax_m2n._src.quantize import QuantizedArray as QuantizedArray
 from jax_m2n._src.topology import Topology as Topology
 from jax_m2n._src.jobs.publisher import Publisher as Publisher
 from jax_m2n._src.jobs.subscriber import Subscriber as Subscriber
+from jax_m2n._src.jobs.auth import new_token as new_token
 
 __version__ = "0.1.0"
 
@@ -43,6 +45,7 @@ __all__ = [
     "Topology",
     "__version__",
     "check_errors",
+    "new_token",
     "plan",
     "reshard",
 ]

@@ -26,7 +26,7 @@ import jobs_test  # noqa: E402
 from jobs_test import Jobs  # noqa: E402
 from multiprocess_cpu_worker import _check, _random_sharding  # noqa: E402
 
-TOKEN = "delta-test"
+TOKEN = "delta-test-token-0123"
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 

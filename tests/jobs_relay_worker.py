@@ -28,7 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-TOKEN = "jobs-relay-test"
+TOKEN = "jobs-relay-test-token"
 COLS = 1024
 
 

@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-TOKEN = "jobs-test-token"
+TOKEN = "jobs-test-token-0123"
 CASES = 30
 VERSIONS = 3
 
@@ -139,7 +139,7 @@ def generator(jax, jax_m2n, args):
   address = _wait_file(os.path.join(args.dir, "address"), 120)
   if args.scenario == "wrong_token":
     try:
-      jax_m2n.Subscriber(address, token="not-the-token")
+      jax_m2n.Subscriber(address, token="not-the-token-but-long-enough")
       print(f"RESULT wrong_token role=generator process={args.process_id} ok=0", flush=True)
     except jax_m2n.ReshardValueError as e:
       print(f"RESULT wrong_token role=generator process={args.process_id} ok=1 {e}",

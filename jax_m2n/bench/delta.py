@@ -36,7 +36,7 @@ from typing import Callable
 
 from jax_m2n.bench import report
 
-TOKEN = "delta-bench"
+TOKEN = "delta-bench-token-0123"
 DEFAULT_STEPS = 60
 # The example's default learning rate and 10x it (the two), plus RL-typical
 # smaller ones with --lrs.

@@ -35,7 +35,7 @@ from jax_m2n.bench import report
 
 MIB = 1 << 20
 CASES = ("same", "bf16", "pytree64")
-TOKEN = "jobs-bench"
+TOKEN = "jobs-bench-token-01234"
 DEFAULT_SIZE_MIB = 64
 DEVICES = 4
 

@@ -34,7 +34,7 @@ from typing import Callable
 
 MIB = 1 << 20
 KS = (1, 2, 4, 8)
-TOKEN = "relay-bench"
+TOKEN = "relay-bench-token-0123"
 DEFAULT_SIZE_MIB = 64
 # The member that dies in the recovery run, and when: from version DIE_VERSION on,
 # once it has forwarded DIE_CHUNKS chunks to a child (a quarter of the version's

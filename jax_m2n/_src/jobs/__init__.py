@@ -3,8 +3,11 @@
 The two sides share no `jax.distributed` cluster; they meet at an address. One concern
 per module, dependencies one way (each line uses only the lines above it):
   messages.py    the control messages: a versioned JSON format, size limits, schemas;
-  auth.py        the token: challenge-response, session keys, per-message MACs;
-  channel.py     the zmq endpoints (a server loop, a client with bounded requests);
+  auth.py        the token: its rules, new_token, the CurveZMQ keys derived from it;
+  handshake.py   before authentication: the ZAP gate, per-address budgets, named
+                 handshake failures;
+  channel.py     the zmq endpoints (a CURVE server loop, a client with bounded
+                 requests and notices);
   transport.py   the transport interface (offer / fetch / cancel arrays between
                  processes) and its implementations: the one seam bytes cross;
   manifest.py    what a version is made of: paths, shapes, dtypes, layouts, addresses;

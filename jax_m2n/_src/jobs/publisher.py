@@ -41,11 +41,11 @@ class Publisher:
       free port (give each process its own host where they run on different hosts).
       The bytes themselves go through this process's transport (JAX's transfer
       server), bound to the same host.
-    token: a str or bytes both jobs hold; subscribers prove it by challenge-response
-      (HMAC-SHA256; the token itself never travels) and every control message is
-      authenticated with a per-session key. The transport authenticates nobody: its
-      offers are named by random 64-bit tickets handed only to authenticated
-      subscribers (docs/jobs.md, "Security").
+    token: a str of at least 16 characters (or 16 bytes) both jobs hold, e.g.
+      `jax_m2n.new_token()`. The control channel is CurveZMQ with keys derived from it
+      (scrypt): only a holder completes the handshake, both sides prove it without
+      revealing it, and every control message is encrypted (docs/jobs.md,
+      "Security").
     keep: how many versions to hold (at least 1): a subscriber can pull any held one.
     timeout_s: how long process k > 0 waits for its peers' addresses at start.
 
@@ -56,7 +56,7 @@ class Publisher:
   Example:
     >>> import jax, numpy as np
     >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    >>> pub = jax_m2n.Publisher(token="s3cret", keep=2)   # 127.0.0.1, a free port
+    >>> pub = jax_m2n.Publisher(token="s3cret-token-0123456789", keep=2)   # 127.0.0.1, a free port
     >>> mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
     >>> w = jax.device_put(np.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("x")))
     >>> pub.publish({"w": w})

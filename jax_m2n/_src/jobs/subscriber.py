@@ -29,7 +29,8 @@ class Subscriber:
 
   Args:
     address: process 0 of the trainer job's Publisher address, "host:port".
-    token: the publisher's token (str or bytes). A wrong one raises here.
+    token: the publisher's token (a str of at least 16 characters, or 16 bytes;
+      `jax_m2n.new_token()` makes one). A wrong one raises here.
     timeout_s: how long to wait for the publisher to answer the handshake.
     relay: True: this job (one process) relays with the other subscriber jobs that
       pull the same version with the same dst layouts and dtypes: the trainer sends
@@ -39,17 +40,17 @@ class Subscriber:
       pulls directly whatever this says.
 
   Raises:
-    ReshardValueError: a wrong token (either side's proof fails), a malformed address.
+    ReshardValueError: a wrong or short token, a malformed address.
     ReshardRuntimeError: nothing answered at `address` within `timeout_s`.
 
   Example (both jobs in one program here; normally two):
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    >>> pub = jax_m2n.Publisher(token="s3cret")
+    >>> pub = jax_m2n.Publisher(token="s3cret-token-0123456789")
     >>> mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
     >>> w = jax.device_put(np.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("x")))
     >>> _ = pub.publish({"w": w})
-    >>> sub = jax_m2n.Subscriber(pub.address, token="s3cret")
+    >>> sub = jax_m2n.Subscriber(pub.address, token="s3cret-token-0123456789")
     >>> gen = Mesh(np.array(jax.devices()[4:]), ("y",))
     >>> out = sub.pull(NamedSharding(gen, P(None, "y")), dtype=jnp.bfloat16)
     >>> sub.version, out["w"].dtype, out["w"].sharding.spec == P(None, "y")
