@@ -170,7 +170,7 @@ def main(argv):
   del argv
   import ray
   import secrets
-  token = jax_m2n.new_token()  # travels to the actors in their arguments
+  token = secrets.token_hex(32)  # as jax_m2n.new_token(); travels to the actors
   started = time.perf_counter()
   env = {"env_vars": {"PYTHONPATH": os.pathsep.join(
       p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}}
