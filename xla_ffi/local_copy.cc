@@ -1,6 +1,6 @@
-// The local copy schedule (decoding, validation) and the CPU handlers of
-// jax_m2n_local_copy and jax_m2n_local_store. The copies are box_copy.h's: each box
-// collapses to memcpy (or conversion) runs; nothing is staged.
+// The local copy schedule (decoding, validation) and the CPU handler of
+// jax_m2n_local_copy. The copies are box_copy.h's: each box collapses to memcpy (or
+// conversion) runs; nothing is staged; large calls split over threads.
 
 #include "xla_ffi/local_copy.h"
 
@@ -354,7 +354,6 @@ const XLA_FFI_TypeInfo* LocalCopyCpuStateTypeInfo() {
 }
 
 constexpr char kCopyCall[] = "jax_m2n_local_copy (cpu)";
-constexpr char kStoreCall[] = "jax_m2n_local_store (cpu)";
 
 ffi::ErrorOr<std::unique_ptr<LocalCopyCpuState>> Instantiate(
     ffi::Span<const int64_t> schedule) {
@@ -415,23 +414,18 @@ void Split(const Piece& p, int64_t target, std::vector<Piece>* pieces) {
 // Runs `pieces` on up to `threads` threads (this one included), balanced by bytes.
 // Two threads copy 256 MiB into fresh memory in 25 ms where one takes 43 ms (2 cores,
 // measured with numpy): the first-touch page faults and the copy both scale.
-template <typename PieceT, typename Fn>
-void RunPieces(std::vector<PieceT>& pieces, int64_t threads, Fn copy) {
-  if (threads <= 1 || pieces.size() <= 1) {
-    for (const PieceT& p : pieces) copy(p);
-    return;
-  }
+void RunPieces(std::vector<Piece>& pieces, int64_t threads) {
   std::sort(pieces.begin(), pieces.end(),
-            [](const PieceT& a, const PieceT& b) { return a.bytes > b.bytes; });
-  std::vector<std::vector<const PieceT*>> work(static_cast<size_t>(threads));
+            [](const Piece& a, const Piece& b) { return a.bytes > b.bytes; });
+  std::vector<std::vector<const Piece*>> work(static_cast<size_t>(threads));
   std::vector<int64_t> load(static_cast<size_t>(threads), 0);
-  for (const PieceT& p : pieces) {
+  for (const Piece& p : pieces) {
     const size_t t = std::min_element(load.begin(), load.end()) - load.begin();
     work[t].push_back(&p);
     load[t] += p.bytes;
   }
-  auto run = [&copy](const std::vector<const PieceT*>& mine) {
-    for (const PieceT* p : mine) copy(*p);
+  auto run = [](const std::vector<const Piece*>& mine) {
+    for (const Piece* p : mine) CopyPiece(*p);
   };
   std::vector<std::thread> helpers;
   for (size_t t = 1; t < work.size(); ++t) {
@@ -492,52 +486,7 @@ ffi::Error Execute(LocalCopyCpuState* state, ffi::AnyBuffer table,
     return ffi::Error::Success();
   }
   for (const Piece& p : whole) Split(p, (total + threads - 1) / threads, &pieces);
-  RunPieces(pieces, threads, CopyPiece);
-  return ffi::Error::Success();
-}
-
-// One contiguous range of a local store.
-struct Range {
-  const char* src;
-  char* dst;
-  int64_t bytes;
-};
-
-ffi::Error Store(ffi::AnyBuffer table, ffi::RemainingArgs args,
-                 ffi::Result<ffi::AnyBuffer> done) {
-  const int64_t n = static_cast<int64_t>(args.size());
-  if (ffi::Error e = CheckPointerTable(table, n, kStoreCall); e.failure()) return e;
-  const int64_t* pointers = static_cast<const int64_t*>(table.untyped_data());
-  std::vector<Range> ranges;
-  int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
-    if (arg.has_error()) return arg.error();
-    if (arg->size_bytes() == 0) continue;
-    if (pointers[i] == 0) {
-      return JAX_M2N_ERROR(kInvalidArgument, std::string(kStoreCall) +
-                                                 ": destination address " +
-                                                 std::to_string(i) + " must not be null");
-    }
-    ranges.push_back(Range{static_cast<const char*>(arg->untyped_data()),
-                           reinterpret_cast<char*>(pointers[i]),
-                           static_cast<int64_t>(arg->size_bytes())});
-    total += ranges.back().bytes;
-  }
-  const int64_t threads = ThreadsFor(total);
-  if (threads > 1) {  // split large ranges so that the threads balance
-    const int64_t target = (total + threads - 1) / threads;
-    std::vector<Range> split;
-    for (const Range& r : ranges) {
-      for (int64_t at = 0; at < r.bytes; at += target) {
-        split.push_back(Range{r.src + at, r.dst + at, std::min(target, r.bytes - at)});
-      }
-    }
-    ranges.swap(split);
-  }
-  RunPieces(ranges, threads,
-            [](const Range& r) { std::memcpy(r.dst, r.src, r.bytes); });
-  if (done->size_bytes() > 0) std::memset(done->untyped_data(), 1, 1);
+  RunPieces(pieces, threads);
   return ffi::Error::Success();
 }
 
@@ -551,12 +500,6 @@ XLA_FFI_DEFINE_HANDLER(kExecute, Execute,
                            .Ctx<ffi::State<LocalCopyCpuState>>()  // decoded schedule
                            .Arg<ffi::AnyBuffer>()                 // pointer table
                            .RemainingRets());                     // outputs
-
-XLA_FFI_DEFINE_HANDLER(kStore, Store,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::AnyBuffer>()          // destination addresses
-                           .RemainingArgs()                // arrays
-                           .Ret<ffi::AnyBuffer>());        // done: uint8 scalar
 
 // Registers the state type with the calling XLA once (as reshard_cpu.cc does).
 XLA_FFI_Error* EnsureStateTypeRegistered(const XLA_FFI_Api* api) {
@@ -579,8 +522,4 @@ extern "C" XLA_FFI_Error* JaxM2nLocalCopyCpuInstantiate(XLA_FFI_CallFrame* call_
 
 extern "C" XLA_FFI_Error* JaxM2nLocalCopyCpuExecute(XLA_FFI_CallFrame* call_frame) {
   return jax_m2n::kExecute(call_frame);
-}
-
-extern "C" XLA_FFI_Error* JaxM2nLocalStoreCpu(XLA_FFI_CallFrame* call_frame) {
-  return jax_m2n::kStore(call_frame);
 }

@@ -1,10 +1,11 @@
-// The local data plane's two custom calls (docs/schedule_format.md, "The local copy
+// The local data plane's custom calls (docs/schedule_format.md, "The local copy
 // schedule"): `jax_m2n_local_copy` fills a device's output arrays with boxes read
 // straight from memory another program exported (a pointer table operand), converting
-// dtypes on the way; `jax_m2n_local_store` copies a device's arrays to raw addresses.
-// Owns the local copy schedule (decoding, validation: the boxes tile each output
-// exactly) and the CPU handlers. Platform-free decoding, shared with the CUDA handlers
-// (xla_ffi/cuda/local_copy_cuda.cc); never maps, opens or frees memory.
+// dtypes on the way; `jax_m2n_local_store` (CUDA only: on CPU numpy's copy is as fast
+// and dispatches faster) copies a device's arrays to raw addresses. Owns the local copy
+// schedule (decoding, validation: the boxes tile each output exactly), the pointer
+// table's check and the CPU handler. Platform-free decoding, shared with the CUDA
+// handlers (xla_ffi/cuda/local_copy_cuda.cc); never maps, opens or frees memory.
 
 #ifndef JAX_M2N_XLA_FFI_LOCAL_COPY_H_
 #define JAX_M2N_XLA_FFI_LOCAL_COPY_H_
@@ -87,11 +88,5 @@ struct LocalCopySchedule {
 //                each output once; allocates nothing.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxM2nLocalCopyCpuInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxM2nLocalCopyCpuExecute);
-
-// jax_m2n_local_store on platform cpu (execute only; call it with has_side_effect):
-//   operand 0: int64[n] destination addresses, operands 1..n: arrays; each array's bytes
-//   are copied whole to its address. Result: a uint8 scalar (1) that is ready when
-//   every copy is done.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxM2nLocalStoreCpu);
 
 #endif  // JAX_M2N_XLA_FFI_LOCAL_COPY_H_

@@ -1,5 +1,5 @@
 // The nanobind module `jax_m2n._ffi`: hands the CPU handlers of
-// `jax_m2n_reshard`, `jax_m2n_local_copy` and `jax_m2n_local_store` to Python
+// `jax_m2n_reshard` and `jax_m2n_local_copy` to Python
 // (registrations()) plus small helpers for the Python side (schedule version,
 // decoder check, abandoning a generation). Only bindings here: the handlers
 // are reshard_cpu.cc and local_copy.cc.
@@ -84,13 +84,12 @@ NB_MODULE(_ffi, m) {
             jax_m2n::Capsule(JaxM2nLocalCopyCpuInstantiate);
         local_copy["execute"] = jax_m2n::Capsule(JaxM2nLocalCopyCpuExecute);
         targets["jax_m2n_local_copy"] = local_copy;
-        targets["jax_m2n_local_store"] = jax_m2n::Capsule(JaxM2nLocalStoreCpu);
         return targets;
       },
       "Targets for jax.ffi.register_ffi_target(name, target, platform='cpu', "
       "api_version=1): {'jax_m2n_reshard': {'instantiate': capsule, "
       "'execute': capsule}, 'jax_m2n_local_copy': {'instantiate': capsule, "
-      "'execute': capsule}, 'jax_m2n_local_store': capsule}.");
+      "'execute': capsule}}.");
 
   m.def(
       "type_registrations",
