@@ -170,6 +170,10 @@ def local_copy(device: jax.Device, pointers, boxes: Sequence[Box],
   """
   table = _pointer_table(pointers, "local_copy", device.platform)
   outs = tuple(Out(tuple(int(d) for d in o.shape), np.dtype(o.dtype)) for o in outs)
+  for o, out in enumerate(outs):
+    if jax.dtypes.canonicalize_dtype(out.dtype) != out.dtype:
+      raise ReshardValueError(f"local_copy: output {o}'s dtype must be one JAX holds as "
+                              f"is; got {out.dtype} with jax_enable_x64 off.")
   program = _program(tuple(boxes), outs, int(table.size), device.platform)
   try:
     return list(program(jax.device_put(table.view(np.uint32), device)))
