@@ -208,10 +208,10 @@ class FdServer:
       return len(self._tickets)
 
   def _drop(self, conn: socket.socket, refused: bool) -> None:
+    self.refused += int(refused)  # before the close the client sees
     self._selector.unregister(conn)
     del self._clients[conn]
     conn.close()
-    self.refused += int(refused)
 
   def _accept(self) -> None:
     try:
@@ -223,8 +223,8 @@ class FdServer:
     except OSError:
       same_user = False
     if not same_user or len(self._clients) >= self._max_clients:
-      conn.close()
       self.refused += 1
+      conn.close()
       return
     conn.setblocking(False)
     self._clients[conn] = (bytearray(), time.monotonic() + self._client_timeout_s)
