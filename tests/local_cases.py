@@ -5,6 +5,8 @@ every value of each fused type, and bitwise comparison."""
 
 from __future__ import annotations
 
+import time
+
 import ml_dtypes
 import numpy as np
 
@@ -103,3 +105,13 @@ def all_values(dtype, rng) -> np.ndarray:
     bits = np.concatenate([rng.integers(0, 1 << 32, 1 << 16, dtype=np.uint32), near,
                            near + 1, near - 1])
   return bits[: bits.size // 64 * 64].view(dtype).reshape(-1, 64)
+
+
+def min_ms(fn, n=10) -> float:
+  """The fastest of `n` runs of `fn`, in milliseconds."""
+  best = float("inf")
+  for _ in range(n):
+    t0 = time.perf_counter()
+    fn()
+    best = min(best, time.perf_counter() - t0)
+  return best * 1e3

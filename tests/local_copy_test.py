@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,7 @@ from jax_m2n._src.jobs.manifest import DTYPES
 from jax_m2n._src.local_copy import Box, Out, local_copy, local_store
 from jax_m2n._src.local_memory import Segment
 from local_cases import (BF16, F32, FUSED, PAIRS, all_values, bits, case, cut,
-                         fill_boxes, random_values)
+                         fill_boxes, min_ms, random_values)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "local_worker.py")
@@ -192,15 +191,6 @@ def test_two_processes_bitwise():
       pub.wait()
 
 
-def _min_ms(fn, n=10):
-  best = float("inf")
-  for _ in range(n):
-    t0 = time.perf_counter()
-    fn()
-    best = min(best, time.perf_counter() - t0)
-  return best * 1e3
-
-
 def test_timing_256mib_against_one_memcpy():
   """One local_copy of 256 MiB out of a mapped segment into a fresh output beside one
   np.copyto into fresh memory, min of 10 each (issue 42's goal: <= 1.5x the copy).
@@ -218,8 +208,8 @@ def test_timing_256mib_against_one_memcpy():
       got = local_copy(device, [reader.address], box, out)[0]
       assert np.array_equal(np.asarray(got).view(np.uint32), src)
       del got
-      pull_ms = _min_ms(pull)
-      copy_ms = _min_ms(lambda: np.copyto(np.empty_like(src), src))
+      pull_ms = min_ms(pull)
+      copy_ms = min_ms(lambda: np.copyto(np.empty_like(src), src))
   print(f"\n256 MiB: local_copy from a mapped segment {pull_ms:.1f} ms, one np.copyto "
         f"into fresh memory {copy_ms:.1f} ms ({pull_ms / copy_ms:.2f}x; "
         f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})")

@@ -87,6 +87,7 @@ def role_publisher(args) -> None:
   import jax  # noqa: PLC0415
   from jax_m2n._src.local_copy import local_store  # noqa: PLC0415
   from jax_m2n._src import local_memory  # noqa: PLC0415
+  from local_cases import min_ms  # noqa: PLC0415
   device = jax.devices(args.platform)[0]
   _, shards = published(args.seed, args.scale)
   arrays = [jax.device_put(shard, device) for _, shard in shards]
@@ -102,27 +103,18 @@ def role_publisher(args) -> None:
     local_store(arrays, seg.address, offsets).block_until_ready()
     info.update(handle=seg.handle.hex())
   if args.time:
-    info["store_ms"] = _timed(
+    info["store_ms"] = min_ms(
         lambda: local_store(arrays, seg.address, offsets).block_until_ready())
   print(json.dumps(info), flush=True)
   _wait_stdin(args.timeout)
   seg.close()
 
 
-def _timed(fn, n=10) -> float:
-  best = float("inf")
-  for _ in range(n):
-    t0 = time.perf_counter()
-    fn()
-    best = min(best, time.perf_counter() - t0)
-  return best * 1e3
-
-
 def role_reader(args) -> None:
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   from jax_m2n._src.local_copy import Out, local_copy  # noqa: PLC0415
-  from local_cases import fill_boxes  # noqa: PLC0415
+  from local_cases import fill_boxes, min_ms  # noqa: PLC0415
   from jax_m2n._src import local_memory  # noqa: PLC0415
   info = json.loads(args.info)
   device = jax.devices(args.platform)[0]
@@ -161,7 +153,7 @@ def role_reader(args) -> None:
                "inprocess_ms": lambda: copy(x).block_until_ready()}
     for name, fn in timings.items():
       fn()  # compile, first touch
-      line += f" {name}={_timed(fn):.3f}"
+      line += f" {name}={min_ms(fn):.3f}"
     line += f" bytes={full.nbytes}"
   print(line, flush=True)
   if args.platform != "cpu":

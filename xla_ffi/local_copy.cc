@@ -344,15 +344,6 @@ struct LocalCopyCpuState {
 ffi::TypeId LocalCopyCpuState::id = {};
 constexpr char kLocalCopyCpuStateName[] = "jax_m2n.cpu.LocalCopyState";
 
-const XLA_FFI_TypeInfo* LocalCopyCpuStateTypeInfo() {
-  static const XLA_FFI_TypeInfo info = {
-      XLA_FFI_TypeInfo_STRUCT_SIZE,
-      /*extension_start=*/nullptr,
-      /*deleter=*/[](void* state) { delete static_cast<LocalCopyCpuState*>(state); },
-  };
-  return &info;
-}
-
 constexpr char kCopyCall[] = "jax_m2n_local_copy (cpu)";
 
 ffi::ErrorOr<std::unique_ptr<LocalCopyCpuState>> Instantiate(
@@ -501,20 +492,12 @@ XLA_FFI_DEFINE_HANDLER(kExecute, Execute,
                            .Arg<ffi::AnyBuffer>()                 // pointer table
                            .RemainingRets());                     // outputs
 
-// Registers the state type with the calling XLA once (as reshard_cpu.cc does).
-XLA_FFI_Error* EnsureStateTypeRegistered(const XLA_FFI_Api* api) {
-  static std::mutex mu;
-  std::lock_guard<std::mutex> lock(mu);
-  if (LocalCopyCpuState::id.type_id != 0) return nullptr;
-  return ffi::Ffi::RegisterTypeId(api, kLocalCopyCpuStateName, &LocalCopyCpuState::id,
-                                  LocalCopyCpuStateTypeInfo());
-}
-
 }  // namespace
 }  // namespace jax_m2n
 
 extern "C" XLA_FFI_Error* JaxM2nLocalCopyCpuInstantiate(XLA_FFI_CallFrame* call_frame) {
-  if (XLA_FFI_Error* error = jax_m2n::EnsureStateTypeRegistered(call_frame->api)) {
+  if (XLA_FFI_Error* error = jax_m2n::RegisterStateTypeOnce<jax_m2n::LocalCopyCpuState>(
+          call_frame->api, jax_m2n::kLocalCopyCpuStateName)) {
     return error;
   }
   return jax_m2n::kInstantiate(call_frame);

@@ -12,6 +12,7 @@
 
 #include <array>
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "xla/ffi/api/c_api.h"
@@ -76,6 +77,18 @@ struct LocalCopySchedule {
 // Returns an error naming the call otherwise.
 ::xla::ffi::Error CheckPointerTable(const ::xla::ffi::AnyBuffer& table, int64_t n,
                                     const char* call);
+
+// Registers the FFI state type `State` (a struct with `static ffi::TypeId id`) under
+// `name` with the calling XLA, once per process; an instantiate handler calls it first,
+// so that Python need not register the type (as reshard_cpu.cc does).
+template <typename State>
+XLA_FFI_Error* RegisterStateTypeOnce(const XLA_FFI_Api* api, const char* name) {
+  static std::mutex mu;
+  static const XLA_FFI_TypeInfo info = ::xla::ffi::MakeTypeInfo<State>();
+  std::lock_guard<std::mutex> lock(mu);
+  if (State::id.type_id != 0) return nullptr;
+  return ::xla::ffi::Ffi::RegisterTypeId(api, name, &State::id, &info);
+}
 
 }  // namespace jax_m2n
 

@@ -107,6 +107,16 @@ def load(platform: str) -> Any:
   return _import(_MODULES[platform][0])
 
 
+def _module_of(platform: str, api: str) -> tuple[str, str]:
+  """(extension module, XLA platform) of a JAX platform; ReshardValueError naming `api`
+  if it has no jax_m2n handler."""
+  if platform not in _MODULES:
+    raise ReshardValueError(
+        f"{api}: devices must be on a platform with a jax_m2n handler "
+        f"{tuple(sorted(_MODULES))}; got platform {platform!r}.")
+  return _MODULES[platform]
+
+
 def ensure_registered(platform: str, timeout_ms: int = 600_000) -> None:
   """Registers the `jax_m2n_reshard` target for a JAX platform; idempotent, thread-safe.
 
@@ -125,11 +135,7 @@ def ensure_registered(platform: str, timeout_ms: int = 600_000) -> None:
   with _lock:
     if platform in _registered:
       return
-    if platform not in _MODULES:
-      raise ReshardValueError(
-          f"reshard: devices must be on a platform with a jax_m2n handler "
-          f"{tuple(sorted(_MODULES))}; got platform {platform!r}.")
-    module_name, xla_platform = _MODULES[platform]
+    module_name, xla_platform = _module_of(platform, "reshard")
     module = _import(module_name)
     if xla_platform not in _targets_registered:
       targets = module.registrations()
@@ -163,11 +169,7 @@ def ensure_local_registered(platform: str) -> Any:
     ReshardValueError: the platform has no jax_m2n handler (e.g. TPU, ROCm).
     ReshardError: the extension cannot be imported or lacks the local targets.
   """
-  if platform not in _MODULES:
-    raise ReshardValueError(
-        f"local_copy: devices must be on a platform with a jax_m2n handler "
-        f"{tuple(sorted(_MODULES))}; got platform {platform!r}.")
-  module_name, xla_platform = _MODULES[platform]
+  module_name, xla_platform = _module_of(platform, "local_copy")
   module = _import(module_name)
   if xla_platform in _local_registered:
     return module

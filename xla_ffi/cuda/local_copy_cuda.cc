@@ -39,15 +39,6 @@ struct LocalCopyCudaState {
 ffi::TypeId LocalCopyCudaState::id = {};
 constexpr char kLocalCopyCudaStateName[] = "jax_m2n.cuda.LocalCopyState";
 
-const XLA_FFI_TypeInfo* LocalCopyCudaStateTypeInfo() {
-  static const XLA_FFI_TypeInfo info = {
-      XLA_FFI_TypeInfo_STRUCT_SIZE,
-      /*extension_start=*/nullptr,
-      /*deleter=*/[](void* state) { delete static_cast<LocalCopyCudaState*>(state); },
-  };
-  return &info;
-}
-
 ffi::ErrorOr<std::unique_ptr<LocalCopyCudaState>> Instantiate(
     ffi::Span<const int64_t> schedule) {
   ffi::ErrorOr<LocalCopySchedule> decoded = DecodeLocalCopySchedule(schedule);
@@ -186,20 +177,12 @@ XLA_FFI_DEFINE_HANDLER(kStore, Store,
                            .RemainingArgs()                    // arrays
                            .Ret<ffi::AnyBuffer>());            // done: uint8 scalar
 
-// Registers the state type with the calling XLA once (as reshard_cpu.cc does on CPU).
-XLA_FFI_Error* EnsureStateTypeRegistered(const XLA_FFI_Api* api) {
-  static std::mutex mu;
-  std::lock_guard<std::mutex> lock(mu);
-  if (LocalCopyCudaState::id.type_id != 0) return nullptr;
-  return ffi::Ffi::RegisterTypeId(api, kLocalCopyCudaStateName, &LocalCopyCudaState::id,
-                                  LocalCopyCudaStateTypeInfo());
-}
-
 }  // namespace
 }  // namespace jax_m2n
 
 extern "C" XLA_FFI_Error* JaxM2nLocalCopyCudaInstantiate(XLA_FFI_CallFrame* call_frame) {
-  if (XLA_FFI_Error* error = jax_m2n::EnsureStateTypeRegistered(call_frame->api)) {
+  if (XLA_FFI_Error* error = jax_m2n::RegisterStateTypeOnce<jax_m2n::LocalCopyCudaState>(
+          call_frame->api, jax_m2n::kLocalCopyCudaStateName)) {
     return error;
   }
   return jax_m2n::kInstantiate(call_frame);
