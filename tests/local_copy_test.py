@@ -134,6 +134,13 @@ def test_empty_and_scalar_outputs():
   assert float(got[1]) == 3.5 and got[1].dtype == BF16
 
 
+def test_box_fields_may_be_lists():
+  a = np.arange(6, dtype=np.int8).reshape(2, 3)
+  box = Box(0, 0, [2, 3], np.dtype(np.int8), [0, 1], [0, 0], [2, 2])
+  out, = local_copy(jax.devices()[0], [a.ctypes.data], [box], [Out([2, 2], np.int8)])
+  assert np.asarray(out).tolist() == [[1, 2], [4, 5]]
+
+
 def test_program_is_reused_for_new_addresses():
   a = np.arange(8, dtype=np.float32)
   b = a + 100

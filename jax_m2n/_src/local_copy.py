@@ -174,7 +174,13 @@ def local_copy(device: jax.Device, pointers, boxes: Sequence[Box],
     if jax.dtypes.canonicalize_dtype(out.dtype) != out.dtype:
       raise ReshardValueError(f"local_copy: output {o}'s dtype must be one JAX holds as "
                               f"is; got {out.dtype} with jax_enable_x64 off.")
-  program = _program(tuple(boxes), outs, int(table.size), device.platform)
+  boxes = tuple(boxes)
+  try:
+    hash(boxes)
+  except TypeError:  # lists among a box's fields: the cache key needs tuples
+    boxes = tuple(Box(*(tuple(int(v) for v in f) if isinstance(f, (list, np.ndarray))
+                        else f for f in box)) for box in boxes)
+  program = _program(boxes, outs, int(table.size), device.platform)
   try:
     return list(program(jax.device_put(table.view(np.uint32), device)))
   except jax.errors.JaxRuntimeError as e:
