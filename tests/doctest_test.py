@@ -11,7 +11,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 import jax_m2n  # noqa: E402
-from jax_m2n._src import api, call_plan, request  # noqa: E402
+from jax_m2n._src import api, call_plan, local_copy, local_memory, request  # noqa: E402
 
 PUBLIC = [jax_m2n.reshard, jax_m2n.plan, jax_m2n.check_errors]
 
@@ -34,9 +34,11 @@ def test_api_module_doctests():
   assert result.attempted > 0 and result.failed == 0, result
 
 
-@pytest.mark.parametrize("module", [call_plan, request], ids=["call_plan", "request"])
+@pytest.mark.parametrize("module", [call_plan, request, local_copy, local_memory],
+                         ids=["call_plan", "request", "local_copy", "local_memory"])
 def test_internal_contract_doctests(module):
   """The examples of the internal contracts other rooms build on (docs/dev_contracts.md):
-  the options value and the one function from a call to its plan."""
+  the options value, the one function from a call to its plan, and the local data
+  plane's copies and segments."""
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0 and result.failed == 0, result

@@ -1,7 +1,8 @@
-// The nanobind module `jax_m2n._ffi`: hands the CPU handler of
-// `jax_m2n_reshard` to Python (registrations()) plus small helpers for the
-// Python side (schedule version, decoder check, abandoning a generation).
-// Only bindings here: the handler is reshard_cpu.cc.
+// The nanobind module `jax_m2n._ffi`: hands the CPU handlers of
+// `jax_m2n_reshard` and `jax_m2n_local_copy` to Python
+// (registrations()) plus small helpers for the Python side (schedule version,
+// decoder check, abandoning a generation). Only bindings here: the handlers
+// are reshard_cpu.cc and local_copy.cc.
 
 #include <cstdint>
 #include <string>
@@ -13,6 +14,7 @@
 #include "nanobind/stl/vector.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cpu_transport.h"
+#include "xla_ffi/local_copy.h"
 #include "xla_ffi/reshard_cpu.h"
 #include "xla_ffi/schedule.h"
 
@@ -49,6 +51,16 @@ nb::dict DecodeForPython(Int64Array encoded) {
   return out;
 }
 
+// Decodes a local copy schedule as jax_m2n_local_copy's instantiate stage
+// would; raises ValueError with the decoder's message if it is invalid.
+void CheckLocalCopyForPython(Int64Array encoded) {
+  ::xla::ffi::ErrorOr<LocalCopySchedule> decoded = DecodeLocalCopySchedule(
+      ::xla::ffi::Span<const int64_t>(encoded.data(), encoded.shape(0)));
+  if (decoded.has_error()) {
+    throw nb::value_error(decoded.error().message().c_str());
+  }
+}
+
 }  // namespace
 }  // namespace jax_m2n
 
@@ -67,10 +79,16 @@ NB_MODULE(_ffi, m) {
         stages["execute"] = jax_m2n::Capsule(JaxM2nReshardCpuExecute);
         nb::dict targets;
         targets["jax_m2n_reshard"] = stages;
+        nb::dict local_copy;
+        local_copy["instantiate"] =
+            jax_m2n::Capsule(JaxM2nLocalCopyCpuInstantiate);
+        local_copy["execute"] = jax_m2n::Capsule(JaxM2nLocalCopyCpuExecute);
+        targets["jax_m2n_local_copy"] = local_copy;
         return targets;
       },
       "Targets for jax.ffi.register_ffi_target(name, target, platform='cpu', "
       "api_version=1): {'jax_m2n_reshard': {'instantiate': capsule, "
+      "'execute': capsule}, 'jax_m2n_local_copy': {'instantiate': capsule, "
       "'execute': capsule}}.");
 
   m.def(
@@ -98,6 +116,12 @@ NB_MODULE(_ffi, m) {
         "n_tensors, n_ops, devices, ws, fingerprint); raises ValueError naming "
         "the field and value if it is invalid. Buffer-dependent checks run at "
         "execute time only.");
+
+  m.def("check_local_copy_schedule", &jax_m2n::CheckLocalCopyForPython,
+        nb::arg("schedule"),
+        "Decodes and validates a jax_m2n_local_copy schedule (1-D C-contiguous "
+        "int64 array) as its instantiate stage does, the tiling of every output "
+        "included; raises ValueError naming the output, box, field and value.");
 
   m.def(
       "abandon",

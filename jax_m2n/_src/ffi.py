@@ -1,8 +1,11 @@
-"""Loading the native handlers and registering the `jax_m2n_reshard` FFI target.
+"""Loading the native handlers and registering the jax_m2n FFI targets.
 
 Owns the one place that imports `jax_m2n._ffi` (CPU, required to run a reshard) and
 `jax_m2n._ffi_cuda` (CUDA, optional) and registers their targets with XLA, once per
-platform, on first use. Knows nothing about plans or shardings; never moves data.
+platform, on first use: `jax_m2n_reshard` (ensure_registered, which also creates the
+NCCL communicator on CUDA) and the local data plane's `jax_m2n_local_copy` (and
+`jax_m2n_local_store` on CUDA; ensure_local_registered, no communicator). Knows nothing about
+plans or shardings; never moves data.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from jax_m2n._src.topology import emulated_network
 
 # The custom-call target name (docs/schedule_format.md, "The custom call").
 TARGET_NAME = "jax_m2n_reshard"
+# The local data plane's targets per XLA platform (docs/schedule_format.md, "The local
+# copy schedule"); on CPU local_store is numpy's copy (jax_m2n/_src/local_copy.py).
+LOCAL_TARGET_NAMES = {"cpu": ("jax_m2n_local_copy",),
+                      "CUDA": ("jax_m2n_local_copy", "jax_m2n_local_store")}
 
 # JAX platform name (`Device.platform`) -> (extension module, XLA platform name).
 _MODULES = {
@@ -31,6 +38,7 @@ _MODULES = {
 _lock = threading.Lock()
 _registered: set[str] = set()          # JAX platform names ready to run
 _targets_registered: set[str] = set()  # XLA platform names with the target registered
+_local_registered: set[str] = set()    # XLA platform names with the local targets
 
 
 def _import(module_name: str) -> Any:
@@ -99,6 +107,16 @@ def load(platform: str) -> Any:
   return _import(_MODULES[platform][0])
 
 
+def _module_of(platform: str, api: str) -> tuple[str, str]:
+  """(extension module, XLA platform) of a JAX platform; ReshardValueError naming `api`
+  if it has no jax_m2n handler."""
+  if platform not in _MODULES:
+    raise ReshardValueError(
+        f"{api}: devices must be on a platform with a jax_m2n handler "
+        f"{tuple(sorted(_MODULES))}; got platform {platform!r}.")
+  return _MODULES[platform]
+
+
 def ensure_registered(platform: str, timeout_ms: int = 600_000) -> None:
   """Registers the `jax_m2n_reshard` target for a JAX platform; idempotent, thread-safe.
 
@@ -117,11 +135,7 @@ def ensure_registered(platform: str, timeout_ms: int = 600_000) -> None:
   with _lock:
     if platform in _registered:
       return
-    if platform not in _MODULES:
-      raise ReshardValueError(
-          f"reshard: devices must be on a platform with a jax_m2n handler "
-          f"{tuple(sorted(_MODULES))}; got platform {platform!r}.")
-    module_name, xla_platform = _MODULES[platform]
+    module_name, xla_platform = _module_of(platform, "reshard")
     module = _import(module_name)
     if xla_platform not in _targets_registered:
       targets = module.registrations()
@@ -145,3 +159,32 @@ def ensure_registered(platform: str, timeout_ms: int = 600_000) -> None:
     for name, (mod, _) in _MODULES.items():
       if mod == module_name:
         _registered.add(name)
+
+
+def ensure_local_registered(platform: str) -> Any:
+  """Registers the local data plane's targets (LOCAL_TARGET_NAMES) for a JAX platform
+  and returns its extension module; idempotent, thread-safe, creates no communicator.
+
+  Raises:
+    ReshardValueError: the platform has no jax_m2n handler (e.g. TPU, ROCm).
+    ReshardError: the extension cannot be imported or lacks the local targets.
+  """
+  module_name, xla_platform = _module_of(platform, "local_copy")
+  module = _import(module_name)
+  if xla_platform in _local_registered:
+    return module
+  with _lock:
+    if xla_platform not in _local_registered:
+      targets = module.registrations()
+      names = LOCAL_TARGET_NAMES[xla_platform]
+      missing = [name for name in names if name not in targets]
+      if missing:
+        raise ReshardError(
+            f"local_copy: {module_name}.registrations() must provide {missing}; got "
+            f"{sorted(targets)}. The extension and the Python package are out of step: "
+            "rebuild the extension.")
+      for name in names:
+        jax.ffi.register_ffi_target(name, targets[name], platform=xla_platform,
+                                    api_version=1)
+      _local_registered.add(xla_platform)
+  return module

@@ -1,6 +1,8 @@
-// The nanobind module jax_m2n._ffi_cuda: the CUDA handlers of `jax_m2n_reshard` for
-// registration from Python, and the NCCL communicator's life cycle. Glue only: argument
-// conversion and error mapping; the work is in nccl_comm.cc and reshard_cuda.cc.
+// The nanobind module jax_m2n._ffi_cuda: the CUDA handlers of `jax_m2n_reshard` and of the
+// local data plane (`jax_m2n_local_copy`, `jax_m2n_local_store`) for registration from
+// Python, the NCCL communicator's life cycle, and CUDA IPC memory. Glue only: argument
+// conversion and error mapping; the work is in nccl_comm.cc, reshard_cuda.cc,
+// local_copy_cuda.cc and ipc.cc.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -14,6 +16,8 @@
 #include <utility>
 #include <vector>
 
+#include "xla_ffi/cuda/ipc.h"
+#include "xla_ffi/cuda/local_copy_cuda.h"
 #include "xla_ffi/cuda/nccl_comm.h"
 #include "xla_ffi/cuda/peer_transport.h"
 #include "xla_ffi/cuda/reshard_cuda.h"
@@ -27,7 +31,9 @@ constexpr const char kModuleDoc[] = R"doc(CUDA handlers of jax_m2n_reshard and t
 
 Python-facing API (docs/dev_contracts.md, section "_ffi_cuda"; docs/cuda_transport.md):
 
-  registrations() -> {"jax_m2n_reshard": {"instantiate": capsule, "execute": capsule}}
+  registrations() -> {"jax_m2n_reshard": {"instantiate": capsule, "execute": capsule},
+                      "jax_m2n_local_copy": {"instantiate": ..., "execute": ...},
+                      "jax_m2n_local_store": capsule}
       for jax.ffi.register_ffi_target(name, target, platform="CUDA", api_version=1).
   type_registrations() -> {"jax_m2n.cuda.ReshardState": {"type_id": ..., "type_info": ...}}
       register each with jax.ffi.register_ffi_type(name, reg, platform="CUDA") BEFORE
@@ -52,6 +58,15 @@ Python-facing API (docs/dev_contracts.md, section "_ffi_cuda"; docs/cuda_transpo
   peer_stats() -> dict         process-wide counters of the peer path: rounds,
                                memcpys, memcpys_3d, kernel_tasks, converts,
                                plans_built
+  ipc_alloc(device_ordinal, nbytes) -> (address, handle)
+      cudaMalloc in the device's primary context + cudaIpcGetMemHandle: a device
+      pointer (int) and the 64-byte handle (bytes) another process opens.
+  ipc_open(device_ordinal, handle) -> address
+      cudaIpcOpenMemHandle (lazy peer access) of another process's handle.
+  ipc_close(address) -> None   cudaIpcCloseMemHandle of what ipc_open mapped
+  ipc_free(address) -> None    cudaFree of what ipc_alloc allocated
+      The four raise RuntimeError naming the call and CUDA's error string
+      (ValueError for an argument out of range) and release the GIL.
 
 Example (one process, every local GPU):
   import jax, jax_m2n._ffi_cuda as m
@@ -89,6 +104,11 @@ NB_MODULE(_ffi_cuda, m) {
     stages["execute"] = Capsule(JaxM2nReshardCudaExecute);
     nb::dict d;
     d["jax_m2n_reshard"] = stages;
+    nb::dict local_copy;
+    local_copy["instantiate"] = Capsule(JaxM2nLocalCopyCudaInstantiate);
+    local_copy["execute"] = Capsule(JaxM2nLocalCopyCudaExecute);
+    d["jax_m2n_local_copy"] = local_copy;
+    d["jax_m2n_local_store"] = Capsule(JaxM2nLocalStoreCuda);
     return d;
   });
 
@@ -204,6 +224,67 @@ NB_MODULE(_ffi_cuda, m) {
     d["plans_built"] = st.plans_built;
     return d;
   });
+
+  m.def(
+      "ipc_alloc",
+      [](int device_ordinal, int64_t nbytes) {
+        if (nbytes <= 0) {
+          Raise(PyExc_ValueError,
+                "ipc_alloc: nbytes must be > 0; got " + std::to_string(nbytes) + ".");
+        }
+        uint64_t address = 0;
+        std::string handle, error;
+        {
+          nb::gil_scoped_release release;
+          error = IpcAlloc(device_ordinal, nbytes, &address, &handle);
+        }
+        if (!error.empty()) Raise(PyExc_RuntimeError, error);
+        return std::make_pair(address, nb::bytes(handle.data(), handle.size()));
+      },
+      nb::arg("device_ordinal"), nb::arg("nbytes"));
+
+  m.def(
+      "ipc_open",
+      [](int device_ordinal, nb::bytes handle) {
+        if (handle.size() != kIpcHandleBytes) {
+          Raise(PyExc_ValueError, "ipc_open: handle must be " +
+                                      std::to_string(kIpcHandleBytes) + " bytes; got " +
+                                      std::to_string(handle.size()) + ".");
+        }
+        std::string h(handle.c_str(), handle.size()), error;
+        uint64_t address = 0;
+        {
+          nb::gil_scoped_release release;
+          error = IpcOpen(device_ordinal, h, &address);
+        }
+        if (!error.empty()) Raise(PyExc_RuntimeError, error);
+        return address;
+      },
+      nb::arg("device_ordinal"), nb::arg("handle"));
+
+  m.def(
+      "ipc_close",
+      [](uint64_t address) {
+        std::string error;
+        {
+          nb::gil_scoped_release release;
+          error = IpcClose(address);
+        }
+        if (!error.empty()) Raise(PyExc_RuntimeError, error);
+      },
+      nb::arg("address"));
+
+  m.def(
+      "ipc_free",
+      [](uint64_t address) {
+        std::string error;
+        {
+          nb::gil_scoped_release release;
+          error = IpcFree(address);
+        }
+        if (!error.empty()) Raise(PyExc_RuntimeError, error);
+      },
+      nb::arg("address"));
 
   m.def("finalize", []() {
     std::string error;

@@ -1,5 +1,6 @@
-// Kernels of the CUDA transport: batched strided box copies (pack into a staging area,
-// unpack from it, local copies, stores into / loads from a peer GPU's memory), plain or
+// Kernels of the CUDA transport and the local data plane: batched strided box copies (pack
+// into a staging area, unpack from it, local copies, stores into / loads from a peer GPU's
+// memory or another program's exported memory through a device-side pointer table), plain or
 // converting the element type (xla_ffi/convert.h). One launch carries up to
 // kCopyTasksPerLaunch tasks of one kind by value; blocks are dealt to tasks by their unit
 // counts. No schedule, NCCL or XLA knowledge here (pack.h is the whole interface).
@@ -22,6 +23,7 @@ constexpr uint64_t kUnitsPerBlock = uint64_t{kThreads} * kUnroll;
 
 struct CopyBatch {
   int32_t n;
+  const int64_t* table;  // device memory: the tasks' src_slot / dst_slot addresses
   uint32_t block_start[kCopyTasksPerLaunch + 1];  // prefix sums of blocks per task
   CopyTask tasks[kCopyTasksPerLaunch];
 };
@@ -57,8 +59,20 @@ __device__ __forceinline__ void RowOffsets(const CopyTask& t, uint64_t row,
   *dst_off = d;
 }
 
+// The task's source and destination addresses: table entries plus offsets for slots.
+__device__ __forceinline__ void Addresses(const CopyBatch& batch, const CopyTask& t,
+                                          const char** src, char** dst) {
+  *src = t.src_slot < 0 ? t.src
+                        : reinterpret_cast<const char*>(batch.table[t.src_slot]) +
+                              reinterpret_cast<uintptr_t>(t.src);
+  *dst = t.dst_slot < 0 ? t.dst
+                        : reinterpret_cast<char*>(batch.table[t.dst_slot]) +
+                              reinterpret_cast<uintptr_t>(t.dst);
+}
+
 template <typename V>
-__device__ __forceinline__ void CopyUnits(const CopyTask& t, uint64_t first) {
+__device__ __forceinline__ void CopyUnits(const CopyTask& t, const char* src, char* dst,
+                                          uint64_t first) {
   const uint64_t total = t.rows * t.row_units;
   V v[kUnroll];
   int64_t dst_at[kUnroll];
@@ -73,13 +87,13 @@ __device__ __forceinline__ void CopyUnits(const CopyTask& t, uint64_t first) {
       int64_t s, d;
       RowOffsets(t, row, &s, &d);
       const int64_t c = static_cast<int64_t>(col) * static_cast<int64_t>(sizeof(V));
-      v[k] = *reinterpret_cast<const V*>(t.src + s + c);
+      v[k] = *reinterpret_cast<const V*>(src + s + c);
       dst_at[k] = d + c;
     }
   }
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
-    if (live[k]) *reinterpret_cast<V*>(t.dst + dst_at[k]) = v[k];
+    if (live[k]) *reinterpret_cast<V*>(dst + dst_at[k]) = v[k];
   }
 }
 
@@ -104,12 +118,15 @@ __global__ void __launch_bounds__(kThreads)
   const CopyTask& t = batch.tasks[task];
   const uint64_t first =
       static_cast<uint64_t>(blockIdx.x - batch.block_start[task]) * kUnitsPerBlock;
+  const char* src;
+  char* dst;
+  Addresses(batch, t, &src, &dst);
   switch (t.vec_log2) {
-    case 4: CopyUnits<uint4>(t, first); break;
-    case 3: CopyUnits<uint2>(t, first); break;
-    case 2: CopyUnits<uint32_t>(t, first); break;
-    case 1: CopyUnits<uint16_t>(t, first); break;
-    default: CopyUnits<uint8_t>(t, first); break;
+    case 4: CopyUnits<uint4>(t, src, dst, first); break;
+    case 3: CopyUnits<uint2>(t, src, dst, first); break;
+    case 2: CopyUnits<uint32_t>(t, src, dst, first); break;
+    case 1: CopyUnits<uint16_t>(t, src, dst, first); break;
+    default: CopyUnits<uint8_t>(t, src, dst, first); break;
   }
 }
 
@@ -122,7 +139,8 @@ struct alignas(sizeof(S) * N) Vec {
 };
 
 template <ElemType kFrom, ElemType kTo, int N>
-__device__ __forceinline__ void ConvertUnits(const CopyTask& t, uint64_t first) {
+__device__ __forceinline__ void ConvertUnits(const CopyTask& t, const char* src, char* dst,
+                                             uint64_t first) {
   using SF = ElemBits<kFrom>;
   using ST = ElemBits<kTo>;
   // Units in flight per pass: all kUnroll, or half of them for 8-element units (registers).
@@ -143,7 +161,7 @@ __device__ __forceinline__ void ConvertUnits(const CopyTask& t, uint64_t first) 
         int64_t s, d;
         RowOffsets(t, row, &s, &d);
         const int64_t c = static_cast<int64_t>(col);
-        v[k] = *reinterpret_cast<const Vec<SF, N>*>(t.src + s + c * sizeof(Vec<SF, N>));
+        v[k] = *reinterpret_cast<const Vec<SF, N>*>(src + s + c * sizeof(Vec<SF, N>));
         dst_at[k] = d + c * static_cast<int64_t>(sizeof(Vec<ST, N>));
       }
     }
@@ -155,7 +173,7 @@ __device__ __forceinline__ void ConvertUnits(const CopyTask& t, uint64_t first) 
       for (int i = 0; i < N; ++i) {
         out.v[i] = convert_cuda::ConvertElementXlaGpu<kFrom, kTo>(v[k].v[i]);
       }
-      *reinterpret_cast<Vec<ST, N>*>(t.dst + dst_at[k]) = out;
+      *reinterpret_cast<Vec<ST, N>*>(dst + dst_at[k]) = out;
     }
   }
 }
@@ -169,11 +187,14 @@ __global__ void __launch_bounds__(kThreads)
   const CopyTask& t = batch.tasks[task];
   const uint64_t first =
       static_cast<uint64_t>(blockIdx.x - batch.block_start[task]) * kUnitsPerBlock;
+  const char* src;
+  char* dst;
+  Addresses(batch, t, &src, &dst);
   switch (t.vec_log2) {
-    case 3: ConvertUnits<kFrom, kTo, 8>(t, first); break;
-    case 2: ConvertUnits<kFrom, kTo, 4>(t, first); break;
-    case 1: ConvertUnits<kFrom, kTo, 2>(t, first); break;
-    default: ConvertUnits<kFrom, kTo, 1>(t, first); break;
+    case 3: ConvertUnits<kFrom, kTo, 8>(t, src, dst, first); break;
+    case 2: ConvertUnits<kFrom, kTo, 4>(t, src, dst, first); break;
+    case 1: ConvertUnits<kFrom, kTo, 2>(t, src, dst, first); break;
+    default: ConvertUnits<kFrom, kTo, 1>(t, src, dst, first); break;
   }
 }
 
@@ -208,12 +229,13 @@ BatchKernel KernelOf(const CopyTask& t) {
 
 // Launches the tasks among `tasks` whose kernel is `kernel`, in as few launches as fit.
 cudaError_t LaunchKernel(BatchKernel kernel, const CopyTask* tasks, int n,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, const int64_t* table) {
   int i = 0;
   while (i < n) {
     // Held in host memory only for the launch: parameters are copied at launch.
     CopyBatch batch;
     batch.n = 0;
+    batch.table = table;
     uint64_t blocks = 0;
     for (; i < n && batch.n < kCopyTasksPerLaunch; ++i) {
       const CopyTask& t = tasks[i];
@@ -239,15 +261,19 @@ cudaError_t LaunchKernel(BatchKernel kernel, const CopyTask* tasks, int n,
 
 }  // namespace
 
-cudaError_t LaunchCopyTasks(const CopyTask* tasks, int n, cudaStream_t stream) {
+cudaError_t LaunchCopyTasks(const CopyTask* tasks, int n, cudaStream_t stream,
+                            const int64_t* table) {
   // One launch series per kernel (plain copies, then each converting pair present).
   BatchKernel done[kCopyTasksPerLaunch];
   int n_done = 0;
   for (int i = 0; i < n; ++i) {
     BatchKernel kernel = KernelOf(tasks[i]);
     if (kernel == nullptr) return cudaErrorInvalidValue;
+    if (table == nullptr && (tasks[i].src_slot >= 0 || tasks[i].dst_slot >= 0)) {
+      return cudaErrorInvalidValue;
+    }
     if (std::find(done, done + n_done, kernel) != done + n_done) continue;
-    if (cudaError_t err = LaunchKernel(kernel, tasks, n, stream); err != cudaSuccess) {
+    if (cudaError_t err = LaunchKernel(kernel, tasks, n, stream, table); err != cudaSuccess) {
       return err;
     }
     if (n_done < kCopyTasksPerLaunch) done[n_done++] = kernel;

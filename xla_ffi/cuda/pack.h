@@ -43,17 +43,27 @@ struct CopyTask {
   uint64_t extent[kCopyMaxOuterDims];
   int64_t src_stride[kCopyMaxOuterDims];
   int64_t dst_stride[kCopyMaxOuterDims];
+  // Entries of LaunchCopyTasks' device-side pointer `table` (the local data plane's
+  // addresses, known on the device only): >= 0 makes `src` (`dst`) a byte offset from
+  // table[src_slot] (table[dst_slot]), read by the kernel; -1: `src` (`dst`) is the
+  // address. The units above are chosen from the offset: table entries must be
+  // multiples of 32 bytes (the widest unit).
+  int32_t src_slot = -1;
+  int32_t dst_slot = -1;
 };
 
 // How many tasks one launch carries (by value, as a __grid_constant__ kernel
-// parameter: 64 * 216 bytes, under the 32764-byte limit of CUDA >= 12.1 on sm_70+).
+// parameter: 64 * 224 bytes, under the 32764-byte limit of CUDA >= 12.1 on sm_70+).
 inline constexpr int kCopyTasksPerLaunch = 64;
 
 // Enqueues `n` copies (any n >= 0) on `stream`, in as few launches as fit (plain and
 // converting copies go to different kernels). The tasks must write disjoint bytes and
 // not read what another task writes; `src_type`/`dst_type` must be a supported pair. `tasks` is host
-// memory borrowed for the duration of the call. Returns the first CUDA error.
-cudaError_t LaunchCopyTasks(const CopyTask* tasks, int n, cudaStream_t stream);
+// memory borrowed for the duration of the call. `table`: device memory of int64 addresses
+// for the tasks' src_slot / dst_slot (null when no task has one), read by the kernels.
+// Returns the first CUDA error (cudaErrorInvalidValue: a slot without a table).
+cudaError_t LaunchCopyTasks(const CopyTask* tasks, int n, cudaStream_t stream,
+                            const int64_t* table = nullptr);
 
 // Loads the copy kernels into the current device's context now. With CUDA's lazy module
 // loading, a first launch in the middle of a reshard may wait for the device's running
