@@ -122,7 +122,8 @@ def test_the_token_never_travels(published, monkeypatch):
       return _real(self, data, *a, **k)
     monkeypatch.setattr(zmq.Socket, name, spy)
   with jax_m2n.Subscriber(pub.address, token=TOKEN) as sub:
-    sub._root_client().call({"op": "versions", "after": 0, "wait_ms": 0}, 5.0, "versions")
+    sub._state.connections.root().call({"op": "versions", "after": 0, "wait_ms": 0}, 5.0,
+                                       "versions")
   assert sent and not any(TOKEN.encode() in s for s in sent)
   assert not any(TOKEN.encode().hex().encode() in s for s in sent)
 
