@@ -1,4 +1,5 @@
-"""Delta sync (`Subscriber.pull(delta=True)`): the encoding round trip per chunk mode and
+"""Delta sync (`Subscriber.pull(delta=True)`, over the network path: a local pull copies
+whole versions at memory speed): the encoding round trip per chunk mode and
 dtype; NaN and ±0 as bitwise changes; in one program (publisher on 4 devices, subscriber
 on the other 4) random sparse and dense updates across random layouts and dtype
 conversions, every version bitwise against a full pull, in place into the donated
@@ -164,8 +165,8 @@ def test_random_updates_bitwise_against_full_pull(sides, host_apply, monkeypatch
         h[mask] = (h[mask] + rng.integers(1, 5, int(mask.sum()))).astype(h.dtype)
       pub.publish([_put(h, s) for h, s in zip(hosts, srcs)])
       before = dict(delta.stats)
-      out = sub.pull(dsts, dtype=outs, delta=True, donate=prev)
-      full = ref.pull(dsts, dtype=outs)
+      out = sub.pull(dsts, dtype=outs, delta=True, path="network", donate=prev)
+      full = ref.pull(dsts, dtype=outs, path="network")
       _expect(out, hosts, dsts, outs)
       for a, b in zip(out, full):
         assert np.array_equal(_bits(a), _bits(b))
@@ -209,17 +210,19 @@ def test_late_joiner_missed_versions_and_changed_layouts(sides):
   try:
     host = np.arange(8 * 4096, dtype=np.float32).reshape(8, 4096)
     pub.publish(_put(host, src))
-    x = sub.pull(dst, delta=True)
+    x = sub.pull(dst, delta=True, path="network")
     for v in (2, 3):
       host[v, :10] += 1
       pub.publish(_put(host, src))
     # Missed version 2; base 1 still held (keep=3): one delta carrying both changes.
-    y, n = _count("subscriber_delta_pulls", lambda: sub.pull(dst, delta=True, donate=x))
+    y, n = _count("subscriber_delta_pulls",
+                  lambda: sub.pull(dst, delta=True, path="network", donate=x))
     assert n == 1 and sub.version == 3
     _check(y, host, dst)
     # A late joiner: no earlier pull, a full copy.
     late = jax_m2n.Subscriber(pub.address, token=TOKEN)
-    z, n = _count("subscriber_full_pulls", lambda: late.pull(dst, delta=True))
+    z, n = _count("subscriber_full_pulls",
+                  lambda: late.pull(dst, delta=True, path="network"))
     assert n == 1
     _check(z, host, dst)
     late.close()
@@ -228,20 +231,22 @@ def test_late_joiner_missed_versions_and_changed_layouts(sides):
       host[v, :10] += 1
       pub.publish(_put(host, src))
     dense = delta.stats["publisher_chunks_dense"]
-    y = sub.pull(dst, delta=True, donate=y)
+    y = sub.pull(dst, delta=True, path="network", donate=y)
     assert delta.stats["publisher_chunks_dense"] > dense
     _check(y, host, dst)
     # Another dst layout (or dtype): a full copy.
     other = NamedSharding(dst.mesh, P("a", None))
     host[0, 0] += 1
     pub.publish(_put(host, src))
-    w, n = _count("subscriber_full_pulls", lambda: sub.pull(other, delta=True, donate=y))
+    w, n = _count("subscriber_full_pulls",
+                  lambda: sub.pull(other, delta=True, path="network", donate=y))
     assert n == 1
     _check(w, host, other)
     host[1, 1] += 1
     pub.publish(_put(host, src))
     u, n = _count("subscriber_full_pulls",
-                  lambda: sub.pull(other, dtype=jnp.bfloat16, delta=True, donate=w))
+                  lambda: sub.pull(other, dtype=jnp.bfloat16, delta=True, path="network",
+                                   donate=w))
     assert n == 1
     _check(u, host, other, BF16)
   finally:
@@ -257,7 +262,7 @@ def test_previous_arrays_deleted_donated_or_kept(sides, fate):
   try:
     host = np.random.default_rng(1).standard_normal((16, 512)).astype(np.float32)
     pub.publish({"w": _put(host, src)})
-    x = sub.pull({"w": dst}, delta=True)
+    x = sub.pull({"w": dst}, delta=True, path="network")
     old = np.asarray(x["w"]).copy()
     host[3, 3] = -host[3, 3]
     pub.publish({"w": _put(host, src)})
@@ -267,7 +272,7 @@ def test_previous_arrays_deleted_donated_or_kept(sides, fate):
       jax.jit(lambda a: a + 1, donate_argnums=0)(x["w"])
       assert x["w"].is_deleted()
     key = "subscriber_delta_pulls" if fate == "kept" else "subscriber_full_pulls"
-    y, n = _count(key, lambda: sub.pull({"w": dst}, delta=True))
+    y, n = _count(key, lambda: sub.pull({"w": dst}, delta=True, path="network"))
     assert n == 1
     _check(y["w"], host, dst)
     if fate == "kept":  # not donated: applied to a copy, the old result intact
@@ -287,7 +292,8 @@ def test_quantize_pulls_full(sides):
     for v in range(2):
       host[0, v] += 1
       pub.publish(_put(host, src))
-      y, n = _count("subscriber_full_pulls", lambda: sub.pull(dst, dtype=q, delta=True))
+      y, n = _count("subscriber_full_pulls",
+                    lambda: sub.pull(dst, dtype=q, delta=True, path="network"))
       assert n == 1
       want = jax_m2n.reshard(jax.device_put(host, dst), dst, dtype=q)
       assert np.array_equal(_bits(y.qvalue), _bits(want.qvalue))

@@ -80,7 +80,8 @@ def generator(jax, jax_m2n, args):
   for v in range(1, VERSIONS + 1):
     if v == 2:
       start = dict(delta.stats)
-    out = sub.pull(dsts, dtype=outs, version=v, delta=True, donate=prev, timeout_s=120)
+    out = sub.pull(dsts, dtype=outs, version=v, delta=True, donate=prev, timeout_s=120,
+                   path="network")
     if prev is not None:
       in_place = in_place and all(a.is_deleted() for a in prev)
     for c, (h, s, o) in enumerate(zip(hosts(args.seed, v), dsts, outs)):
@@ -99,7 +100,8 @@ def generator(jax, jax_m2n, args):
       for a in out:
         a.delete()
     try:
-      sub.pull(dsts, dtype=outs, version=VERSIONS, delta=True, timeout_s=60)
+      sub.pull(dsts, dtype=outs, version=VERSIONS, delta=True, timeout_s=60,
+               path="network")
       print(f"RESULT mismatch role=generator process={args.process_id} ok=0", flush=True)
     except jax_m2n.ReshardValueError as e:
       print(f"RESULT mismatch role=generator process={args.process_id} "

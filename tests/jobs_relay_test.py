@@ -71,7 +71,8 @@ def test_members_in_one_process_relay_bitwise_with_one_copy_from_the_trainer(
   before = dict(relay.stats)
   try:
     for s in subs:  # one after the other: the later ones pull from the earlier
-      out = s.pull(dst, dtype={"w": jnp.bfloat16, "n": None}, version=1, timeout_s=60)
+      out = s.pull(dst, dtype={"w": jnp.bfloat16, "n": None}, version=1, timeout_s=60,
+                   path="network")
       np.testing.assert_array_equal(_bits(out["w"]),
                                     _bits(host["w"].astype(jnp.bfloat16)))
       np.testing.assert_array_equal(_bits(out["n"]), _bits(host["n"]))
@@ -101,7 +102,7 @@ def test_an_upstream_dead_before_the_pull_connects_is_passed_over_at_once(publis
             host["n"], NamedSharding(Mesh(np.array(jax.devices()[:4]), ("x",)),
                                      P(None, "x")))})
     dst = NamedSharding(gen, P("y"))
-    first.pull(dst, version=version, timeout_s=60)
+    first.pull(dst, version=version, timeout_s=60, path="network")
     with socket.socket() as s:
       s.bind(("127.0.0.1", 0))
       closed = f"127.0.0.1:{s.getsockname()[1]}"
@@ -110,7 +111,7 @@ def test_an_upstream_dead_before_the_pull_connects_is_passed_over_at_once(publis
         r.members[first._state.relay.id].address = closed
     before = relay.stats["reroutes"]
     t0 = time.monotonic()
-    out = second.pull(dst, version=version, timeout_s=60)
+    out = second.pull(dst, version=version, timeout_s=60, path="network")
     seconds = time.monotonic() - t0
   finally:
     first.close()
@@ -158,7 +159,7 @@ def test_malformed_relay_calls_are_refused_and_the_publisher_serves_on(published
   assert pub._server._thread.is_alive()
   gen = Mesh(np.array(jax.devices()[4:]), ("y",))
   with jax_m2n.Subscriber(pub.address, token=TOKEN, relay=True) as sub:
-    out = sub.pull(NamedSharding(gen, P()), version=1, timeout_s=60)
+    out = sub.pull(NamedSharding(gen, P()), version=1, timeout_s=60, path="network")
   np.testing.assert_array_equal(_bits(out["w"]), _bits(host["w"]))
 
 

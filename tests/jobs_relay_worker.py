@@ -168,7 +168,8 @@ def subscriber(jax, jax_m2n, args):
     before = dict(relay.stats, direct=engine.stats["pulled_bytes"])
     state["version"] = version or 1  # (about: the first pull takes the newest)
     t0 = time.perf_counter()
-    got = sub.pull(dst, dtype=dtype, version=version, donate=out, timeout_s=60)
+    got = sub.pull(dst, dtype=dtype, version=version, donate=out, timeout_s=60,
+                   path="network")
     seconds = time.perf_counter() - t0
     v = sub.version
     for k, shape in shapes(args.mib).items():

@@ -38,7 +38,7 @@ class Jobs:
     self.procs = []  # (name, Popen, log file)
 
   def start(self, role, processes, scenario, devices=4, seed=5, tag="", hosts=None,
-            on=()):
+            on=(), path="auto"):
     """Starts `processes` workers of one job; with `hosts` (EmulatedHosts), worker i
     runs on emulated host `on[i]` and the job's coordinator on `on[0]`'s."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -53,7 +53,7 @@ class Jobs:
       argv = [sys.executable, WORKER, "--role", role, "--process-id", str(i),
               "--num-processes", str(processes), "--devices", str(devices // processes),
               "--port", str(port), "--dir", self.dir, "--scenario", scenario,
-              "--seed", str(seed)]
+              "--seed", str(seed), "--path", path]
       if hosts is None:
         p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                              text=True)
@@ -108,10 +108,15 @@ def jobs():
   j.kill()
 
 
-@pytest.mark.parametrize("trainers,generators", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_random_layouts_versions_bitwise(jobs, trainers, generators):
+@pytest.mark.parametrize("trainers,generators,path", [
+    (1, 1, "auto"), (2, 1, "auto"), (1, 2, "auto"), (2, 2, "auto"), (1, 1, "network"),
+    (2, 2, "network")])
+def test_random_layouts_versions_bitwise(jobs, trainers, generators, path):
+  # On one host "auto" reads the trainer's memory in place (the local data plane);
+  # "network" crosses the transport as between hosts.
   t = jobs.start("trainer", trainers, "random", seed=10 * trainers + generators)
-  g = jobs.start("generator", generators, "random", seed=10 * trainers + generators)
+  g = jobs.start("generator", generators, "random", seed=10 * trainers + generators,
+                 path=path)
   jobs.wait(g, 300)
   jobs.wait(t, 60)
   text = jobs.logs()
@@ -120,6 +125,7 @@ def test_random_layouts_versions_bitwise(jobs, trainers, generators):
   assert len(found) == generators, text
   for _, f, line in found:
     assert int(f["ok"]) == 30 * 3 and f["replanned"] == "0" and f["donated"] == "True", line
+    assert f["path"] == ("local" if path == "auto" else "network"), line
   if generators == 2:  # a replicated pytree: the trainer's bytes once per job (hierarchical)
     # or once per destination device (flat: 4 devices)
     routes = {}

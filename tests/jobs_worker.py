@@ -158,7 +158,7 @@ def generator(jax, jax_m2n, args):
       print(f"RESULT die_mid role=generator process={args.process_id} dying=1", flush=True)
       os._exit(3)
     engine.run = die
-    sub.pull(tree, dtype=dtype, version=1, timeout_s=60)
+    sub.pull(tree, dtype=dtype, version=1, timeout_s=60, path="network")
     del original
     return 1
   if args.scenario in ("wait", "close", "again"):
@@ -183,7 +183,7 @@ def generator(jax, jax_m2n, args):
   ok = 0
   t0 = time.perf_counter()
   for v in range(1, VERSIONS + 1):
-    out = sub.pull(tree, dtype=dtype, version=v, timeout_s=120)
+    out = sub.pull(tree, dtype=dtype, version=v, timeout_s=120, path=args.path)
     assert sub.version == v
     for c, (shape, dt, conv) in enumerate(table):
       try:
@@ -194,20 +194,23 @@ def generator(jax, jax_m2n, args):
         return 1
       ok += 1
   misses = planning.plan_pull.cache_info().misses
-  again = sub.pull(tree, dtype=dtype, version=VERSIONS, donate=out, timeout_s=120)
+  again = sub.pull(tree, dtype=dtype, version=VERSIONS, donate=out, timeout_s=120,
+                   path=args.path)
   donated = all(a.is_deleted() for a in out["leaves"])
   for c, (shape, dt, conv) in enumerate(table):
     _check(again["leaves"][c], values(args.seed, c, VERSIONS, shape, dt), dsts[c], conv)
   replanned = planning.plan_pull.cache_info().misses - misses
   print(f"RESULT random role=generator process={args.process_id} ok={ok} "
         f"cases={CASES} versions={VERSIONS} replanned={replanned} donated={donated} "
+        f"path={sub._state.path} "
         f"seconds={time.perf_counter() - t0:.1f}", flush=True)
   if jax.process_count() > 1:  # a replicated pull by both routes: bytes from the trainer
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     mesh = Mesh(np.array(jax.devices()), ("g",))
     for route in ("hierarchical", "flat"):
       before = engine.stats["pulled_bytes"]
-      y = sub.pull(NamedSharding(mesh, P()), version=VERSIONS, route=route, timeout_s=120)
+      y = sub.pull(NamedSharding(mesh, P()), version=VERSIONS, route=route, timeout_s=120,
+                   path="network")
       pulled = engine.stats["pulled_bytes"] - before
       for c, (shape, dt, _) in enumerate(table):
         _check(y["leaves"][c], values(args.seed, c, VERSIONS, shape, dt),
@@ -236,6 +239,7 @@ def main():
   p.add_argument("--dir", required=True)
   p.add_argument("--scenario", default="random")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--path", default="auto")
   # On emulated hosts (tests/jobs_test.py): the address the trainer serves at, and the
   # address of the job's jax.distributed coordinator (its process 0's host).
   p.add_argument("--host", default="127.0.0.1")

@@ -179,10 +179,12 @@ def generator_main(directory: str, lr: float, steps: int, d_model: int,
       t0 = time.perf_counter()
       if which == "delta":
         out = jax.block_until_ready(sub.pull(dst, dtype=jnp.bfloat16, version=v,
-                                             delta=True, donate=prev, timeout_s=600))
+                                             delta=True, donate=prev, timeout_s=600,
+                                             path="network"))
       else:
         full = jax.block_until_ready(ref.pull(dst, dtype=jnp.bfloat16, version=v,
-                                              donate=prev_full, timeout_s=600))
+                                              donate=prev_full, timeout_s=600,
+                                              path="network"))
       times[which] = (time.perf_counter() - t0) * 1e3
       got = {k: delta.stats[k] - before[0].get(k, 0) for k in delta.stats}
       # A delta pull's bytes: its arrays and its JSON header (a delta=True pull that

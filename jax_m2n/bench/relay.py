@@ -162,7 +162,7 @@ def subscriber_main(d: str, name: str, size: int, versions: int, die: bool,
     before = (relay.stats["from_trainer_bytes"], relay.stats["from_peers_bytes"],
               engine.stats["pulled_bytes"], relay.stats["reroutes"])
     cpu = time.process_time()
-    y = sub.pull(dst, version=v, timeout_s=120)
+    y = sub.pull(dst, version=v, timeout_s=120, path="network")
     y.block_until_ready()
     at = time.time()
     cpu = time.process_time() - cpu

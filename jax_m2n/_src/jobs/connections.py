@@ -93,7 +93,7 @@ class Connections:
     link = self._links.get(k)
     if link is not None and link.client.broken is None:
       return link
-    control, address = (self.reachable(a) for a in m.processes[k])
+    control, address = (self.reachable(a) for a in m.processes[k][:2])
     name = f"trainer process {k} (publisher at {control})"
     client = self.root() if k == 0 else channel.Client(
         self._api, control, self._key, self._connect_s, name)

@@ -41,7 +41,8 @@ class PullPlan:
 
   Attributes:
     plan: the planner's plan (tensor t is leaf t of the manifest).
-    wire, out: per leaf, the dtype on the wire and the dtype delivered.
+    published, wire, out: per leaf, the published dtype, the dtype on the wire and the
+      dtype delivered.
     dsts: per leaf, its destination sharding.
     process_of: plan device id -> process (publisher processes offset by
       PUBLISHER_PROCESS_BASE).
@@ -53,6 +54,7 @@ class PullPlan:
   """
 
   plan: Plan
+  published: tuple[np.dtype, ...]
   wire: tuple[np.dtype, ...]
   out: tuple[np.dtype, ...]
   dsts: tuple[Sharding, ...]
@@ -125,8 +127,8 @@ def plan_pull(manifest: Manifest, dsts: tuple[Sharding, ...], outs: tuple[np.dty
       "source shardings": manifest.id,
       "destination shardings": [tuple(l.shards()) for l in call.dst_layouts],
       "route": route, "topology": repr(topology), "chunk_bytes": None})
-  return PullPlan(plan, wire, tuple(np.dtype(o) for o in outs), dsts, process_of,
-                  participants, waves, requests, fingerprint)
+  return PullPlan(plan, tuple(published), wire, tuple(np.dtype(o) for o in outs), dsts,
+                  process_of, participants, waves, requests, fingerprint)
 
 
 def network_bytes(pp: PullPlan) -> dict[str, int]:

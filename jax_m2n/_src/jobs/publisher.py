@@ -18,7 +18,8 @@ import jax
 
 from jax_m2n._src import jax_compat
 from jax_m2n._src.errors import ReshardRuntimeError, ReshardTypeError, ReshardValueError
-from jax_m2n._src.jobs import auth, channel, serving, transport as transport_lib
+from jax_m2n._src import local_memory
+from jax_m2n._src.jobs import auth, channel, exports, serving, transport as transport_lib
 from jax_m2n._src.jobs.versions import Versions, check_published
 
 logger = logging.getLogger("jax_m2n")
@@ -75,7 +76,8 @@ class Publisher:
     host, port = channel.split_address(_API, address or "127.0.0.1:0")
     self._pid = jax.process_index()
     self._closed = False
-    self._versions = Versions(keep)
+    self._fds: list[local_memory.FdServer] = []  # made when a local subscriber asks
+    self._versions = Versions(keep, self._fd_server)
     self._transport = transport_lib.acquire(host)
     self._service = serving.Service(self._pid, self._versions, self._transport)
     try:
@@ -85,13 +87,18 @@ class Publisher:
     except BaseException:
       transport_lib.release(self._transport)
       raise
-    mine = (self._server.address, self._transport.address)
+    mine = (self._server.address, self._transport.address, exports.host_identity())
     try:
       self._processes = _gather_addresses(mine, next(_instances), timeout_s)
     except BaseException:
       self._server.close()
       transport_lib.release(self._transport)
       raise
+
+  def _fd_server(self) -> local_memory.FdServer:
+    if not self._fds:
+      self._fds.append(local_memory.FdServer())
+    return self._fds[0]
 
   @property
   def address(self) -> str:
@@ -150,6 +157,8 @@ class Publisher:
       time.sleep(0.01)
     self._server.close()
     self._versions.clear()
+    for fds in self._fds:
+      fds.close()
     transport_lib.release(self._transport)
 
   def __enter__(self) -> "Publisher":
@@ -165,9 +174,10 @@ class Publisher:
       pass
 
 
-def _gather_addresses(mine: tuple[str, str], instance: int, timeout_s: float
-                      ) -> tuple[tuple[str, str], ...]:
-  """Every trainer process's (control, transfer) addresses, through the job's
+def _gather_addresses(mine: tuple[str, str, str], instance: int, timeout_s: float
+                      ) -> tuple[tuple[str, str, str], ...]:
+  """Every trainer process's (control address, transport address, host identity),
+  through the job's
   key-value store (one process: its own)."""
   if jax.process_count() == 1:
     return (mine,)

@@ -21,9 +21,9 @@ import jax
 
 from jax_m2n._src import quantize
 from jax_m2n._src.errors import (PeerFailed, ReshardError, ReshardRuntimeError,
-                                 ReshardTimeoutError, VersionGone)
-from jax_m2n._src.jobs import delta as delta_lib, engine, manifest as manifest_lib
-from jax_m2n._src.jobs import planning
+                                 ReshardTimeoutError, ReshardValueError, VersionGone)
+from jax_m2n._src.jobs import delta as delta_lib, engine, exports, local
+from jax_m2n._src.jobs import manifest as manifest_lib, planning
 from jax_m2n._src.jobs.connections import Connections
 from jax_m2n._src.jobs.pull import API, Pull
 from jax_m2n._src.jobs.request import PullOptions, pull_request
@@ -50,6 +50,14 @@ class State:
   manifests: dict[str, manifest_lib.Manifest] = dataclasses.field(default_factory=dict)
   last: delta_lib.Last | None = None      # what a delta pull applies to
   peers: dict[int, str] | None = None     # the job's processes' transport addresses
+  imports: dict[tuple[int, str], Any] = dataclasses.field(default_factory=dict)
+  path: str = ""                          # the last pull's data path
+
+  def close(self) -> None:
+    for imp in self.imports.values():
+      imp.close()
+    self.imports.clear()
+    self.connections.close()
 
 
 def pull(state: State, dst: Any, dtype: Any, donate: Any, options: PullOptions) -> Any:
@@ -159,8 +167,9 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
   m = _manifest(state, mid)
   request = pull_request(API, m, dst, dtype, donate, options)
   planning.check_devices(API, request.dsts)
+  local_path = _local_path(options, m)
   base, why = None, "delta=False"
-  if options.delta:  # the previous result, if a delta can apply to it (delta.base_of)
+  if options.delta and not local_path:  # the previous result a delta applies to
     base, why = delta_lib.base_of(state.last, mid, request.dsts, request.outs,
                                   request.quantized)
     logger.debug("Subscriber.pull: version %d %s", number,
@@ -168,7 +177,7 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
                  else f"in full ({why})")
   base_version = state.last.version if base is not None else 0
   pp = planning.plan_pull(m, request.dsts, request.outs,
-                          "flat" if base is not None else options.route)
+                          "flat" if base is not None or local_path else options.route)
   conn = state.connections
   transport = conn.transport(m.processes[0][1])
   if waits is not None:
@@ -178,15 +187,21 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
   try:
     p = Pull(request, pp, number, {k: conn.link(k, m) for k in pp.requests}, transport,
              waits, salt, _peers(state, waits, transport.address) if waits else {})
-    if base is not None:  # a delta pull (delta.py): pulled directly, never relayed
+    imports = _imports(state, p, m) if local_path else None
+    if imports is not None:  # the publisher's memory, read in place (local.py)
+      shards = local.run(p, imports)
+      state.path = "local"
+    elif base is not None:  # a delta pull (delta.py): pulled directly, never relayed
       in_place = {id(a) for a in request.donated} >= {id(a) for a in base}
       shards = delta_lib.run(p, base_version, base, in_place, REQUEST_S)
+      state.path = "network"
     else:
       pulled = None
       if state.relay is not None and p.links:
         pulled = state.relay.receive(conn.root(), p, REQUEST_S)
       tickets = None if pulled is not None else engine.request_pieces(p, REQUEST_S)
       shards = engine.run(p, tickets, pulled)
+      state.path = "network"
   except VersionGone:
     raise
   except ReshardError:
@@ -196,6 +211,46 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
     waits.end()  # every process of the job done: a pull succeeds or fails everywhere
     waits.finish()
   return _finish(state, request, number, shards)
+
+
+def _local_path(options: PullOptions, m: manifest_lib.Manifest) -> bool:
+  """Whether this pull reads the publisher's memory in place: every publisher process
+  shares this host (`path="auto"`), or the caller asked (`path="local"`: refused where
+  it cannot be, before any byte moves)."""
+  if options.path == "network":
+    return False
+  here = exports.host_identity()
+  elsewhere = [k for k, (_, _, host) in enumerate(m.processes) if not here or host != here]
+  if options.path == "local" and elsewhere:
+    raise ReshardValueError(
+        f"{API}: path='local' needs every publisher process on this host (same kernel, "
+        f"network namespace and user); got trainer process(es) {elsewhere[:8]} "
+        "elsewhere. Hint: path='auto' takes the network there.")
+  return not elsewhere
+
+
+def _imports(state: State, p: Pull, m: manifest_lib.Manifest
+             ) -> dict[int, local.Import] | None:
+  """The exports this pull reads, mapped (once per layout set and publisher process);
+  None where a publisher process declines (it cannot export: the network then)."""
+  out = {}
+  for k, link in p.links.items():
+    imp = state.imports.get((k, m.id))
+    if imp is None:
+      reply = link.client.call(local.describe_request(m.id), REQUEST_S,
+                               "the local export")
+      if not reply.get("local"):
+        if p.options.path == "local":
+          raise ReshardValueError(f"{API}: path='local' needs {link.name} to export the "
+                                  f"version; it declined: {reply.get('why')}.")
+        logger.info("Subscriber.pull: %s declined the local path (%s); the network "
+                    "then", link.name, reply.get("why"))
+        return None
+      if len(state.imports) >= MAX_MANIFESTS:
+        state.imports.pop(next(iter(state.imports))).close()
+      imp = state.imports[(k, m.id)] = local.Import(reply, link.name)
+    out[k] = imp
+  return out
 
 
 def _finish(state: State, request, number: int, shards) -> Any:

@@ -28,6 +28,9 @@ from jax_m2n._src.request import Options
 # The routes a pull runs (gather_bcast, reshard's legacy baseline, gathers on a trainer
 # device first: the trainer job would have to run part of the plan itself).
 ROUTES = ("hierarchical", "flat")
+# The data paths: "local" reads the publisher's memory (same host), "network" crosses
+# the transport; "auto" takes local where every publisher process shares this host.
+PATHS = ("auto", "local", "network")
 # How messages name the pytree dst and dtype are prefixes of.
 PUBLISHED = "the published pytree"
 
@@ -40,14 +43,17 @@ class PullOptions(Options):
   Attributes:
     version: the version to pull, or None (the newest not yet pulled).
     delta: whether only the elements that changed since the last pull cross.
+    path: "auto", "local" or "network" (PATHS).
   """
 
   version: int | None = None
   delta: bool = False
+  path: str = "auto"
 
 
 def pull_options(api: str, *, route: Any = "hierarchical", timeout_s: Any = None,
-                 version: Any = None, delta: Any = False) -> PullOptions:
+                 version: Any = None, delta: Any = False, path: Any = "auto"
+                 ) -> PullOptions:
   """The pull's `PullOptions` after every per-call rule (reshard's for route and
   timeout, then the pull's own), before anything is asked of the publisher."""
   base = checks.options(api, route=route, timeout_s=timeout_s)
@@ -59,7 +65,9 @@ def pull_options(api: str, *, route: Any = "hierarchical", timeout_s: Any = None
                             f"{version!r}.")
   if not isinstance(delta, bool):
     raise ReshardTypeError(f"{api}: delta must be a bool; got {type(delta).__name__}.")
-  return PullOptions(base.route, None, base.timeout_ms, None, version, delta)
+  if path not in PATHS:
+    raise ReshardValueError(f"{api}: path must be one of {PATHS}; got {path!r}.")
+  return PullOptions(base.route, None, base.timeout_ms, None, version, delta, path)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

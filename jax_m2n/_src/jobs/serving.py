@@ -16,8 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_m2n._src.errors import ProtocolError
-from jax_m2n._src.jobs import channel, delta, manifest as manifest_lib, membership
+from jax_m2n._src.errors import ProtocolError, ReshardError
+from jax_m2n._src.jobs import channel, delta, exports, manifest as manifest_lib, membership
 from jax_m2n._src.jobs import messages, pieces, relay
 from jax_m2n._src.jobs.versions import Version, Versions
 from jax_m2n._src.planner import DST_SHARD, SRC_SHARD
@@ -74,11 +74,13 @@ class Service:
       timeout_ms = messages.field(body, "timeout_ms", int, lo=1, hi=MAX_OFFER_MS)
       self._deferred.append((caller, body, time.monotonic() + min(
           timeout_ms, MAX_WAIT_MS) / 1000))
+    elif op == "local":
+      caller.reply(self._local(body))
     elif op in membership.OPS and self._pid == 0:
       self._relay.handle(caller, body)
     else:
-      raise ProtocolError(f"call: op must be versions, manifest, pieces, delta, relay_* or "
-                          f"bye; got {messages._short(op)}.")
+      raise ProtocolError(f"call: op must be versions, manifest, pieces, delta, local, "
+                          f"relay_* or bye; got {messages._short(op)}.")
     self.tick()
 
   def tick(self) -> None:
@@ -112,6 +114,22 @@ class Service:
         keep.append((caller, body, deadline))  # this process has not published it yet
     self._deferred = keep
     self._relay.tick(self.closed)
+
+  def _local(self, body: dict[str, Any]) -> dict[str, Any]:
+    """A subscriber on this host asks for the export of a layout set (to read its
+    versions straight from memory): where it is, and a one-use ticket for its fd."""
+    want = messages.field(body, "manifest", str, max_len=64)
+    host = messages.field(body, "host", str, max_len=300)
+    if not host or host != exports.host_identity():
+      return {"local": False, "why": "another host (or namespace, or user)"}
+    try:
+      export = self._versions.export_for(want)
+    except ReshardError as e:
+      return {"local": False, "why": str(e)}
+    if export is None:
+      return {"error": f"manifest {messages._short(want)} must belong to a held version; "
+              "got an unknown one (dropped: pull again).", "kind": "runtime"}
+    return {"local": True, **export.describe()}
 
   def _answer(self, body: dict[str, Any]) -> dict[str, Any]:
     """A pieces or delta request for a published version: gone, or served."""

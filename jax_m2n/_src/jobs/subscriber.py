@@ -84,7 +84,7 @@ class Subscriber:
     self._closed = True
     if self._state.relay is not None:
       self._state.relay.close(self._state.connections.live_root(), pulling.ANSWER_S)
-    self._state.connections.close()
+    self._state.close()
 
   def __enter__(self) -> "Subscriber":
     return self
@@ -94,7 +94,8 @@ class Subscriber:
 
   def pull(self, dst: Any, *, dtype: Any = None, version: int | None = None,
            donate: Any = None, route: str = "hierarchical",
-           timeout_s: float | None = None, delta: bool = False) -> Any:
+           timeout_s: float | None = None, delta: bool = False,
+           path: str = "auto") -> Any:
     """Returns a published version in this job's layouts.
 
     Without `version`, the newest version published after this subscriber's last
@@ -138,6 +139,13 @@ class Subscriber:
         pull runs the flat route's pieces (each box once per process). docs/jobs.md
         ("Delta sync") has the measurements behind the default.
 
+      path: "auto" (default): where every publisher process runs on this host (same
+        kernel, network namespace and user), the version is read straight from the
+        publisher's memory (shared memory on CPU, CUDA IPC on GPUs: one copy into the
+        result, no socket); elsewhere it crosses the network. "local" or "network"
+        forces one ("local" is an error where it cannot be). A local pull ignores
+        `route`, `delta` (it copies at memory speed) and relays.
+
     Returns:
       The pytree: the published structure where it is made of dicts, lists, tuples
       and None (or dst's own where dst is a whole tree), of jax.Arrays (QArrays for
@@ -156,5 +164,5 @@ class Subscriber:
     if self._closed:
       raise ReshardRuntimeError(f"{api}: the subscriber must be open; got a closed one.")
     options = pull_options(api, route=route, timeout_s=timeout_s, version=version,
-                           delta=delta)
+                           delta=delta, path=path)
     return pulling.pull(self._state, dst, dtype, donate, options)

@@ -2,8 +2,9 @@
 
 Owns checking what is published (reshard's rules for a source, where they apply),
 taking a version's snapshot (a copy of each of this process's shards, or its
-conversion to the published dtype), the manifest of each layout set (cached), the
-per-wire-dtype copies of a held version, and dropping versions beyond `keep`.
+conversion to the published dtype: into the layout set's export on CPU, as XLA
+buffers on GPUs), the manifest of each layout set (cached), the exports (exports.py)
+and the per-wire-dtype copies of a held version, and dropping versions beyond `keep`.
 Threads: `add` runs on the trainer's thread, the rest on the server thread; one lock.
 Knows no sockets or transports.
 """
@@ -14,15 +15,16 @@ import collections
 import dataclasses
 import functools
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from jax_m2n._src import checks
 from jax_m2n._src import jax_compat
-from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
-from jax_m2n._src.jobs import manifest as manifest_lib
+from jax_m2n._src import local_copy as local_copy_lib
+from jax_m2n._src.errors import ReshardTypeError, ReshardValueError, VersionGone
+from jax_m2n._src.jobs import exports, manifest as manifest_lib
 from jax_m2n._src.layout import Box, Layout
 
 # Manifests kept per publisher (a training run publishes one layout set, a few at most).
@@ -31,13 +33,22 @@ MAX_MANIFESTS = 16
 
 @dataclasses.dataclass
 class Version:
-  """One held version on this process."""
+  """One held version on this process.
+
+  Its shards live in XLA buffers (`shards`), or, where its layout set's export is the
+  snapshot (CPU), only in the export's slot `slot`, materialized as XLA buffers on the
+  first request that needs them (the network path's cut, a delta's compare).
+  """
 
   number: int
   manifest: manifest_lib.Manifest
-  # (leaf, publisher device index) -> (box, snapshot array on that device)
-  shards: dict[tuple[int, int], tuple[Box, jax.Array]]
+  # (leaf, publisher device index) -> (box, snapshot array on that device, or None
+  # while it lives only in the export)
+  shards: dict[tuple[int, int], tuple[Box, jax.Array | None]]
   nbytes: int
+  export: exports.Export | None = None
+  slot: int = -1
+  devices: dict[int, Any] = dataclasses.field(default_factory=dict)
   # Per wire dtype asked for, the shards converted to it (made once per version on
   # the first request, dropped with the version): a conversion costs one pass per
   # version, not one per subscriber, and the pieces are then cut without converting.
@@ -47,6 +58,9 @@ class Version:
   def shard(self, t: int, k: int, dtype: np.dtype) -> tuple[Box, jax.Array]:
     """Leaf t's shard on publisher device k, in `dtype`, with its box."""
     box, array = self.shards[(t, k)]
+    if array is None:
+      self._materialize()
+      box, array = self.shards[(t, k)]
     if array.dtype == dtype:
       return box, array
     converted = self.wire.setdefault(dtype, {})
@@ -54,6 +68,37 @@ class Version:
     if got is None:
       got = converted[(t, k)] = _converter(np.dtype(dtype))(array)
     return box, got
+
+  def _materialize(self) -> None:
+    """The shards as XLA buffers, copied out of the export's slot (one program per
+    device), while the slot still holds this version.
+
+    Raises:
+      VersionGone: the slot was reused for a newer version meanwhile.
+    """
+    export = self.export
+    with export.lock:
+      if export.slot_of(self.number) != self.slot:
+        raise VersionGone(f"Publisher: version {self.number} must still be held to be "
+                          "served; it was dropped meanwhile.")
+      per_device: dict[int, list[tuple[int, int]]] = {}
+      for t, k in self.shards:
+        per_device.setdefault(k, []).append((t, k))
+      for k, keys in per_device.items():
+        boxes, outs = [], []
+        for i, (t, _) in enumerate(keys):
+          box, _ = self.shards[(t, k)]
+          shape = tuple(hi - lo for lo, hi in box)
+          dtype = manifest_lib.dtype_of(self.manifest.leaves[t].dtype)
+          boxes.append(local_copy_lib.Box(i, i, shape, dtype, (0,) * len(shape),
+                                          (0,) * len(shape), shape))
+          outs.append(local_copy_lib.Out(shape, dtype))
+        arrays = local_copy_lib.local_copy(
+            self.devices[k], [export.pointer(t, k, self.slot) for t, _ in keys],
+            boxes, outs)
+        jax.block_until_ready(arrays)  # before the slot may be written again
+        for (t, _), a in zip(keys, arrays):
+          self.shards[(t, k)] = (self.shards[(t, k)][0], a)
 
 
 @functools.lru_cache(maxsize=64)
@@ -106,33 +151,80 @@ def check_published(api: str, tree: Any, dtype: Any
 class Versions:
   """The versions this process holds, at most `keep`, newest last."""
 
-  def __init__(self, keep: int):
+  def __init__(self, keep: int, fds: Callable[[], Any]):
     self.keep = keep
     self.lock = threading.Lock()
     self.published = 0
     self._held: collections.OrderedDict[int, Version] = collections.OrderedDict()
+    self._fds = fds  # this process's fd server (made on first need)
+    self._exports: dict[str, exports.Export] = {}
     # (structure, avals, shardings, dtypes) -> (manifest, per leaf device -> box,
     # device id -> publisher device index)
     self._manifests: dict[Any, tuple[Any, ...]] = {}
 
   def add(self, tree: Any, paths: list[Any], leaves: list[jax.Array],
           dtypes: list[np.dtype], processes: Any) -> Version:
-    """Snapshots `leaves` (checked: `check_published`) as the next version."""
+    """Snapshots `leaves` (checked: `check_published`) as the next version: into the
+    layout set's export where that is the snapshot (CPU: one copy, no XLA buffer),
+    else as XLA buffers (and into the export too, where local subscribers use one)."""
     m, boxes, index = self._layouts(tree, paths, leaves, dtypes, processes)
-    shards, nbytes = {}, 0
+    arrays, devices, nbytes = {}, {}, 0
     for t, (leaf, dt) in enumerate(zip(leaves, dtypes)):
-      devices = jax_compat.addressable_device_assignment(leaf.sharding)
-      for dev, arr in zip(devices, jax_compat.single_device_arrays(leaf)):
+      for dev, arr in zip(jax_compat.addressable_device_assignment(leaf.sharding),
+                          jax_compat.single_device_arrays(leaf)):
         k = index[dev.id]
-        snap = _snapshot(arr, dt)
-        shards[(t, k)] = (boxes[t][k], snap)
-        nbytes += snap.nbytes
+        devices[k] = dev
+        arrays[(t, k)] = arr if arr.dtype == dt else _converter(np.dtype(dt))(arr)
+        nbytes += arrays[(t, k)].nbytes
+    export = self._exports.get(m.id)
+    if export is None and _export_is_snapshot(devices):
+      export = self._export(m.id, arrays, boxes, devices)
     with self.lock:
-      self.published += 1
-      version = self._held[self.published] = Version(self.published, m, shards, nbytes)
+      number = self.published + 1
+    if export is not None and _export_is_snapshot(devices):
+      shards = {key: (boxes[key[0]][key[1]], None) for key in arrays}
+    else:
+      shards = {key: (boxes[key[0]][key[1]], _snapshot(a, a.dtype))
+                for key, a in arrays.items()}
+      arrays = {key: a for key, (_, a) in shards.items()}
+    slot = export.write(number, arrays) if export is not None else -1
+    with self.lock:
+      self.published = number
+      version = self._held[number] = Version(number, m, shards, nbytes, export, slot,
+                                             devices)
       while len(self._held) > self.keep:
         self._held.popitem(last=False)
+      live = {v.manifest.id for v in self._held.values()}
+      gone = [self._exports.pop(mid) for mid in list(self._exports) if mid not in live]
+    for e in gone:
+      e.close()
     return version
+
+  def _export(self, manifest_id: str, arrays: dict[tuple[int, int], jax.Array],
+              boxes: list[dict[int, Box]], devices: dict[int, Any]) -> exports.Export:
+    export = self._exports[manifest_id] = exports.Export(
+        {(t, k): (boxes[t][k], a.dtype) for (t, k), a in arrays.items()}, devices,
+        self.keep, self._fds)
+    return export
+
+  def export_for(self, manifest_id: str) -> exports.Export | None:
+    """The export of a held layout set for a local subscriber, made on first need
+    where it is not the snapshot (CUDA: IPC memory, with the held versions of the set
+    written into it); None where no held version has that layout set."""
+    with self.lock:
+      held = [v for v in self._held.values() if v.manifest.id == manifest_id]
+      export = self._exports.get(manifest_id)
+    if export is not None or not held:
+      return export
+    arrays = {key: a for key, (_, a) in held[-1].shards.items()}
+    boxes: list[dict[int, Box]] = [{} for _ in held[-1].manifest.leaves]
+    for (t, k), (box, _) in held[-1].shards.items():
+      boxes[t][k] = box
+    export = self._export(manifest_id, arrays, boxes, held[-1].devices)
+    for v in held:
+      v.export, v.slot = export, export.write(
+          v.number, {key: a for key, (_, a) in v.shards.items()})
+    return export
 
   def _layouts(self, tree, paths, leaves, dtypes, processes):
     """The manifest of this layout set, each leaf's box per publisher device and the
@@ -173,5 +265,16 @@ class Versions:
                    if v.manifest.id == manifest_id), None)
 
   def clear(self) -> None:
+    """Drops every version and frees every export."""
     with self.lock:
       self._held.clear()
+      gone, self._exports = list(self._exports.values()), {}
+    for e in gone:
+      e.close()
+
+
+def _export_is_snapshot(devices: dict[int, Any]) -> bool:
+  """Whether a version's export is its one snapshot: on CPU (host memory shared as it
+  is: no second copy); on GPUs XLA's buffers stay the snapshot and IPC memory is made
+  only for local subscribers (memory outside XLA's allocator is scarce there)."""
+  return next(iter(devices.values())).platform == "cpu"

@@ -1,0 +1,266 @@
+"""The local data plane between jobs on one host (CPU: shared memory): a Subscriber on the
+Publisher's host reads each version straight from the publisher's memory (jobs/local.py,
+jobs/exports.py). Bitwise against jax.device_put(x.astype(dtype), dst) over random
+layouts and dtypes; the path chosen automatically and forced; versions overwritten
+while read never returned; a publisher or subscriber killed (SIGKILL) leaves nothing
+behind and harms nobody else; retired layout sets free their memory."""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_m2n
+from jax_m2n._src.jobs import engine, exports
+
+TOKEN = "local-test-token-0123456789"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTYPES = [np.float32, np.int32, ml_dtypes.bfloat16, np.uint8, np.float16, np.bool_]
+CONVERSIONS = {np.dtype(np.float32): [None, ml_dtypes.bfloat16, np.float16, np.int32],
+               np.dtype(ml_dtypes.bfloat16): [None, np.float32]}
+
+
+def _bits(x):
+  return np.asarray(x).reshape(-1).view(np.uint8)
+
+
+def _spec(rng, rank, axes):
+  return P(*[axes[i] if i < len(axes) and rng.random() < 0.6 else None
+             for i in range(rank)])
+
+
+def _case(rng, trainer, gen):
+  """A random leaf: shape, dtype, source and destination shardings, a conversion."""
+  rank = int(rng.integers(0, 4))
+  shape = tuple(int(rng.choice([2, 4, 8])) for _ in range(rank))
+  dtype = np.dtype(DTYPES[int(rng.integers(len(DTYPES)))])
+  src = NamedSharding(trainer, _spec(rng, rank, trainer.axis_names))
+  dst = NamedSharding(gen, _spec(rng, rank, list(rng.permutation(gen.axis_names))))
+  conv = CONVERSIONS.get(dtype, [None])[int(rng.integers(len(CONVERSIONS.get(dtype,
+                                                                          [None]))))]
+  return shape, dtype, src, dst, conv
+
+
+@pytest.fixture(scope="module")
+def meshes():
+  devs = np.array(jax.devices())
+  return (Mesh(devs[:4].reshape(2, 2), ("a", "b")), Mesh(devs[4:].reshape(2, 2),
+                                                        ("x", "y")))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_layouts_and_dtypes_bitwise(meshes, seed):
+  trainer, gen = meshes
+  rng = np.random.default_rng(seed)
+  cases = [_case(rng, trainer, gen) for _ in range(12)]
+  pub = jax_m2n.Publisher(token=TOKEN, keep=2)
+  sub = jax_m2n.Subscriber(pub.address, token=TOKEN)
+  try:
+    before = dict(engine.stats)
+    for v in range(1, 4):
+      host = [(rng.standard_normal(s) * 8).astype(d) for s, d, *_ in cases]
+      tree = [jax.device_put(h, src) for h, (_, _, src, _, _) in zip(host, cases)]
+      assert pub.publish(tree) == v
+      out = sub.pull([c[3] for c in cases], dtype=[c[4] for c in cases])
+      assert sub.version == v and sub._state.path == "local"
+      for x, y, (_, _, _, dst, conv) in zip(tree, out, cases):
+        want = jax.device_put(x if conv is None else x.astype(conv), dst)
+        assert y.sharding == dst and y.dtype == want.dtype
+        np.testing.assert_array_equal(_bits(y), _bits(want))
+    assert dict(engine.stats) == before  # nothing crossed the transport
+  finally:
+    sub.close()
+    pub.close()
+
+
+def test_the_path_is_forced_either_way(meshes):
+  trainer, gen = meshes
+  x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8),
+                     NamedSharding(trainer, P("a", "b")))
+  with jax_m2n.Publisher(token=TOKEN) as pub, jax_m2n.Subscriber(
+      pub.address, token=TOKEN) as sub:
+    pub.publish({"x": x})
+    dst = NamedSharding(gen, P(None, "y"))
+    net = sub.pull(dst, version=1, path="network")
+    assert sub._state.path == "network"
+    loc = sub.pull(dst, version=1, path="local")
+    assert sub._state.path == "local"
+    np.testing.assert_array_equal(_bits(net["x"]), _bits(loc["x"]))
+    with pytest.raises(jax_m2n.ReshardValueError, match="path must be one of"):
+      sub.pull(dst, version=1, path="shm")
+
+
+def test_local_is_refused_where_the_publisher_is_elsewhere(meshes, monkeypatch):
+  trainer, gen = meshes
+  x = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(trainer, P("a")))
+  with jax_m2n.Publisher(token=TOKEN) as pub:
+    pub.publish({"x": x})
+    # This process now looks like another host to the manifest's publisher.
+    monkeypatch.setattr(exports, "host_identity", lambda: "another-host")
+    with jax_m2n.Subscriber(pub.address, token=TOKEN) as sub:
+      dst = NamedSharding(gen, P())
+      with pytest.raises(jax_m2n.ReshardValueError, match="path='local' needs"):
+        sub.pull(dst, version=1, path="local")
+      out = sub.pull(dst, version=1)  # auto: the network
+      assert sub._state.path == "network"
+      np.testing.assert_array_equal(np.asarray(out["x"]), np.ones((8, 8), np.float32))
+
+
+def test_a_reused_slot_is_never_read_as_the_old_version(meshes):
+  trainer, gen = meshes
+  mk = lambda v: {"x": jax.device_put(np.full((8, 8), v, np.float32),  # noqa: E731
+                                      NamedSharding(trainer, P("a")))}
+  with jax_m2n.Publisher(token=TOKEN, keep=2) as pub, jax_m2n.Subscriber(
+      pub.address, token=TOKEN) as sub:
+    pub.publish(mk(1))
+    sub.pull(NamedSharding(gen, P()), version=1)
+    imp = next(iter(sub._state.imports.values()))
+    pub.publish(mk(2))
+    pub.publish(mk(3))  # takes version 1's slot
+    with pytest.raises(jax_m2n.ReshardValueError):
+      imp.slot_of(1, time.monotonic() + 1.0)
+    assert imp.slot_of(3, time.monotonic() + 1.0) in range(2)
+    out = sub.pull(NamedSharding(gen, P()))  # the newest
+    assert sub.version == 3 and float(np.asarray(out["x"])[0, 0]) == 3.0
+
+
+def _memfds():
+  out = 0
+  for fd in os.listdir("/proc/self/fd"):
+    try:
+      out += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+    except OSError:
+      pass
+  return out
+
+
+def test_retired_layout_sets_and_closed_ends_free_their_memory(meshes):
+  trainer, gen = meshes
+  start = _memfds()
+  pub = jax_m2n.Publisher(token=TOKEN, keep=2)
+  sub = jax_m2n.Subscriber(pub.address, token=TOKEN)
+  a = {"x": jax.device_put(np.ones((64, 64), np.float32), NamedSharding(trainer, P("a")))}
+  b = {"y": jax.device_put(np.ones((32,), np.int32), NamedSharding(trainer, P()))}
+  pub.publish(a)
+  sub.pull(NamedSharding(gen, P()), version=1)
+  assert len(pub._versions._exports) == 1
+  pub.publish(b)
+  pub.publish(b)  # layout set a is no longer held: its export is freed
+  assert len(pub._versions._exports) == 1
+  sub.pull(NamedSharding(gen, P()))
+  sub.close()
+  pub.close()
+  assert _memfds() == start and not pub._versions._exports
+  assert not os.listdir("/dev/shm") or not any(
+      "jax_m2n" in f for f in os.listdir("/dev/shm"))
+
+
+_PUBLISHER = textwrap.dedent("""
+    import os, sys, time
+    import jax
+    jax.config.update("jax_num_cpu_devices", 4)
+    import numpy as np, jax_m2n
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    d = sys.argv[1]
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+    pub = jax_m2n.Publisher(token=sys.argv[2], keep=2)
+    x = jax.device_put(np.arange(1 << 16, dtype=np.float32).reshape(256, 256),
+                       NamedSharding(mesh, P("a", "b")))
+    v = 0
+    while True:
+      v = pub.publish({"w": x + v})
+      if v == 1:
+        with open(d + "/addr.tmp", "w") as f:
+          f.write(pub.address)
+        os.replace(d + "/addr.tmp", d + "/addr")
+      time.sleep(0.05)
+""")
+
+
+def _start_publisher(d):
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  p = subprocess.Popen([sys.executable, "-c", _PUBLISHER, d, TOKEN], env=env)
+  deadline = time.monotonic() + 120
+  while not os.path.exists(d + "/addr"):
+    assert p.poll() is None and time.monotonic() < deadline, "the publisher died"
+    time.sleep(0.05)
+  return p, open(d + "/addr").read()
+
+
+def test_two_programs_on_one_host_and_a_killed_publisher(meshes):
+  _, gen = meshes
+  d = tempfile.mkdtemp()
+  shm_before = set(os.listdir("/dev/shm"))
+  memfds = _memfds()
+  p, address = _start_publisher(d)
+  try:
+    with jax_m2n.Subscriber(address, token=TOKEN) as sub:
+      dst = NamedSharding(gen, P(None, "y"))
+      base = np.arange(1 << 16, dtype=np.float32).reshape(256, 256)
+      for _ in range(5):
+        out = sub.pull(dst, dtype=jnp.bfloat16, timeout_s=30)
+        assert sub._state.path == "local"
+        want = jax.device_put((base + (sub.version - 1)).astype(jnp.bfloat16), dst)
+        np.testing.assert_array_equal(_bits(out["w"]), _bits(want))
+      p.send_signal(signal.SIGKILL)
+      p.wait(timeout=30)
+      t0 = time.monotonic()
+      with pytest.raises(jax_m2n.ReshardRuntimeError):
+        for _ in range(100):  # a version published before the kill may still be read
+          sub.pull(dst, timeout_s=30)
+      assert time.monotonic() - t0 < 2.0
+  finally:
+    if p.poll() is None:
+      p.kill()
+  assert set(os.listdir("/dev/shm")) == shm_before  # nothing left behind
+  assert _memfds() == memfds
+
+
+_SUBSCRIBER = textwrap.dedent("""
+    import sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 4)
+    import numpy as np, jax_m2n
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    sub = jax_m2n.Subscriber(sys.argv[1], token=sys.argv[2])
+    mesh = Mesh(np.array(jax.devices()), ("y",))
+    while True:
+      sub.pull(NamedSharding(mesh, P("y")), timeout_s=30)
+      print("pulled", sub.version, flush=True)
+""")
+
+
+def test_a_killed_subscriber_harms_nobody(meshes):
+  _, gen = meshes
+  d = tempfile.mkdtemp()
+  p, address = _start_publisher(d)
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  victim = subprocess.Popen([sys.executable, "-c", _SUBSCRIBER, address, TOKEN], env=env,
+                            stdout=subprocess.PIPE, text=True)
+  try:
+    for _ in range(3):  # it pulls a few versions, then dies mid-loop
+      assert victim.stdout.readline().startswith("pulled")
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    with jax_m2n.Subscriber(address, token=TOKEN) as sub:
+      out = sub.pull(NamedSharding(gen, P()), timeout_s=30)
+      want = np.arange(1 << 16, dtype=np.float32).reshape(256, 256) + (sub.version - 1)
+      np.testing.assert_array_equal(np.asarray(out["w"]), want)
+    assert p.poll() is None  # the publisher still publishes
+  finally:
+    for q in (victim, p):
+      if q.poll() is None:
+        q.kill()
+        q.wait()
