@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -168,7 +168,18 @@ def local_copy(device: jax.Device, pointers, boxes: Sequence[Box],
     >>> np.asarray(out)[1].tolist()
     [8.0, 9.0, 10.0, 11.0]
   """
-  table = _pointer_table(pointers, "local_copy", device.platform)
+  return copier(device, boxes, outs, len(pointers))(pointers)
+
+
+def copier(device: jax.Device, boxes: Sequence[Box], outs: Sequence[Out],
+           n_slots: int) -> Callable[[Sequence[int]], list[jax.Array]]:
+  """`local_copy` prepared once for a schedule: checks and compiles now, and returns
+  `copy(pointers) -> list[jax.Array]`, which runs it at other addresses each time (a
+  pull that recurs every version pays only the call).
+
+  Raises:
+    ReshardTypeError / ReshardValueError: before anything runs (here, not per copy).
+  """
   outs = tuple(Out(tuple(int(d) for d in o.shape), np.dtype(o.dtype)) for o in outs)
   for o, out in enumerate(outs):
     if jax.dtypes.canonicalize_dtype(out.dtype) != out.dtype:
@@ -180,12 +191,19 @@ def local_copy(device: jax.Device, pointers, boxes: Sequence[Box],
   except TypeError:  # lists among a box's fields: the cache key needs tuples
     boxes = tuple(Box(*(tuple(int(v) for v in f) if isinstance(f, (list, np.ndarray))
                         else f for f in box)) for box in boxes)
-  program = _program(boxes, outs, int(table.size), device.platform)
-  try:
-    return list(program(jax.device_put(table.view(np.uint32), device)))
-  except jax.errors.JaxRuntimeError as e:
-    raise ReshardRuntimeError(f"local_copy: the native call failed on {device}: "
-                              f"{e}") from e
+  program = _program(boxes, outs, int(n_slots), device.platform)
+
+  def copy(pointers: Sequence[int]) -> list[jax.Array]:
+    table = _pointer_table(pointers, "local_copy", device.platform)
+    if table.size != n_slots:
+      raise ReshardValueError(f"local_copy: pointers must have {n_slots} entries (the "
+                              f"schedule's slots); got {table.size}.")
+    try:
+      return list(program(jax.device_put(table.view(np.uint32), device)))
+    except jax.errors.JaxRuntimeError as e:
+      raise ReshardRuntimeError(f"local_copy: the native call failed on {device}: "
+                                f"{e}") from e
+  return copy
 
 
 class Stored:

@@ -126,12 +126,19 @@ class Export:
       self._versions[slot] = version
       self.header[slot] = -version
       waits = []
-      for k in sorted(self.slot_bytes):
-        mine = sorted(t for (t, kk) in self.offsets if kk == k)
-        if mine:
-          waits.append(local_copy_lib.local_store(
-              [arrays[(t, k)] for t in mine], self.pointer(mine[0], k, slot) -
-              self.offsets[(mine[0], k)], [self.offsets[(t, k)] for t in mine]))
+      if self.platform == "cpu":  # numpy into the mapping: the buffers themselves
+        data = self._host.array
+        for (t, k), at in self.offsets.items():
+          src = np.asarray(arrays[(t, k)]).reshape(-1).view(np.uint8)
+          start = self._bases[k][0] - self._host.address + slot * self._bases[k][1] + at
+          data[start:start + src.size] = src
+      else:
+        for k in sorted(self.slot_bytes):
+          mine = sorted(t for (t, kk) in self.offsets if kk == k)
+          if mine:
+            waits.append(local_copy_lib.local_store(
+                [arrays[(t, k)] for t in mine], self.pointer(mine[0], k, slot) -
+                self.offsets[(mine[0], k)], [self.offsets[(t, k)] for t in mine]))
     if all(w.is_ready() for w in waits):
       self.header[slot] = version
       return slot

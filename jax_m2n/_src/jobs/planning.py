@@ -51,6 +51,9 @@ class PullPlan:
     requests: per publisher process (its index), the ops it sends to this process,
       one list per wave in wave order: one transfer-server pull each.
     fingerprint: equal on every process of the subscriber job that plans alike.
+    avals: per leaf, the abstract value of the result of an earlier pull of this plan
+      (jax_compat.reusable_aval), filled by the first: later results skip JAX's
+      checks of the shards they are made of.
   """
 
   plan: Plan
@@ -63,6 +66,7 @@ class PullPlan:
   waves: tuple[transfer_engine.Wave, ...]
   requests: dict[int, list[list[transfer_engine.Op]]]
   fingerprint: str
+  avals: list[Any] = dataclasses.field(default_factory=list)
 
   @functools.cached_property
   def local_dst(self) -> list[list[Any]]:

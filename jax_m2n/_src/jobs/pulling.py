@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from jax_m2n._src import jax_compat
 from jax_m2n._src import quantize
 from jax_m2n._src.errors import (PeerFailed, ReshardError, ReshardRuntimeError,
                                  ReshardTimeoutError, ReshardValueError, VersionGone)
@@ -210,7 +211,7 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
   if waits is not None:
     waits.end()  # every process of the job done: a pull succeeds or fails everywhere
     waits.finish()
-  return _finish(state, request, number, shards)
+  return _finish(state, request, pp, number, shards)
 
 
 def _local_path(options: PullOptions, m: manifest_lib.Manifest) -> bool:
@@ -253,12 +254,15 @@ def _imports(state: State, p: Pull, m: manifest_lib.Manifest
   return out
 
 
-def _finish(state: State, request, number: int, shards) -> Any:
+def _finish(state: State, request, pp: planning.PullPlan, number: int, shards) -> Any:
   """The global arrays from this process's shards; quantized leaves as QArrays; the
   donated arrays deleted; the record a later delta pull applies to."""
   m = request.manifest
-  arrays = [jax.make_array_from_single_device_arrays(l.shape, d, s, dtype=o)
-            for l, d, s, o in zip(m.leaves, request.dsts, shards, request.outs)]
+  avals = pp.avals or [None] * len(m.leaves)
+  arrays = [jax_compat.array_from_single_device_arrays(l.shape, d, s, o, aval)
+            for l, d, s, o, aval in zip(m.leaves, request.dsts, shards, request.outs, avals)]
+  if not pp.avals:
+    pp.avals.extend(jax_compat.reusable_aval(a) for a in arrays)
   state.last = (delta_lib.record(number, m.id, request.dsts, request.outs, arrays)
                 if request.options.delta else None)
   quantized = [t for t, s in enumerate(request.specs) if s is not None]
