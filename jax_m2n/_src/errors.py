@@ -60,6 +60,11 @@ class ProtocolError(ReshardValueError):
   without effect."""
 
 
+class PlanUnknown(ReshardRuntimeError):
+  """Internal: a publisher process no longer knows the plan a pull names (evicted, or
+  the process restarted); the subscriber registers it again and retries."""
+
+
 class VersionGone(ReshardValueError):
   """The version a pull asked for is no longer held by the publisher (beyond `keep`);
   a pull of the newest moves on to the next newest."""

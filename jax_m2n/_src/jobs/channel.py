@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError,
+from jax_m2n._src.errors import (PlanUnknown, ReshardRuntimeError, ReshardTimeoutError,
                                  ReshardTypeError, ReshardValueError)
 from jax_m2n._src.jobs import auth, handshake, messages
 from jax_m2n._src.jobs.messages import ProtocolError
@@ -342,6 +342,7 @@ class Client:
     self._sock = sock
     self._lock = threading.Lock()
     self._seq = 0
+    self._open: int | None = None  # a request started and not finished
     self._notices: collections.deque[dict[str, Any]] = collections.deque()
     self.broken: str | None = None
     self.stats: collections.Counter = collections.Counter()
@@ -372,9 +373,18 @@ class Client:
         the reply's own error, as its kind says (ReshardValueError /
         ReshardRuntimeError / ReshardTimeoutError / VersionGone).
     """
+    return self.finish(self.start(body, what), answer_s, what)
+
+  def start(self, body: dict[str, Any], what: str) -> int:
+    """Sends one request without waiting for its reply (`finish` waits): a caller with
+    requests for several servers sends them all, then waits. One request at a time per
+    client: `finish` it before the next `start` or `call`. Returns its number."""
     with self._lock:
       if self.broken is not None:
         raise ReshardRuntimeError(f"{self._api}: {self.peer} is unusable: {self.broken}")
+      if self._open is not None:
+        raise ReshardRuntimeError(f"{self._api}: {self.peer}: one request at a time; "
+                                  f"request {self._open} is not finished.")
       self._seq += 1
       seq = self._seq
       data = messages.encode({"m2n": messages.PROTOCOL, "type": "call", "seq": seq,
@@ -393,6 +403,14 @@ class Client:
       self._count("calls")
       self._count("sent", len(chunks))
       self._count("sent_bytes", len(data))
+      self._open = seq
+      return seq
+
+  def finish(self, seq: int, answer_s: float, what: str) -> dict[str, Any]:
+    """The reply to request `seq` (`start`), waiting at most `answer_s`; raises as
+    `call` does."""
+    with self._lock:
+      self._open = None
       deadline = time.monotonic() + answer_s
       while True:
         message = self._receive(deadline)
@@ -412,10 +430,26 @@ class Client:
         error = out.get("error")
         if error is not None:
           kind = {"value": ReshardValueError, "timeout": ReshardTimeoutError,
-                  "gone": messages.VersionGone}.get(
+                  "gone": messages.VersionGone, "unknown_plan": PlanUnknown}.get(
               out.get("kind"), ReshardRuntimeError)
           raise kind(f"{self._api}: {self.peer}: {error}")
         return out
+
+  def poll_notices(self) -> list[dict[str, Any]]:
+    """Every notice that has arrived, without waiting (oldest first).
+
+    Raises:
+      ReshardRuntimeError: the client is broken or closed.
+    """
+    with self._lock:
+      if self.broken is not None:
+        raise ReshardRuntimeError(f"{self._api}: {self.peer} is unusable: {self.broken}")
+      if self._open is None:  # (while a request is open, its reply is not read here)
+        while self._receive(None) is not None:
+          pass  # a late reply of an earlier request: dropped; notices are kept
+      out = list(self._notices)
+      self._notices.clear()
+      return out
 
   def wait_notice(self, timeout_s: float) -> dict[str, Any] | None:
     """The next notice the server sent (kept while calls ran), or None after
@@ -438,13 +472,17 @@ class Client:
         # A reply read here is a late one (no call runs while the lock is held): dropped.
         self._receive(time.monotonic() + min(left, TICK_S))
 
-  def _receive(self, deadline: float) -> dict[str, Any] | None:
+  def _receive(self, deadline: float | None) -> dict[str, Any] | None:
     """The next reply or error (with the lock held), keeping notices aside; None at
-    `deadline`."""
+    `deadline` (None: only what has arrived, no wait)."""
     while True:
-      left = deadline - time.monotonic()
-      if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
-        return None
+      if deadline is None:
+        if not self._sock.poll(0):
+          return None
+      else:
+        left = deadline - time.monotonic()
+        if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
+          return None
       data = self._sock.recv()
       self._count("received")
       self._count("received_bytes", len(data))

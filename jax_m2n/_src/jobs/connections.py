@@ -30,11 +30,13 @@ def local_host_towards(host: str) -> str:
 @dataclasses.dataclass
 class Link:
   """A publisher process as a pull uses it: its control client, its transport's
-  address (as this process reaches it), and how messages name it."""
+  address (as this process reaches it), how messages name it, and the plans this
+  process registered with it (each with its tickets' salt)."""
 
   client: channel.Client
   address: str
   name: str
+  plans: dict[str, bytes] = dataclasses.field(default_factory=dict)  # registered: salt
 
 
 class Connections:

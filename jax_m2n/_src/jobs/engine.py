@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from typing import Any
+import secrets
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from jax_m2n._src.errors import ReshardRuntimeError
+from jax_m2n._src.errors import PlanUnknown, ReshardRuntimeError
 from jax_m2n._src.jobs import pieces
 from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE
 from jax_m2n._src.jobs.planning import PUBLISHER_PROCESS_BASE, PullPlan
@@ -35,6 +36,14 @@ def peer_ticket(salt: bytes, wave: int, sender: int, receiver: int) -> int:
   """A forward's ticket inside the subscriber job: unguessable without the pull's
   random salt, derivable by both sides."""
   h = hashlib.blake2b(salt + f"|{wave}|{sender}|{receiver}".encode(), digest_size=8)
+  return int.from_bytes(h.digest(), "little")
+
+
+def pull_ticket(salt: bytes, seq: int, group: int) -> int:
+  """The ticket of group `group` of a registered plan's pull number `seq`: derived by
+  both sides from the plan's random salt (sent only over the control channel), so the
+  subscriber fetches before the publisher's answer arrives."""
+  h = hashlib.blake2b(salt + f"|{seq}|{group}".encode(), digest_size=8)
   return int.from_bytes(h.digest(), "little")
 
 
@@ -60,24 +69,57 @@ def tickets_of(reply: dict[str, Any], n: int, name: str, what: str) -> list[int]
   return got
 
 
-def request_pieces(pull: Pull, answer_s: float) -> dict[int, list[int]]:
-  """Asks each publisher process for the pieces it sends this process, one offer per
-  wave; returns their tickets (per publisher process, in wave order)."""
-  tickets = {}
+def request(pull: Pull, answer_s: float) -> tuple[dict[int, list[int]], list[Any]]:
+  """Sends each publisher process this process reads from its pull (registering the
+  plan first, once per publisher process and plan), without waiting for the answers:
+  returns the tickets to fetch at once (derived from the plan's salt and the pull's
+  random number) and the open requests (`confirm` waits for their answers). A pull
+  that recurs costs one message to each publisher process and no piece list."""
+  seq = secrets.randbits(62)
+  key = pull.plan.fingerprint[:32]
+  tickets, opened = {}, []
   for k, groups in sorted(pull.plan.packed_requests.items()):
     link = pull.links[k]
-    reply = link.client.call(pieces_body(pull.plan, k, pull.number, pull.timeout_s),
-                             answer_s, f"the pieces of version {pull.number}")
-    tickets[k] = tickets_of(reply, len(groups), link.name, "the pieces request")
-  return tickets
+    salt = link.plans.get(key)
+    if salt is None:
+      salt = secrets.token_bytes(16)
+      body = dict(pieces_body(pull.plan, k, pull.number, pull.timeout_s), op="register",
+                  plan=key, manifest=pull.request.manifest.id, salt=salt.hex())
+      link.client.call(body, answer_s, "the registration of a plan")
+      link.plans[key] = salt
+    opened.append((link, key, link.client.start(
+        {"op": "pull", "plan": key, "version": pull.number, "seq": seq,
+         "timeout_ms": pull.options.timeout_ms}, f"the pull of version {pull.number}")))
+    tickets[k] = [pull_ticket(salt, seq, g) for g in range(len(groups))]
+  return tickets, opened
+
+
+def confirm(pull: Pull, opened: list[Any], answer_s: float) -> None:
+  """Waits for the publisher processes' answers to `request`'s pulls (errors raise:
+  a version gone, a plan forgotten); on a failure, fails the fetches still pending
+  from those processes (their offers will not come)."""
+  try:
+    for link, key, seq in opened:
+      try:
+        link.client.finish(seq, answer_s, f"the pull of version {pull.number}")
+      except PlanUnknown:
+        link.plans.pop(key, None)  # the next pull registers it again
+        raise
+  except BaseException:
+    for link, _, _ in opened:
+      pull.transport.forget(link.address)
+    raise
 
 
 def run(pull: Pull, tickets: dict[int, list[int]] | None,
-        pulled: dict[int, Any] | None = None) -> list[list[jax.Array]]:
+        pulled: dict[int, Any] | None = None,
+        confirm: Callable[[], None] | None = None) -> list[list[jax.Array]]:
   """Runs this process's waves; returns per leaf its local destination shards (in
   `pp.local_dst` order, in the delivered dtype). `tickets`: per publisher process, its
   offers in wave order. `pulled` (a relay's): per publisher process, an iterator over
-  its waves' pack arrays, already fetched (then `tickets` is None)."""
+  its waves' pack arrays, already fetched (then `tickets` is None). `confirm` runs
+  once every fetch from the publisher is issued, before any wait (the answers to the
+  requests that made the offers: errors raise before waiting for what never comes)."""
   pp, transport = pull.plan, pull.transport
   me = jax.process_index()
   devices = {d.id: d for d in jax.local_devices()}
@@ -95,6 +137,8 @@ def run(pull: Pull, tickets: dict[int, list[int]] | None,
             pull.links[k].address, next(offers[k]),
             [pack_spec(pp, pack, devices) for pack in packs])
         arrived.setdefault(wave.depth, []).append((pull.links[k].name, packs, fetch))
+  if confirm is not None:
+    confirm()
   for wave in pp.waves:
     w = wave.depth
     if wave.sends:  # forwards to the job's own processes: one array per box

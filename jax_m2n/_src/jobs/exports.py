@@ -3,8 +3,9 @@ publishing side of the local data plane.
 
 Owns one `Export` per layout set (manifest): `keep` slots of exportable memory, each
 holding one version's shards of this process at fixed offsets (a memfd on CPU; CUDA
-IPC memory per GPU), and a header a reader checks before and after it copies (slot s
-holds version v when header[s] == v; -v while v is being written), so a slot reused for
+IPC memory per GPU), and a header a reader checks before and after it copies (the last
+version begun, then per slot: slot s holds version v when its entry is v, -v while v
+is being written), so a slot reused for
 a newer version is never read as the old one (a seqlock: no lease, no round trip).
 Also this host's identity (`host_identity`), which decides whether a subscriber may
 use the local path. Knows no sockets but the fd server's; copies only through
@@ -90,7 +91,8 @@ class Export:
     if self.platform == "cpu":
       self._host = local_memory.Segment.create(
           HEADER_BYTES + keep * sum(self.slot_bytes.values()))
-      self.header = self._host.array[:HEADER_BYTES].view(np.int64)
+      words = self._host.array[:HEADER_BYTES].view(np.int64)
+      self.latest, self.header = words[:1], words[1:1 + keep]
       base, self._bases = HEADER_BYTES, {}
       for k in sorted(self.slot_bytes):
         self._bases[k] = (self._host.address + base, sum(self.slot_bytes.values()))
@@ -98,7 +100,8 @@ class Export:
       self._device: dict[int, local_memory.DeviceSegment] = {}
     else:
       self._host = local_memory.Segment.create(HEADER_BYTES)
-      self.header = self._host.array.view(np.int64)
+      words = self._host.array.view(np.int64)
+      self.latest, self.header = words[:1], words[1:1 + keep]
       self._device = {}
       try:
         for k, n in self.slot_bytes.items():
@@ -124,6 +127,7 @@ class Export:
     with self.lock:
       slot = min(range(self.keep), key=lambda s: self._versions[s])
       self._versions[slot] = version
+      self.latest[0] = version
       self.header[slot] = -version
       waits = []
       if self.platform == "cpu":  # numpy into the mapping: the buffers themselves
@@ -169,7 +173,7 @@ class Export:
 
   def slot_of(self, version: int) -> int | None:
     """The slot holding `version` (committed), or None."""
-    hits = np.flatnonzero(self.header[:self.keep] == version)
+    hits = np.flatnonzero(self.header == version)
     return int(hits[0]) if hits.size else None
 
   def describe(self) -> dict[str, Any]:
@@ -195,6 +199,6 @@ class Export:
     self._device = {}
     if self._host is not None:
       with self.lock:
-        self.header = None
+        self.header = self.latest = None
         host, self._host = self._host, None
       host.close()

@@ -59,7 +59,8 @@ class Import:
       raise ReshardRuntimeError(f"{API}: {name} answered the local request with a "
                                 f"malformed description: {e}") from None
     self._host = local_memory.Segment.open(local_memory.fetch_fd(server, ticket), nbytes)
-    self.header = self._host.array[:exports.HEADER_BYTES].view(np.int64)
+    words = self._host.array[:exports.HEADER_BYTES].view(np.int64)
+    self.latest, self.header = words[:1], words[1:1 + self.keep]
     self._liveness = _pidfd(pid)
     self._device: dict[int, local_memory.DeviceSegment] = {}
     self._bases: dict[int, tuple[int, int]] = {}
@@ -95,13 +96,16 @@ class Import:
     """
     delay = 1e-4
     while True:
-      header = self.header[:self.keep]
-      hits = np.flatnonzero(header == version)
+      hits = np.flatnonzero(self.header == version)
       if hits.size:
         return int(hits[0])
-      if not (header == -version).any() or time.monotonic() > deadline:
+      pending = int(self.latest[0]) < version or (self.header == -version).any()
+      if not pending:
         raise VersionGone(f"{API}: version {version} must be held by {self.name}; its "
                           "slot holds another version (dropped meanwhile).")
+      if time.monotonic() > deadline:
+        raise ReshardTimeoutError(f"{API}: version {version} must be written by "
+                                  f"{self.name} in time; it was not (it lags, or stalled).")
       time.sleep(delay)
       delay = min(2 * delay, 1e-3)
 
@@ -109,7 +113,7 @@ class Import:
     for seg in self._device.values():
       seg.close()
     self._device = {}
-    self.header = None
+    self.header = self.latest = None
     self._host.close()
     if self._liveness is not None:
       os.close(self._liveness)

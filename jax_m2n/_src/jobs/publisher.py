@@ -139,7 +139,7 @@ class Publisher:
       raise ReshardRuntimeError(f"{api}: the publisher must be open; got a closed one.")
     paths, leaves, dtypes = check_published(api, tree, dtype)
     version = self._versions.add(tree, paths, leaves, dtypes, self._processes)
-    self._server.wake()
+    self._server.wake()  # answers the waiting long polls at once
     logger.debug("Publisher: version %d, %d leaves, %d bytes held here", version.number,
                  len(leaves), version.nbytes)
     return version.number

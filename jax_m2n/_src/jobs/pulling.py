@@ -21,8 +21,9 @@ import jax
 
 from jax_m2n._src import jax_compat
 from jax_m2n._src import quantize
-from jax_m2n._src.errors import (PeerFailed, ReshardError, ReshardRuntimeError,
-                                 ReshardTimeoutError, ReshardValueError, VersionGone)
+from jax_m2n._src.errors import (PeerFailed, PlanUnknown, ReshardError,
+                                 ReshardRuntimeError, ReshardTimeoutError,
+                                 ReshardValueError, VersionGone)
 from jax_m2n._src.jobs import delta as delta_lib, engine, exports, local
 from jax_m2n._src.jobs import manifest as manifest_lib, planning
 from jax_m2n._src.jobs.connections import Connections
@@ -102,42 +103,60 @@ def _pull_job(state: State, dst, dtype, donate, options: PullOptions) -> Any:
 
 def choose(state: State, options: PullOptions) -> tuple[int, str]:
   """(version, manifest id): the newest held version after the last pull, or
-  `options.version`; waits for it in long polls of POLL_S."""
+  `options.version`, as the publisher says now (a version published before this call
+  is never missed): a long poll of POLL_S, answered at once when there is one, or the
+  moment the trainer publishes it."""
   root = state.connections.root()
   version = options.version
   after = state.version if version is None else version - 1
   deadline = time.monotonic() + options.timeout_s
   while True:
     wait_s = max(0.0, min(POLL_S, deadline - time.monotonic()))
-    reply = root.call({"op": "versions", "after": after,
-                       "wait_ms": int(wait_s * 1000)}, wait_s + ANSWER_S,
-                      "the list of versions")
-    held = reply.get("versions")
-    if not isinstance(held, list) or not all(
-        isinstance(v, list) and len(v) == 2 and type(v[0]) is int
-        and isinstance(v[1], str) for v in held):
-      raise ReshardRuntimeError(f"{API}: {root.peer} answered with a malformed list "
-                                "of versions.")
-    if reply.get("closed"):
-      raise ReshardRuntimeError(f"{API}: {root.peer} closed (the trainer stopped "
-                                "publishing).")
-    numbers = {n: mid for n, mid in held}
-    if version is None:
-      newer = [n for n in numbers if n > after]
-      if newer:
-        return max(newer), numbers[max(newer)]
-    elif version in numbers:
-      return version, numbers[version]
-    elif numbers and version < max(numbers):
-      raise VersionGone(
-          f"{API}: version must be one the publisher holds; got {version}, and "
-          f"{root.peer} holds {sorted(numbers)} (keep={reply.get('keep')}).")
+    listing = _listing(root, root.call(
+        {"op": "versions", "after": after, "wait_ms": int(wait_s * 1000)},
+        wait_s + ANSWER_S, "the list of versions"))
+    got = _answer(root, listing, version, after)
+    if got is not None:
+      return got
     if time.monotonic() >= deadline:
       want = (f"a version newer than {after}" if version is None
               else f"version {version}")
       raise ReshardTimeoutError(
           f"{API}: {want} must be published within timeout_s={options.timeout_s:g}; "
-          f"got none ({root.peer} is alive and holds {sorted(numbers) or 'no version'}).")
+          f"got none ({root.peer} is alive and holds "
+          f"{sorted(listing['numbers']) or 'no version'}).")
+
+
+def _listing(root: Any, reply: dict[str, Any]) -> dict[str, Any]:
+  """A versions answer or notice, checked: {"numbers": {version: manifest id}, ...}."""
+  held = reply.get("versions")
+  if not isinstance(held, list) or not all(
+      isinstance(v, list) and len(v) == 2 and type(v[0]) is int
+      and isinstance(v[1], str) for v in held):
+    raise ReshardRuntimeError(f"{API}: {root.peer} answered with a malformed list "
+                              "of versions.")
+  return {"numbers": {n: mid for n, mid in held}, "closed": bool(reply.get("closed")),
+          "keep": reply.get("keep")}
+
+
+def _answer(root: Any, listing: dict[str, Any], version: int | None,
+            after: int) -> tuple[int, str] | None:
+  """The version a listing offers (the newest after `after`, or `version`), or None:
+  wait for another."""
+  if listing["closed"]:
+    raise ReshardRuntimeError(f"{API}: {root.peer} closed (the trainer stopped "
+                              "publishing).")
+  numbers = listing["numbers"]
+  if version is None:
+    newer = [n for n in numbers if n > after]
+    return (max(newer), numbers[max(newer)]) if newer else None
+  if version in numbers:
+    return version, numbers[version]
+  if numbers and version < max(numbers):
+    raise VersionGone(
+        f"{API}: version must be one the publisher holds; got {version}, and "
+        f"{root.peer} holds {sorted(numbers)} (keep={listing['keep']}).")
+  return None
 
 
 def _manifest(state: State, mid: str) -> manifest_lib.Manifest:
@@ -200,8 +219,7 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
       pulled = None
       if state.relay is not None and p.links:
         pulled = state.relay.receive(conn.root(), p, REQUEST_S)
-      tickets = None if pulled is not None else engine.request_pieces(p, REQUEST_S)
-      shards = engine.run(p, tickets, pulled)
+      shards = _full(p, pulled)
       state.path = "network"
   except VersionGone:
     raise
@@ -212,6 +230,21 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
     waits.end()  # every process of the job done: a pull succeeds or fails everywhere
     waits.finish()
   return _finish(state, request, pp, number, shards)
+
+
+def _full(p: Pull, pulled: Any) -> list[list[jax.Array]]:
+  """A full pull over the transport (or from a relay's chunks, `pulled`); a plan a
+  publisher process forgot is registered again and the pull retried once."""
+  if pulled is not None:
+    return engine.run(p, None, pulled)
+  for attempt in range(2):
+    tickets, opened = engine.request(p, REQUEST_S)
+    try:
+      return engine.run(p, tickets, None, lambda: engine.confirm(p, opened, REQUEST_S))
+    except PlanUnknown:
+      if attempt:
+        raise
+  raise AssertionError("unreachable")
 
 
 def _local_path(options: PullOptions, m: manifest_lib.Manifest) -> bool:

@@ -10,19 +10,23 @@ nothing; holds no version itself (versions.py does).
 
 from __future__ import annotations
 
+import collections
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from jax_m2n._src.errors import ProtocolError, ReshardError
-from jax_m2n._src.jobs import channel, delta, exports, manifest as manifest_lib, membership
-from jax_m2n._src.jobs import messages, pieces, relay
+from jax_m2n._src.jobs import channel, delta, engine, exports
+from jax_m2n._src.jobs import manifest as manifest_lib, membership, messages, pieces, relay
 from jax_m2n._src.jobs.versions import Version, Versions
 from jax_m2n._src.planner import DST_SHARD, SRC_SHARD
 from jax_m2n._src.processes import transfer_engine
 
+# Registered plans a publisher process keeps (a plan is its piece list: kilobytes to
+# megabytes), least recently used dropped.
+MAX_PLANS = 256
 # The longest a subscriber may ask the publisher to hold a long poll or an offer.
 MAX_WAIT_MS = 60_000
 MAX_OFFER_MS = 1 << 31
@@ -44,6 +48,10 @@ class Service:
     self.closed = False
     self._polls: list[tuple[channel.Caller, int, float]] = []
     self._deferred: list[tuple[channel.Caller, dict[str, Any], float]] = []
+    # The plans subscribers registered (`register`; a `pull` then names one), least
+    # recently used dropped.
+    self._plans: collections.OrderedDict[tuple[bytes, str], _Plan] = (
+        collections.OrderedDict())
     # Relays among subscribers (process 0 coordinates; every process offers chunks).
     self._relay = membership.Coordinator(versions.numbers)
 
@@ -67,10 +75,15 @@ class Service:
                       "kind": "runtime"})
       else:
         caller.reply({"manifest": found.to_json()})
-    elif op in ("pieces", "delta"):
+    elif op == "register":
+      caller.reply(self._register(caller, body))
+    elif op in ("pieces", "delta", "pull"):
       messages.field(body, "version", int, lo=1, hi=1 << 62)
       if op == "delta":  # the version the subscriber holds (0: none)
         messages.field(body, "base", int, lo=0, hi=1 << 62)
+      if op == "pull":
+        messages.field(body, "plan", str, max_len=64)
+        messages.field(body, "seq", int, lo=0, hi=1 << 62)
       timeout_ms = messages.field(body, "timeout_ms", int, lo=1, hi=MAX_OFFER_MS)
       self._deferred.append((caller, body, time.monotonic() + min(
           timeout_ms, MAX_WAIT_MS) / 1000))
@@ -79,9 +92,33 @@ class Service:
     elif op in membership.OPS and self._pid == 0:
       self._relay.handle(caller, body)
     else:
-      raise ProtocolError(f"call: op must be versions, manifest, pieces, delta, local, "
-                          f"relay_* or bye; got {messages._short(op)}.")
+      raise ProtocolError(f"call: op must be versions, manifest, register, pull, "
+                          f"pieces, delta, local or relay_*; got {messages._short(op)}.")
     self.tick()
+
+  def _register(self, caller: channel.Caller, body: dict[str, Any]) -> dict[str, Any]:
+    """Keeps a subscriber's plan (the groups of pieces it pulls from this process, its
+    wire dtypes and a random salt for the tickets) under its key: a `pull` then names
+    the plan, so a pull that recurs sends no piece list."""
+    key = messages.field(body, "plan", str, max_len=64)
+    want = messages.field(body, "manifest", str, max_len=64)
+    try:
+      salt = bytes.fromhex(messages.field(body, "salt", str, max_len=64))
+    except ValueError:
+      salt = b""
+    if len(salt) < 16:
+      raise ProtocolError("register: salt must be at least 16 bytes of hex.")
+    version = self._versions.newest_of(want)
+    if version is None:
+      return {"error": f"manifest {messages._short(want)} must belong to a held version; "
+              "got an unknown one (dropped: pull again).", "kind": "gone"}
+    wire = manifest_lib.wire_field(body, "register", len(version.manifest.leaves))
+    self._plans[(caller.peer, key)] = _Plan(want, wire, self._groups(
+        version, body.get("groups"), wire), salt)
+    self._plans.move_to_end((caller.peer, key))
+    while len(self._plans) > MAX_PLANS:
+      self._plans.popitem(last=False)
+    return {"registered": key}
 
   def tick(self) -> None:
     """Answers the long polls with news (or expired), and the deferred requests whose
@@ -103,7 +140,7 @@ class Service:
         caller.reply({"error": "the publisher closed.", "kind": "runtime"})
       elif version <= published:
         try:
-          caller.reply(self._answer(body))
+          caller.reply(self._answer(caller, body))
         except ProtocolError as e:
           caller.reply({"error": str(e), "kind": "value"})
       elif now >= deadline:
@@ -131,8 +168,8 @@ class Service:
               "got an unknown one (dropped: pull again).", "kind": "runtime"}
     return {"local": True, **export.describe()}
 
-  def _answer(self, body: dict[str, Any]) -> dict[str, Any]:
-    """A pieces or delta request for a published version: gone, or served."""
+  def _answer(self, caller: channel.Caller, body: dict[str, Any]) -> dict[str, Any]:
+    """A pieces, pull or delta request for a published version: gone, or served."""
     version = self._versions.get(body["version"])
     if version is None:
       return {"error": f"version {body['version']} must be held to be pulled; trainer "
@@ -141,14 +178,33 @@ class Service:
     if body["op"] == "delta":
       return delta.serve(version, self._versions.get(body["base"]), body,
                          self._transport)
+    if body["op"] == "pull":
+      return self._pull(caller, version, body)
     return self._pieces(version, body)
 
-  def _pieces(self, version: Version, body: dict[str, Any]) -> dict[str, Any]:
-    """Cuts the asked boxes of a held version (in their wire dtypes), offers each
-    group through the transport, and returns the tickets."""
+  def _pull(self, caller: channel.Caller, version: Version, body: dict[str, Any]
+            ) -> dict[str, Any]:
+    """Offers a registered plan's groups of `version` under the tickets both sides
+    derive from the plan's salt and the pull's number (the subscriber fetches them
+    before this answer arrives: one round trip before the bytes flow)."""
+    plan = self._plans.get((caller.peer, body["plan"]))
+    if plan is None:
+      return {"error": "pull: the plan must be registered with this process; it is not "
+              "(dropped, or this process restarted).", "kind": "unknown_plan"}
+    if plan.manifest != version.manifest.id:
+      return {"error": f"pull: version {version.number} must have the plan's layout set; "
+              "it has another (register the new one).", "kind": "unknown_plan"}
+    self._plans.move_to_end((caller.peer, body["plan"]))
+    timeout_s = body["timeout_ms"] / 1000
+    for g, ops in enumerate(plan.offers):
+      self._transport.offer(cut(version, ops, plan.wire), timeout_s,
+                            ticket=engine.pull_ticket(plan.salt, body["seq"], g))
+    return {"offered": len(plan.offers)}
+
+  def _groups(self, version: Version, groups: Any, wire: dict[int, Any]) -> list:
+    """A request's groups of packs of pieces, each checked (inside this process's
+    shards, one device and wire dtype per pack, the byte budget)."""
     m = version.manifest
-    wire = manifest_lib.wire_field(body, "pieces", len(m.leaves))
-    groups = body.get("groups")
     if not isinstance(groups, list) or not groups or len(groups) > 1 << 16:
       raise ProtocolError("pieces: groups must be a non-empty list of piece lists.")
     budget = manifest_lib.request_budget(version.nbytes)
@@ -166,12 +222,27 @@ class Service:
                               "wire dtype.")
         packs.append(ops)
       offers.append(packs)
+    return offers
+
+  def _pieces(self, version: Version, body: dict[str, Any]) -> dict[str, Any]:
+    """Cuts the asked boxes of a held version (in their wire dtypes), offers each
+    group through the transport, and returns the tickets."""
+    wire = manifest_lib.wire_field(body, "pieces", len(version.manifest.leaves))
+    offers = self._groups(version, body.get("groups"), wire)
     timeout_s = body["timeout_ms"] / 1000
     if "chunk_bytes" in body:  # a relay's head (or a re-route): chunks, one offer each
       return relay.offer_chunks(self._transport, [cut(version, ops, wire)
                                                   for ops in offers], body, timeout_s)
     return {"tickets": [self._transport.offer(cut(version, ops, wire), timeout_s)
                         for ops in offers]}
+
+
+class _Plan(NamedTuple):
+  """A plan a subscriber registered with this process."""
+  manifest: str
+  wire: dict[int, Any]
+  offers: list  # per group, its packs of ops
+  salt: bytes
 
 
 def cut(version: Version, packs: list[list[transfer_engine.Op]],

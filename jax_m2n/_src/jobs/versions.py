@@ -272,6 +272,12 @@ class Versions:
     with self.lock:
       return [[n, v.manifest.id] for n, v in self._held.items()]
 
+  def newest_of(self, manifest_id: str) -> Version | None:
+    """The newest held version of a layout set, or None."""
+    with self.lock:
+      return next((v for v in reversed(self._held.values())
+                   if v.manifest.id == manifest_id), None)
+
   def manifest(self, manifest_id: str) -> manifest_lib.Manifest | None:
     with self.lock:
       return next((v.manifest for v in self._held.values()
