@@ -19,9 +19,9 @@ from typing import Any, Callable
 import jax
 
 from jax_m2n._src import jax_compat
-from jax_m2n._src.errors import ReshardRuntimeError
+from jax_m2n._src.errors import CoordinatorUnreachable, ReshardRuntimeError
 from jax_m2n._src.processes import liveness, store
-from jax_m2n._src.processes.store import CoordinatorUnreachable, split_address
+from jax_m2n._src.processes.store import split_address
 
 from jax_m2n._src.errors import API as _API
 PREFIX = "jax_m2n"
