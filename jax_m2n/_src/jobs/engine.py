@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from jax_m2n._src import transfer_server as jax_transfer
 from jax_m2n._src.errors import ReshardRuntimeError, ReshardTimeoutError
 from jax_m2n._src.jobs import channel, pieces
 from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE
@@ -58,11 +59,7 @@ def transfer_server(host: str) -> Any:
   with _servers_lock:
     server = _servers.get(host)
     if server is None:
-      from jax.experimental import transfer
-      client = jax.local_devices()[0].client
-      address = channel.join_address(host, 0)
-      server = _servers[host] = transfer.start_transfer_server(client, address,
-                                                               [address])
+      server = _servers[host] = jax_transfer.start(host)
     return server
 
 
