@@ -14,7 +14,8 @@ What it papers over (jax 0.10-0.11; tests/transfer_server_test.py fails when one
   everywhere else jax_m2n counts in `time.monotonic()`, so `await_pull` converts;
 - an offer that expires unpulled leaves a later pull of its uuid pending for good (a
   pull's own `timeout` does not end it), and no public call ends a pending pull: `cancel`
-  uses the connection's private `_poison_connection`, which fails them at once.
+  uses the connection's private `TransferConnection._poison_connection`, which fails
+  them at once.
 """
 
 from __future__ import annotations
