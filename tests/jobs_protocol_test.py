@@ -5,7 +5,6 @@ publisher keeps serving; the token (challenge-response, never sent, wrong token 
 error on the subscriber); loopback by default; dst / dtype / version errors raised
 before any byte moves; pulls bitwise against jax.device_put, Quantize as reshard's."""
 
-import doctest
 import json
 import secrets
 
@@ -19,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
 from jax_m2n._src.jobs import auth, engine, messages
+from doctest_test import run_docstring_examples
 
 TOKEN = "protocol-test-token"
 
@@ -62,12 +62,7 @@ def _bits(a):
 @pytest.mark.parametrize("fn", [jax_m2n.Publisher, jax_m2n.Subscriber],
                          ids=["Publisher", "Subscriber"])
 def test_docstring_examples_run(fn):
-  finder = doctest.DocTestFinder(recurse=False)
-  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-  for test in finder.find(fn, fn.__name__, globs={"jax_m2n": jax_m2n}):
-    runner.run(test)
-  result = runner.summarize(verbose=False)
-  assert result.attempted > 0 and result.failed == 0, result
+  run_docstring_examples(fn)
 
 
 def test_binds_loopback_by_default_and_pulls_bitwise(published, gen):
