@@ -57,6 +57,15 @@ __device__ __forceinline__ void RowOffsets(const CopyTask& t, uint64_t row,
   *dst_off = d;
 }
 
+// Unit `u` of a task: its column (in units) within its row, returned, and the byte
+// offsets of that row in the source and the destination.
+__device__ __forceinline__ int64_t UnitAt(const CopyTask& t, uint64_t u, int64_t* src_off,
+                                          int64_t* dst_off) {
+  uint64_t col;
+  RowOffsets(t, DivMod(u, t.row_units, &col), src_off, dst_off);
+  return static_cast<int64_t>(col);
+}
+
 template <typename V>
 __device__ __forceinline__ void CopyUnits(const CopyTask& t, uint64_t first) {
   const uint64_t total = t.rows * t.row_units;
@@ -68,11 +77,8 @@ __device__ __forceinline__ void CopyUnits(const CopyTask& t, uint64_t first) {
     const uint64_t u = first + static_cast<uint64_t>(k) * kThreads + threadIdx.x;
     live[k] = u < total;
     if (live[k]) {
-      uint64_t col;
-      const uint64_t row = DivMod(u, t.row_units, &col);
       int64_t s, d;
-      RowOffsets(t, row, &s, &d);
-      const int64_t c = static_cast<int64_t>(col) * static_cast<int64_t>(sizeof(V));
+      const int64_t c = UnitAt(t, u, &s, &d) * static_cast<int64_t>(sizeof(V));
       v[k] = *reinterpret_cast<const V*>(t.src + s + c);
       dst_at[k] = d + c;
     }
@@ -83,8 +89,10 @@ __device__ __forceinline__ void CopyUnits(const CopyTask& t, uint64_t first) {
   }
 }
 
-// The task owning this block: last i with block_start[i] <= blockIdx.x.
-__device__ __forceinline__ int TaskOfBlock(const CopyBatch& batch) {
+// The task owning this block (the last i with block_start[i] <= blockIdx.x) and, in
+// `*first`, the first of its units this block copies.
+__device__ __forceinline__ const CopyTask& BlockTask(const CopyBatch& batch,
+                                                     uint64_t* first) {
   const uint32_t b = blockIdx.x;
   int lo = 0, hi = batch.n - 1;
   while (lo < hi) {
@@ -95,15 +103,14 @@ __device__ __forceinline__ int TaskOfBlock(const CopyBatch& batch) {
       hi = mid - 1;
     }
   }
-  return lo;
+  *first = static_cast<uint64_t>(b - batch.block_start[lo]) * kUnitsPerBlock;
+  return batch.tasks[lo];
 }
 
 __global__ void __launch_bounds__(kThreads)
     CopyBoxesKernel(const __grid_constant__ CopyBatch batch) {
-  const int task = TaskOfBlock(batch);
-  const CopyTask& t = batch.tasks[task];
-  const uint64_t first =
-      static_cast<uint64_t>(blockIdx.x - batch.block_start[task]) * kUnitsPerBlock;
+  uint64_t first;
+  const CopyTask& t = BlockTask(batch, &first);
   switch (t.vec_log2) {
     case 4: CopyUnits<uint4>(t, first); break;
     case 3: CopyUnits<uint2>(t, first); break;
@@ -138,11 +145,8 @@ __device__ __forceinline__ void ConvertUnits(const CopyTask& t, uint64_t first) 
       const uint64_t u = first + static_cast<uint64_t>(pass + k) * kThreads + threadIdx.x;
       live[k] = u < total;
       if (live[k]) {
-        uint64_t col;
-        const uint64_t row = DivMod(u, t.row_units, &col);
         int64_t s, d;
-        RowOffsets(t, row, &s, &d);
-        const int64_t c = static_cast<int64_t>(col);
+        const int64_t c = UnitAt(t, u, &s, &d);
         v[k] = *reinterpret_cast<const Vec<SF, N>*>(t.src + s + c * sizeof(Vec<SF, N>));
         dst_at[k] = d + c * static_cast<int64_t>(sizeof(Vec<ST, N>));
       }
@@ -165,10 +169,8 @@ __device__ __forceinline__ void ConvertUnits(const CopyTask& t, uint64_t first) 
 template <ElemType kFrom, ElemType kTo>
 __global__ void __launch_bounds__(kThreads)
     ConvertBoxesKernel(const __grid_constant__ CopyBatch batch) {
-  const int task = TaskOfBlock(batch);
-  const CopyTask& t = batch.tasks[task];
-  const uint64_t first =
-      static_cast<uint64_t>(blockIdx.x - batch.block_start[task]) * kUnitsPerBlock;
+  uint64_t first;
+  const CopyTask& t = BlockTask(batch, &first);
   switch (t.vec_log2) {
     case 3: ConvertUnits<kFrom, kTo, 8>(t, first); break;
     case 2: ConvertUnits<kFrom, kTo, 4>(t, first); break;
