@@ -21,15 +21,11 @@ PY=${PYTHON:-python3}
 STEP=${STEP:-all}
 mkdir -p "$OUT"
 cd "$ROOT"
-export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$ROOT
+. "$ROOT/.gpu/setup.sh"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 rc=0
 if [ "$STEP" = all ] || [ "$STEP" = build ]; then
-  cmake -S . -B build/inplace -G Ninja -DPython_EXECUTABLE="$PY" -DJAX_M2N_INPLACE=ON \
-    -DJAX_M2N_CUDA=ON > "$OUT/build.log" 2>&1 \
-    && cmake --build build/inplace -j 16 >> "$OUT/build.log" 2>&1 \
-    || { echo "build failed: $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
-  echo "built: $(ls jax_m2n/_ffi*.so | tr '\n' ' ')"
+  build_inplace always
 fi
 if [ "$STEP" = all ] || [ "$STEP" = tests ]; then
   timeout 420 "$PY" -m pytest -q -p no:cacheprovider tests/gpu_one_test.py \

@@ -7,7 +7,8 @@
 #   PART=main bash .gpu/one_gpu_batch.sh   # the main job on the GPU, the eager fixed
 #                                          # cost, the CPU bench with CUDA visible
 # Wheels the machine lacks (pyzmq; nccl-extensions and nccl4py) travel in .whl/
-# (see the device notes in docs/benchmarks.md) and are installed into /tmp/site.
+# (see the device notes in docs/benchmarks.md); .gpu/setup.sh installs them into
+# /tmp/site.
 # Output: $OUT (logs, JSON), a short summary on stdout.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -15,24 +16,9 @@ OUT=${OUT:-$ROOT/bench_out/one_gpu}
 PART=${PART:-gpu}
 mkdir -p "$OUT"
 cd "$ROOT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheels: failed (wheels.log)"
-  export PYTHONPATH=/tmp/site:$ROOT
-else
-  export PYTHONPATH=$ROOT
-fi
+. "$ROOT/.gpu/setup.sh"
 rc=0
-if [ ! -f jax_m2n/_ffi.so ] || [ ! -f jax_m2n/_ffi_cuda.so ]; then
-  t0=$(date +%s)
-  cmake -S . -B build/inplace -G Ninja -DPython_EXECUTABLE=python3 -DJAX_M2N_INPLACE=ON \
-    -DJAX_M2N_CUDA=ON > "$OUT/build.log" 2>&1 \
-    && cmake --build build/inplace -j 16 >> "$OUT/build.log" 2>&1 \
-    || { echo "build failed: $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
-  echo "built in $(( $(date +%s) - t0 )) s: $(ls jax_m2n/_ffi*.so | tr '\n' ' ')"
-fi
+build_inplace
 if [ "$PART" = gpu ]; then
   nvidia-smi -L | tee "$OUT/gpus.txt"
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu_one_test.py \

@@ -21,21 +21,9 @@ Usage (from the repository root; without a GPU it runs on 8 CPU devices):
       --generator_specs=batch=data,hidden=model,vocab=model
 """
 
-import os
+from jax_m2n.testing import workers  # before JAX starts its backend
 
-
-def _default_to_cpu_devices():
-  """Without a GPU, runs on 8 host devices, or $JAX_M2N_CPU_DEVICES (before jax starts its
-  backend; an explicit --xla_force_host_platform_device_count in XLA_FLAGS wins)."""
-  if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidiactl"):
-    os.environ["JAX_PLATFORMS"] = "cpu"
-  if (os.environ.get("JAX_PLATFORMS") == "cpu"
-      and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")):
-    import jax  # pylint: disable=g-import-not-at-top
-    jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAX_M2N_CPU_DEVICES", 8)))
-
-
-_default_to_cpu_devices()
+workers.default_to_cpu_devices()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import dataclasses
@@ -570,13 +558,16 @@ def run(cfg: RefitConfig, devices: Optional[list] = None) -> RefitResult:
     draws the step's prompts, puts them on the generator's devices and enqueues the
     generation, which each device starts when its weights have landed; the train
     step is enqueued too, and the next step's refit waits for it on the devices.
-    Verification (each side's checksums) is left out of the phase times. Returns the
-    trainer's new state, the generator's weights, the per-digit rewards, the phase
+    Verification (each side's checksums) is left out of the phase times. The first
+    step's refit is waited for either way (its time is the whole first refit). Returns
+    the trainer's new state, the generator's weights, the per-digit rewards, the phase
     times in ms and whether the refit returned before its outputs were ready.
     """
     wait = (lambda x: x) if overlap else jax.block_until_ready
     start = time.perf_counter()
-    gen_params = wait(refit(params))
+    gen_params = refit(params)
+    if not overlap or step == 0:  # the first refit (planning, programs) is waited for
+      gen_params = jax.block_until_ready(gen_params)
     refit_ms = _ms_since(start)
     early = verify and not all(x.is_ready() for x in jax.tree.leaves(gen_params))
 
@@ -602,6 +593,10 @@ def run(cfg: RefitConfig, devices: Optional[list] = None) -> RefitResult:
 
   times = {"refit": [], "rollout": [], "train": [], "step": []}
   rewards, exact, equal, returned_early = [], [], [], []
+  log.print("per step, ms in each phase: " + (
+      "the host's time; it waits for neither the refit nor the train step (a refit call "
+      "that returns only once its weights have landed has also waited for the previous "
+      "train step, whose output it reads)" if cfg.overlap else "each phase waited for"))
   for step in range(cfg.steps):
     params, opt_state, gen_params, correct, phase_ms, early = rl_step(
         params, opt_state, step, cfg.overlap, verify=True)
@@ -613,10 +608,10 @@ def run(cfg: RefitConfig, devices: Optional[list] = None) -> RefitResult:
       returned_early.append(early)
     rewards.append(float(correct.mean()))
     exact.append(float(correct.all(1).mean()))
-    status = f"reward {rewards[-1]:.3f} exact {exact[-1]:.3f} | " + (
-        f"step {sum(phase_ms):.0f} ms, refit returned in {phase_ms[0]:.1f} ms"
-        if cfg.overlap else "refit {:.1f} rollout {:.0f} train {:.0f} ms".format(
-            *phase_ms))
+    call = " call" if cfg.overlap else ""
+    status = (f"reward {rewards[-1]:.3f} exact {exact[-1]:.3f} | step "
+              f"{sum(phase_ms):.0f} ms: refit{call} {phase_ms[0]:.1f}, rollout "
+              f"{phase_ms[1]:.0f}, train{call} {phase_ms[2]:.0f}")
     log.update(status)
     if step % cfg.log_every == 0 or step == cfg.steps - 1:
       log.print(f"step {step:4d}  {status} | checksums equal")
@@ -760,63 +755,76 @@ def _compare_refits(params, engines, reps, warmups=3):
   return timings
 
 
+def _line(what, ms, note=""):
+  """One measurement: what it measures, its milliseconds, and how to read it."""
+  print(f"{what + ':':<62} {ms:8.2f} ms" + (f"  ({note})" if note else ""))
+
+
 def _report(cfg, result, nbytes, gen_nbytes):
-  """Prints learning (first vs last moving average) and the time tables."""
+  """Prints learning (first vs last moving average) and one line per measurement."""
   w = min(cfg.window, max(1, len(result.rewards) // 2))
   first, last = np.mean(result.rewards[:w]), np.mean(result.rewards[-w:])
   first_exact, last_exact = np.mean(result.exact[:w]), np.mean(result.exact[-w:])
   dtype = cfg.generator_dtype
-  print(f"\nreward (mean per-digit, moving average of {w} steps): first {first:.3f} -> "
-        f"last {last:.3f}; exact answers {first_exact:.3f} -> {last_exact:.3f}")
-  print(f"checksums equal (generator's {dtype} = astype of the trainer's float32) on "
-        f"all {len(result.checksums_equal)} steps: {all(result.checksums_equal)}; "
-        f"astype + device_put output equals the refit's: {result.baseline_equal}")
+  print(f"\nreward, mean per digit (moving average of {w} steps): {first:.3f} first -> "
+        f"{last:.3f} last; exact answers {first_exact:.3f} -> {last_exact:.3f}")
+  print(f"bitwise: the generator's {dtype} = astype of the trainer's float32 on all "
+        f"{len(result.checksums_equal)} steps: {all(result.checksums_equal)}; the last "
+        f"refit = astype + jax.device_put: {result.baseline_equal}")
 
-  # The first step compiles everything (and plans the refit); it is left out unless
-  # it is the only one.
-  skip = 1 if len(result.rewards) > 1 else 0
-  print("first step (compiling): " + ", ".join(
-      f"{phase} {ms[0]:.0f} ms" for phase, ms in result.times_ms.items()))
-  phase_ms = {k: float(np.mean(v[skip:])) for k, v in result.times_ms.items()}
-  print(f"\nper RL step in the loop, mean of steps {skip + 1}-{len(result.rewards)} "
-        f"(route={cfg.route}, overlap {'on' if cfg.overlap else 'off'}):\n")
-  if cfg.overlap:
-    early = result.returned_early[skip:]
-    print(f"step {phase_ms['step']:.1f} ms; the refit call returned after "
-          f"{phase_ms['refit']:.2f} ms, before its weights had landed in "
-          f"{sum(early)} of {len(early)} steps")
-    if not any(early):
-      print("(this jax_m2n.reshard waited for its transfer: nothing overlapped it)")
-  else:
-    print("| phase | ms / step | share of step |\n| --- | ---: | ---: |")
-    for phase in ("train", "refit", "rollout"):
-      share = 100 * phase_ms[phase] / phase_ms["step"]
-      print(f"| {phase} | {phase_ms[phase]:.1f} | {share:.1f}% |")
-    print(f"| step | {phase_ms['step']:.1f} | 100% |")
-
+  times = result.times_ms
+  devices = jax.devices()
+  print(f"\ntimes ({len(devices)} {devices[0].platform} devices, route {cfg.route}, "
+        f"{nbytes / 2**20:.2f} MiB float32 -> {gen_nbytes / 2**20:.2f} MiB {dtype}; "
+        f"overlap {'on' if cfg.overlap else 'off'} in the loop):")
+  _line("first refit, waited for (plans, builds its programs, moves)", times["refit"][0])
+  _line("first RL step (compiles the sampler and the train step)", times["step"][0])
+  waited_train = None
   if cfg.timing_reps:
     waited, overlapped = (np.array(result.step_ms[k]) for k in ("waited", "overlapped"))
-    refit_share = 100 * result.waited_phase_ms["refit"] / np.mean(waited)
-    print(f"\nRL step with the refit waited for vs overlapped: {len(waited)} blocks of "
-          f"{TIMING_BLOCK} steps each way after a warm-up, interleaved:\n")
-    print("| refit | ms / step, mean | min | median |\n| --- | ---: | ---: | ---: |")
-    for name, ms in (("waited for (--nooverlap)", waited),
-                     ("overlapped (--overlap)", overlapped)):
-      print(f"| {name} | {ms.mean():.2f} | {ms.min():.2f} | {np.median(ms):.2f} |")
+    blocks = f"median of {len(waited)} blocks"
+    _line(f"RL step, refit waited for (--nooverlap), {blocks}", np.median(waited),
+          f"blocks of {TIMING_BLOCK} steps, interleaved with the next line's; mean "
+          f"{waited.mean():.2f}, min {waited.min():.2f}")
     change = np.median(overlapped) - np.median(waited)
-    print(f"\nwith overlap the step takes {change:+.2f} ms "
-          f"({100 * change / np.median(waited):+.1f}%, medians); the waited-for refit "
-          f"takes {result.waited_phase_ms['refit']:.2f} ms ({refit_share:.1f}% of the "
-          "waited-for step)")
-
-    print(f"\nrefit of the same pytree (fresh copies), {cfg.timing_reps} reps after "
-          "warm-up, engines interleaved, each waited for:\n")
-    print("| engine | mean ms | min ms |\n| --- | ---: | ---: |")
+    _line(f"RL step, refit overlapped (--overlap), {blocks}", np.median(overlapped),
+          f"mean {overlapped.mean():.2f}, min {overlapped.min():.2f}; {change:+.2f} ms, "
+          f"{100 * change / np.median(waited):+.1f}% against waited for")
+    phases = result.waited_phase_ms
+    waited_train = phases["train"]
+    _line("  refit inside those waited-for steps, mean", phases["refit"],
+          f"{100 * phases['refit'] / waited.mean():.1f}% of the step")
+    _line("  rollout inside those waited-for steps, mean", phases["rollout"])
+    _line("  train step inside those waited-for steps, mean", phases["train"])
+  # The first step compiles everything; the loop's means start after it.
+  skip = 1 if len(result.rewards) > 1 else 0
+  mean = {k: float(np.mean(v[skip:])) for k, v in times.items()}
+  steps = f"mean of steps {skip + 1}-{len(result.rewards)}"
+  call = " call" if cfg.overlap else ""
+  _line(f"RL step in the loop, {steps}", mean["step"],
+        f"refit{call} {mean['refit']:.2f} + rollout {mean['rollout']:.2f} + "
+        f"train{call} {mean['train']:.2f}; the checksums not counted")
+  if cfg.overlap:
+    early = result.returned_early[skip:]
+    if any(early):
+      why = (": the call enqueues the refit, which the devices run after the previous "
+             "train step; the rollout waits for both")
+    else:
+      why = (": this reshard waits for its transfer, so each call also waited for what "
+             "was left of the previous train step, whose output it reads" + (
+                 "" if waited_train is None else
+                 f"; a train step takes {waited_train:.2f} ms, above"))
+    _line(f"refit call in the loop (not waited for), {steps}", mean["refit"],
+          f"returned before its weights landed in {sum(early)} of {len(early)} "
+          f"steps{why}")
+  if cfg.timing_reps:
+    print(f"refit alone, each call on a fresh copy of the weights and waited for, "
+          f"engines interleaved, mean of {cfg.timing_reps} after 3 warm-ups:")
     for name, ms in result.engine_ms.items():
-      print(f"| {name} | {np.mean(ms):.2f} | {min(ms):.2f} |")
+      _line(f"  {name}", np.mean(ms), f"min {min(ms):.2f}")
     names = list(result.engine_ms)
-    print(f"\n{names[-1]} / {names[0]}: "
-          f"{np.mean(result.engine_ms[names[-1]]) / np.mean(result.engine_ms[names[0]]):.2f}x")
+    ratio = np.mean(result.engine_ms[names[-1]]) / np.mean(result.engine_ms[names[0]])
+    print(f"{names[-1]} takes {ratio:.2f}x the time of {names[0]}")
 
   if result.reward_went_up is not None:
     print("learning: " + ("reward went up" if result.reward_went_up
@@ -827,7 +835,7 @@ def _report(cfg, result, nbytes, gen_nbytes):
                  "platform": jax.devices()[0].platform,
                  "device_kind": jax.devices()[0].device_kind,
                  "param_bytes": nbytes, "generator_param_bytes": gen_nbytes,
-                 "phase_ms": phase_ms,
+                 "phase_ms": mean, "first_step_ms": {k: v[0] for k, v in times.items()},
                  "returned_early": result.returned_early,
                  "step_ms": result.step_ms,
                  "waited_phase_ms": result.waited_phase_ms,

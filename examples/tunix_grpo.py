@@ -22,20 +22,10 @@ on 8 CPU devices, $JAX_M2N_CPU_DEVICES to change):
 
 import os
 
-
-def _default_to_cpu_devices():
-  """Without a GPU, runs on 8 host devices, or $JAX_M2N_CPU_DEVICES (before jax starts its
-  backend; an explicit --xla_force_host_platform_device_count in XLA_FLAGS wins)."""
-  if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidiactl"):
-    os.environ["JAX_PLATFORMS"] = "cpu"
-  if (os.environ.get("JAX_PLATFORMS") == "cpu"
-      and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")):
-    import jax  # pylint: disable=g-import-not-at-top
-    jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAX_M2N_CPU_DEVICES", 8)))
-
+from jax_m2n.testing import workers  # before JAX starts its backend
 
 if __name__ == "__main__":
-  _default_to_cpu_devices()
+  workers.default_to_cpu_devices()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import contextlib

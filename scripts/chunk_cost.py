@@ -13,7 +13,6 @@ ring of 3 domains); a chunk is a pytree of L leaves moved in one step. Prints me
 
 import argparse
 import os
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
@@ -23,16 +22,13 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_m2n  # noqa: E402
+from jax_m2n.bench import timing  # noqa: E402
 
 
 def median_ms(fn, reps):
-  jax.block_until_ready(fn())
-  ts = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    ts.append((time.perf_counter() - t) * 1e3)
-  return float(np.median(ts)), float(np.min(ts))
+  """(median, min) ms of `reps` calls after one warm-up, each waited for."""
+  ms = np.array(timing.time_calls(fn, jax.block_until_ready, 1, reps).times_s) * 1e3
+  return float(np.median(ms)), float(ms.min())
 
 
 def main():

@@ -11,9 +11,6 @@ layouts, and checks that the default CPU call returns finished.
 the call returns while that device's transfer has not even started.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -26,6 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 import jax_m2n
 from jax_m2n._src import eager
 from jax_m2n._src import ffi as m2n_ffi
+
+import launcher
 
 SETTLE_S = 10.0  # how long a failed call may take to be noticed, generously
 
@@ -304,10 +303,6 @@ def test_threads_end_before_the_interpreter_finalizes():
       assert not names(), names()
       print("ended")
   """)
-  env = dict(os.environ, JAX_M2N_CPU_ASYNC="1", JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(jax_m2n.__file__)))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                        text=True, timeout=120, check=False)
+  proc = launcher.run_python(script, {"JAX_M2N_CPU_ASYNC": "1", "JAX_PLATFORMS": "cpu"},
+                             timeout_s=120)
   assert proc.returncode == 0 and "ended" in proc.stdout, proc.stderr[-3000:]

@@ -124,7 +124,7 @@ def test_times_in_readable_units(capsys):
   assert rc == 0
   assert "e-0" not in out  # not `1.42e-07 ms`
   # A 128-byte tensor: the bound is in ns, the schedule's estimate (the call and its
-  # steps on the default cuda transport) in us.
+  # steps on the default transport) in us.
   bound = next(l for l in out.splitlines() if l.startswith("bound (sol)"))
   assert bound.split(":")[1].split()[1] == "ns", bound
   estimate = next(l for l in out.splitlines() if l.startswith("estimate hierarchical"))
@@ -186,3 +186,49 @@ def test_verbose_logs_what_was_planned(capsys):
   assert rc == 0
   line = next(l for l in err.splitlines() if "planned route flat" in l)
   assert "transfers inject 8" in line and "nvlink 256 B" in line
+
+
+# (shape, dtype, src mesh axes, src spec, dst mesh axes, dst spec): each side's mesh
+# over 4 devices, the source on devices 0-3 and the destination on 4-7, as the CLI's
+# "mesh(...) P(...) @FIRST" spells them.
+SAME_CALLS = [
+    ((4, 8), "float32", {"dp": 1, "tp": 4}, ("tp", None), {"dp": 2, "tp": 2}, ("tp", None)),
+    ((1024, 2048), "float32", {"fsdp": 2, "tp": 2}, ("fsdp", "tp"),
+     {"dp": 2, "tp": 2}, (None, "tp")),
+    ((512, 64, 16), "bfloat16", {"ep": 4}, ("ep", None, None), {"x": 4}, (None, None, "x")),
+    ((4096,), "float32", {"tp": 4}, ("tp",), {"dp": 4}, (None,)),
+]
+
+
+def _cli_layout(axes, spec, first):
+  entries = ", ".join("None" if e is None else e for e in spec)
+  return f"mesh({', '.join(f'{k}={v}' for k, v in axes.items())}) P({entries}) @{first}"
+
+
+@pytest.mark.parametrize("case", SAME_CALLS, ids=lambda c: "x".join(map(str, c[0])))
+def test_cli_and_plan_give_the_same_estimates(case, capsys):
+  # One default transport (planner.DEFAULT_TRANSPORT): `python -m jax_m2n plan` prices
+  # the call as jax_m2n.plan() does on CPU devices, to the bit.
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  import jax_m2n
+  shape, dtype, src_axes, src_spec, dst_axes, dst_spec = case
+  rc, out, err = _run(["plan", "--shape", ",".join(map(str, shape)), "--dtype", dtype,
+                       "--src", _cli_layout(src_axes, src_spec, 0),
+                       "--dst", _cli_layout(dst_axes, dst_spec, 4), "--json"], capsys)
+  assert rc == 0, err
+  cli = json.loads(out)
+  devs = np.array(jax.devices()[:8])
+  src = NamedSharding(Mesh(devs[:4].reshape(tuple(src_axes.values())), tuple(src_axes)),
+                      P(*src_spec))
+  dst = NamedSharding(Mesh(devs[4:].reshape(tuple(dst_axes.values())), tuple(dst_axes)),
+                      P(*dst_spec))
+  plan = jax_m2n.plan(jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype), sharding=src),
+                      dst)
+  assert plan.chunking.transport == "cpu"
+  assert cli["estimate_ms"] == dict(plan.estimate_ms)
+  assert cli["route_estimate_ms"] == {r: plan.with_route(r).route_estimate_ms()
+                                      for r in plan.estimate_ms}
+  assert cli["chunk_bytes"] == plan.chunk_bytes and cli["steps"] == plan.chunks.n_steps

@@ -12,6 +12,8 @@ wins; a file that still has too few devices skips with a reason (probe_test).
 import os
 import sys
 
+import pytest
+
 CPU_DEVICES = 8
 
 
@@ -47,10 +49,21 @@ def pytest_collection_modifyitems(config, items):
   n = jax.device_count()
   if n >= CPU_DEVICES:
     return
-  import pytest
   skip = pytest.mark.skip(reason=(
       f"needs {CPU_DEVICES} devices; got {n} {jax.devices()[0].platform} device(s) "
       "(JAX_PLATFORMS / XLA_FLAGS set otherwise). Hint: JAX_PLATFORMS=cpu."))
   for item in items:
     if "gpu" not in os.path.basename(str(item.fspath)):
       item.add_marker(skip)
+
+
+@pytest.fixture
+def no_data_moves(monkeypatch):
+  """Fails the test if reshard builds or runs a per-device program: argument errors
+  come first, before any data moves (reshard_errors_test, probe_test)."""
+  from jax_m2n._src import eager  # after pytest_configure set the devices
+
+  def forbidden(*args, **kwargs):
+    raise AssertionError("reshard built or ran a program before rejecting its input")
+  monkeypatch.setattr(eager.cache, "build_programs", forbidden)
+  monkeypatch.setattr(eager.EagerReshard, "__call__", forbidden)

@@ -24,6 +24,7 @@ from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 import jax_m2n  # noqa: E402
 from jax_m2n._src import jax_compat  # noqa: E402
+import shards  # noqa: E402
 from plan_strategies import partition_specs  # noqa: E402
 
 SETTINGS = hypothesis.settings(max_examples=15, deadline=None, derandomize=True,
@@ -66,12 +67,7 @@ def assert_same(y, ref):
           [d.id for d in jax_compat.device_assignment(ref.sharding)])
   if jax.dtypes.issubdtype(y.dtype, jax.dtypes.extended):
     y, ref = jax.random.key_data(y), jax.random.key_data(ref)
-  ys = {s.device: s for s in y.addressable_shards}
-  rs = {s.device: s for s in ref.addressable_shards}
-  assert set(ys) == set(rs)
-  for d, r in rs.items():
-    assert ys[d].index == r.index
-    np.testing.assert_array_equal(bits(ys[d].data), bits(r.data), err_msg=str(d))
+  shards.assert_same_shards(y, ref)
   np.testing.assert_array_equal(bits(y), bits(ref))
 
 

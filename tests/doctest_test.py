@@ -16,9 +16,9 @@ from jax_m2n._src import api, call_plan, local_copy, local_memory, request  # no
 PUBLIC = [jax_m2n.reshard, jax_m2n.plan, jax_m2n.check_errors]
 
 
-@pytest.mark.parametrize("fn", PUBLIC, ids=[f.__name__ for f in PUBLIC])
-def test_docstring_examples_run(fn):
-  assert jax.device_count() == 8
+def run_docstring_examples(fn):
+  """Runs the examples of fn's own docstring (with `jax_m2n` in scope); fails unless
+  there is one and all pass (jobs_protocol_test uses it for Publisher, Subscriber)."""
   assert ">>>" in fn.__doc__, f"{fn.__name__} has no example"
   finder = doctest.DocTestFinder(recurse=False)
   runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
@@ -26,6 +26,12 @@ def test_docstring_examples_run(fn):
     runner.run(test)
   result = runner.summarize(verbose=False)
   assert result.attempted > 0 and result.failed == 0, result
+
+
+@pytest.mark.parametrize("fn", PUBLIC, ids=[f.__name__ for f in PUBLIC])
+def test_docstring_examples_run(fn):
+  assert jax.device_count() == 8
+  run_docstring_examples(fn)
 
 
 def test_api_module_doctests():

@@ -686,18 +686,26 @@ def test_timeout_then_abandon_then_site_works():
   _expect_success(run_eager([p0, p1]), x)
 
 
-def test_abandon_releases_a_waiting_peer_at_once():
-  site = _new_site()
+def _released(site, release):
+  """Device 0 of a pair waits in the rendezvous (timeout 60 s) for device 1 on a
+  thread; `release()` must free it within 10 s: returns (device 0's error, the pair's
+  p0, p1, x)."""
   p0, p1, x = _pair_programs(site, timeout_ms=60000)
   result = {}
   waiter = threading.Thread(target=lambda: result.update({0: run_eager([p0])[0]}))
   waiter.start()
   time.sleep(0.5)  # device 0 waits in the rendezvous (or is about to)
   t0 = time.monotonic()
-  _ffi.abandon(site, [1])
+  release()
   waiter.join(60)
   assert time.monotonic() - t0 < 10
   err, _ = result[0]
+  return err, (p0, p1, x)
+
+
+def test_abandon_releases_a_waiting_peer_at_once():
+  site = _new_site()
+  err, (p0, p1, x) = _released(site, lambda: _ffi.abandon(site, [1]))
   assert isinstance(err, jax.errors.JaxRuntimeError), err
   assert "device 1 did not take part in this generation" in str(err), err
   assert "abandoned by the caller" in str(err), err
@@ -761,16 +769,9 @@ def test_joined_counts_generations_per_device():
 
 def test_abort_releases_a_generation_in_progress_and_one_not_yet_joined():
   site = _new_site()
-  p0, p1, x = _pair_programs(site, timeout_ms=60000)
-  result = {}
-  waiter = threading.Thread(target=lambda: result.update({0: run_eager([p0])[0]}))
-  waiter.start()
-  time.sleep(0.5)  # device 0 waits in generation 0 for device 1
-  t0 = time.monotonic()
-  _ffi.abort(site, 0, [0, 1], "the caller was interrupted")
-  waiter.join(60)
-  assert time.monotonic() - t0 < 10
-  err, _ = result[0]
+  # Device 0 waits in generation 0 for device 1.
+  err, (p0, p1, x) = _released(
+      site, lambda: _ffi.abort(site, 0, [0, 1], "the caller was interrupted"))
   assert isinstance(err, jax.errors.JaxRuntimeError), err
   assert "the caller was interrupted" in str(err), err
   # Device 1 joins the aborted generation 0 later: it fails at once, copying nothing.
@@ -794,30 +795,26 @@ def test_abort_releases_a_generation_in_progress_and_one_not_yet_joined():
     (np.array([0, 0, 0, 1], np.int64), "bytes_per_s >= 1"),
     (np.array([1000, -1, 0, 1], np.int64), "latency_ns >= 0"),
 ])
-def test_bad_network_attribute_fails_at_instantiate(network, words):
+def _run_with_attribute(**attribute):
+  """Device 0's part of a one-op schedule, with one more attribute for the handler."""
   t = Tensor(np.int32, (2, 3))
   ops = [Op(0, "inject", 0, (0, OPERAND, 0), (1, RESULT, 0), (2, 3), (0, 0), (0, 0))]
   call = jax.ffi.ffi_call(TARGET, [jax.ShapeDtypeStruct((1,), jnp.uint8)],
                           has_side_effect=True)
   f = jax.jit(lambda v: call(v, schedule=_encode([t], [0, 1], ops, device=0),
                              site=np.int64(_new_site()), timeout_ms=np.int64(1000),
-                             network=network),
+                             **attribute),
               out_shardings=SingleDeviceSharding(jax.devices()[0]))
   x = jax.device_put(np.zeros((2, 3), np.int32), jax.devices()[0])
+  return jax.block_until_ready(f(x))
+
+
+def test_bad_network_attribute_fails_at_instantiate(network, words):
   with pytest.raises(Exception, match="attribute network must have") as info:
-    jax.block_until_ready(f(x))
+    _run_with_attribute(network=network)
   assert words in str(info.value), info.value
 
 
 def test_unknown_attribute_fails_at_instantiate():
-  t = Tensor(np.int32, (2, 3))
-  ops = [Op(0, "inject", 0, (0, OPERAND, 0), (1, RESULT, 0), (2, 3), (0, 0), (0, 0))]
-  call = jax.ffi.ffi_call(TARGET, [jax.ShapeDtypeStruct((1,), jnp.uint8)],
-                          has_side_effect=True)
-  f = jax.jit(lambda v: call(v, schedule=_encode([t], [0, 1], ops, device=0),
-                             site=np.int64(_new_site()), timeout_ms=np.int64(1000),
-                             nic=np.int64(1)),
-              out_shardings=SingleDeviceSharding(jax.devices()[0]))
-  x = jax.device_put(np.zeros((2, 3), np.int32), jax.devices()[0])
   with pytest.raises(Exception, match="optionally network, tickets; got nic"):
-    jax.block_until_ready(f(x))
+    _run_with_attribute(nic=np.int64(1))

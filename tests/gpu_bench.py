@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_m2n  # noqa: E402
+from jax_m2n.bench import timing  # noqa: E402
 from jax_m2n._src import planner as m2n_planner  # noqa: E402
 from jax_m2n._src import eager as m2n_eager  # noqa: E402
 
@@ -46,14 +47,9 @@ def sharding(ids, spec):
 
 
 def timed(fn, iters, warmup):
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  ts = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    ts.append((time.perf_counter() - t0) * 1e3)
-  return min(ts), sum(ts) / len(ts)
+  """(min, mean) ms of `iters` calls after `warmup`, each waited for."""
+  ms = np.array(timing.time_calls(fn, jax.block_until_ready, warmup, iters).times_s) * 1e3
+  return float(ms.min()), float(ms.mean())
 
 
 def same(a, b):

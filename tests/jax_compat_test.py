@@ -157,18 +157,3 @@ def test_device_to_device_guard_reads_every_way_of_setting_it():
 def test_distributed_coordinator_address_is_none_outside_a_job():
   assert jax_compat.distributed_coordinator_address() is None
 
-
-def test_poison_transfer_connection_fails_a_pending_pull():
-  # One process is enough: a server pulls from itself an id nobody offers; poisoning
-  # the connection fails the pull at once instead of leaving it pending.
-  from jax.experimental import transfer
-  dev = jax.local_devices()[0]
-  server = transfer.start_transfer_server(dev.client, "127.0.0.1:0", ["127.0.0.1:0"])
-  conn = server.connect(server.address())
-  spec = jax.ShapeDtypeStruct((4,), np.float32,
-                              sharding=jax.sharding.SingleDeviceSharding(dev))
-  (pending,) = conn.pull(12345, [spec])
-  assert not pending.is_ready()
-  jax_compat.poison_transfer_connection(conn)
-  with pytest.raises(Exception):
-    pending.block_until_ready()

@@ -8,6 +8,7 @@ layouts, deleted / elsewhere-donated / kept previous arrays, Quantize (full). Ac
 separate programs: a trainer job and a generator job of 1 and 2 processes each
 (tests/jobs_delta_worker.py; every launch bounded, its processes killed on timeout)."""
 
+import contextlib
 import os
 import sys
 
@@ -190,11 +191,15 @@ def test_random_updates_bitwise_against_full_pull(sides, host_apply, monkeypatch
     pub.close()
 
 
+@contextlib.contextmanager
 def _one_leaf(trainer, gen, keep=2):
-  pub = jax_m2n.Publisher(token=TOKEN, keep=keep)
+  """A publisher keeping `keep` versions and a subscriber of it (both closed after),
+  with one leaf's source and destination shardings."""
   src = NamedSharding(Mesh(np.array(trainer), ("x",)), P("x"))
   dst = NamedSharding(Mesh(np.array(gen).reshape(2, 2), ("a", "b")), P(None, "b"))
-  return pub, src, dst
+  with jax_m2n.Publisher(token=TOKEN, keep=keep) as pub:
+    with jax_m2n.Subscriber(pub.address, token=TOKEN) as sub:
+      yield pub, sub, src, dst
 
 
 def _count(key, fn):
@@ -205,9 +210,7 @@ def _count(key, fn):
 
 def test_late_joiner_missed_versions_and_changed_layouts(sides):
   trainer, gen = sides
-  pub, src, dst = _one_leaf(trainer, gen, keep=3)
-  sub = jax_m2n.Subscriber(pub.address, token=TOKEN)
-  try:
+  with _one_leaf(trainer, gen, keep=3) as (pub, sub, src, dst):
     host = np.arange(8 * 4096, dtype=np.float32).reshape(8, 4096)
     pub.publish(_put(host, src))
     x = sub.pull(dst, delta=True, path="network")
@@ -249,17 +252,12 @@ def test_late_joiner_missed_versions_and_changed_layouts(sides):
                                    donate=w))
     assert n == 1
     _check(u, host, other, BF16)
-  finally:
-    sub.close()
-    pub.close()
 
 
 @pytest.mark.parametrize("fate", ["deleted", "donated_elsewhere", "kept"])
 def test_previous_arrays_deleted_donated_or_kept(sides, fate):
   trainer, gen = sides
-  pub, src, dst = _one_leaf(trainer, gen)
-  sub = jax_m2n.Subscriber(pub.address, token=TOKEN)
-  try:
+  with _one_leaf(trainer, gen) as (pub, sub, src, dst):
     host = np.random.default_rng(1).standard_normal((16, 512)).astype(np.float32)
     pub.publish({"w": _put(host, src)})
     x = sub.pull({"w": dst}, delta=True, path="network")
@@ -277,16 +275,11 @@ def test_previous_arrays_deleted_donated_or_kept(sides, fate):
     _check(y["w"], host, dst)
     if fate == "kept":  # not donated: applied to a copy, the old result intact
       assert np.array_equal(np.asarray(x["w"]), old)
-  finally:
-    sub.close()
-    pub.close()
 
 
 def test_quantize_pulls_full(sides):
   trainer, gen = sides
-  pub, src, dst = _one_leaf(trainer, gen)
-  sub = jax_m2n.Subscriber(pub.address, token=TOKEN)
-  try:
+  with _one_leaf(trainer, gen) as (pub, sub, src, dst):
     host = np.random.default_rng(2).standard_normal((16, 256)).astype(np.float32)
     q = jax_m2n.Quantize("float8_e4m3fn", tiled_axes={1: 8})
     for v in range(2):
@@ -298,22 +291,14 @@ def test_quantize_pulls_full(sides):
       want = jax_m2n.reshard(jax.device_put(host, dst), dst, dtype=q)
       assert np.array_equal(_bits(y.qvalue), _bits(want.qvalue))
       assert np.array_equal(_bits(y.scale), _bits(want.scale))
-  finally:
-    sub.close()
-    pub.close()
 
 
 def test_bad_delta_argument(sides):
   trainer, gen = sides
-  pub, src, dst = _one_leaf(trainer, gen)
-  sub = jax_m2n.Subscriber(pub.address, token=TOKEN)
-  try:
+  with _one_leaf(trainer, gen) as (pub, sub, src, dst):
     pub.publish(_put(np.zeros((8, 8), np.float32), src))
     with pytest.raises(jax_m2n.ReshardTypeError, match="delta must be a bool"):
       sub.pull(dst, delta="yes")
-  finally:
-    sub.close()
-    pub.close()
 
 
 # ---------------------------------------------------------------- separate programs
@@ -329,14 +314,8 @@ def jobs():
 @pytest.mark.parametrize("trainers,generators", [(1, 1), (2, 2)])
 def test_separate_jobs_delta_bitwise(jobs, trainers, generators, monkeypatch):
   monkeypatch.setattr(jobs_test, "WORKER", os.path.join(HERE, "jobs_delta_worker.py"))
-  t = jobs.start("trainer", trainers, "delta", seed=3 + trainers)
-  g = jobs.start("generator", generators, "delta", seed=3 + trainers)
-  jobs.wait(g, 300)
-  jobs.wait(t, 60)
+  found = jobs.run(trainers, generators, "delta", seed=3 + trainers)
   text = jobs.logs()
-  assert "FAIL" not in text, text
-  found = jobs.results("delta")
-  assert len(found) == generators, text
   for _, f, line in found:
     assert f["ok"] == "1" and int(f["deltas"]) >= 3 and f["in_place"] == "True", line
     assert int(f["delta_bytes"]) * 3 < int(f["full_bytes"]), line

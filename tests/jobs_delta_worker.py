@@ -22,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import jobs_worker  # noqa: E402
+from jax_m2n.testing import workers  # noqa: E402
 
 VERSIONS = 4
 # (shape, dtype, pulled dtype or None)
@@ -57,7 +58,7 @@ def hosts(seed, version):
 def trainer(jax, jax_m2n, args):
   pub = jax_m2n.Publisher("127.0.0.1:0", token=jobs_worker.TOKEN, keep=VERSIONS)
   if args.process_id == 0:
-    jobs_worker._write(os.path.join(args.dir, "address"), pub.address)
+    workers.write_file(os.path.join(args.dir, "address"), pub.address)
   srcs = jobs_worker.shardings(jax, args.seed + 1, jax.devices(), [s for s, _, _ in LEAVES])
   for v in range(1, VERSIONS + 1):
     tree = [jax.make_array_from_callback(h.shape, s, lambda i, h=h: h[i], dtype=h.dtype)
@@ -65,14 +66,14 @@ def trainer(jax, jax_m2n, args):
     assert pub.publish(tree) == v
   print(f"RESULT published role=trainer process={args.process_id} versions={VERSIONS}",
         flush=True)
-  jobs_worker._wait_file(os.path.join(args.dir, "generator_done"), 240)
+  workers.wait_file(os.path.join(args.dir, "generator_done"), 240)
   pub.close()
   return 0
 
 
 def generator(jax, jax_m2n, args):
   from jax_m2n._src.jobs import delta
-  address = jobs_worker._wait_file(os.path.join(args.dir, "address"), 120)
+  address = workers.wait_file(os.path.join(args.dir, "address"), 120)
   sub = jax_m2n.Subscriber(address, token=jobs_worker.TOKEN)
   dsts = jobs_worker.shardings(jax, args.seed + 2, jax.devices(), [s for s, _, _ in LEAVES])
   outs = [None if o is None else _dtype(o) for _, _, o in LEAVES]
@@ -110,10 +111,7 @@ def generator(jax, jax_m2n, args):
         f"deltas={got['subscriber_delta_pulls']} in_place={in_place} "
         f"delta_bytes={got['subscriber_pulled_bytes']} "
         f"full_bytes={got['subscriber_dense_bytes']}", flush=True)
-  sub.close()
-  if args.process_id == 0:
-    jobs_worker._write(os.path.join(args.dir, "generator_done"), "")
-  return 0
+  return jobs_worker.generator_done(sub, args)
 
 
 if __name__ == "__main__":

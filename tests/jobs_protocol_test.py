@@ -8,7 +8,6 @@ dst / dtype / version errors raised before any byte moves; pulls bitwise against
 jax.device_put, Quantize as reshard's. The control channel alone:
 jobs_security_test.py."""
 
-import doctest
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
 from jax_m2n._src.jobs import auth, channel, engine
+from doctest_test import run_docstring_examples
 
 sys.path.insert(0, os.path.dirname(__file__))
 import jobs_attacks as attacks  # noqa: E402
@@ -65,12 +65,7 @@ def _bits(a):
 @pytest.mark.parametrize("fn", [jax_m2n.Publisher, jax_m2n.Subscriber],
                          ids=["Publisher", "Subscriber"])
 def test_docstring_examples_run(fn):
-  finder = doctest.DocTestFinder(recurse=False)
-  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-  for test in finder.find(fn, fn.__name__, globs={"jax_m2n": jax_m2n}):
-    runner.run(test)
-  result = runner.summarize(verbose=False)
-  assert result.attempted > 0 and result.failed == 0, result
+  run_docstring_examples(fn)
 
 
 def test_binds_loopback_by_default_and_pulls_bitwise(published, gen):

@@ -14,9 +14,6 @@ import random
 import re
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import jax
@@ -29,6 +26,8 @@ import jax_m2n
 from jax_m2n._src.errors import ReshardError
 from jax_m2n._src.jobs import auth, channel, relay
 from jax_m2n.testing.hosts import EmulatedHosts
+
+import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "jobs_relay_worker.py")
@@ -163,66 +162,20 @@ def test_malformed_relay_calls_are_refused_and_the_publisher_serves_on(published
   np.testing.assert_array_equal(_bits(out["w"]), _bits(host["w"]))
 
 
-class Procs:
+class Procs(launcher.Procs):
   """Started workers sharing one directory; each with its log file."""
 
   def __init__(self):
-    self.dir = tempfile.mkdtemp(prefix="m2n_relay_")
-    self.procs = {}  # name -> (Popen, log)
+    super().__init__("m2n_relay_")
     self.hosts = None  # EmulatedHosts: the trainer on host 0, subscriber i on i + 1
 
   def start(self, role, name, *extra):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)
-    env.pop("JAX_PLATFORMS", None)
-    log = open(os.path.join(self.dir, f"{name}.log"), "w+")
-    argv = [sys.executable, WORKER, "--role", role, "--name", name, "--dir", self.dir,
-            "--versions", str(VERSIONS), "--mib", str(MIB), *map(str, extra)]  # later
-    # flags win (argparse)
-    if self.hosts is None:
-      p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    else:
-      i = len(self.procs)
-      p = self.hosts.popen(i, argv + ["--host", self.hosts.address(i)], env=env,
-                           stdout=log, stderr=subprocess.STDOUT, text=True)
-    self.procs[name] = (p, log)
-    return p
-
-  def wait(self, names, timeout):
-    deadline = time.monotonic() + timeout
-    for name in names:
-      try:
-        self.procs[name][0].wait(timeout=max(1.0, deadline - time.monotonic()))
-      except subprocess.TimeoutExpired:
-        text = self.logs()
-        self.kill()
-        pytest.fail(f"{name} hung:\n{text}")
-
-  def kill(self):
-    for p, _ in self.procs.values():
-      if p.poll() is None:
-        p.kill()
-    for p, _ in self.procs.values():
-      p.wait()
-
-  def logs(self, tail=4000):
-    out = []
-    for name, (_, log) in self.procs.items():
-      log.flush()
-      log.seek(0)
-      out.append(f"--- {name}\n" + log.read()[-tail:])
-    return "\n".join(out)
-
-  def results(self, what):
-    found = []
-    for name, (_, log) in self.procs.items():
-      log.flush()
-      log.seek(0)
-      for line in log.read().splitlines():
-        if line.startswith(f"RESULT {what} "):
-          found.append((name, dict(re.findall(r"(\w+)=(\S+)", line)), line))
-    return found
+    argv = [WORKER, "--role", role, "--name", name, "--dir", self.dir,
+            "--versions", VERSIONS, "--mib", MIB, *extra]  # later flags win (argparse)
+    i = len(self.procs)
+    if self.hosts is not None:
+      argv += ["--host", self.hosts.address(i)]
+    return super().start(name, argv, hosts=self.hosts, host=i)
 
 
 @pytest.fixture
@@ -237,7 +190,7 @@ def _published(procs, version, timeout=120):
   while time.monotonic() < deadline:
     if any(int(f["version"]) >= version for _, f, _ in procs.results("published")):
       return
-    if procs.procs["trainer"][0].poll() is not None:
+    if procs.proc("trainer").poll() is not None:
       break
     time.sleep(0.05)
   pytest.fail(f"version {version} was not published in time:\n" + procs.logs())
@@ -261,7 +214,7 @@ def test_a_two_process_trainer_job_sends_each_version_once(procs):
   procs.wait(["trainer0", "trainer1"], 60)
   text = procs.logs()
   for name in ("a", "b", "c", "trainer0", "trainer1"):
-    assert procs.procs[name][0].returncode == 0, (name, text)
+    assert procs.proc(name).returncode == 0, (name, text)
   pulled = procs.results("pulled")
   assert all(f["ok"] == "1" for _, f, _ in pulled), text
   assert sorted(int(f["version"]) for _, f, _ in pulled) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
@@ -311,7 +264,7 @@ def _joins_leaves_and_deaths(procs, seed):
   _published(procs, 3)
   time.sleep(rng.uniform(0.0, 2.0 * 2))  # a random point within versions 3-4
   open(os.path.join(procs.dir, "gone_d"), "w").close()  # the trainer waits for it no more
-  procs.procs["d"][0].send_signal(signal.SIGKILL)
+  procs.proc("d").send_signal(signal.SIGKILL)
   procs.wait(["d"], 30)
   procs.wait(["a", "b", "c", "e", "f"], 240)
   open(os.path.join(procs.dir, "done"), "w").close()
@@ -329,12 +282,12 @@ def _joins_leaves_and_deaths(procs, seed):
   assert pulled["f"] == list(range(pulled["f"][0], VERSIONS + 1)) and (
       pulled["f"][0] >= join), text
   for name in ("a", "b", "e", "f", "trainer"):
-    assert procs.procs[name][0].returncode == 0, (name, text)
+    assert procs.proc(name).returncode == 0, (name, text)
   # A clean leave.
   assert pulled["b"] == list(range(1, leave + 1)) and procs.results("left"), text
   # c died mid-version (rc 9) and d was killed; the publisher published every version.
-  assert procs.procs["c"][0].returncode == 9 and procs.results("dying"), text
-  assert procs.procs["d"][0].returncode == -signal.SIGKILL, text
+  assert procs.proc("c").returncode == 9 and procs.results("dying"), text
+  assert procs.proc("d").returncode == -signal.SIGKILL, text
   assert len(procs.results("published")) == VERSIONS, text
 
   # The trainer sent the float32 group one copy of version 1 (everyone was present:

@@ -28,24 +28,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from jax_m2n.testing import workers  # noqa: E402
+
 TOKEN = "jobs-relay-test-token"
 COLS = 1024
-
-
-def _wait_file(path, timeout):
-  deadline = time.monotonic() + timeout
-  while not os.path.exists(path):
-    if time.monotonic() > deadline:
-      raise TimeoutError(f"no {path} within {timeout} s")
-    time.sleep(0.02)
-  with open(path) as f:
-    return f.read()
-
-
-def _write(path, text=""):
-  with open(path + ".tmp", "w") as f:
-    f.write(text)
-  os.replace(path + ".tmp", path)
 
 
 def shapes(mib):
@@ -82,7 +68,7 @@ def trainer(jax, jax_m2n, args):
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   pub = jax_m2n.Publisher(f"{args.host}:0", token=TOKEN, keep=args.versions)
   if args.process_id == 0:
-    _write(os.path.join(args.dir, "address"), pub.address)
+    workers.write_file(os.path.join(args.dir, "address"), pub.address)
   deadline = time.monotonic() + 120
   while (len([f for f in os.listdir(args.dir) if f.startswith("ready_")]) < args.wait_for
          and time.monotonic() < deadline):
@@ -102,7 +88,7 @@ def trainer(jax, jax_m2n, args):
     while not os.path.exists(done) and time.monotonic() < limit and (
         time.monotonic() < started + args.period or _behind(args.dir, v)):
       time.sleep(0.02)
-  _wait_file(os.path.join(args.dir, "done"), 600)
+  workers.wait_file(os.path.join(args.dir, "done"), 600)
   pub.close()
   return 0
 
@@ -118,7 +104,7 @@ def _die_hooks(args):
   def dying(how, version):
     print(f"RESULT dying name={args.name} version={version} {how}=1 "
           f"at={time.time():.6f}", flush=True)
-    _write(os.path.join(args.dir, f"gone_{args.name}"))
+    workers.write_file(os.path.join(args.dir, f"gone_{args.name}"))
     os._exit(9)
 
   def forwarder(self, member, v, transport, timeout_s):
@@ -154,7 +140,7 @@ def subscriber(jax, jax_m2n, args):
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from jax_m2n._src.jobs import engine, relay
-  address = _wait_file(os.path.join(args.dir, "address"), 120)
+  address = workers.wait_file(os.path.join(args.dir, "address"), 120)
   sub = jax_m2n.Subscriber(address, token=TOKEN, relay=not args.no_relay)
   if sub._state.relay is not None and args.chunk_kib:
     sub._state.relay.chunk_bytes = args.chunk_kib << 10
@@ -162,7 +148,7 @@ def subscriber(jax, jax_m2n, args):
   mesh = Mesh(np.array(jax.devices()), ("y",))
   dst = {"w": NamedSharding(mesh, P(None, "y")), "b": NamedSharding(mesh, P("y"))}
   dtype = None if args.dtype == "float32" else np.dtype(getattr(ml_dtypes, args.dtype))
-  _write(os.path.join(args.dir, f"ready_{args.name}"))
+  workers.write_file(os.path.join(args.dir, f"ready_{args.name}"))
   out, version = None, None
   while True:
     before = dict(relay.stats, direct=engine.stats["pulled_bytes"])
@@ -194,11 +180,11 @@ def subscriber(jax, jax_m2n, args):
           f"reroutes={delta['reroutes']} seconds={seconds:.3f} at={time.time():.6f}",
           flush=True)
     out, version = got, v + 1
-    _write(os.path.join(args.dir, f"latest_{args.name}"), str(v))
+    workers.write_file(os.path.join(args.dir, f"latest_{args.name}"), str(v))
     if args.leave_after and v >= args.leave_after:
       t0 = time.perf_counter()
       sub.close()
-      _write(os.path.join(args.dir, f"gone_{args.name}"))
+      workers.write_file(os.path.join(args.dir, f"gone_{args.name}"))
       print(f"RESULT left name={args.name} version={v} "
             f"seconds={time.perf_counter() - t0:.3f}", flush=True)
       return 0
@@ -232,26 +218,8 @@ def main():
   import logging
   logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(message)s")
   logging.getLogger("jax_m2n").setLevel(logging.INFO)  # the relay's joins and re-routes
-  import jax
-  jax.config.update("jax_platforms", "cpu")
-  jax.config.update("jax_num_cpu_devices", args.devices)
-  if args.num_processes > 1:
-    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
-                               process_id=args.process_id, initialization_timeout=120)
-  import jax_m2n
-  rc = (trainer if args.role == "trainer" else subscriber)(jax, jax_m2n, args)
-  print(f"DONE role={args.role} name={args.name} rc={rc}", flush=True)
-  if args.num_processes > 1:  # process 0 hosts the job's coordination service: last out
-    from jax._src import distributed
-    kv = distributed.global_state.client
-    kv.key_value_set(f"test/end/{args.process_id}", "1")
-    deadline = time.monotonic() + 30
-    while args.process_id == 0 and time.monotonic() < deadline:
-      if len(kv.key_value_dir_get("test/end/")) >= args.num_processes:
-        break
-      time.sleep(0.05)
-  sys.stdout.flush()
-  os._exit(rc)
+  workers.run_worker(trainer if args.role == "trainer" else subscriber, args,
+                     f"127.0.0.1:{args.port}", f"role={args.role} name={args.name}")
 
 
 if __name__ == "__main__":

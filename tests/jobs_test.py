@@ -8,96 +8,52 @@ wrong token. Workers: tests/jobs_worker.py; every launch is bounded and its proc
 killed on timeout."""
 
 import os
-import re
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import pytest
 
+import launcher
 from jax_m2n.testing.hosts import EmulatedHosts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "jobs_worker.py")
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-class Jobs:
+class Jobs(launcher.Procs):
   """Started worker processes (a trainer job, generator jobs) sharing one directory."""
 
   def __init__(self):
-    self.dir = tempfile.mkdtemp(prefix="m2n_jobs_")
-    self.procs = []  # (name, Popen, log file)
+    super().__init__("m2n_jobs_")
 
   def start(self, role, processes, scenario, devices=4, seed=5, tag="", hosts=None,
             on=(), path="auto"):
-    """Starts `processes` workers of one job; with `hosts` (EmulatedHosts), worker i
-    runs on emulated host `on[i]` and the job's coordinator on `on[0]`'s."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)
-    env.pop("JAX_PLATFORMS", None)
-    port = _free_port()
-    started = []
+    """Starts `processes` workers of one job; returns their names. With `hosts`
+    (EmulatedHosts), worker i runs on emulated host `on[i]` and the job's coordinator
+    on `on[0]`'s."""
+    port = launcher.free_port()
+    names = []
     for i in range(processes):
-      name = f"{role}{tag}{i}"
-      log = open(os.path.join(self.dir, f"{name}.log"), "w+")
-      argv = [sys.executable, WORKER, "--role", role, "--process-id", str(i),
-              "--num-processes", str(processes), "--devices", str(devices // processes),
-              "--port", str(port), "--dir", self.dir, "--scenario", scenario,
-              "--seed", str(seed), "--path", path]
-      if hosts is None:
-        p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                             text=True)
-      else:
+      argv = [WORKER, "--role", role, "--process-id", i, "--num-processes", processes,
+              "--devices", devices // processes, "--port", port, "--dir", self.dir,
+              "--scenario", scenario, "--seed", seed, "--path", path]
+      if hosts is not None:
         argv += ["--host", hosts.address(on[i]), "--coordinator", hosts.address(on[0])]
-        p = hosts.popen(on[i], argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                        text=True)
-      self.procs.append((name, p, log))
-      started.append((name, p, log))
-    return started
+      names.append(f"{role}{tag}{i}")
+      super().start(names[-1], argv, hosts=hosts, host=on[i] if hosts else 0)
+    return names
 
-  def wait(self, group, timeout):
-    deadline = time.monotonic() + timeout
-    for name, p, log in group:
-      try:
-        p.wait(timeout=max(1.0, deadline - time.monotonic()))
-      except subprocess.TimeoutExpired:
-        self.kill()
-        pytest.fail(f"{name} hung:\n" + self.logs())
-
-  def kill(self):
-    for _, p, _ in self.procs:
-      if p.poll() is None:
-        p.kill()
-    for _, p, _ in self.procs:
-      p.wait()
-
-  def logs(self, tail=3000):
-    out = []
-    for name, _, log in self.procs:
-      log.flush()
-      log.seek(0)
-      out.append(f"--- {name}\n" + log.read()[-tail:])
-    return "\n".join(out)
-
-  def results(self, what):
-    found = []
-    for name, _, log in self.procs:
-      log.flush()
-      log.seek(0)
-      for line in log.read().splitlines():
-        m = re.match(rf"RESULT {what} role=\w+ process=(\d+) (.*)", line)
-        if m:
-          found.append((name, dict(re.findall(r"(\w+)=(\S+)", m.group(2))), line))
+  def run(self, trainers, generators, scenario, seed, path="auto"):
+    """A trainer job and a generator job to their end (bounded); no FAIL line; the
+    generators' "RESULT <scenario>" lines, one per generator process."""
+    t = self.start("trainer", trainers, scenario, seed=seed)
+    g = self.start("generator", generators, scenario, seed=seed, path=path)
+    self.wait(g, 300)
+    self.wait(t, 60)
+    text = self.logs()
+    assert "FAIL" not in text, text
+    found = self.results(scenario)
+    assert len(found) == generators, text
     return found
 
 
@@ -114,15 +70,8 @@ def jobs():
 def test_random_layouts_versions_bitwise(jobs, trainers, generators, path):
   # On one host "auto" reads the trainer's memory in place (the local data plane);
   # "network" crosses the transport as between hosts.
-  t = jobs.start("trainer", trainers, "random", seed=10 * trainers + generators)
-  g = jobs.start("generator", generators, "random", seed=10 * trainers + generators,
-                 path=path)
-  jobs.wait(g, 300)
-  jobs.wait(t, 60)
-  text = jobs.logs()
-  assert "FAIL" not in text, text
-  found = jobs.results("random")
-  assert len(found) == generators, text
+  found = jobs.run(trainers, generators, "random", seed=10 * trainers + generators,
+                   path=path)
   for _, f, line in found:
     assert int(f["ok"]) == 30 * 3 and f["replanned"] == "0" and f["donated"] == "True", line
     assert f["path"] == ("local" if path == "auto" else "network"), line
@@ -184,7 +133,7 @@ def test_a_dead_publisher_fails_a_waiting_pull_within_2s(jobs):
     time.sleep(0.05)
   time.sleep(0.7)  # the pull is waiting in its long polls
   killed_at = time.time()
-  t[0][1].send_signal(signal.SIGKILL)
+  jobs.proc(t[0]).send_signal(signal.SIGKILL)
   jobs.wait(g, 60)
   seconds, line = _failed_within(jobs, killed_at)
   assert seconds < 2.0 and "127.0.0.1" in line, line
@@ -206,14 +155,14 @@ def test_a_subscriber_dying_mid_pull_harms_nobody_and_a_restart_reconnects(jobs)
   t = jobs.start("trainer", 1, "wait")
   dead = jobs.start("generator", 1, "die_mid", tag="a")
   jobs.wait(dead, 120)
-  assert dead[0][1].returncode == 3 and jobs.results("die_mid"), jobs.logs()
+  assert jobs.proc(dead[0]).returncode == 3 and jobs.results("die_mid"), jobs.logs()
   other = jobs.start("generator", 1, "again", tag="b")   # another subscriber job
   jobs.wait(other, 120)
   restarted = jobs.start("generator", 1, "again", tag="c")  # the dead one, restarted
   jobs.wait(restarted, 120)
   pulled = jobs.results("pulled")
   assert len(pulled) == 2 and all(f["ok"] == "1" for _, f, _ in pulled), jobs.logs()
-  assert t[0][1].poll() is None  # the publisher still serves
+  assert jobs.proc(t[0]).poll() is None  # the publisher still serves
   token = jobs.start("generator", 1, "wrong_token", tag="d")
   jobs.wait(token, 120)
   found = jobs.results("wrong_token")

@@ -33,6 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from jax_m2n.testing import workers  # noqa: E402
+
 TOKEN = "jobs-test-token-0123"
 CASES = 30
 VERSIONS = 3
@@ -41,22 +43,6 @@ VERSIONS = 3
 def _log(args, what):
   print(f"[{time.strftime('%H:%M:%S')} {args.role} {args.process_id}] {what}",
         file=sys.stderr, flush=True)
-
-
-def _wait_file(path, timeout):
-  deadline = time.monotonic() + timeout
-  while not os.path.exists(path):
-    if time.monotonic() > deadline:
-      raise TimeoutError(f"no {path} within {timeout} s")
-    time.sleep(0.05)
-  with open(path) as f:
-    return f.read()
-
-
-def _write(path, text):
-  with open(path + ".tmp", "w") as f:
-    f.write(text)
-  os.replace(path + ".tmp", path)
 
 
 def cases(seed):
@@ -102,7 +88,7 @@ def trainer(jax, jax_m2n, args):
   import numpy as np
   pub = jax_m2n.Publisher(f"{args.host}:0", token=TOKEN, keep=VERSIONS)
   if args.process_id == 0:
-    _write(os.path.join(args.dir, "address"), pub.address)
+    workers.write_file(os.path.join(args.dir, "address"), pub.address)
   table = cases(args.seed)
   srcs = shardings(jax, args.seed + 1, jax.devices(), [s for s, _, _ in table])
   done = os.path.join(args.dir, "generator_done")
@@ -117,13 +103,13 @@ def trainer(jax, jax_m2n, args):
   print(f"RESULT published role=trainer process={args.process_id} versions={versions}",
         flush=True)
   if args.scenario == "close":
-    _wait_file(os.path.join(args.dir, "generator_waiting"), 120)
+    workers.wait_file(os.path.join(args.dir, "generator_waiting"), 120)
     time.sleep(0.5)
     pub.close()
-    _write(os.path.join(args.dir, f"closed_{time.time():.6f}"), "")
+    workers.write_file(os.path.join(args.dir, f"closed_{time.time():.6f}"), "")
     print(f"RESULT closed role=trainer process={args.process_id} at={time.time():.6f}",
           flush=True)
-  _wait_file(done, 240)
+  workers.wait_file(done, 240)
   pub.close()
   return 0
 
@@ -136,7 +122,8 @@ def _check(y, host, sharding, dtype):
 def generator(jax, jax_m2n, args):
   import numpy as np
   from jax_m2n._src.jobs import engine, planning
-  address = _wait_file(os.path.join(args.dir, "address"), 120)
+  from jax_m2n._src.processes import bootstrap
+  address = workers.wait_file(os.path.join(args.dir, "address"), 120)
   if args.scenario == "wrong_token":
     try:
       jax_m2n.Subscriber(address, token="not-the-token-but-long-enough")
@@ -144,7 +131,7 @@ def generator(jax, jax_m2n, args):
     except jax_m2n.ReshardValueError as e:
       print(f"RESULT wrong_token role=generator process={args.process_id} ok=1 {e}",
             flush=True)
-    _write(os.path.join(args.dir, "generator_done"), "")
+    workers.write_file(os.path.join(args.dir, "generator_done"), "")
     return 0
   sub = jax_m2n.Subscriber(address, token=TOKEN)
   table = cases(args.seed)
@@ -169,7 +156,7 @@ def generator(jax, jax_m2n, args):
           flush=True)
     if args.scenario == "again":
       return 0
-    _write(os.path.join(args.dir, "generator_waiting"), "")
+    workers.write_file(os.path.join(args.dir, "generator_waiting"), "")
     t0 = time.time()
     try:
       sub.pull(tree, dtype=dtype, timeout_s=120)
@@ -223,9 +210,14 @@ def generator(jax, jax_m2n, args):
             f"pulled={pulled} plan_from_publisher="
             f"{planning.network_bytes(pp)['from_publisher']} payload={total} "
             f"transfer={sub._state.connections.transport(address).address}", flush=True)
+  return generator_done(sub, args)
+
+
+def generator_done(sub, args) -> int:
+  """A generator's end: its subscriber closed, then (process 0) DIR/generator_done."""
   sub.close()
   if args.process_id == 0:
-    _write(os.path.join(args.dir, "generator_done"), "")
+    workers.write_file(os.path.join(args.dir, "generator_done"), "")
   return 0
 
 
@@ -245,28 +237,9 @@ def main():
   p.add_argument("--host", default="127.0.0.1")
   p.add_argument("--coordinator", default="127.0.0.1")
   args = p.parse_args()
-  import jax
-  jax.config.update("jax_platforms", "cpu")
-  jax.config.update("jax_num_cpu_devices", args.devices)
-  if args.num_processes > 1:
-    jax.distributed.initialize(f"{args.coordinator}:{args.port}",
-                               num_processes=args.num_processes,
-                               process_id=args.process_id,
-                               initialization_timeout=120)
-  import jax_m2n
-  rc = (trainer if args.role == "trainer" else generator)(jax, jax_m2n, args)
-  print(f"DONE role={args.role} process={args.process_id} rc={rc}", flush=True)
-  if args.num_processes > 1:  # process 0 hosts the job's coordination service: last out
-    from jax._src import distributed
-    kv = distributed.global_state.client
-    kv.key_value_set(f"test/end/{args.process_id}", "1")
-    deadline = time.monotonic() + 30
-    while args.process_id == 0 and time.monotonic() < deadline:
-      if len(kv.key_value_dir_get("test/end/")) >= args.num_processes:
-        break
-      time.sleep(0.05)
-  sys.stdout.flush()
-  os._exit(rc)  # no teardown races between the jobs' servers
+  workers.run_worker(trainer if args.role == "trainer" else generator, args,
+                     f"{args.coordinator}:{args.port}",
+                     f"role={args.role} process={args.process_id}")
 
 
 if __name__ == "__main__":

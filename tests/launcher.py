@@ -1,15 +1,18 @@
 """The worker processes of a multi-process test, bounded: started with this repository
 on PYTHONPATH, each writing to its own log file, waited for until one deadline, and all
-killed (whatever happened) before the test goes on. Shared by multiprocess_cpu_test,
-multiprocess_gpu_test and tunix_multiprocess_test (a helper module: tests/BUILD)."""
+killed (whatever happened) before the test goes on. `run` starts a job's processes
+together (multiprocess_cpu_test, multiprocess_gpu_test, tunix_multiprocess_test);
+`Procs` starts separate programs one at a time (jobs_test, jobs_relay_test). A helper
+module: tests/BUILD."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import pytest
 
@@ -44,6 +47,14 @@ def worker_env(extra: dict | None = None) -> dict:
   env.pop("JAX_PLATFORMS", None)
   env.update(extra or {})
   return env
+
+
+def run_python(code: str, env: dict | None = None,
+               timeout_s: float = 300) -> subprocess.CompletedProcess:
+  """`python -c code` in a process of its own (`worker_env(env)`), bounded; its output
+  captured, its exit status for the caller to check."""
+  return subprocess.run([sys.executable, "-c", code], env=worker_env(env),
+                        capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
 def read(path: str) -> str:
@@ -102,6 +113,67 @@ def run(argvs: Sequence[Sequence[str]], *, name: str, timeout_s: float,
   if hung is not None:
     pytest.fail(f"{name}: process {hung} hung past {timeout_s:g} s:\n" + tails(workers))
   return workers
+
+
+class Procs:
+  """Separate programs started one at a time, sharing one directory (their hand-over
+  files), each with its log file there; `kill()` ends those still running (a fixture's
+  teardown)."""
+
+  def __init__(self, prefix: str):
+    self.dir = tempfile.mkdtemp(prefix=prefix)
+    self.procs: dict[str, tuple[subprocess.Popen, Any]] = {}  # name -> (Popen, log)
+
+  def start(self, name: str, argv: Sequence[str], env: dict | None = None,
+            hosts: Any = None, host: int = 0) -> subprocess.Popen:
+    """Starts `python argv` as `name`; with `hosts` (EmulatedHosts) on host `host`."""
+    log = open(os.path.join(self.dir, f"{name}.log"), "w+")
+    argv = [sys.executable, *map(str, argv)]
+    kw = dict(env=env or worker_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(argv, **kw) if hosts is None else hosts.popen(host, argv, **kw)
+    self.procs[name] = (p, log)
+    return p
+
+  def proc(self, name: str) -> subprocess.Popen:
+    return self.procs[name][0]
+
+  def wait(self, names: Sequence[str], timeout: float) -> None:
+    """Waits until the programs `names` have exited, `timeout` s for all of them; one
+    still running then fails the test (pytest.fail, with the logs) after kill()."""
+    deadline = time.monotonic() + timeout
+    for name in names:
+      try:
+        self.proc(name).wait(timeout=max(1.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        text = self.logs()
+        self.kill()
+        pytest.fail(f"{name} hung:\n{text}")
+
+  def kill(self) -> None:
+    for p, _ in self.procs.values():
+      if p.poll() is None:
+        p.kill()
+    for p, _ in self.procs.values():
+      p.wait()
+
+  def logs(self, tail: int = 4000) -> str:
+    """The end of every program's log, for a failure message."""
+    return "\n".join(f"--- {name}\n" + self._read(log)[-tail:]
+                     for name, (_, log) in self.procs.items())
+
+  def results(self, what: str) -> list[tuple[str, dict, str]]:
+    """Every "RESULT <what> key=value ..." line the programs printed, as (program,
+    {key: value}, line)."""
+    return [(name, dict(re.findall(r"(\w+)=(\S+)", line)), line)
+            for name, (_, log) in self.procs.items()
+            for line in self._read(log).splitlines()
+            if line.startswith(f"RESULT {what} ")]
+
+  @staticmethod
+  def _read(log) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()
 
 
 def tails(workers: Sequence[Worker], chars: int = 3000) -> str:

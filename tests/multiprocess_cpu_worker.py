@@ -32,6 +32,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jax_m2n.testing import workers  # noqa: E402
+
 
 def _log(pid, what):
   print(f"[{time.strftime('%H:%M:%S')} process {pid}] {what}", file=sys.stderr, flush=True)
@@ -386,30 +388,15 @@ def main():
   ap.add_argument("--verbose", action="store_true")
   args = ap.parse_args()
   pid = args.process_id
-  os.environ["JAX_PLATFORMS"] = "cpu"
   import jax
-  jax.config.update("jax_num_cpu_devices", args.devices)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
-                             num_processes=args.num_processes, process_id=pid,
-                             initialization_timeout=120)
+  workers.start_jax(args.devices, args.num_processes, pid, f"127.0.0.1:{args.port}")
   import jax_m2n
   rc = SCENARIOS[args.scenario](jax, jax_m2n, pid, args)
   print(f"DONE process={pid}", flush=True)
-  # Process 0 hosts the coordination service: it leaves last (its exit ends the job).
-  from jax._src import distributed
-  kv = distributed.global_state.client
-  kv.key_value_set(f"test/end/{pid}", "1")
-  if pid == 0:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-      ended = {k for k, _ in kv.key_value_dir_get("test/end/")}
-      if len(ended) >= args.num_processes - (args.scenario in (
-          "raise", "die", "absent", "interrupt", "vanish")):
-        break
-      time.sleep(0.05)
-  sys.stdout.flush()
-  os._exit(rc)
+  # Process 0 leaves last, but does not wait for a process that failed on purpose.
+  workers.leave_job(pid, args.num_processes, rc, expected=args.num_processes - (
+      args.scenario in ("raise", "die", "absent", "interrupt", "vanish")))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ FAIL_BOUND_S = 3.0
 
 
 class Job:
-  """N workers of one scenario, worker i in host i; their logs; the sync directory."""
+  """N workers of one scenario, worker i in host i; their logs; the sync directory. A
+  context manager: leaving it kills the workers still running."""
 
   def __init__(self, hosts, n, scenario, mib=16.0, port=7001):
     self.sync = tempfile.mkdtemp(prefix="m2n_net_")
@@ -42,6 +43,14 @@ class Job:
         "--coordinator", coordinator, "--scenario", scenario, "--sync", self.sync,
         "--mib", str(mib)], env=env, stdout=self.logs[i], stderr=subprocess.STDOUT)
                   for i in range(n)]
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    for p in self.procs:  # whatever happened, no worker outlives the test
+      if p.poll() is None:
+        p.kill()
 
   def text(self, i) -> str:
     self.logs[i].flush()
@@ -109,8 +118,7 @@ def _check_failed_everywhere(job, what, t_fault, who, names):
 def _fault_job(hosts, disturb, heal, names):
   """A 3-process job: warm call, the test disturbs the next one mid-transfer, every
   process fails; healed, the next call works."""
-  job = Job(hosts, 3, "fault", mib=32)
-  try:
+  with Job(hosts, 3, "fault", mib=32) as job:
     job.wait_for(r"^CALL process=", range(3), 240)
     time.sleep(0.4)  # 32 MiB at 100 Mbit/s: about 3 s per copy, so mid-transfer
     t_fault = time.time()
@@ -126,10 +134,6 @@ def _fault_job(hosts, disturb, heal, names):
     addresses = {int(m.group(1)): m.group(2) for i in range(3) for m in re.finditer(
         r"^ADDRESS process=(\d+) address=(\S+)", job.text(i), re.M)}
     return times, addresses
-  finally:
-    for p in job.procs:
-      if p.poll() is None:
-        p.kill()
 
 
 def test_link_cut_mid_transfer_fails_everywhere_then_the_next_call_works():
@@ -152,8 +156,7 @@ def test_partition_between_two_processes_that_reach_the_coordinator():
 
 def test_process_killed_mid_transfer():
   with EmulatedHosts(3, rate="100mbit") as hosts:
-    job = Job(hosts, 3, "killed", mib=32)
-    try:
+    with Job(hosts, 3, "killed", mib=32) as job:
       job.wait_for(r"^CALL process=", range(3), 240)
       time.sleep(0.4)
       t_fault = time.time()
@@ -164,10 +167,6 @@ def test_process_killed_mid_transfer():
                                {0: ["process 2"], 1: ["process 2"]})
       nxt = job.results("next_call")
       assert all(nxt[p].get("ok") == "1" for p in (0, 1)), job.tails()
-    finally:
-      for p in job.procs:
-        if p.poll() is None:
-          p.kill()
 
 
 @pytest.mark.skipif(EmulatedHosts.unavailable(wire=True) is not None,
@@ -176,8 +175,7 @@ def test_lossy_delayed_links_give_bitwise_results():
   # 10 ms and 0.5% loss on each link, each way: between two hosts 20 ms one way and
   # about 1% loss (a frame crosses two links).
   with EmulatedHosts(3, rate="1gbit", delay_ms=10, loss=0.005) as hosts:
-    job = Job(hosts, 3, "lossy", mib=1)
-    try:
+    with Job(hosts, 3, "lossy", mib=1) as job:
       job.wait_for(r"^DONE process=", range(3), 240)
       job.finish()
       found = {i: job.results(f"lossy{i}") for i in range(3)}
@@ -187,18 +185,13 @@ def test_lossy_delayed_links_give_bitwise_results():
       print("1 MiB over 20 ms / 1% loss paths, seconds per call (max over processes): "
             + ", ".join(f"{max(float(f['seconds']) for f in by.values()):.2f}"
                         for by in found.values()))
-    finally:
-      for p in job.procs:
-        if p.poll() is None:
-          p.kill()
 
 
 def test_unreachable_transfer_address_is_an_error_naming_process_and_address():
   # Every process told to bind 127.0.0.1 (a multi-host job with a wrong override): a
   # peer's loopback is not reachable from another host.
   with EmulatedHosts(3, rate="1gbit") as hosts:
-    job = Job(hosts, 3, "address", mib=1)
-    try:
+    with Job(hosts, 3, "address", mib=1) as job:
       job.wait_for(r"^CALL process=", range(3), 240)
       job.wait_for(r"^RESULT address process=", range(3), 30)
       job.finish()
@@ -209,7 +202,3 @@ def test_unreachable_transfer_address_is_an_error_naming_process_and_address():
         assert "127.0.0.1:" in f["error"] and "JAX_M2N_TRANSFER_HOST" in f["error"], \
             f["line"]
         print(f"process {p} after {f['seconds']} s: {f['error'][:300]}")
-    finally:
-      for p in job.procs:
-        if p.poll() is None:
-          p.kill()

@@ -30,6 +30,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jax_m2n.testing import workers  # noqa: E402
+
 
 def _case(jax, mib, procs):
   """(host array, source array, destination sharding) of Figure 4's move from process
@@ -80,21 +82,23 @@ def _disturbed(jax, jax_m2n, pid, what, x, dst, timeout_s=30.0) -> None:
             error=repr(str(e)[:1500]))
 
 
-def _wait_file(path, timeout_s=120.0) -> None:
-  deadline = time.monotonic() + timeout_s
-  while not os.path.exists(path):
-    if time.monotonic() > deadline:
-      raise TimeoutError(f"{path} did not appear within {timeout_s} s")
-    time.sleep(0.05)
-
-
-def scenario_fault(jax, jax_m2n, pid, args) -> int:
+def _warm_then_disturbed(jax, jax_m2n, pid, args, what):
+  """The case over processes 1.. called once ("warm"), then again while the test
+  disturbs it (`what`); (processes, host, x, dst), or None if the warm call failed."""
   procs = list(range(1, jax.process_count()))
   host, x, dst = _case(jax, args.mib, procs)
   if not _call(jax, jax_m2n, pid, "warm", host, x, dst):
+    return None
+  _disturbed(jax, jax_m2n, pid, what, x, dst)
+  return procs, host, x, dst
+
+
+def scenario_fault(jax, jax_m2n, pid, args) -> int:
+  case = _warm_then_disturbed(jax, jax_m2n, pid, args, "fault")
+  if case is None:
     return 1
-  _disturbed(jax, jax_m2n, pid, "fault", x, dst)
-  _wait_file(os.path.join(args.sync, "healed"))
+  _, host, x, dst = case
+  workers.wait_file(os.path.join(args.sync, "healed"), 120)
   return 0 if _call(jax, jax_m2n, pid, "next_call", host, x, dst) else 1
 
 
@@ -107,12 +111,10 @@ def scenario_lossy(jax, jax_m2n, pid, args) -> int:
 
 
 def scenario_killed(jax, jax_m2n, pid, args) -> int:
-  procs = list(range(1, jax.process_count()))
-  host, x, dst = _case(jax, args.mib, procs)
-  if not _call(jax, jax_m2n, pid, "warm", host, x, dst):
+  case = _warm_then_disturbed(jax, jax_m2n, pid, args, "killed")
+  if case is None:
     return 1
-  _disturbed(jax, jax_m2n, pid, "killed", x, dst)
-  rest = procs[:-1]  # the killed process is the last
+  rest = case[0][:-1]  # the killed process is the last
   host, x, dst = _case(jax, args.mib, rest)
   if pid in [0, *rest]:
     return 0 if _call(jax, jax_m2n, pid, "next_call", host, x, dst) else 1
@@ -142,30 +144,15 @@ def main() -> None:
   pid = args.process_id
   if args.scenario == "address":
     os.environ["JAX_M2N_TRANSFER_HOST"] = "127.0.0.1"
-  import jax
-  jax.config.update("jax_num_cpu_devices", 2)
-  jax.distributed.initialize(coordinator_address=args.coordinator,
-                             num_processes=args.num_processes, process_id=pid,
-                             initialization_timeout=120)
+  jax = workers.start_jax(2, args.num_processes, pid, args.coordinator)
   import jax_m2n
   from jax_m2n._src.processes import bootstrap
   print(f"ADDRESS process={pid} address={bootstrap.engine().address}", flush=True)
   rc = SCENARIOS[args.scenario](jax, jax_m2n, pid, args)
   print(f"DONE process={pid}", flush=True)
-  # Process 0 hosts the coordination service: it leaves last (its exit ends the job),
-  # waiting a bounded time for the others' end keys (not for a killed process's).
-  from jax_m2n._src import jax_compat
-  kv = jax_compat.distributed_client()
-  kv.key_value_set(f"test/end/{pid}", "1")
-  if pid == 0:
-    expected = args.num_processes - (args.scenario == "killed")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-      if len(kv.key_value_dir_get("test/end/")) >= expected:
-        break
-      time.sleep(0.05)
-  sys.stdout.flush()
-  os._exit(rc)
+  # Process 0 leaves last, but does not wait for a killed process's end.
+  workers.leave_job(pid, args.num_processes, rc,
+                    expected=args.num_processes - (args.scenario == "killed"))
 
 
 if __name__ == "__main__":

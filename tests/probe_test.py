@@ -13,8 +13,6 @@ moves, then a valid call works) and the asynchronous CPU mode in a subprocess.
 
 import math
 import os
-import subprocess
-import sys
 import textwrap
 
 import hypothesis
@@ -27,7 +25,8 @@ from hypothesis import strategies as st
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
-from jax_m2n._src import eager
+import launcher
+import shards
 from plan_strategies import named_shardings, partition_specs, shard_counts
 
 D = jax.devices()
@@ -78,12 +77,7 @@ def assert_same(y, ref, exact=True):
   if exact:
     assert y.sharding == ref.sharding, (y.sharding, ref.sharding)
   assert y.sharding.is_equivalent_to(ref.sharding, y.ndim), (y.sharding, ref.sharding)
-  rs = {s.device: s for s in ref.addressable_shards}
-  ys = {s.device: s for s in y.addressable_shards}
-  assert set(ys) == set(rs)
-  for d, r in rs.items():
-    assert ys[d].index == r.index, (d, ys[d].index, r.index)
-    np.testing.assert_array_equal(bits(ys[d].data), bits(r.data), err_msg=str(d))
+  shards.assert_same_shards(y, ref)
 
 
 @st.composite
@@ -139,6 +133,13 @@ def _log_case(what: str, case) -> None:
 # Eager: random layouts x dtype= x donate= x route x domains x chunks
 # ---------------------------------------------------------------------------------------
 
+def _placed(shape, dtype, src, domain):
+  """A case's input on its source layout, its host copy, and the case's topology."""
+  x = jax.device_put(data(shape, dtype), src)
+  topology = None if domain is None else jax_m2n.Topology(domain_size=domain)
+  return x, np.asarray(x), topology
+
+
 @st.composite
 def eager_cases(draw):
   src_ids, dst_ids = draw(device_sets())
@@ -158,10 +159,8 @@ def eager_cases(draw):
 @hypothesis.given(eager_cases())
 def test_eager_matches_device_put_of_astype(case):
   shape, dtype, src, dst, out_dtype, route, domain, chunk, donate = case
-  x = jax.device_put(data(shape, dtype), src)
-  host = np.asarray(x)
+  x, host, topology = _placed(shape, dtype, src, domain)
   ref = jax.device_put(convert(jax.device_put(host, src), out_dtype), dst)
-  topology = None if domain is None else jax_m2n.Topology(domain_size=domain)
   y = jax_m2n.reshard(x, dst, route=route, topology=topology, chunk_bytes=chunk,
                       dtype=out_dtype, donate=donate)
   assert_same(y, ref)
@@ -213,9 +212,7 @@ def jit_cases(draw):
 @hypothesis.given(jit_cases())
 def test_jit_matches_jax(case):
   mode, shape, dtype, src, dst, out_dtype, route, domain, chunk = case
-  x = jax.device_put(data(shape, dtype), src)
-  host = np.asarray(x)
-  topology = None if domain is None else jax_m2n.Topology(domain_size=domain)
+  x, host, topology = _placed(shape, dtype, src, domain)
   kw = dict(route=route, topology=topology, chunk_bytes=chunk, dtype=out_dtype)
   if mode.endswith("_src"):
     kw["src_sharding"] = src
@@ -492,14 +489,6 @@ def test_python_scalars_converted_to_their_own_dtype_lose_weak_type():
 # call works
 # ---------------------------------------------------------------------------------------
 
-@pytest.fixture
-def nothing_runs(monkeypatch):
-  def forbidden(*args, **kwargs):
-    raise AssertionError("reshard built or ran a program before rejecting its input")
-  monkeypatch.setattr(eager.cache, "build_programs", forbidden)
-  monkeypatch.setattr(eager.EagerReshard, "__call__", forbidden)
-
-
 def _good():
   return NamedSharding(_mesh(range(4, 8), (4,), ("b",)), P("b"))
 
@@ -550,7 +539,7 @@ BAD = [  # (what, also a, the arguments)
 
 
 @pytest.mark.parametrize("what,kind,make", BAD, ids=[c[0] for c in BAD])
-def test_bad_arguments_raise_before_anything_moves(what, kind, make, nothing_runs):
+def test_bad_arguments_raise_before_anything_moves(what, kind, make, no_data_moves):
   del what
   kw = make()
   dst = kw.pop("dst_sharding", _good())
@@ -632,11 +621,7 @@ def test_async_cpu_mode_random_calls_in_a_subprocess():
   """Chained asynchronous calls (a result resharded again before anyone waits), donation,
   None and zero-size leaves, conversions, and a refused call in between; no XLA
   collective runs concurrently (the mode's documented limit)."""
-  env = dict(os.environ, JAX_M2N_CPU_ASYNC="1", JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(jax_m2n.__file__)))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  proc = subprocess.run([sys.executable, "-c", _ASYNC_SCRIPT], env=env,
-                        capture_output=True, text=True, timeout=300)
+  proc = launcher.run_python(_ASYNC_SCRIPT, {"JAX_M2N_CPU_ASYNC": "1",
+                                             "JAX_PLATFORMS": "cpu"}, timeout_s=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert "async ok 25" in proc.stdout

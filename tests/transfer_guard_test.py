@@ -22,8 +22,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import textwrap  # noqa: E402
 
 import jax  # noqa: E402
@@ -33,6 +31,7 @@ import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_m2n  # noqa: E402
+import launcher  # noqa: E402
 
 D = jax.devices()
 LEVELS = ("allow", "log", "disallow", "log_explicit", "disallow_explicit")
@@ -337,11 +336,7 @@ FIRST_CALL = textwrap.dedent("""
 def test_first_call_of_a_process_under_disallow_explicit(cpu_async):
   """jax_m2n's own per-device state (the CPU generation tickets, programs) is made on
   the first call touching a device: under the caller's strictest host guards here."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_M2N_CPU_ASYNC=cpu_async)
-  env.pop("XLA_FLAGS", None)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(jax_m2n.__file__)))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  proc = subprocess.run([sys.executable, "-c", FIRST_CALL], env=env, capture_output=True,
-                        text=True, timeout=180, check=False)
+  proc = launcher.run_python(FIRST_CALL, {"JAX_PLATFORMS": "cpu",
+                                          "JAX_M2N_CPU_ASYNC": cpu_async}, timeout_s=180)
   assert proc.returncode == 0 and "first call ok" in proc.stdout, proc.stderr[-3000:]
   assert GUARD_LOG not in proc.stderr

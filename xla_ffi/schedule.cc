@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cinttypes>
+#include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -18,34 +20,27 @@ namespace jax_m2n {
 
 namespace ffi = ::xla::ffi;
 
+namespace {
+
+// names[value] of an enum whose values are 0, 1, ... (schedule.h); "?" for any other.
+template <typename Enum, size_t N>
+const char* NameOf(Enum value, const char* const (&names)[N]) {
+  const auto i = static_cast<size_t>(value);
+  return i < N ? names[i] : "?";
+}
+
+}  // namespace
+
 const char* StageName(Stage stage) {
-  switch (stage) {
-    case Stage::kLocal:
-      return "local";
-    case Stage::kInject:
-      return "inject";
-    case Stage::kForward:
-      return "forward";
-    case Stage::kFanout:
-      return "fanout";
-    case Stage::kGather:
-      return "gather";
-    case Stage::kBcast:
-      return "bcast";
-  }
-  return "?";
+  static constexpr const char* kNames[] = {"local",  "inject", "forward",
+                                           "fanout", "gather", "bcast"};
+  static_assert(std::size(kNames) == kNumStages, "one name per Stage");
+  return NameOf(stage, kNames);
 }
 
 const char* BufferKindName(BufferKind kind) {
-  switch (kind) {
-    case BufferKind::kOperand:
-      return "operand";
-    case BufferKind::kResult:
-      return "result";
-    case BufferKind::kWorkspace:
-      return "workspace";
-  }
-  return "?";
+  static constexpr const char* kNames[] = {"operand", "result", "workspace"};
+  return NameOf(kind, kNames);
 }
 
 ElemType TypeOf(const TensorSpec& spec, BufferKind kind) {

@@ -20,13 +20,14 @@ import numpy as np
 
 from jax_m2n._src.errors import ReshardError
 from jax_m2n._src.layout import MAX_DIM, box_size, check_shape, parse_mesh_spec
-from jax_m2n._src.planner import ROUTES, Chunking, check_plan_size, plan_reshard
+from jax_m2n._src.planner import (DEFAULT_TRANSPORT, ROUTES, TRANSPORTS, Chunking,
+                                  check_plan_size, plan_reshard)
 from jax_m2n._src.topology import DEFAULT_NIC_GBPS, DEFAULT_NVLINK_GBPS, Topology
 
 USAGE = """python -m jax_m2n plan --shape 4,8 --dtype float32 \\
     --src "mesh(dp=1, tp=4) P(tp, None) @0" --dst "mesh(dp=2, tp=2) P(tp, None) @4" \\
     [--domain-size N] [--nic-gbps X] [--nvlink-gbps Y] \\
-    [--route hierarchical|flat|gather_bcast] [--chunk-bytes B] [--transport cuda|cpu] \\
+    [--route hierarchical|flat|gather_bcast] [--chunk-bytes B] [--transport cpu|cuda] \\
     [--json] [-v]"""
 
 GRAMMAR = """layouts (--src, --dst):
@@ -132,9 +133,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--chunk-bytes", type=_number("--chunk-bytes", int, 1),
                  default=None, help="bound on one pipelined chunk (default: chosen per "
                  "plan from its bytes and forwarding hops, as reshard does)")
-  p.add_argument("--transport", choices=("cuda", "cpu"), default="cuda",
+  p.add_argument("--transport", choices=TRANSPORTS, default=DEFAULT_TRANSPORT,
                  help="the transport whose per-call, per-step and per-chunk costs the "
-                 "estimates count and the default chunking uses (default cuda)")
+                 f"estimates count and the default chunking uses (default "
+                 f"{DEFAULT_TRANSPORT}, as jax_m2n.plan() on CPU devices; cuda prices "
+                 "GPUs, as jax_m2n.plan() on GPU devices)")
   p.add_argument("--json", action="store_true",
                  help="one strict JSON object on stdout (a non-finite number is null)")
   p.add_argument("-v", "--verbose", action="store_true",

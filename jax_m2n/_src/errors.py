@@ -1,8 +1,9 @@
 """The jax_m2n exception family.
 
 Owns every error type any layer raises (the public family and the two internal
-signals, `Unplaceable` and `PeerFailed`, and the jobs layer's `ProtocolError` and
-`VersionGone`) and the API name messages start with. Messages
+signals, `Unplaceable` and `PeerFailed`, the control plane's `CoordinatorUnreachable`,
+the jobs layer's `ProtocolError`, `PlanUnknown` and `VersionGone`) and the API name
+messages start with. Messages
 follow one rule: "<api>: <what> must <rule>; got <value>." plus a hint. Nothing here
 moves data. Argument errors are raised before data moves and are also ValueError /
 TypeError (JAX's convention); failures while data moves are also RuntimeError, timeouts
@@ -48,6 +49,11 @@ class Unplaceable(ReshardValueError):
   with no common refinement, a typed source whose concrete mesh is unknown, devices of
   another process on CPU); JAX can still move them, so the lowering hands such leaves
   to XLA (transforms.py) and the user never sees this error."""
+
+
+class CoordinatorUnreachable(ReshardRuntimeError):
+  """A key-value operation got no answer in time: this process is cut off from the
+  jax.distributed coordinator (processes/store.py decides, by probing it)."""
 
 
 class PeerFailed(ReshardRuntimeError):

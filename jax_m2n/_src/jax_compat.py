@@ -243,9 +243,3 @@ def distributed_coordinator_address() -> str | None:
   from jax._src import distributed  # global_state: no public spelling in 0.10-0.11
   return distributed.global_state.coordinator_address
 
-
-def poison_transfer_connection(connection: Any) -> None:
-  """Fails every pull still pending on a `jax.experimental.transfer` connection and
-  closes it (`_poison_connection`: no public spelling in 0.10-0.11). A pull on a cut
-  link otherwise waits until TCP gives up, many minutes later."""
-  connection._poison_connection()  # pylint: disable=protected-access

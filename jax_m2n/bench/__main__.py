@@ -359,10 +359,7 @@ def _main(argv) -> int:
           progress.console.print(f"  {suite}/{model.name} {row['engine']}: "
                                  f"{row['mean_ms']:.4g} ms", highlight=False, markup=False)
       except Exception as e:  # noqa: BLE001 - reported like any failed case
-        rows.append({"suite": suite, "kind": "planner", "case": model.name,
-                     "engine": "plan", "title": model.name, "engine_description": "plan",
-                     "payload_bytes": 0, "leaves": 0, "status": "failed",
-                     "reason": runner._error_text(e)})  # noqa: SLF001
+        rows.append(runner.planner_failed_row(suite, model.name, e))
       progress.advance(task)
       save()
       for big in scale_models if suite == "planner" else []:
@@ -381,10 +378,7 @@ def _main(argv) -> int:
                 f"GiB, {d['rss_bytes_per_transfer']:.0f} B per transfer)",
                 highlight=False, markup=False)
         except Exception as e:  # noqa: BLE001 - reported like any failed case
-          rows.append({"suite": suite, "kind": "planner", "case": big.name,
-                       "engine": "plan", "title": big.name, "engine_description": "plan",
-                       "payload_bytes": 0, "leaves": 0, "status": "failed",
-                       "reason": runner._error_text(e)})  # noqa: SLF001
+          rows.append(runner.planner_failed_row(suite, big.name, e))
         progress.advance(task)
         save()
 

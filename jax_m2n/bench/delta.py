@@ -35,6 +35,7 @@ import time
 from typing import Callable
 
 from jax_m2n.bench import report
+from jax_m2n.testing import workers
 
 TOKEN = "delta-bench-token-0123"
 DEFAULT_STEPS = 60
@@ -44,21 +45,8 @@ DEFAULT_LRS = (3e-3, 3e-2)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _wait_file(path: str, timeout: float, proc=None) -> str:
-  deadline = time.monotonic() + timeout
-  while not os.path.exists(path):
-    if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
-      raise RuntimeError(f"delta bench: no {os.path.basename(path)} within {timeout} s "
-                         f"(trainer rc={proc.poll() if proc else None})")
-    time.sleep(0.005)
-  with open(path) as f:
-    return f.read()
-
-
-def _write(path: str, text: str) -> None:
-  with open(path + ".tmp", "w") as f:
-    f.write(text)
-  os.replace(path + ".tmp", path)
+def _wait_file(path: str, timeout: float) -> str:
+  return workers.wait_file(path, timeout, poll_s=0.005)
 
 
 def _config(lr: float, d_model: int, layers: int):
@@ -106,7 +94,7 @@ def trainer_main(directory: str, lr: float, steps: int, d_model: int, layers: in
   elements = sum(x.size for x in jax.tree.leaves(params))
   rng = np.random.default_rng(cfg.seed)
   pub = jax_m2n.Publisher(f"{host}:0", token=TOKEN, keep=2)
-  _write(os.path.join(directory, "address"), pub.address)
+  workers.write_file(os.path.join(directory, "address"), pub.address)
   log = open(os.path.join(directory, "trainer.jsonl"), "w")
   prev = None
   rewards = []
@@ -119,7 +107,7 @@ def trainer_main(directory: str, lr: float, steps: int, d_model: int, layers: in
     version = pub.publish(params)
     jax.block_until_ready(params)
     publish_ms = (time.perf_counter() - t0) * 1e3
-    _write(os.path.join(directory, f"published_{version}"), "")
+    workers.write_file(os.path.join(directory, f"published_{version}"), "")
     _wait_file(os.path.join(directory, f"ack_{version}"), 600)
     got = {k: delta.stats[k] - before.get(k, 0) for k in delta.stats}
     log.write(json.dumps({
@@ -203,11 +191,11 @@ def generator_main(directory: str, lr: float, steps: int, d_model: int,
                           "full_ms": times["full"], "delta_first": bool(v % 2),
                           "apply_ms": apply_ms}) + "\n")
     log.flush()
-    _write(os.path.join(directory, f"ack_{v}"), "")
+    workers.write_file(os.path.join(directory, f"ack_{v}"), "")
   sub.close()
   ref.close()
   log.close()
-  _write(os.path.join(directory, "done"), "")
+  workers.write_file(os.path.join(directory, "done"), "")
 
 
 def run_one(lr: float, steps: int, d_model: int, layers: int, rate: str | None,
@@ -337,9 +325,7 @@ def main(out_dir: str, print_fn: Callable[[str], object] = print, lrs=DEFAULT_LR
          steps: int = DEFAULT_STEPS, d_model: int = 64, layers: int = 2,
          rates=(None,)) -> int:
   doc = run(lrs, steps, d_model, layers, rates, print_fn)
-  text = markdown(doc)
-  report.write_suite(doc, text, out_dir, "delta")
-  print_fn(text)
+  report.write_suite(doc, markdown(doc), out_dir, "delta", print_fn)
   return 0
 
 

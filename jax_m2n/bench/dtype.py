@@ -193,9 +193,7 @@ def markdown(doc: dict) -> str:
 def main(jax, out_dir: str, size_bytes: int, iters: int, warmup: int,
          print_fn: Callable[[str], object] = print, target: str = DEFAULT_TARGET) -> int:
   doc = run(jax, size_bytes, iters, warmup, print_fn=print_fn, target=target)
-  text = markdown(doc)
-  report.write_suite(doc, text, out_dir, "dtype")
-  print_fn(text)
+  report.write_suite(doc, markdown(doc), out_dir, "dtype", print_fn)
   return 0
 
 

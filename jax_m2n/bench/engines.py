@@ -34,8 +34,9 @@ class Inputs:
   platform: str                    # "cpu" or "gpu"
   # Replaces `x` by fresh on-device copies (same values, new buffers), as after a train
   # step. Called before every timed call, outside the clock: a jax.Array caches its host
-  # value once read (`_npy_value`), so `jax.device_put`'s host round trip would be paid
-  # only once for a reused source; engines therefore read `inputs.x` at call time.
+  # value once read (`ArrayImpl._npy_value`), so `jax.device_put`'s host round trip
+  # would be paid only once for a reused source; engines therefore read `inputs.x` at
+  # call time.
   refresh: Callable[[], None] = lambda: None
 
 

@@ -319,14 +319,15 @@ def main(jax, out_dir: str, size_bytes: int, iters: int, warmup: int,
 
 if __name__ == "__main__":
   import argparse
+
+  from jax_m2n.bench import timing
   parser = argparse.ArgumentParser(description="The fig4 suite with a fixed chunk size "
                                    "(python -m jax_m2n.bench --suite fig4 runs it at "
                                    "default arguments).")
   parser.add_argument("--chunk_mib", type=float, default=None,
                       help="fixed chunk size, MiB (default: chosen per plan)")
   parser.add_argument("--size_mib", type=float, default=DEFAULT_SIZE_MIB)
-  parser.add_argument("--iters", type=int, default=10)
-  parser.add_argument("--warmup", type=int, default=3)
+  timing.add_loop_flags(parser, iters=10, warmup=3)
   parser.add_argument("--out_dir", default="/tmp/jax_m2n_fig4")
   args = parser.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -282,9 +282,7 @@ def main(jax, out_dir: str, size_mib: float | None, iters: int, warmup: int,
   `jobs_network`)."""
   size = int((size_mib or DEFAULT_SIZE_MIB) * MIB)
   doc = run(jax, size, iters, max(1, warmup), print_fn)
-  text = markdown(doc)
-  report.write_suite(doc, text, out_dir, "jobs")
-  print_fn(text)
+  report.write_suite(doc, markdown(doc), out_dir, "jobs", print_fn)
   if link_rate:
     from jax_m2n.testing.hosts import EmulatedHosts
     why = EmulatedHosts.unavailable()
@@ -292,9 +290,7 @@ def main(jax, out_dir: str, size_mib: float | None, iters: int, warmup: int,
       print_fn(f"jobs over emulated hosts: skipped ({why})")
     else:
       doc = run(jax, size, iters, max(1, warmup), print_fn, link_rate)
-      text = markdown(doc)
-      report.write_suite(doc, text, out_dir, "jobs_network")
-      print_fn(text)
+      report.write_suite(doc, markdown(doc), out_dir, "jobs_network", print_fn)
   # Relays among subscriber jobs (issue 34; bench/relay.py): its own programs, on
   # emulated hosts where they can be made (else 127.0.0.1, said in its table); 3
   # timed versions per mode (K = 8 pulls directly in about 5 s a version at 1 Gbit/s).

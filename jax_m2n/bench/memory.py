@@ -138,9 +138,7 @@ def markdown(doc: dict) -> str:
 def main(out_dir: str, checkpoints: Sequence[int],
          print_fn: Callable[[str], object] = print) -> int:
   doc = run(checkpoints, print_fn)
-  text = markdown(doc)
-  report.write_suite(doc, text, out_dir, "memory")
-  print_fn(text)
+  report.write_suite(doc, markdown(doc), out_dir, "memory", print_fn)
   return 0
 
 

@@ -327,14 +327,14 @@ def run_suite(out_dir: str, size_mib: float = 1024, iters: int = 10, warmup: int
 
 
 def main(argv=None) -> int:
+  from jax_m2n.bench import timing  # the workers import jax (or torch) themselves
   p = argparse.ArgumentParser()
   p.add_argument("--worker", choices=("jax", "jax_socket", "torch"))
   p.add_argument("--pid", type=int, default=0)
   p.add_argument("--n", type=int, default=2)
   p.add_argument("--port", type=int, default=0)
   p.add_argument("--size_mib", type=float, default=1024)
-  p.add_argument("--iters", type=int, default=10)
-  p.add_argument("--warmup", type=int, default=3)
+  timing.add_loop_flags(p, iters=10, warmup=3)
   p.add_argument("--out_dir", default="bench_out")
   a = p.parse_args(argv)
   if a.worker:

@@ -37,6 +37,8 @@ import sys
 import time
 from typing import Sequence
 
+from jax_m2n.bench import timing
+
 MIB = 1 << 20
 SCHEMA = 2
 ROUTES = ("hierarchical", "flat", "gather_bcast")
@@ -108,11 +110,8 @@ def launch(part: str, n: int, argv: list[str], timeout_s: float, log_dir: str,
 # ---------------------------------------------------------------------------------------
 
 def _init(args):
-  import jax
-  jax.config.update("jax_num_cpu_devices", 2)
-  jax.distributed.initialize(coordinator_address=args.coordinator,
-                             num_processes=args.n, process_id=args.pid,
-                             initialization_timeout=120)
+  from jax_m2n.testing import workers
+  jax = workers.start_jax(2, args.n, args.pid, args.coordinator)
   from jax_m2n._src import jax_compat
   return jax, jax_compat.distributed_client()
 
@@ -398,8 +397,7 @@ def main(argv=None) -> int:
   ap.add_argument("--n", type=int, default=2)
   ap.add_argument("--coordinator", default="")
   ap.add_argument("--size_mib", default="64")
-  ap.add_argument("--iters", type=int, default=5)
-  ap.add_argument("--warmup", type=int, default=2)
+  timing.add_loop_flags(ap, iters=5, warmup=2)
   ap.add_argument("--out_dir", default="/tmp/jax_m2n_bench")
   ap.add_argument("--r_d", default="2,3", help="Figure 4's r_d values (the launcher).")
   args = ap.parse_args(argv)

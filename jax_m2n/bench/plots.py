@@ -20,11 +20,7 @@ def _pyplot():
 
 
 def _engines_in(rows: Sequence[dict]) -> list[str]:
-  seen = []
-  for r in rows:
-    if r["engine"] not in seen:
-      seen.append(r["engine"])
-  return seen
+  return list(dict.fromkeys(r["engine"] for r in rows))  # in order of appearance
 
 
 def suite_figure(rows: Sequence[dict], suite: str, path: str, subtitle: str = "") -> bool:

@@ -136,7 +136,5 @@ def main(jax, out_dir: str, size_mib: float | None, iters: int, warmup: int,
   on_gpu = jax.devices()[0].platform != "cpu"
   sizes = ([size_mib] if size_mib else GPU_SIZES_MIB if on_gpu else CPU_SIZES_MIB)
   doc = run(jax, [int(s * MIB) for s in sizes], iters, warmup, print_fn)
-  text = markdown(doc)
-  report.write_suite(doc, text, out_dir, "quantize")
-  print_fn(text)
+  report.write_suite(doc, markdown(doc), out_dir, "quantize", print_fn)
   return 0

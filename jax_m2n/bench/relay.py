@@ -32,6 +32,9 @@ import tempfile
 import time
 from typing import Callable
 
+from jax_m2n.bench import timing
+from jax_m2n.testing import workers
+
 MIB = 1 << 20
 KS = (1, 2, 4, 8)
 TOKEN = "relay-bench-token-0123"
@@ -44,19 +47,7 @@ DIE_CHUNKS = 8
 
 
 def _wait(path: str, timeout: float) -> str:
-  deadline = time.monotonic() + timeout
-  while not os.path.exists(path):
-    if time.monotonic() > deadline:
-      raise TimeoutError(f"relay bench: no {path} within {timeout:g} s")
-    time.sleep(0.005)
-  with open(path) as f:
-    return f.read()
-
-
-def _write(path: str, text: str = "") -> None:
-  with open(path + ".tmp", "w") as f:
-    f.write(text)
-  os.replace(path + ".tmp", path)
+  return workers.wait_file(path, timeout, poll_s=0.005)
 
 
 def _tx_bytes() -> int | None:
@@ -83,7 +74,7 @@ def trainer_main(d: str, host: str, k: int, size: int, versions: int,
   import jax_m2n
   n = size // 4
   pub = jax_m2n.Publisher(f"{host}:0", token=TOKEN, keep=3)
-  _write(os.path.join(d, "address"), pub.address)
+  workers.write_file(os.path.join(d, "address"), pub.address)
   deadline = time.monotonic() + 300
   while len([f for f in os.listdir(d) if f.startswith("ready_")]) < k:
     if time.monotonic() > deadline:
@@ -115,7 +106,7 @@ def trainer_main(d: str, host: str, k: int, size: int, versions: int,
     tx_after = _tx_bytes() if own_link else None
     rows.append({"version": v, "published": t0, "subscribers": done,
                  "tx_bytes": None if tx is None else tx_after - tx})
-  _write(os.path.join(d, "trainer.json"), json.dumps(rows))
+  workers.write_file(os.path.join(d, "trainer.json"), json.dumps(rows))
   _wait(os.path.join(d, "end"), 600)
   pub.close()
 
@@ -146,7 +137,7 @@ def subscriber_main(d: str, name: str, size: int, versions: int, die: bool,
           ticket = transport.offer(*a, **kw)
           count[0] += 1
           if v.version >= DIE_VERSION and count[0] >= die_after:
-            _write(os.path.join(d, f"dead_{name}"), json.dumps({"at": time.time(),
+            workers.write_file(os.path.join(d, f"dead_{name}"), json.dumps({"at": time.time(),
                                                                 "version": v.version}))
             os._exit(9)
           return ticket
@@ -156,7 +147,7 @@ def subscriber_main(d: str, name: str, size: int, versions: int, die: bool,
       init(self, member, v, Counting(), timeout_s)
     relay._Forwarder.__init__ = dying_forwarder  # noqa: SLF001
   dst = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  _write(os.path.join(d, f"ready_{name}"))
+  workers.write_file(os.path.join(d, f"ready_{name}"))
   for v in range(1, versions + 1):
     sub = relayed if v % 2 == 0 else direct
     before = (relay.stats["from_trainer_bytes"], relay.stats["from_peers_bytes"],
@@ -169,7 +160,7 @@ def subscriber_main(d: str, name: str, size: int, versions: int, die: bool,
     trainer = (relay.stats["from_trainer_bytes"] - before[0]
                + engine.stats["pulled_bytes"] - before[2])
     ok = bool(np.array_equal(np.asarray(y), _values(n, v)))
-    _write(os.path.join(d, f"done_{name}_{v}"), json.dumps({
+    workers.write_file(os.path.join(d, f"done_{name}_{v}"), json.dumps({
         "at": at, "ok": ok, "from_trainer": trainer, "cpu_s": cpu,
         "from_peers": relay.stats["from_peers_bytes"] - before[1],
         "reroutes": relay.stats["reroutes"] - before[3]}))
@@ -226,7 +217,7 @@ def _one_run(k: int, size: int, versions: int, hosts, die: bool, fanout: int,
         rows.append({"death": json.load(f)})
     return rows
   finally:
-    _write(os.path.join(d, "end"))
+    workers.write_file(os.path.join(d, "end"))
     for p in procs:
       try:
         p.wait(timeout=30)
@@ -367,9 +358,7 @@ def main(out_dir: str, size_mib: float | None, iters: int, warmup: int,
   from jax_m2n.bench import report
   doc = run(int((size_mib or DEFAULT_SIZE_MIB) * MIB), ks, iters, warmup, rate, loopback,
             fanout, chunk_kib << 10, recovery_run, print_fn)
-  text = markdown(doc)
-  report.write_suite(doc, text, out_dir, "jobs_relay")
-  print_fn(text)
+  report.write_suite(doc, markdown(doc), out_dir, "jobs_relay", print_fn)
   return 0
 
 
@@ -377,8 +366,7 @@ if __name__ == "__main__":
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--size_mib", type=float, default=DEFAULT_SIZE_MIB)
   p.add_argument("--ks", default=",".join(map(str, KS)))
-  p.add_argument("--iters", type=int, default=3)
-  p.add_argument("--warmup", type=int, default=1)
+  timing.add_loop_flags(p, iters=3, warmup=1)
   p.add_argument("--rate", default="1gbit")
   p.add_argument("--loopback", action="store_true")
   p.add_argument("--fanout", type=int, default=1)

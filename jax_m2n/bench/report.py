@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 SCHEMA = 1
 MIB = 1 << 20
@@ -96,11 +96,15 @@ def write_text(text: str, path: str) -> None:
   os.replace(tmp, path)
 
 
-def write_suite(doc: dict, text: str, out_dir: str, name: str) -> None:
-  """A small suite's outputs: `<name>.json` (doc) and `<name>.md` (text) in out_dir."""
+def write_suite(doc: dict, text: str, out_dir: str, name: str,
+                print_fn: Callable[[str], object] | None = None) -> None:
+  """A small suite's outputs: `<name>.json` (doc) and `<name>.md` (text) in out_dir;
+  the text also through `print_fn` when given."""
   os.makedirs(out_dir, exist_ok=True)
   write_json(doc, os.path.join(out_dir, name + ".json"))
   write_text(text, os.path.join(out_dir, name + ".md"))
+  if print_fn is not None:
+    print_fn(text)
 
 
 # ---------------------------------------------------------------------------------------
@@ -231,11 +235,7 @@ def _md_table(columns: Sequence[str], body: Sequence[Sequence[str]]) -> str:
 
 
 def suites_in(rows: Sequence[dict]) -> list[str]:
-  seen = []
-  for r in rows:
-    if r["suite"] not in seen:
-      seen.append(r["suite"])
-  return seen
+  return list(dict.fromkeys(r["suite"] for r in rows))  # in order of appearance
 
 
 def markdown(doc: dict) -> str:

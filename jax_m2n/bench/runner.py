@@ -376,6 +376,13 @@ def run_engine(eng: bench_engines.Engine, inputs: bench_engines.Inputs, settings
   return row
 
 
+def planner_failed_row(suite: str, name: str, e: BaseException) -> dict:
+  """The record of a planner case that raised (reported like any failed case)."""
+  return {"suite": suite, "kind": "planner", "case": name, "engine": "plan",
+          "title": name, "engine_description": "plan", "payload_bytes": 0, "leaves": 0,
+          "status": "failed", "reason": _error_text(e)}
+
+
 def planner_rows(result: dict, model: suites.PlannerModel) -> list[dict]:
   """Result records of the planner suite (one per timed quantity)."""
   rows = []

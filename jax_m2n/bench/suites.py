@@ -181,6 +181,19 @@ def colocated_cases(suite: str, nbytes: int, dtype: str) -> list[Case]:
 
 
 
+def _attention(p: str, h: int, kv: int, dtype: str, norm: tuple[str, str],
+               col: tuple[str, str], row: tuple[str, str]) -> list[TensorSpec]:
+  """A layer's two norms and attention projections, the leaves Llama and MoE layers
+  share: each (source, destination) layout pair given (norms, column and row
+  parallel)."""
+  return [TensorSpec(p + "attn_norm", (h,), dtype, *norm),
+          TensorSpec(p + "wq", (h, h), dtype, *col),
+          TensorSpec(p + "wk", (h, kv), dtype, *col),
+          TensorSpec(p + "wv", (h, kv), dtype, *col),
+          TensorSpec(p + "wo", (h, h), dtype, *row),
+          TensorSpec(p + "mlp_norm", (h,), dtype, *norm)]
+
+
 def llama_tensors(total: int, dtype: str, train: int, tp: int, dp: int,
                   layers: int = 32) -> list[TensorSpec]:
   """A Llama-3-8B-shaped pytree (2 + 9 * layers leaves), dims scaled to about `total`.
@@ -203,13 +216,7 @@ def llama_tensors(total: int, dtype: str, train: int, tp: int, dp: int,
   out = [TensorSpec("embed", (v, h), dtype, fsdp2, row)]
   for layer in range(layers):
     p = f"layers.{layer}."
-    out += [
-        TensorSpec(p + "attn_norm", (h,), dtype, fsdp1, rep1),
-        TensorSpec(p + "wq", (h, h), dtype, fsdp2, col),
-        TensorSpec(p + "wk", (h, kv), dtype, fsdp2, col),
-        TensorSpec(p + "wv", (h, kv), dtype, fsdp2, col),
-        TensorSpec(p + "wo", (h, h), dtype, fsdp2, row),
-        TensorSpec(p + "mlp_norm", (h,), dtype, fsdp1, rep1),
+    out += _attention(p, h, kv, dtype, (fsdp1, rep1), (fsdp2, col), (fsdp2, row)) + [
         TensorSpec(p + "w_gate", (h, f), dtype, fsdp2, col),
         TensorSpec(p + "w_up", (h, f), dtype, fsdp2, col),
         TensorSpec(p + "w_down", (f, h), dtype, fsdp2, row),
@@ -240,13 +247,7 @@ def moe_tensors(total: int, dtype: str, train: int, tp: int, dp: int, layers: in
   out = [TensorSpec("embed", (v, h), dtype, ep2, row)]
   for layer in range(layers):
     p = f"layers.{layer}."
-    out += [
-        TensorSpec(p + "attn_norm", (h,), dtype, ep1, rep1),
-        TensorSpec(p + "wq", (h, h), dtype, ep2, col),
-        TensorSpec(p + "wk", (h, kv), dtype, ep2, col),
-        TensorSpec(p + "wv", (h, kv), dtype, ep2, col),
-        TensorSpec(p + "wo", (h, h), dtype, ep2, row),
-        TensorSpec(p + "mlp_norm", (h,), dtype, ep1, rep1),
+    out += _attention(p, h, kv, dtype, (ep1, rep1), (ep2, col), (ep2, row)) + [
         TensorSpec(p + "router", (h, experts), dtype, ep2, rep2),
         TensorSpec(p + "experts.w_gate", (experts, h, f), dtype, ep3,
                    f"{mesh} P(None, None, tp) {at}"),

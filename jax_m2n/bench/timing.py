@@ -26,6 +26,13 @@ class Timing:
   times_s: list[float]
 
 
+def add_loop_flags(parser: Any, iters: int, warmup: int) -> None:
+  """--iters and --warmup, the counts of `time_calls`, on a suite's command line."""
+  parser.add_argument("--iters", type=int, default=iters, help="timed calls per case")
+  parser.add_argument("--warmup", type=int, default=warmup,
+                      help="untimed calls before them")
+
+
 def stats_ms(times_s: list[float]) -> dict[str, float]:
   """mean, min, median, max, std (sample) of seconds, in milliseconds."""
   if not times_s:

@@ -99,19 +99,9 @@ const NcclApi* LoadNccl(const std::string& library_path, std::string* error) {
   }
   auto api = std::make_unique<NcclApi>();
   std::string missing;
-  Resolve(lib, "ncclGetVersion", &api->GetVersion, &missing);
-  Resolve(lib, "ncclGetUniqueId", &api->GetUniqueId, &missing);
-  Resolve(lib, "ncclCommInitRankConfig", &api->CommInitRankConfig, &missing);
-  Resolve(lib, "ncclCommFinalize", &api->CommFinalize, &missing);
-  Resolve(lib, "ncclCommDestroy", &api->CommDestroy, &missing);
-  Resolve(lib, "ncclCommAbort", &api->CommAbort, &missing);
-  Resolve(lib, "ncclCommGetAsyncError", &api->CommGetAsyncError, &missing);
-  Resolve(lib, "ncclGetErrorString", &api->GetErrorString, &missing);
-  Resolve(lib, "ncclGetLastError", &api->GetLastError, &missing);
-  Resolve(lib, "ncclGroupStart", &api->GroupStart, &missing);
-  Resolve(lib, "ncclGroupEnd", &api->GroupEnd, &missing);
-  Resolve(lib, "ncclSend", &api->Send, &missing);
-  Resolve(lib, "ncclRecv", &api->Recv, &missing);
+#define JAX_M2N_NCCL_RESOLVE(name) Resolve(lib, "nccl" #name, &api->name, &missing);
+  JAX_M2N_NCCL_FUNCTIONS(JAX_M2N_NCCL_RESOLVE)
+#undef JAX_M2N_NCCL_RESOLVE
   if (!missing.empty()) {
     *error = JAX_M2N_AT("NCCL (" + origin + ") lacks " + missing +
                            "; jax_m2n needs NCCL >= 2.19.");

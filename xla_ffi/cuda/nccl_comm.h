@@ -28,22 +28,20 @@ namespace jax_m2n {
 std::string ErrorAt(const char* file, int line, const std::string& message);
 #define JAX_M2N_AT(message) ::jax_m2n::ErrorAt(__FILE__, __LINE__, (message))
 
-// The NCCL entry points the transport uses, resolved with dlsym. Declared from the
-// nccl.h of the build; only functions present since NCCL 2.19 are used.
+// The NCCL entry points the transport uses, each `nccl<Name>`, in one list: X(Name) per
+// function (the members below and LoadNccl's dlsym calls both expand it, so the two
+// cannot drift). Only functions present since NCCL 2.19.
+#define JAX_M2N_NCCL_FUNCTIONS(X)                                                    \
+  X(GetVersion) X(GetUniqueId) X(CommInitRankConfig) X(CommFinalize) X(CommDestroy)  \
+  X(CommAbort) X(CommGetAsyncError) X(GetErrorString) X(GetLastError) X(GroupStart) \
+  X(GroupEnd) X(Send) X(Recv)
+
+// The NCCL entry points, resolved with dlsym: `Send` is ncclSend, typed from the nccl.h
+// of the build.
 struct NcclApi {
-  decltype(&::ncclGetVersion) GetVersion = nullptr;
-  decltype(&::ncclGetUniqueId) GetUniqueId = nullptr;
-  decltype(&::ncclCommInitRankConfig) CommInitRankConfig = nullptr;
-  decltype(&::ncclCommFinalize) CommFinalize = nullptr;
-  decltype(&::ncclCommDestroy) CommDestroy = nullptr;
-  decltype(&::ncclCommAbort) CommAbort = nullptr;
-  decltype(&::ncclCommGetAsyncError) CommGetAsyncError = nullptr;
-  decltype(&::ncclGetErrorString) GetErrorString = nullptr;
-  decltype(&::ncclGetLastError) GetLastError = nullptr;
-  decltype(&::ncclGroupStart) GroupStart = nullptr;
-  decltype(&::ncclGroupEnd) GroupEnd = nullptr;
-  decltype(&::ncclSend) Send = nullptr;
-  decltype(&::ncclRecv) Recv = nullptr;
+#define JAX_M2N_NCCL_MEMBER(name) decltype(&::nccl##name) name = nullptr;
+  JAX_M2N_NCCL_FUNCTIONS(JAX_M2N_NCCL_MEMBER)
+#undef JAX_M2N_NCCL_MEMBER
   int version = 0;      // ncclGetVersion(), e.g. 22809
   std::string origin;   // how it was found: "already loaded" or the path dlopen'ed
 

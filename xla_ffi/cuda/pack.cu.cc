@@ -70,6 +70,15 @@ __device__ __forceinline__ void Addresses(const CopyBatch& batch, const CopyTask
                               reinterpret_cast<uintptr_t>(t.dst);
 }
 
+// Unit `u` of a task: its column (in units) within its row, returned, and the byte
+// offsets of that row in the source and the destination.
+__device__ __forceinline__ int64_t UnitAt(const CopyTask& t, uint64_t u, int64_t* src_off,
+                                          int64_t* dst_off) {
+  uint64_t col;
+  RowOffsets(t, DivMod(u, t.row_units, &col), src_off, dst_off);
+  return static_cast<int64_t>(col);
+}
+
 template <typename V>
 __device__ __forceinline__ void CopyUnits(const CopyTask& t, const char* src, char* dst,
                                           uint64_t first) {
@@ -82,11 +91,8 @@ __device__ __forceinline__ void CopyUnits(const CopyTask& t, const char* src, ch
     const uint64_t u = first + static_cast<uint64_t>(k) * kThreads + threadIdx.x;
     live[k] = u < total;
     if (live[k]) {
-      uint64_t col;
-      const uint64_t row = DivMod(u, t.row_units, &col);
       int64_t s, d;
-      RowOffsets(t, row, &s, &d);
-      const int64_t c = static_cast<int64_t>(col) * static_cast<int64_t>(sizeof(V));
+      const int64_t c = UnitAt(t, u, &s, &d) * static_cast<int64_t>(sizeof(V));
       v[k] = *reinterpret_cast<const V*>(src + s + c);
       dst_at[k] = d + c;
     }
@@ -97,8 +103,10 @@ __device__ __forceinline__ void CopyUnits(const CopyTask& t, const char* src, ch
   }
 }
 
-// The task owning this block: last i with block_start[i] <= blockIdx.x.
-__device__ __forceinline__ int TaskOfBlock(const CopyBatch& batch) {
+// The task owning this block (the last i with block_start[i] <= blockIdx.x) and, in
+// `*first`, the first of its units this block copies.
+__device__ __forceinline__ const CopyTask& BlockTask(const CopyBatch& batch,
+                                                     uint64_t* first) {
   const uint32_t b = blockIdx.x;
   int lo = 0, hi = batch.n - 1;
   while (lo < hi) {
@@ -109,15 +117,14 @@ __device__ __forceinline__ int TaskOfBlock(const CopyBatch& batch) {
       hi = mid - 1;
     }
   }
-  return lo;
+  *first = static_cast<uint64_t>(b - batch.block_start[lo]) * kUnitsPerBlock;
+  return batch.tasks[lo];
 }
 
 __global__ void __launch_bounds__(kThreads)
     CopyBoxesKernel(const __grid_constant__ CopyBatch batch) {
-  const int task = TaskOfBlock(batch);
-  const CopyTask& t = batch.tasks[task];
-  const uint64_t first =
-      static_cast<uint64_t>(blockIdx.x - batch.block_start[task]) * kUnitsPerBlock;
+  uint64_t first;
+  const CopyTask& t = BlockTask(batch, &first);
   const char* src;
   char* dst;
   Addresses(batch, t, &src, &dst);
@@ -156,11 +163,8 @@ __device__ __forceinline__ void ConvertUnits(const CopyTask& t, const char* src,
       const uint64_t u = first + static_cast<uint64_t>(pass + k) * kThreads + threadIdx.x;
       live[k] = u < total;
       if (live[k]) {
-        uint64_t col;
-        const uint64_t row = DivMod(u, t.row_units, &col);
         int64_t s, d;
-        RowOffsets(t, row, &s, &d);
-        const int64_t c = static_cast<int64_t>(col);
+        const int64_t c = UnitAt(t, u, &s, &d);
         v[k] = *reinterpret_cast<const Vec<SF, N>*>(src + s + c * sizeof(Vec<SF, N>));
         dst_at[k] = d + c * static_cast<int64_t>(sizeof(Vec<ST, N>));
       }
@@ -183,10 +187,8 @@ __device__ __forceinline__ void ConvertUnits(const CopyTask& t, const char* src,
 template <ElemType kFrom, ElemType kTo>
 __global__ void __launch_bounds__(kThreads)
     ConvertBoxesKernel(const __grid_constant__ CopyBatch batch) {
-  const int task = TaskOfBlock(batch);
-  const CopyTask& t = batch.tasks[task];
-  const uint64_t first =
-      static_cast<uint64_t>(blockIdx.x - batch.block_start[task]) * kUnitsPerBlock;
+  uint64_t first;
+  const CopyTask& t = BlockTask(batch, &first);
   const char* src;
   char* dst;
   Addresses(batch, t, &src, &dst);

@@ -11,7 +11,7 @@ One concern per module, dependencies one way (each imports only those above it):
   cache.py      the programs' cache, its key and the checks before an entry is used
   delegate.py   which leaves jax.device_put keeps; the eager reshard of a list of leaves
 
-The names below are the ones the rest of jax_m2n (and its tests) use as `eager.X`.
+The names below are the ones the rest of jax_m2n (and its tests) use as `eager.<name>`.
 Module state that tests set (`dispatch._fault_hook`, `programs._CPU_ASYNC`) is set on
 the module that reads it, not here.
 """

@@ -13,15 +13,14 @@ versions or control messages.
 from __future__ import annotations
 
 import abc
-import datetime
 import secrets
 import threading
+import time
 from typing import Any, Sequence
 
 import jax
 
-from jax_m2n._src import jax_compat
-from jax_m2n._src.jobs import channel
+from jax_m2n._src import transfer_server
 
 # How long after its deadline an offer stays fetchable (the receiver's own deadline
 # passes first; then the offer is dropped: a receiver that died leaks nothing).
@@ -103,20 +102,14 @@ class Transport(abc.ABC):
 
 
 class TransferServerTransport(Transport):
-  """JAX's transfer server (`jax.experimental.transfer`): host-staged TCP between
-  processes, on every platform. It authenticates nobody (offers are named by
-  unguessable tickets sent only over the control channel) and cannot withdraw an
-  offer (offers expire)."""
+  """JAX's transfer server (transfer_server.py): host-staged TCP between processes, on
+  every platform. It authenticates nobody (offers are named by unguessable tickets sent
+  only over the control channel) and cannot withdraw an offer (offers expire)."""
 
   kind = "transfer_server"
 
   def __init__(self, host: str):
-    from jax.experimental import transfer  # pylint: disable=import-outside-toplevel
-    client = jax.local_devices()[0].client
-    # The bulk transport listens on `host` too: the peer it pulls from connects back
-    # to it, so it must be an address the peer can reach.
-    bind = channel.join_address(host, 0)
-    self._server = transfer.start_transfer_server(client, bind, [bind])
+    self._server = transfer_server.start(host)
     self._connections: dict[str, Any] = {}
     self._lock = threading.Lock()
 
@@ -126,13 +119,12 @@ class TransferServerTransport(Transport):
 
   def offer(self, arrays, timeout_s, ticket=None):
     ticket = secrets.randbits(64) if ticket is None else ticket
-    deadline = datetime.datetime.now() + datetime.timedelta(
-        seconds=timeout_s + OFFER_GRACE_S)
-    self._server.await_pull(ticket, list(arrays), timeout=deadline)
+    transfer_server.await_pull(self._server, ticket, arrays,
+                               time.monotonic() + timeout_s + OFFER_GRACE_S)
     return ticket
 
   def fetch(self, address, ticket, specs):
-    return Arrived(self._connection(address).pull(ticket, list(specs)))
+    return Arrived(transfer_server.pull(self._connection(address), ticket, specs))
 
   def cancel(self, ticket):
     del ticket
@@ -142,7 +134,8 @@ class TransferServerTransport(Transport):
     with self._lock:
       conn = self._connections.get(address)
       if conn is None:
-        conn = self._connections[address] = self._server.connect(address)
+        conn = self._connections[address] = transfer_server.connect(self._server,
+                                                                     address)
       return conn
 
   def forget(self, address):
@@ -150,7 +143,7 @@ class TransferServerTransport(Transport):
       conn = self._connections.pop(address, None)
     if conn is not None:
       try:
-        jax_compat.poison_transfer_connection(conn)
+        transfer_server.cancel(conn)
       except Exception:  # noqa: BLE001 - best effort: it is forgotten anyway
         pass
 
@@ -159,7 +152,7 @@ class TransferServerTransport(Transport):
       connections, self._connections = self._connections, {}
     for conn in connections.values():
       try:
-        jax_compat.poison_transfer_connection(conn)
+        transfer_server.cancel(conn)
       except Exception:  # noqa: BLE001 - best effort
         pass
     self._server = None  # JAX stops a transfer server when its last reference goes

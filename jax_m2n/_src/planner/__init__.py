@@ -16,7 +16,8 @@ from jax_m2n._src.planner import plan as _plan
 from jax_m2n._src.planner import routes as _routes
 from jax_m2n._src.planner import size as _size
 from jax_m2n._src.planner.chunking import (
-    CPU_MAX_CHUNK_BYTES, GPU_MAX_CHUNK_BYTES, Chunking, Transport, default_chunk_bytes)
+    CPU_MAX_CHUNK_BYTES, DEFAULT_TRANSPORT, GPU_MAX_CHUNK_BYTES, TRANSPORTS, Chunking,
+    Transport, default_chunk_bytes)
 from jax_m2n._src.planner.cost import Traffic, sol_ms
 from jax_m2n._src.planner.plan import (
     Plan, TensorPlan, fmt_time, plan_reshard, plan_tensor)

@@ -70,6 +70,11 @@ CUDA = Transport("cuda", call_us=250.0, step_us=13.0, chunk_us=1.0,
                  max_chunk_bytes=GPU_MAX_CHUNK_BYTES)
 
 TRANSPORTS = ("cpu", "cuda")
+# The transport a plan is priced for when no device says which: the `Chunking` default
+# and the `plan` command's `--transport` default, so the command and `jax_m2n.plan()` on
+# CPU devices give the same estimates for the same call (`reshard` and `jax_m2n.plan`
+# take the transport from the devices' platform: call_plan.chunking).
+DEFAULT_TRANSPORT = "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +88,7 @@ class Chunking:
       `default_chunk_bytes`.
   """
 
-  transport: str = "cpu"
+  transport: str = DEFAULT_TRANSPORT
   chunk_bytes: int | None = None
 
   def __post_init__(self):

@@ -197,7 +197,7 @@ def schedule_chunks(plan) -> Chunks:
   """Every chunk of `plan`, with global steps, sorted by step (stable).
 
   Steps are each tensor's local steps offset by waves (below), or, where the transport
-  runs matched steps (`plan.transport.matched_steps`: the emulated network), assigned
+  runs matched steps (`Plan.transport.matched_steps`: the emulated network), assigned
   by `_matched_steps`. The chunks themselves (boxes, order within a tensor) are the
   same either way.
   """

@@ -18,10 +18,10 @@ from typing import Any, Callable
 
 import jax
 
-from jax_m2n._src import jax_compat
-from jax_m2n._src.errors import ReshardRuntimeError
+from jax_m2n._src import jax_compat, transfer_server
+from jax_m2n._src.errors import CoordinatorUnreachable, ReshardRuntimeError
 from jax_m2n._src.processes import liveness, store
-from jax_m2n._src.processes.store import CoordinatorUnreachable, split_address
+from jax_m2n._src.processes.store import split_address
 
 from jax_m2n._src.errors import API as _API
 PREFIX = "jax_m2n"
@@ -57,13 +57,9 @@ class _Engine:
   """This process's transfer server, its connections to peers, and its beat thread."""
 
   def __init__(self):
-    from jax.experimental import transfer
     self.pid = jax.process_index()
     self.kv = store.Store(kv_client(), jax_compat.distributed_coordinator_address())
-    client = jax.local_devices()[0].client
-    host = transfer_host()
-    where = f"[{host}]" if ":" in host else host
-    self.server = transfer.start_transfer_server(client, f"{where}:0", [f"{where}:0"])
+    self.server = transfer_server.start(transfer_host())
     self.address = self.server.address()
     self.kv.set(f"{PREFIX}/addr/{self.pid}", self.address)
     self.liveness = liveness.Liveness()
@@ -132,7 +128,7 @@ class _Engine:
       with self._lock:
         conn = self._connections.get(peer)
         if conn is None:
-          conn = self._connections[peer] = self.server.connect(address)
+          conn = self._connections[peer] = transfer_server.connect(self.server, address)
     return conn
 
   def drop_connections(self) -> None:
@@ -143,7 +139,7 @@ class _Engine:
       dropped, self._connections = self._connections, {}
     for conn in dropped.values():
       try:
-        jax_compat.poison_transfer_connection(conn)
+        transfer_server.cancel(conn)
       except Exception:  # noqa: BLE001 - best effort: the connection is forgotten anyway
         pass
 

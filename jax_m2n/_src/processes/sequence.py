@@ -21,8 +21,9 @@ import time
 from typing import Any, Callable, Sequence
 
 from jax_m2n._src.errors import API as _API
-from jax_m2n._src.errors import (PeerFailed, ReshardError, ReshardRuntimeError,
-                                 ReshardTimeoutError, ReshardValueError)
+from jax_m2n._src.errors import (CoordinatorUnreachable, PeerFailed, ReshardError,
+                                 ReshardRuntimeError, ReshardTimeoutError,
+                                 ReshardValueError)
 from jax_m2n._src.processes import bootstrap, liveness, store
 
 
@@ -138,7 +139,7 @@ class CallWaits:
     self._relay()
     why = self.kv.cut_off()
     if why is not None:
-      raise store.CoordinatorUnreachable(
+      raise CoordinatorUnreachable(
           f"{_API}: cross-process call #{self.n} failed on process {self.pid} while "
           f"waiting for {stage}: {why}.")
     lost = [v for p in watched if (v := self.watch.verdict(p, p in stalled))]

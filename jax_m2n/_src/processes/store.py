@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import jax
 
-from jax_m2n._src.errors import ReshardRuntimeError
+from jax_m2n._src.errors import CoordinatorUnreachable
 
 _API = "reshard"
 
@@ -42,11 +42,6 @@ STORE_GIVE_UP_S = float(os.environ.get("JAX_M2N_STORE_TIMEOUT_S", "30"))
 # Key-value operations made by the calls (on the calling thread: "kv_ops") and by the
 # beat thread ("kv_background_ops").
 stats = collections.Counter()
-
-
-class CoordinatorUnreachable(ReshardRuntimeError):
-  """A key-value operation got no answer in time: this process is cut off from the
-  jax.distributed coordinator."""
 
 
 class _Workers:

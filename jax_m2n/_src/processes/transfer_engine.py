@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
 import functools
 import hashlib
-import time
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 from jax import lax
 
+from jax_m2n._src import transfer_server
 from jax_m2n._src.errors import ReshardRuntimeError
 from jax_m2n._src.layout import Box, box_size, intersect
 from jax_m2n._src.planner import SRC_SHARD, Plan
@@ -256,10 +255,9 @@ class Run:
     self.tag = tag
     self.eng = waits.engine
     self.pulled: dict[int, list[jax.Array]] = {}  # by sending process
-    expiry = waits.deadline - time.monotonic() + _EXPIRY_MARGIN_S
     # The server drops an offer (or a paused request) not taken by then: a failed
     # call's leftovers do not stay in its table.
-    self._expiry = datetime.datetime.now() + datetime.timedelta(seconds=expiry)
+    self._expiry = waits.deadline + _EXPIRY_MARGIN_S
 
   def request(self) -> None:
     """Every pull of this process's waves; the arrays are delivered as they are."""
@@ -270,8 +268,9 @@ class Run:
             _shape(op.box), buffers.wire[op.tensor],
             sharding=jax.sharding.SingleDeviceSharding(buffers.devices[op.dst]))
                  for op in ops]
-        arrays = self.eng.connection(peer).pull(
-            uuid(self.tag, n, wave.depth, peer, me), specs, timeout=self._expiry)
+        arrays = transfer_server.pull(self.eng.connection(peer),
+                                      uuid(self.tag, n, wave.depth, peer, me), specs,
+                                      deadline=self._expiry)
         for op, arr in zip(ops, arrays):
           buffers.deliver(op, arr)
         self.pulled.setdefault(peer, []).extend(arrays)
@@ -288,8 +287,9 @@ class Run:
         buffers.deliver(op, arr)
       for peer, ops in sorted(wave.sends.items()):
         arrays = [buffers.read(op, copy=False) for op in ops]
-        self.eng.server.await_pull(uuid(self.tag, n, wave.depth, me, peer), arrays,
-                                   timeout=self._expiry)
+        transfer_server.await_pull(self.eng.server,
+                                   uuid(self.tag, n, wave.depth, me, peer), arrays,
+                                   self._expiry)
         stats["sent_bytes"] += sum(a.nbytes for a in arrays)
     if _fault_hook is not None:
       _fault_hook("offered")
