@@ -111,6 +111,30 @@ def test_a_fetch_before_its_offer_waits_and_is_served(pair):
   np.testing.assert_array_equal(np.asarray(f.result()[0]), x)
 
 
+def test_many_fetches_before_their_offers_from_several_threads(pair):
+  """A relay's pattern: every chunk fetched at once, offered as it arrives upstream
+  (here in random order, from several threads; some large enough to be chunked)."""
+  a, b = pair
+  rng = np.random.default_rng(7)
+  sizes = [int(rng.integers(1, 1 << 12)) for _ in range(200)] + [(net.INLINE_BYTES + 5)] \
+      + [net.CHUNK_BYTES * 2 + 3]
+  host = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+  tickets = [int(t) for t in rng.choice(1 << 40, len(sizes), replace=False) + 5000]
+  fetches = [b.fetch(a.address, t, [_spec(x.shape, x.dtype, jax.devices()[4])],
+                     timeout_s=30.0) for t, x in zip(tickets, host)]
+  order = rng.permutation(len(sizes))
+  def offer(part):
+    for i in part:
+      a.offer([jax.device_put(host[i], jax.devices()[0])], 30.0, ticket=tickets[i])
+  threads = [threading.Thread(target=offer, args=(order[k::3],)) for k in range(3)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(30.0)
+  for f, x in zip(fetches, host):
+    np.testing.assert_array_equal(np.asarray(f.result()[0]), x)
+
+
 def test_one_fetch_per_offer_then_it_is_gone(pair):
   a, b = pair
   x = np.arange(10, dtype=np.int32)
