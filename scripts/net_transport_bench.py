@@ -4,10 +4,11 @@ over ZeroMQ), "net" with CurveZMQ, and JAX's transfer server.
 Usage:
   PYTHONPATH=$PWD .venv/bin/python scripts/net_transport_bench.py \
       [--sizes 4096,409600,67108864,268435456] [--reps 10] [--warmup 2] \
-      [--kinds net,transfer_server,net_curve] [--json out.json]
+      [--kinds net,transfer_server,net_curve] [--platform cpu|cuda] [--json out.json]
 A serving process (tests/jobs_net_worker.py) offers a uint8 array of each size under
 warmup + reps tickets; this process fetches them one after another, each timed from
-`fetch` until the array is ready on its CPU device, and checks the last bitwise. Prints
+`fetch` until the array is ready on its first device (both processes on --platform:
+on "cuda" the bytes cross host memory both ways), and checks the last bitwise. Prints
 per transport and size the min and median of the `reps` timed fetches (ms) and the
 min's throughput; --json writes them (format version 1).
 """
@@ -16,51 +17,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "jobs_net_worker.py")
 FORMAT = 1
-
-
-class Server:
-  """The serving process, bounded: every answer within `timeout` s, killed at close."""
-
-  def __init__(self, kind, curve=""):
-    argv = [sys.executable, WORKER, "--kind", kind] + (["--curve", curve] if curve else [])
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    self.proc = subprocess.Popen(argv, env=env, text=True, stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE)
-    self.address = self.line(120.0).split()[1]
-
-  def line(self, timeout):
-    got = []
-    t = threading.Thread(target=lambda: got.append(self.proc.stdout.readline()),
-                         daemon=True)
-    t.start()
-    t.join(timeout)
-    if not got or not got[0]:
-      raise RuntimeError(f"the serving process said nothing within {timeout} s")
-    return got[0]
-
-  def offer(self, ticket, nbytes, seed, count):
-    self.proc.stdin.write(f"offer {ticket} {nbytes} {seed} {count}\n")
-    self.proc.stdin.flush()
-    answer = self.line(300.0)
-    if not answer.startswith("ok"):
-      raise RuntimeError(f"the serving process refused the offer: {answer}")
-
-  def close(self):
-    try:
-      self.proc.stdin.write("exit\n")
-      self.proc.stdin.close()
-      self.proc.wait(timeout=10.0)
-    except Exception:  # noqa: BLE001 - it goes either way
-      self.proc.kill()
-      self.proc.wait(timeout=10.0)
 
 
 def bench(kind, sizes, reps, warmup):
@@ -77,7 +38,7 @@ def bench(kind, sizes, reps, warmup):
     curve = ",".join(k.decode() for k in (keys.server_secret, keys.server_public,
                                            keys.client_secret, keys.client_public))
     wire = "net"
-  server = Server(wire, curve)
+  server = jobs_net_worker.Worker(wire, curve)
   local = transport.acquire("127.0.0.1", wire, **options)
   device = jax.devices()[0]
   rows = []
@@ -94,8 +55,9 @@ def bench(kind, sizes, reps, warmup):
         [got] = local.fetch(server.address, ticket + k, [spec]).result()
         got.block_until_ready()
         times.append(time.perf_counter() - start)
-      if not np.array_equal(np.asarray(got), jobs_net_worker.values(nbytes, seed)):
-        raise AssertionError(f"{kind}: {nbytes} bytes arrived different")
+      if got.devices() != {device} or not np.array_equal(
+          np.asarray(got), jobs_net_worker.values(nbytes, seed)):
+        raise AssertionError(f"{kind}: {nbytes} bytes arrived different or elsewhere")
       timed = times[warmup:]
       rows.append({"transport": kind, "bytes": nbytes, "min_ms": 1e3 * min(timed),
                    "median_ms": 1e3 * statistics.median(timed),
@@ -104,7 +66,7 @@ def bench(kind, sizes, reps, warmup):
       del got
   finally:
     transport.release(local)
-    server.close()
+    server.kill()
   return rows
 
 
@@ -114,9 +76,11 @@ def main():
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--kinds", default="net,transfer_server,net_curve")
+  parser.add_argument("--platform", default="cpu", choices=["cpu", "cuda"])
   parser.add_argument("--json", default="")
   args = parser.parse_args()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ["JAX_PLATFORMS"] = args.platform  # the serving process inherits it
+  os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # two processes, one GPU
   sizes = [int(s) for s in args.sizes.split(",")]
   kinds = args.kinds.split(",")
   unknown = set(kinds) - {"net", "transfer_server", "net_curve"}
@@ -130,8 +94,9 @@ def main():
           f"{r['median_ms']:>11.3f}{r['gbps_at_min']:>8.2f}")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"format": FORMAT, "reps": args.reps, "warmup": args.warmup,
-                 "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
+      json.dump({"format": FORMAT, "platform": args.platform, "reps": args.reps,
+                 "warmup": args.warmup, "cpus": os.cpu_count(), "rows": rows}, f,
+                indent=1)
 
 
 if __name__ == "__main__":

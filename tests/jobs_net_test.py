@@ -10,9 +10,7 @@ a serving process killed mid-transfer fails the fetch within 2 s, naming the add
 Every launch and wait is bounded; every process is killed at the end."""
 
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -30,7 +28,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import jobs_net_worker  # noqa: E402  (the worker's values: both sides agree on them)
 
-WORKER = os.path.join(HERE, "jobs_net_worker.py")
 SHAPES = [(), (5,), (3, 4), (2, 1, 3), (1, 2, 3, 2), (0, 3)]
 
 
@@ -398,35 +395,9 @@ def test_curve_keys_are_checked():
 # Across processes
 # ---------------------------------------------------------------------------------------
 
-class _Worker:
-  """A serving process (tests/jobs_net_worker.py), bounded and killed at the end."""
-
-  def __init__(self, *args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    self.proc = subprocess.Popen([sys.executable, WORKER, *args], env=env, text=True,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    self.address = self._line(60.0).split()[1]
-
-  def _line(self, timeout):
-    got = []
-    reader = threading.Thread(target=lambda: got.append(self.proc.stdout.readline()),
-                              daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if not got or not got[0]:
-      raise AssertionError(f"the worker said nothing within {timeout} s")
-    return got[0]
-
-  def offer(self, ticket, nbytes, seed, count=1):
-    self.proc.stdin.write(f"offer {ticket} {nbytes} {seed} {count}\n")
-    self.proc.stdin.flush()
-    line = self._line(60.0)
-    assert line.startswith("ok"), line
-
-  def kill(self):
-    if self.proc.poll() is None:
-      self.proc.send_signal(signal.SIGKILL)
-    self.proc.wait(timeout=10.0)
+def _worker():
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the serving process inherits it
+  return jobs_net_worker.Worker()
 
 
 class _SlowLink:
@@ -478,7 +449,7 @@ class _SlowLink:
 
 @pytest.fixture(scope="module")
 def worker():
-  w = _Worker()
+  w = _worker()
   yield w
   w.kill()
 
@@ -495,7 +466,7 @@ def test_64_mib_across_processes_bitwise(worker):
 
 
 def test_a_peer_killed_mid_transfer_fails_the_fetch_within_2s():
-  w = _Worker()
+  w = _worker()
   b = net.NetTransport("127.0.0.1")
   link = _SlowLink(w.address, rate=8 << 20)
   try:
@@ -520,7 +491,7 @@ def test_a_peer_killed_mid_transfer_fails_the_fetch_within_2s():
 
 
 def test_a_peer_killed_while_a_fetch_waits_fails_it_within_2s():
-  w = _Worker()
+  w = _worker()
   b = net.NetTransport("127.0.0.1")
   try:
     f = b.fetch(w.address, 123, [_spec((8,), np.uint8, jax.devices()[1])])

@@ -11,11 +11,15 @@ answers each with "ok" (or "error ..."):
                                     for 600 s
   exit                              closes the transport and exits
 KEYS: the four z85 keys of CurveKeys joined by ",". It exits when stdin closes.
+`Worker` starts one from the test or the bench and speaks this protocol, bounded.
 """
 
 import argparse
 import os
+import signal
+import subprocess
 import sys
+import threading
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -25,6 +29,40 @@ def values(nbytes, seed):
   """The bytes both sides expect for (NBYTES, SEED)."""
   import numpy as np
   return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+class Worker:
+  """A serving process started from another (the test, the bench): every answer
+  within its timeout, killed at `kill`. JAX_PLATFORMS comes from the environment."""
+
+  def __init__(self, kind="net", curve=""):
+    argv = [sys.executable, os.path.abspath(__file__), "--kind", kind]
+    env = dict(os.environ, XLA_FLAGS="")
+    self.proc = subprocess.Popen(argv + (["--curve", curve] if curve else []), env=env,
+                                 text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    self.address = self._line(120.0).split()[1]
+
+  def _line(self, timeout):
+    got = []
+    reader = threading.Thread(target=lambda: got.append(self.proc.stdout.readline()),
+                              daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not got or not got[0]:
+      raise RuntimeError(f"the serving process said nothing within {timeout} s")
+    return got[0]
+
+  def offer(self, ticket, nbytes, seed, count=1):
+    self.proc.stdin.write(f"offer {ticket} {nbytes} {seed} {count}\n")
+    self.proc.stdin.flush()
+    answer = self._line(300.0)
+    if not answer.startswith("ok"):
+      raise RuntimeError(f"the serving process refused the offer: {answer}")
+
+  def kill(self):
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGKILL)
+    self.proc.wait(timeout=10.0)
 
 
 def main():

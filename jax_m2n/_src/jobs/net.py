@@ -219,10 +219,14 @@ def _host_bytes(a: Any) -> np.ndarray:
 
 
 def _device_of(spec: Any, i: int) -> Any:
+  """The device a spec lands on; refuses specs JAX would not place as they are."""
   sharding = getattr(spec, "sharding", None)
   if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
     raise ReshardValueError(f"{API}.fetch: specs[{i}] must have a SingleDeviceSharding; "
                             f"got {sharding!r}.")
+  if jax.dtypes.canonicalize_dtype(spec.dtype) != spec.dtype:
+    raise ReshardValueError(f"{API}.fetch: specs[{i}]'s dtype must exist in this process "
+                            f"as a jax.Array; got {spec.dtype} with jax_enable_x64 off.")
   return next(iter(sharding.device_set))
 
 
