@@ -1,4 +1,4 @@
-"""The "net" transport (jax_m2n/_src/jobs/net.py). In this process, between two
+"""The "net" transport (jax_m2n/_src/jobs/net/). In this process, between two
 NetTransports on different CPU devices: every wire dtype, ranks 0-4, several arrays per
 offer, bitwise; tickets given and random; a fetch before its offer waits and is served;
 cancel, expiry, one fetch per offer, the bounds on offers, a wrong spec, forget().
@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError,
                                  ReshardValueError)
 from jax_m2n._src.jobs import manifest, net, transport
+from jax_m2n._src.jobs.net import curve, offers, wire
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -113,8 +114,8 @@ def test_many_fetches_before_their_offers_from_several_threads(pair):
   (here in random order, from several threads; some large enough to be chunked)."""
   a, b = pair
   rng = np.random.default_rng(7)
-  sizes = [int(rng.integers(1, 1 << 12)) for _ in range(200)] + [(net.INLINE_BYTES + 5)] \
-      + [net.CHUNK_BYTES * 2 + 3]
+  sizes = [int(rng.integers(1, 1 << 12)) for _ in range(200)] + [(wire.INLINE_BYTES + 5)] \
+      + [wire.CHUNK_BYTES * 2 + 3]
   host = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
   tickets = [int(t) for t in rng.choice(1 << 40, len(sizes), replace=False) + 5000]
   fetches = [b.fetch(a.address, t, [_spec(x.shape, x.dtype, jax.devices()[4])],
@@ -160,7 +161,7 @@ def test_cancel_withdraws_an_offer_and_answers_its_waiters(pair):
 
 def test_offers_expire(pair, monkeypatch):
   a, b = pair
-  monkeypatch.setattr(net, "OFFER_GRACE_S", 0.1)
+  monkeypatch.setattr(offers, "OFFER_GRACE_S", 0.1)
   x = np.arange(10, dtype=np.int32)
   ticket = a.offer([jax.device_put(x, jax.devices()[0])], 0.1)
   assert a.held[0] >= 1
@@ -339,31 +340,31 @@ def test_strangers_cannot_hurt_the_server(victim):
       s.close()
   # 1,000 junk requests through a real zmq socket: wrong sizes, wrong magic, several
   # frames, and well-formed requests for unknown tickets (those wait, bounded).
-  zmq = net._zmq()  # pylint: disable=protected-access
+  zmq = wire.zmq_module()
   ctx = zmq.Context()
   s = ctx.socket(zmq.DEALER)
   s.setsockopt(zmq.LINGER, 0)
   s.connect(f"tcp://{a.address}")
   rng = np.random.default_rng(0)
-  dropped = a.dropped
+  dropped = a.counters["dropped"]
   for i in range(1000):
     kind = i % 4
     if kind == 0:
       s.send(rng.bytes(int(rng.integers(0, 100))))
     elif kind == 1:
-      s.send(b"XXXX" + rng.bytes(net.REQUEST.size - 4))
+      s.send(b"XXXX" + rng.bytes(wire.REQUEST.size - 4))
     elif kind == 2:
-      s.send_multipart([net.REQUEST.pack(net.REQUEST_MAGIC, 1, 2, 3), b"more"])
+      s.send_multipart([wire.REQUEST.pack(wire.REQUEST_MAGIC, 1, 2, 3), b"more"])
     else:
-      s.send(net.REQUEST.pack(net.REQUEST_MAGIC, int(rng.integers(0, 1 << 62)), i, 100))
+      s.send(wire.REQUEST.pack(wire.REQUEST_MAGIC, int(rng.integers(0, 1 << 62)), i, 100))
   deadline = time.monotonic() + 10.0
-  while a.dropped - dropped < 750 and time.monotonic() < deadline:
+  while a.counters["dropped"] - dropped < 750 and time.monotonic() < deadline:
     time.sleep(0.05)
-  assert a.dropped - dropped == 750
+  assert a.counters["dropped"] - dropped == 750
   replies = 0  # the well-formed ones are answered: not offered within their wait
   while s.poll(2000) and replies < 250:
     head = s.recv()
-    assert net.HEAD.unpack(head)[2] == net.EXPIRED
+    assert wire.HEAD.unpack(head)[2] == wire.EXPIRED
     replies += 1
   assert replies == 250
   s.close(0)
@@ -395,8 +396,8 @@ def test_curve_keys_encrypt_and_keep_strangers_out():
       started = time.monotonic()
       with pytest.raises(ReshardRuntimeError, match=f"peer at {server.address}"):
         stranger.fetch(server.address, ticket, spec).result()
-      assert time.monotonic() - started < net.HANDSHAKE_S + 2.0
-    assert server.refused >= 1  # the wrong client key, refused by the ZAP handler
+      assert time.monotonic() - started < wire.HANDSHAKE_S + 2.0
+    assert server.counters["refused"] >= 1  # the wrong client key, refused by the ZAP handler
     got = client.fetch(server.address, ticket, spec).result()  # the offer is intact
     np.testing.assert_array_equal(np.asarray(got[0]), x)
   finally:
@@ -535,7 +536,8 @@ def test_a_peer_killed_while_a_fetch_waits_fails_it_within_2s():
     b._close()  # pylint: disable=protected-access
 
 
-def test_the_docstring_examples_run():
+@pytest.mark.parametrize("module", [net, curve], ids=["net", "curve"])
+def test_the_docstring_examples_run(module):
   import doctest  # pylint: disable=import-outside-toplevel
-  result = doctest.testmod(net, optionflags=doctest.ELLIPSIS)
+  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0 and result.failed == 0, result

@@ -8,7 +8,7 @@ per module, dependencies one way (each line uses only the lines above it):
   transport.py   the transport interface (offer / fetch / cancel arrays between
                  processes), JAX's transfer server behind it, and the registry of
                  kinds: the one seam bytes cross;
-  net.py         the "net" transport: our own over ZeroMQ (bounded, optionally
+  net/           the "net" transport: our own over ZeroMQ (bounded, optionally
                  CurveZMQ-encrypted), for bytes that cross a network;
   manifest.py    what a version is made of: paths, shapes, dtypes, layouts, addresses;
   request.py     a pull as values: PullOptions (reshard's Options extended) and the

@@ -7,8 +7,8 @@ withdrawn (`cancel`) and expires at its deadline either way. Publisher, Subscrib
 relays and delta pulls move bytes only through this interface, so another engine (the
 local data plane, NCCL between jobs) plugs in here without touching planning or the API.
 Implementations: `TransferServerTransport` (JAX's transfer server) and
-`net.NetTransport` (our own, over ZeroMQ; kind "net"). Knows no plans, versions or
-control messages.
+`net.NetTransport` (our own over ZeroMQ, in net/). Knows no plans, versions or control
+messages.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ _open_lock = threading.Lock()
 
 
 def kinds() -> dict[str, type[Transport]]:
-  """The transports by kind: "transfer_server" (JAX's) and "net" (net.py, built on
+  """The transports by kind: "transfer_server" (JAX's) and "net" (net/, built on
   this module's interface, hence imported here on first use)."""
   from jax_m2n._src.jobs import net  # pylint: disable=import-outside-toplevel
   return {TransferServerTransport.kind: TransferServerTransport,
