@@ -171,7 +171,7 @@ class TransferServerTransport(Transport):
 
 
 # ---------------------------------------------------------------------------------------
-# One transport per (kind, host) and process, shared, closed by its last user
+# One transport per (kind, host, options) and process, shared, closed by its last user
 # ---------------------------------------------------------------------------------------
 
 _open: dict[tuple[Any, ...], tuple[Transport, int]] = {}
