@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import logging
 import math
 import struct
 import threading
@@ -27,8 +26,6 @@ from jax_m2n._src.jobs import channel
 from jax_m2n._src.jobs.net import wire
 from jax_m2n._src.jobs.net.curve import CurveKeys
 from jax_m2n._src.jobs.transport import OFFER_GRACE_S, Pending
-
-logger = logging.getLogger("jax_m2n")
 
 API = wire.API
 
@@ -104,6 +101,7 @@ class Fetcher:
     self._commands: list[tuple[str, Any]] = []
     self._peers: dict[str, _Peer] = {}   # the fetching thread's own, like the poller
     self._by_socket: dict[Any, _Peer] = {}
+    self._late_due = 0.0  # when `_late` runs next
     self._waker = wire.Waker(ctx, self._zmq, "fetch")
     self._poller = self._zmq.Poller()
     self._poller.register(self._waker.socket, self._zmq.POLLIN)
@@ -176,23 +174,9 @@ class Fetcher:
   # The fetching thread ----------------------------------------------------------------
 
   def _loop(self) -> None:
-    zmq = self._zmq
-    due = 0.0
     try:
-      while not self._stop.is_set():
-        try:
-          events = dict(self._poller.poll(int(wire.TICK_S * 1000)))
-        except zmq.ZMQError:
-          return
-        if self._stop.is_set():
-          return
-        try:
-          self._step(events)
-          if time.monotonic() >= due:
-            self._late()
-            due = time.monotonic() + 0.1
-        except Exception:  # noqa: BLE001 - the thread must outlive a bug
-          logger.exception("jax_m2n net: the fetching thread's step failed")
+      wire.run("fetching", self._poller, self._stop, lambda: int(wire.TICK_S * 1000),
+               self._step, self._zmq)
     finally:
       for peer in list(self._peers.values()):
         self._drop(peer)
@@ -222,6 +206,9 @@ class Fetcher:
         self._receive(peer)
         self._drop(peer)
         self._fail(peer.address, why)
+    if time.monotonic() >= self._late_due:
+      self._late()
+      self._late_due = time.monotonic() + 0.1
 
   def _send(self, rid: int, wait_ms: int) -> None:
     with self._lock:

@@ -218,27 +218,16 @@ class Server:
   def _loop(self) -> None:
     zmq = self._zmq
     poller = zmq.Poller()
-    for s in (self._router, self._waker.socket, self._zap):
-      if s is not None:
-        poller.register(s, zmq.POLLIN)
+    sockets = [s for s in (self._router, self._waker.socket, self._zap) if s is not None]
+    for s in sockets:
+      poller.register(s, zmq.POLLIN)
     try:
-      while not self._stop.is_set():
-        try:
-          events = dict(poller.poll(self._timeout_ms()))
-        except zmq.ZMQError:
-          return
-        if self._stop.is_set():
-          return
-        try:
-          self._step(events)
-        except Exception:  # noqa: BLE001 - the server must outlive a bug
-          logger.exception("jax_m2n net: the serving thread's step failed")
+      wire.run("serving", poller, self._stop, self._timeout_ms, self._step, zmq)
     finally:
       with self._lock:
         self._sending.clear()
-      for s in (self._router, self._waker.socket, self._zap):
-        if s is not None:
-          s.close(0)
+      for s in sockets:
+        s.close(0)
 
   def _step(self, events: dict[Any, int]) -> None:
     zmq = self._zmq

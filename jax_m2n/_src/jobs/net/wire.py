@@ -6,14 +6,17 @@ Owns what the serving and fetching sides must agree on; holds no state of either
 
 from __future__ import annotations
 
+import logging
 import secrets
 import struct
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from jax_m2n._src.jobs import channel
 
 API = "NetTransport"
+
+logger = logging.getLogger("jax_m2n")
 
 # A fetch sends one frame, REQUEST (24 bytes). The reply is one HEAD message (status,
 # then each array's size). A reply of at most INLINE_BYTES in all carries the arrays'
@@ -94,6 +97,23 @@ class Waker:
     with self._lock:
       self._closed = True
       self._out.close(0)
+
+
+def run(name: str, poller: Any, stop: threading.Event, timeout_ms: Callable[[], int],
+        step: Callable[[dict[Any, int]], None], zmq: Any) -> None:
+  """A socket thread's loop: poll (`timeout_ms()` at most), then `step(events)`, until
+  `stop` (or the context closes); a step that fails is logged and the loop goes on."""
+  while not stop.is_set():
+    try:
+      events = dict(poller.poll(timeout_ms()))
+    except zmq.ZMQError:
+      return
+    if stop.is_set():
+      return
+    try:
+      step(events)
+    except Exception:  # noqa: BLE001 - the thread must outlive a bug
+      logger.exception("jax_m2n net: the %s thread's step failed", name)
 
 
 def drain(sock: Any, zmq: Any) -> None:
