@@ -9,7 +9,10 @@ per module, dependencies one way (each line uses only the lines above it):
   channel.py     the zmq endpoints (a CURVE server loop, a client with bounded
                  requests and notices);
   transport.py   the transport interface (offer / fetch / cancel arrays between
-                 processes) and its implementations: the one seam bytes cross;
+                 processes), JAX's transfer server behind it, and the registry of
+                 kinds: the one seam bytes cross;
+  net/           the "net" transport: our own over ZeroMQ (bounded, optionally
+                 CurveZMQ-encrypted), for bytes that cross a network;
   manifest.py    what a version is made of: paths, shapes, dtypes, layouts, addresses;
   request.py     a pull as values: PullOptions (reshard's Options extended) and the
                  checked PullRequest (reshard's rules: checks.py);

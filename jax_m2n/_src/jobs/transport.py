@@ -6,8 +6,9 @@ channel `fetch`es them into its own devices' memory (receive boxes), an offer ca
 withdrawn (`cancel`) and expires at its deadline either way. Publisher, Subscriber,
 relays and delta pulls move bytes only through this interface, so another engine (the
 local data plane, NCCL between jobs) plugs in here without touching planning or the API.
-Implementations: `TransferServerTransport` (JAX's transfer server). Knows no plans,
-versions or control messages.
+Implementations: `TransferServerTransport` (JAX's transfer server) and
+`net.NetTransport` (our own over ZeroMQ, in net/). Knows no plans, versions or control
+messages.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Sequence
 import jax
 
 from jax_m2n._src import transfer_server
+from jax_m2n._src.errors import ReshardValueError
 
 # How long after its deadline an offer stays fetchable (the receiver's own deadline
 # passes first; then the offer is dropped: a receiver that died leaks nothing).
@@ -80,11 +82,13 @@ class Transport(abc.ABC):
     fetched or expired (offers hold references to them)."""
 
   @abc.abstractmethod
-  def fetch(self, address: str, ticket: int,
-            specs: Sequence[jax.ShapeDtypeStruct]) -> Pending:
+  def fetch(self, address: str, ticket: int, specs: Sequence[jax.ShapeDtypeStruct],
+            timeout_s: float | None = None) -> Pending:
     """The arrays offered under `ticket` at `address`, landing on the devices of
     `specs` (each with a SingleDeviceSharding). Asynchronous: returns at once; the
-    `Pending` is done once they arrived (or the fetch failed)."""
+    `Pending` is done once they arrived (or the fetch failed). A ticket not offered
+    yet is waited for, up to `timeout_s` (None: OFFER_GRACE_S) where the engine
+    bounds that wait (a relay's member fetches chunks before its upstream has them)."""
 
   @abc.abstractmethod
   def cancel(self, ticket: int) -> bool:
@@ -123,7 +127,8 @@ class TransferServerTransport(Transport):
                                time.monotonic() + timeout_s + OFFER_GRACE_S)
     return ticket
 
-  def fetch(self, address, ticket, specs):
+  def fetch(self, address, ticket, specs, timeout_s=None):
+    del timeout_s  # a pull waits until its offer comes or the connection breaks
     return Arrived(transfer_server.pull(self._connection(address), ticket, specs))
 
   def cancel(self, ticket):
@@ -159,22 +164,36 @@ class TransferServerTransport(Transport):
 
 
 # ---------------------------------------------------------------------------------------
-# One transport per (kind, host) and process, shared, closed by its last user
+# One transport per (kind, host, options) and process, shared, closed by its last user
 # ---------------------------------------------------------------------------------------
 
-_KINDS = {TransferServerTransport.kind: TransferServerTransport}
-_open: dict[tuple[str, str], tuple[Transport, int]] = {}
+_open: dict[tuple[Any, ...], tuple[Transport, int]] = {}
 _open_lock = threading.Lock()
 
 
-def acquire(host: str, kind: str = TransferServerTransport.kind) -> Transport:
-  """This process's transport of `kind` bound to `host` (made on first use); every
-  acquire is paired with one `release`."""
+def kinds() -> dict[str, type[Transport]]:
+  """The transports by kind: "transfer_server" (JAX's) and "net" (net/, built on
+  this module's interface, hence imported here on first use)."""
+  from jax_m2n._src.jobs import net  # pylint: disable=import-outside-toplevel
+  return {TransferServerTransport.kind: TransferServerTransport,
+          net.NetTransport.kind: net.NetTransport}
+
+
+def acquire(host: str, kind: str = TransferServerTransport.kind,
+            **options: Any) -> Transport:
+  """This process's transport of `kind` bound to `host` with `options` (the kind's
+  constructor's keyword arguments, e.g. "net"'s `curve=`), made on first use: equal
+  arguments share one transport. Every acquire is paired with one `release`."""
+  made = kinds()
+  if kind not in made:
+    raise ReshardValueError(f"transport: kind must be one of {sorted(made)}; got "
+                            f"{kind!r}.")
+  key = (kind, host, tuple(sorted(options.items())))
   with _open_lock:
-    got = _open.get((kind, host))
+    got = _open.get(key)
     if got is None:
-      got = (_KINDS[kind](host), 0)
-    _open[(kind, host)] = (got[0], got[1] + 1)
+      got = (made[kind](host, **options), 0)
+    _open[key] = (got[0], got[1] + 1)
     return got[0]
 
 
