@@ -29,7 +29,7 @@ def bench(kind, sizes, reps, warmup):
   import numpy as np
   sys.path.insert(0, os.path.join(ROOT, "tests"))
   import jobs_net_worker  # pylint: disable=import-outside-toplevel
-  from jax_m2n._src.jobs import net, transport
+  from jax_m2n._src.jobs import net, transports
   options, curve = {}, ""
   wire = kind
   if kind == "net_curve":
@@ -39,7 +39,7 @@ def bench(kind, sizes, reps, warmup):
                                            keys.client_secret, keys.client_public))
     wire = "net"
   server = jobs_net_worker.Worker(wire, curve)
-  local = transport.acquire("127.0.0.1", wire, **options)
+  local = transports.acquire("127.0.0.1", wire, **options)
   device = jax.devices()[0]
   rows = []
   try:
@@ -65,7 +65,7 @@ def bench(kind, sizes, reps, warmup):
       ticket += n
       del got
   finally:
-    transport.release(local)
+    transports.release(local)
     server.kill()
   return rows
 

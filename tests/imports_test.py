@@ -19,6 +19,7 @@ LAYERS = [
     ("layout", "topology"),
     ("planner",),
     ("schedule", "ffi"),
+    ("local_copy", "local_memory"),
     ("checks", "call_plan"),
     ("processes",),
     ("eager",),

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError,
                                  ReshardValueError)
-from jax_m2n._src.jobs import manifest, net, transport
+from jax_m2n._src.jobs import manifest, net, transports
 from jax_m2n._src.jobs.net import curve, offers, wire
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -226,13 +226,13 @@ def test_close_frees_every_port_thread_and_fd():
   counts = []
   for i in range(12):
     keys = net.CurveKeys.generate() if i % 2 else None
-    a = transport.acquire("127.0.0.1", "net", curve=keys)
+    a = transports.acquire("127.0.0.1", "net", curve=keys)
     b = net.NetTransport("127.0.0.1", curve=keys)
     ticket = a.offer([x], 10.0)
     b.fetch(a.address, ticket, spec).result()
     a.offer([x], 10.0)  # an offer left behind: dropped at close
     address = a.address
-    transport.release(a)
+    transports.release(a)
     b._close()  # pylint: disable=protected-access
     counts.append((fds(), threading.active_count()))
     with pytest.raises(OSError):  # nothing listens there any more
@@ -243,18 +243,18 @@ def test_close_frees_every_port_thread_and_fd():
 
 def test_acquire_shares_equal_arguments():
   keys = net.CurveKeys.generate()
-  t1 = transport.acquire("127.0.0.1", "net")
-  t2 = transport.acquire("127.0.0.1", "net")
-  t3 = transport.acquire("127.0.0.1", "net", curve=keys)
-  t4 = transport.acquire("127.0.0.1", "net", curve=net.CurveKeys(
+  t1 = transports.acquire("127.0.0.1", "net")
+  t2 = transports.acquire("127.0.0.1", "net")
+  t3 = transports.acquire("127.0.0.1", "net", curve=keys)
+  t4 = transports.acquire("127.0.0.1", "net", curve=net.CurveKeys(
       keys.server_secret, keys.server_public, keys.client_secret, keys.client_public))
   try:
     assert t1 is t2 and t3 is t4 and t1 is not t3
     with pytest.raises(ReshardValueError, match="kind must be one of"):
-      transport.acquire("127.0.0.1", "carrier_pigeon")
+      transports.acquire("127.0.0.1", "carrier_pigeon")
   finally:
     for t in (t1, t2, t3, t4):
-      transport.release(t)
+      transports.release(t)
 
 
 # ---------------------------------------------------------------------------------------

@@ -72,11 +72,11 @@ def main():
   args = parser.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
-  from jax_m2n._src.jobs import net, transport
+  from jax_m2n._src.jobs import net, transports
   options = {}
   if args.curve:
     options["curve"] = net.CurveKeys(*args.curve.split(","))
-  t = transport.acquire("127.0.0.1", args.kind, **options)
+  t = transports.acquire("127.0.0.1", args.kind, **options)
   print("address", t.address, flush=True)
   arrays = {}
   for line in sys.stdin:
@@ -95,7 +95,7 @@ def main():
       print("ok", flush=True)
     except Exception as e:  # noqa: BLE001 - the test reads it
       print("error", type(e).__name__, e, flush=True)
-  transport.release(t)
+  transports.release(t)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_m2n._src import ffi
 from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError,
                                  ReshardValueError)
 
@@ -370,7 +371,6 @@ class DeviceSegment:
 
   @staticmethod
   def _module_and_ordinal(device: Any) -> tuple[Any, int]:
-    from jax_m2n._src import ffi  # noqa: PLC0415 - only where a GPU is used
     if device.platform not in ("gpu", "cuda"):
       raise ReshardValueError(f"DeviceSegment: device must be a CUDA GPU; got "
                               f"{device} ({device.platform}).")

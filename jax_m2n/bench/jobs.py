@@ -77,9 +77,9 @@ def trainer_main(directory: str, size: int, versions: int, host: str = "127.0.0.
   else:
     devices = jax.devices()[:1]
   import jax_m2n
-  from jax_m2n._src.jobs import transport
+  from jax_m2n._src.jobs import transports
   pub = jax_m2n.Publisher(f"{host}:0", token=TOKEN, keep=versions * len(CASES))
-  server = transport.acquire(host)
+  server = transports.acquire(host)
   publish_ms = {}
   for c, case in enumerate(CASES):
     host, shardings, _ = _tree(jax, case, size, devices, c, "trainer")
@@ -136,7 +136,7 @@ def _pulls(jax, info: dict, size: int, iters: int, warmup: int, devices,
   Subscriber and raw through the transfer server; one row per case."""
   import numpy as np
   import jax_m2n
-  from jax_m2n._src.jobs import connections, planning, transport
+  from jax_m2n._src.jobs import connections, planning, transports
   versions = warmup + iters
   sub = jax_m2n.Subscriber(info["address"], token=TOKEN)
   rows = []
@@ -164,7 +164,7 @@ def _pulls(jax, info: dict, size: int, iters: int, warmup: int, devices,
            "pull_ms_min": min(times[warmup:]), "first_pull_ms": times[0],
            "publish_ms": statistics.median(info["publish_ms"][case])}
     thost = info["transfer"].rsplit(":", 1)[0]
-    raw_transport = transport.acquire(connections.local_host_towards(thost))
+    raw_transport = transports.acquire(connections.local_host_towards(thost))
     raw = []
     specs = [jax.ShapeDtypeStruct(s.data.shape, dtype or np.float32,
                                   sharding=jax.sharding.SingleDeviceSharding(d))

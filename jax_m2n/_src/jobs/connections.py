@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 
-from jax_m2n._src.jobs import channel, transport as transport_lib
+from jax_m2n._src.jobs import channel, transports
 from jax_m2n._src.jobs.manifest import Manifest
 
 
@@ -57,7 +57,7 @@ class Connections:
     self._connect_s = connect_s
     self._root: channel.Client | None = None
     self._links: dict[int, Link] = {}
-    self._transport: transport_lib.Transport | None = None
+    self._transport: transports.Transport | None = None
     self.root()
 
   def root(self) -> channel.Client:
@@ -83,11 +83,11 @@ class Connections:
     host, port = channel.split_address(self._api, address)
     return channel.join_address(self.host if channel.is_wildcard(host) else host, port)
 
-  def transport(self, towards: str) -> transport_lib.Transport:
+  def transport(self, towards: str) -> transports.Transport:
     """This process's transport, bound to the interface that routes to `towards`."""
     if self._transport is None:
       host, _ = channel.split_address(self._api, towards)
-      self._transport = transport_lib.acquire(local_host_towards(host))
+      self._transport = transports.acquire(local_host_towards(host))
     return self._transport
 
   def link(self, k: int, m: Manifest) -> Link:
@@ -121,5 +121,5 @@ class Connections:
     if self._root is not None:
       self._root.close()
     if self._transport is not None:
-      transport_lib.release(self._transport)
+      transports.release(self._transport)
       self._transport = None

@@ -19,7 +19,7 @@ import jax
 from jax_m2n._src import jax_compat
 from jax_m2n._src.errors import ReshardRuntimeError, ReshardTypeError, ReshardValueError
 from jax_m2n._src import local_memory
-from jax_m2n._src.jobs import auth, channel, exports, serving, transport as transport_lib
+from jax_m2n._src.jobs import auth, channel, exports, serving, transports
 from jax_m2n._src.jobs.versions import Versions, check_published
 
 logger = logging.getLogger("jax_m2n")
@@ -78,21 +78,21 @@ class Publisher:
     self._closed = False
     self._fds: list[local_memory.FdServer] = []  # made when a local subscriber asks
     self._versions = Versions(keep, self._fd_server)
-    self._transport = transport_lib.acquire(host)
+    self._transport = transports.acquire(host)
     self._service = serving.Service(self._pid, self._versions, self._transport)
     try:
       self._server = channel.Server(
           _API, channel.join_address(host, port if self._pid == 0 else 0), key,
           self._service.handle, self._service.tick)
     except BaseException:
-      transport_lib.release(self._transport)
+      transports.release(self._transport)
       raise
     mine = (self._server.address, self._transport.address, exports.host_identity())
     try:
       self._processes = _gather_addresses(mine, next(_instances), timeout_s)
     except BaseException:
       self._server.close()
-      transport_lib.release(self._transport)
+      transports.release(self._transport)
       raise
 
   def _fd_server(self) -> local_memory.FdServer:
@@ -159,7 +159,7 @@ class Publisher:
     self._versions.clear()
     for fds in self._fds:
       fds.close()
-    transport_lib.release(self._transport)
+    transports.release(self._transport)
 
   def __enter__(self) -> "Publisher":
     return self
