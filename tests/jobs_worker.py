@@ -209,7 +209,7 @@ def generator(jax, jax_m2n, args):
       print(f"RESULT route role=generator process={args.process_id} route={route} "
             f"pulled={pulled} plan_from_publisher="
             f"{planning.network_bytes(pp)['from_publisher']} payload={total} "
-            f"transfer={sub._state.connections.transport(address).address}", flush=True)
+            f"transfer={sub._state.connections.transport(m).address}", flush=True)
   return generator_done(sub, args)
 
 

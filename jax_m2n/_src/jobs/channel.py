@@ -63,7 +63,7 @@ def join_address(host: str, port: int) -> str:
   return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _bind_host(api: str, host: str) -> str:
+def bind_host(api: str, host: str) -> str:
   """An IP literal for zmq's bind (it binds interfaces, not host names)."""
   try:
     ipaddress.ip_address(host)
@@ -135,9 +135,9 @@ class Server:
     if ":" in host:
       sock.setsockopt(zmq.IPV6, 1)
     self._gate.protect(sock)
-    endpoint = f"tcp://{join_address(_bind_host(api, host), port) if port else None}"
+    endpoint = f"tcp://{join_address(bind_host(api, host), port) if port else None}"
     if not port:  # a free port, chosen by zmq
-      endpoint = f"tcp://{join_address(_bind_host(api, host), 0)[:-1]}*"
+      endpoint = f"tcp://{join_address(bind_host(api, host), 0)[:-1]}*"
     try:
       sock.bind(endpoint)
     except zmq.ZMQError as e:

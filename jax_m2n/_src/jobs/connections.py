@@ -83,11 +83,13 @@ class Connections:
     host, port = channel.split_address(self._api, address)
     return channel.join_address(self.host if channel.is_wildcard(host) else host, port)
 
-  def transport(self, towards: str) -> transports.Transport:
-    """This process's transport, bound to the interface that routes to `towards`."""
+  def transport(self, m: Manifest) -> transports.Transport:
+    """This process's transport of the publisher's spec (the manifest's), bound to
+    the interface that routes to the publisher's process 0."""
     if self._transport is None:
-      host, _ = channel.split_address(self._api, towards)
-      self._transport = transports.acquire(local_host_towards(host))
+      host, _ = channel.split_address(self._api, self.reachable(m.processes[0][1]))
+      self._transport = transports.acquire_spec(m.processes[0][3],
+                                                local_host_towards(host), self._key)
     return self._transport
 
   def link(self, k: int, m: Manifest) -> Link:

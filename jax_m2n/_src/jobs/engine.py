@@ -76,7 +76,7 @@ def request(pull: Pull, answer_s: float) -> tuple[dict[int, list[int]], list[Any
   random number) and the open requests (`confirm` waits for their answers). A pull
   that recurs costs one message to each publisher process and no piece list."""
   seq = secrets.randbits(62)
-  key = pull.plan.fingerprint[:32]
+  key = hashlib.blake2b(pull.plan.fingerprint.encode(), digest_size=16).hexdigest()
   tickets, opened = {}, []
   for k, groups in sorted(pull.plan.packed_requests.items()):
     link = pull.links[k]

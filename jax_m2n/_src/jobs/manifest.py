@@ -131,7 +131,8 @@ class Manifest:
     devices: per publisher device (sorted by its global id in the trainer job), the
       trainer process that holds it.
     processes: per trainer process, (control address, transport address, host
-      identity: exports.host_identity, which says whether a subscriber shares its host).
+      identity: exports.host_identity, which says whether a subscriber shares its host,
+      transport spec: transports.SPECS).
     skeleton: the pytree's structure (JSON) where it is only dicts (str/int keys),
       lists, tuples and None; else None (the subscriber's dst gives the structure).
   """
@@ -139,7 +140,7 @@ class Manifest:
   leaves: tuple[Leaf, ...]
   layouts: tuple[tuple[tuple[int, ...], tuple[Box, ...]], ...]
   devices: tuple[int, ...]
-  processes: tuple[tuple[str, str, str], ...]
+  processes: tuple[tuple[str, str, str, str], ...]
   skeleton: Any
   id: str = ""
 
@@ -193,7 +194,7 @@ def digest(body: dict[str, Any]) -> str:
 
 def build(leaves: Sequence[jax.Array], paths: Sequence[tuple[str, ...]],
           dtypes: Sequence[np.dtype], skeleton: Any,
-          processes: Sequence[tuple[str, str, str]]) -> Manifest:
+          processes: Sequence[tuple[str, str, str, str]]) -> Manifest:
   """The manifest of published arrays (global jax.Arrays) as snapshotted in `dtypes`."""
   ids = sorted({d.id: d for leaf in leaves for d in leaf.sharding.device_set}.items())
   index = {i: k for k, (i, _) in enumerate(ids)}
@@ -223,11 +224,11 @@ def from_json(body: Any) -> Manifest:
                               MAX_DEVICES)
   processes = body.get("processes")
   if (not isinstance(processes, list) or not processes or len(processes) > MAX_DEVICES
-      or not all(isinstance(p, list) and len(p) == 3 and all(
+      or not all(isinstance(p, list) and len(p) == 4 and all(
           isinstance(a, str) and len(a) <= 300 for a in p) and p[0] and p[1]
-          for p in processes)):
+          and p[3] in ("net", "net+curve", "transfer_server") for p in processes)):
     raise ProtocolError("manifest: processes must be a list of [control address, "
-                        "transport address, host] triples.")
+                        "transport address, host, transport spec].")
   if any(p >= len(processes) for p in devices):
     raise ProtocolError("manifest: every device must belong to a listed process.")
   raw_layouts = body.get("layouts")

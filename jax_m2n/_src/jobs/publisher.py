@@ -66,8 +66,16 @@ class Publisher:
   """
 
   def __init__(self, address: str | None = None, *, token: Any, keep: int = 2,
-               timeout_s: float = 60.0):
+               timeout_s: float = 60.0, encrypt: bool = False,
+               transport: str = "net"):
     key = auth.as_key(_API, token)
+    if not isinstance(encrypt, bool):
+      raise ReshardTypeError(f"{_API}: encrypt must be a bool; got "
+                             f"{type(encrypt).__name__}.")
+    if transport not in ("net", "transfer_server"):
+      raise ReshardValueError(f"{_API}: transport must be 'net' or 'transfer_server'; "
+                              f"got {transport!r}.")
+    spec = "net+curve" if encrypt and transport == "net" else transport
     if isinstance(keep, bool) or not isinstance(keep, int):
       raise ReshardTypeError(f"{_API}: keep must be an int >= 1; got "
                              f"{type(keep).__name__} {keep!r}.")
@@ -78,7 +86,7 @@ class Publisher:
     self._closed = False
     self._fds: list[local_memory.FdServer] = []  # made when a local subscriber asks
     self._versions = Versions(keep, self._fd_server)
-    self._transport = transports.acquire(host)
+    self._transport = transports.acquire_spec(spec, host, key)
     self._service = serving.Service(self._pid, self._versions, self._transport)
     try:
       self._server = channel.Server(
@@ -87,7 +95,7 @@ class Publisher:
     except BaseException:
       transports.release(self._transport)
       raise
-    mine = (self._server.address, self._transport.address, exports.host_identity())
+    mine = (self._server.address, self._transport.address, exports.host_identity(), spec)
     try:
       self._processes = _gather_addresses(mine, next(_instances), timeout_s)
     except BaseException:
@@ -174,10 +182,10 @@ class Publisher:
       pass
 
 
-def _gather_addresses(mine: tuple[str, str, str], instance: int, timeout_s: float
-                      ) -> tuple[tuple[str, str, str], ...]:
-  """Every trainer process's (control address, transport address, host identity),
-  through the job's
+def _gather_addresses(mine: tuple[str, ...], instance: int, timeout_s: float
+                      ) -> tuple[tuple[str, ...], ...]:
+  """Every trainer process's (control address, transport address, host identity,
+  transport spec), through the job's
   key-value store (one process: its own)."""
   if jax.process_count() == 1:
     return (mine,)

@@ -199,7 +199,7 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
   pp = planning.plan_pull(m, request.dsts, request.outs,
                           "flat" if base is not None or local_path else options.route)
   conn = state.connections
-  transport = conn.transport(m.processes[0][1])
+  transport = conn.transport(m)
   if waits is not None:
     delta_lib.agree(waits, base_version)
     waits.post("fp", pp.fingerprint)
@@ -238,9 +238,12 @@ def _full(p: Pull, pulled: Any) -> list[list[jax.Array]]:
   if pulled is not None:
     return engine.run(p, None, pulled)
   for attempt in range(2):
-    tickets, opened = engine.request(p, REQUEST_S)
     try:
-      return engine.run(p, tickets, None, lambda: engine.confirm(p, opened, REQUEST_S))
+      tickets, opened = engine.request(p, REQUEST_S)
+      confirm = lambda: engine.confirm(p, opened, REQUEST_S)  # noqa: E731
+      if not p.transport.early_fetch:
+        confirm = confirm()  # the offers first, then the fetches
+      return engine.run(p, tickets, None, confirm)
     except PlanUnknown:
       if attempt:
         raise
@@ -254,7 +257,8 @@ def _local_path(options: PullOptions, m: manifest_lib.Manifest) -> bool:
   if options.path == "network":
     return False
   here = exports.host_identity()
-  elsewhere = [k for k, (_, _, host) in enumerate(m.processes) if not here or host != here]
+  elsewhere = [k for k, (_, _, host, _) in enumerate(m.processes)
+               if not here or host != here]
   if options.path == "local" and elsewhere:
     raise ReshardValueError(
         f"{API}: path='local' needs every publisher process on this host (same kernel, "

@@ -66,6 +66,9 @@ class Transport(abc.ABC):
   """
 
   kind: str = ""
+  # Whether a fetch may be issued before its offer exists (it waits for it): a pull
+  # then fetches as soon as it asked, one round trip before the bytes flow.
+  early_fetch: bool = True
 
   @property
   @abc.abstractmethod
@@ -110,6 +113,9 @@ class TransferServerTransport(Transport):
   only over the control channel) and cannot withdraw an offer (offers expire)."""
 
   kind = "transfer_server"
+  # A pull of a uuid offered later by the same server (publisher and subscriber in one
+  # process) failed ("Async transfer object was deleted"): fetch after the offer.
+  early_fetch = False
 
   def __init__(self, host: str):
     self._server = transfer_server.start(host)

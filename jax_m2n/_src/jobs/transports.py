@@ -10,8 +10,14 @@ import threading
 from typing import Any
 
 from jax_m2n._src.errors import ReshardValueError
-from jax_m2n._src.jobs import net
+from jax_m2n._src.jobs import auth, net
 from jax_m2n._src.jobs.transport import TransferServerTransport, Transport
+
+# What a job's processes serve and fetch through (the manifest names it per publisher
+# process): "net" (jobs/net/, the default), "net+curve" (the same, encrypted with
+# CurveZMQ keys from the token: Publisher(encrypt=True)), "transfer_server" (JAX's,
+# bound to 127.0.0.1 only: its wire format trusts its peers; for comparison on one host).
+SPECS = ("net", "net+curve", "transfer_server")
 
 # ---------------------------------------------------------------------------------------
 # One transport per (kind, host, options) and process, shared, closed by its last user
@@ -58,3 +64,16 @@ def release(transport: Transport) -> None:
     else:
       return
   transport._close()  # pylint: disable=protected-access
+
+
+def acquire_spec(spec: str, host: str, key: auth.Keys) -> Transport:
+  """`acquire` for a manifest's transport spec (SPECS): "net" on `host`, "net+curve"
+  with the token's keys, "transfer_server" on 127.0.0.1 whatever `host` is."""
+  if spec == "net":
+    return acquire(host, net.NetTransport.kind)
+  if spec == "net+curve":
+    return acquire(host, net.NetTransport.kind, curve=net.CurveKeys(
+        key.server_secret, key.server_public, key.client_secret, key.client_public))
+  if spec == TransferServerTransport.kind:
+    return acquire("127.0.0.1", TransferServerTransport.kind)
+  raise ReshardValueError(f"transport: the spec must be one of {SPECS}; got {spec!r}.")

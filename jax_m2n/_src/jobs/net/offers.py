@@ -132,7 +132,7 @@ class Server:
       sock.setsockopt(zmq.CURVE_SERVER, 1)
       sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.server_secret)
       sock.setsockopt(zmq.ZAP_DOMAIN, b"jax_m2n")
-    bind = channel._bind_host(API, host)  # pylint: disable=protected-access
+    bind = channel.bind_host(API, host)
     if ":" in bind:
       sock.setsockopt(zmq.IPV6, 1)
     try:

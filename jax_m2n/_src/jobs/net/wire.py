@@ -12,7 +12,7 @@ import struct
 import threading
 from typing import Any, Callable
 
-from jax_m2n._src.jobs import channel
+from jax_m2n._src.jobs import auth
 
 API = "NetTransport"
 
@@ -54,9 +54,7 @@ TICK_S = 0.5
 
 def zmq_module():
   """pyzmq (with its z85 codec), or the jobs layer's error naming the extra."""
-  zmq = channel._zmq()  # pylint: disable=protected-access
-  import zmq.utils.z85  # noqa: F401  pylint: disable=import-outside-toplevel
-  return zmq
+  return auth.zmq_module()
 
 
 def tune(sock: Any, zmq: Any) -> None:
