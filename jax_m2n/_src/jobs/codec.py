@@ -250,7 +250,7 @@ def apply_host(pp: Any, device: Any, group, parts, donate: bool) -> list[jax.Arr
     at = np.concatenate([a for a, _ in updates])
     vals = np.concatenate([v for _, v in updates])
     if vals.dtype != p.dtype:
-      convert = pieces._converter(np.dtype(p.dtype))
+      convert = pieces.converter(np.dtype(p.dtype))
       vals = np.asarray(convert(jax.device_put(vals, device)))
     host = np.array(p)
     host.reshape(-1)[at] = vals

@@ -24,7 +24,7 @@ from jax_m2n._src import local_copy as local_copy_lib
 from jax_m2n._src import local_memory
 from jax_m2n._src import schedule
 from jax_m2n._src.errors import ReshardRuntimeError, ReshardTimeoutError, VersionGone
-from jax_m2n._src.jobs import exports, manifest as manifest_lib, messages
+from jax_m2n._src.jobs import exports, manifest as manifest_lib, messages, pieces
 from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE
 from jax_m2n._src.jobs.planning import PUBLISHER_PROCESS_BASE, PullPlan
 from jax_m2n._src.jobs.pull import API, Pull
@@ -218,7 +218,7 @@ def run(pull: Pull, imports: dict[int, Import]) -> list[list[jax.Array]]:
     starts, strides, procs = _addresses(pp, d, sources, imports, devices[d])
     arrays = copy(starts + strides * np.array([slots[p] for p in procs], np.int64))
     for (t, j), a in zip(outputs, arrays):
-      shards[t][j] = a if a.dtype == pp.out[t] else _converter(pp.out[t])(a)
+      shards[t][j] = a if a.dtype == pp.out[t] else pieces.converter(pp.out[t])(a)
     pending += arrays
   jax.block_until_ready(pending)
   for k, imp in imports.items():  # the seqlock's second read: the slot still holds it
@@ -235,10 +235,6 @@ def run(pull: Pull, imports: dict[int, Import]) -> list[list[jax.Array]]:
                               f"timeout_s={pull.timeout_s:g}; the local copy took longer.")
   return shards
 
-
-@functools.lru_cache(maxsize=64)
-def _converter(dtype: Any):
-  return jax.jit(lambda a: a.astype(dtype))
 
 
 def describe_request(manifest_id: str) -> dict[str, Any]:

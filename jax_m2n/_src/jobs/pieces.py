@@ -122,13 +122,20 @@ def _program(atoms: tuple) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _converter(dtype: np.dtype) -> Any:
+def converter(dtype: np.dtype) -> Any:
+  """The compiled `astype(dtype)` (XLA's convert: what every path converts with)."""
   return jax.jit(lambda a: a.astype(dtype))
 
 
 @functools.lru_cache(maxsize=256)
 def _concatenate(n: int) -> Any:
   return jax.jit(lambda *xs: jnp.concatenate(xs))
+
+
+@functools.lru_cache(maxsize=256)
+def flat_concatenate(n: int) -> Any:
+  """The compiled concatenation of `n` arrays flattened (a pack of several boxes)."""
+  return jax.jit(lambda *xs: jnp.concatenate([x.reshape(-1) for x in xs]))
 
 
 class Batch:
@@ -220,7 +227,7 @@ class Batch:
         b = pieces_[0][0]
         host = np.ascontiguousarray(b).reshape(b.shape)  # (keeps rank 0 at rank 0)
       if host.dtype != dtype:  # a conversion: XLA's, bit for bit astype
-        out.append(_converter(np.dtype(dtype))(jax.device_put(host, device)))
+        out.append(converter(np.dtype(dtype))(jax.device_put(host, device)))
       else:
         out.append(jax.device_put(host, device))
     return out

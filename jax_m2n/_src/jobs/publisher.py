@@ -164,6 +164,7 @@ class Publisher:
     while self._service.waiting and time.monotonic() < deadline:
       time.sleep(0.01)
     self._server.close()
+    self._service.close()
     self._versions.clear()
     for fds in self._fds:
       fds.close()

@@ -174,8 +174,10 @@ def _manifest(state: State, mid: str) -> manifest_lib.Manifest:
 
 
 def _peers(state: State, waits: Any, address: str) -> dict[int, str]:
-  """Every process of this job's transport address (exchanged on the first pull)."""
+  """Every process of this job's transport address (exchanged on the first pull; also
+  the port the job's peers probe when this process falls silent)."""
   if state.peers is None:
+    waits.engine.post_probe_address(address)
     waits.post("transport", address)
     got = waits.gather("transport", waits.peers, "the transport addresses of the job")
     state.peers = dict(zip(waits.peers, got))

@@ -102,11 +102,11 @@ def _slicer(size: int):
 # The trainer's side
 # ---------------------------------------------------------------------------------------
 
-def offer_chunks(transport: Any, groups: list[list[jax.Array]], body: dict[str, Any],
-                 timeout_s: float) -> dict[str, Any]:
-  """Offers the asked chunks of a pieces request's packs (`groups`: per wave, the
-  packs' arrays, as the publisher cut them) each under its own ticket; returns
-  {"tickets": [...]} in the order asked."""
+def offer_chunks(offer: Callable[[list[jax.Array]], int], groups: list[list[jax.Array]],
+                 body: dict[str, Any]) -> dict[str, Any]:
+  """Offers (`offer(arrays) -> ticket`) the asked chunks of a pieces request's packs
+  (`groups`: per wave, the packs' arrays, as the publisher cut them) each under its own
+  ticket; returns {"tickets": [...]} in the order asked."""
   chunk_bytes = messages.field(body, "chunk_bytes", int, lo=MIN_CHUNK_BYTES,
                                hi=MAX_CHUNK_BYTES)
   arrays = [a for group in groups for a in group]
@@ -123,7 +123,7 @@ def offer_chunks(transport: Any, groups: list[list[jax.Array]], body: dict[str, 
       chunk = array.reshape(-1)
     else:
       chunk = _slicer(size)(array, np.int32(start))
-    tickets.append(transport.offer([chunk], timeout_s))
+    tickets.append(offer([chunk]))
     stats["offered_chunk_bytes"] += chunk.nbytes
   return {"tickets": tickets}
 

@@ -11,22 +11,32 @@ nothing; holds no version itself (versions.py does).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import functools
+import logging
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
 
-from jax_m2n._src.errors import ProtocolError, ReshardError
+from jax_m2n._src import local_copy as local_copy_lib
+from jax_m2n._src import schedule
+from jax_m2n._src.errors import ProtocolError, ReshardError, VersionGone
 from jax_m2n._src.jobs import channel, delta, engine, exports
 from jax_m2n._src.jobs import manifest as manifest_lib, membership, messages, pieces, relay
 from jax_m2n._src.jobs.versions import Version, Versions
 from jax_m2n._src.planner import DST_SHARD, SRC_SHARD
+
+logger = logging.getLogger("jax_m2n")
 from jax_m2n._src.processes import transfer_engine
 
 # Registered plans a publisher process keeps (a plan is its piece list: kilobytes to
 # megabytes), least recently used dropped.
 MAX_PLANS = 256
+# An offer not fetched within this is dropped (a subscriber fetches at once; one that
+# failed or went away leaves nothing behind for longer), whatever the pull's timeout.
+OFFER_TTL_S = 60.0
 # The longest a subscriber may ask the publisher to hold a long poll or an offer.
 MAX_WAIT_MS = 60_000
 MAX_OFFER_MS = 1 << 31
@@ -54,6 +64,11 @@ class Service:
         collections.OrderedDict())
     # Relays among subscribers (process 0 coordinates; every process offers chunks).
     self._relay = membership.Coordinator(versions.numbers)
+    # What the server thread hands over (cutting, encoding, offering, registering, the
+    # local exports): one worker, so requests keep their order.
+    self._work = concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="jax_m2n-publisher-work")
+    self._offers: dict[int, list[int]] = {}  # version -> tickets offered (worker only)
 
   @property
   def waiting(self) -> bool:
@@ -76,7 +91,7 @@ class Service:
       else:
         caller.reply({"manifest": found.to_json()})
     elif op == "register":
-      caller.reply(self._register(caller, body))
+      self._work.submit(self._off_thread, caller, lambda: self._register(caller, body))
     elif op in ("pieces", "delta", "pull"):
       messages.field(body, "version", int, lo=1, hi=1 << 62)
       if op == "delta":  # the version the subscriber holds (0: none)
@@ -88,7 +103,7 @@ class Service:
       self._deferred.append((caller, body, time.monotonic() + min(
           timeout_ms, MAX_WAIT_MS) / 1000))
     elif op == "local":
-      caller.reply(self._local(body))
+      self._work.submit(self._off_thread, caller, lambda: self._local(body))
     elif op in membership.OPS and self._pid == 0:
       self._relay.handle(caller, body)
     else:
@@ -114,7 +129,7 @@ class Service:
               "got an unknown one (dropped: pull again).", "kind": "gone"}
     wire = manifest_lib.wire_field(body, "register", len(version.manifest.leaves))
     self._plans[(caller.peer, key)] = _Plan(want, wire, self._groups(
-        version, body.get("groups"), wire), salt)
+        version, body.get("groups"), wire), salt, [])
     self._plans.move_to_end((caller.peer, key))
     while len(self._plans) > MAX_PLANS:
       self._plans.popitem(last=False)
@@ -138,11 +153,9 @@ class Service:
       version = body["version"]
       if self.closed:
         caller.reply({"error": "the publisher closed.", "kind": "runtime"})
-      elif version <= published:
-        try:
-          caller.reply(self._answer(caller, body))
-        except ProtocolError as e:
-          caller.reply({"error": str(e), "kind": "value"})
+      elif version <= published:  # cut, encode, offer: on the worker thread
+        self._work.submit(self._off_thread, caller,
+                          functools.partial(self._answer, caller, body))
       elif now >= deadline:
         caller.reply({"error": f"version {version} must be published by trainer process "
                       f"{self._pid} in time; it has published {published} so far.",
@@ -151,6 +164,43 @@ class Service:
         keep.append((caller, body, deadline))  # this process has not published it yet
     self._deferred = keep
     self._relay.tick(self.closed)
+    held_numbers = {n for n, _ in held}
+    gone = [v for v in self._offers if v not in held_numbers]
+    if gone:  # a dropped version's offers not fetched yet: withdrawn
+      self._work.submit(self._withdraw, gone)
+
+  def _off_thread(self, caller: channel.Caller, answer: Callable[[], dict[str, Any]]
+                  ) -> None:
+    """Runs a request's work on the worker thread and replies from there: the server
+    thread keeps answering (long polls, heartbeats of waiting pulls) meanwhile."""
+    try:
+      caller.reply(answer())
+    except ProtocolError as e:
+      caller.reply({"error": str(e), "kind": "value"})
+    except ReshardError as e:
+      caller.reply({"error": str(e), "kind": "runtime"})
+    except Exception as e:  # noqa: BLE001 - a bug must not end the worker
+      logger.exception("jax_m2n Publisher: a request failed")
+      caller.reply({"error": f"internal error: {type(e).__name__}: {e}",
+                    "kind": "runtime"})
+
+  def _offer(self, version: int, arrays: list[Any], timeout_s: float,
+             ticket: int | None = None) -> int:
+    """Offers through the transport for at most OFFER_TTL_S, remembering the ticket
+    under its version (withdrawn when the version is dropped)."""
+    ticket = self._transport.offer(arrays, min(timeout_s, OFFER_TTL_S), ticket=ticket)
+    self._offers.setdefault(version, []).append(ticket)
+    return ticket
+
+  def _withdraw(self, versions: list[int]) -> None:
+    for v in versions:
+      for ticket in self._offers.pop(v, []):
+        self._transport.cancel(ticket)
+
+  def close(self) -> None:
+    """Stops the worker thread (after what it is doing) and withdraws every offer."""
+    self._work.shutdown(wait=True, cancel_futures=True)
+    self._withdraw(list(self._offers))
 
   def _local(self, body: dict[str, Any]) -> dict[str, Any]:
     """A subscriber on this host asks for the export of a layout set (to read its
@@ -196,9 +246,11 @@ class Service:
               "it has another (register the new one).", "kind": "unknown_plan"}
     self._plans.move_to_end((caller.peer, body["plan"]))
     timeout_s = body["timeout_ms"] / 1000
-    for g, ops in enumerate(plan.offers):
-      self._transport.offer(cut(version, ops, plan.wire), timeout_s,
-                            ticket=engine.pull_ticket(plan.salt, body["seq"], g))
+    for ticket in plan.last:  # the subscriber's previous pull of this plan is over
+      self._transport.cancel(ticket)
+    plan.last[:] = [self._offer(version.number, cut(version, ops, plan.wire), timeout_s,
+                                engine.pull_ticket(plan.salt, body["seq"], g))
+                    for g, ops in enumerate(plan.offers)]
     return {"offered": len(plan.offers)}
 
   def _groups(self, version: Version, groups: Any, wire: dict[int, Any]) -> list:
@@ -231,9 +283,10 @@ class Service:
     offers = self._groups(version, body.get("groups"), wire)
     timeout_s = body["timeout_ms"] / 1000
     if "chunk_bytes" in body:  # a relay's head (or a re-route): chunks, one offer each
-      return relay.offer_chunks(self._transport, [cut(version, ops, wire)
-                                                  for ops in offers], body, timeout_s)
-    return {"tickets": [self._transport.offer(cut(version, ops, wire), timeout_s)
+      return relay.offer_chunks(
+          lambda arrays: self._offer(version.number, arrays, timeout_s),
+          [cut(version, ops, wire) for ops in offers], body)
+    return {"tickets": [self._offer(version.number, cut(version, ops, wire), timeout_s)
                         for ops in offers]}
 
 
@@ -243,13 +296,19 @@ class _Plan(NamedTuple):
   wire: dict[int, Any]
   offers: list  # per group, its packs of ops
   salt: bytes
+  last: list[int]  # the tickets of its last pull's offers
 
 
 def cut(version: Version, packs: list[list[transfer_engine.Op]],
         wire: dict[int, np.dtype]) -> list[jax.Array]:
   """One array per pack: its one box in the wire dtype (the snapshot itself where that
   is a whole shard in its own dtype), or its boxes flattened and concatenated; one
-  compiled program per source device."""
+  compiled program per source device. A version that lives only in its export (CPU)
+  is cut straight out of it: new arrays, never views of the slot, so a slot reused for
+  a newer version cannot change what an offer serves."""
+  if version.export is not None and version.slot >= 0 and any(
+      a is None for _, a in version.shards.values()):
+    return _cut_export(version, packs, wire)
   batches: dict[int, pieces.Batch] = {}
   slots = []
   for ops in packs:
@@ -269,3 +328,43 @@ def cut(version: Version, packs: list[list[transfer_engine.Op]],
       slots.append((k, batch.pack(boxes, dtype)))
   results = {k: b.run() for k, b in batches.items()}
   return [results[k][j] for k, j in slots]
+
+
+def _cut_export(version: Version, packs: list[list[transfer_engine.Op]],
+                wire: dict[int, np.dtype]) -> list[jax.Array]:
+  """`cut` out of the version's export slot: one local_copy per source device (its
+  boxes into arrays of their own, converted where the copies convert), concatenated
+  per pack of several boxes; the slot checked to still hold the version."""
+  m, export = version.manifest, version.export
+  per_device: dict[int, tuple[list, list, list, list]] = {}
+  for j, ops in enumerate(packs):
+    for op in ops:
+      boxes, outs, sources, where = per_device.setdefault(op.src, ([], [], [], []))
+      held = version.shards[(op.tensor, op.src)][0]
+      published = manifest_lib.dtype_of(m.leaves[op.tensor].dtype)
+      to = wire[op.tensor]
+      copies = to if to == published or schedule.fused_conversion(published, to) else (
+          published)
+      if (op.tensor, op.src) not in sources:
+        sources.append((op.tensor, op.src))
+      shape = pieces.shape_of(op.box)
+      boxes.append(local_copy_lib.Box(
+          len(outs), sources.index((op.tensor, op.src)), pieces.shape_of(held), published,
+          tuple(lo - h for (lo, _), (h, _) in zip(op.box, held)), (0,) * len(shape),
+          shape))
+      outs.append(local_copy_lib.Out(shape, copies))
+      where.append((j, to))
+  got: list[list[jax.Array]] = [[] for _ in packs]
+  with export.lock:
+    if export.slot_of(version.number) != version.slot:
+      raise VersionGone(f"Publisher: version {version.number} must still be held to be "
+                        "served; it was dropped meanwhile.")
+    for k, (boxes, outs, sources, where) in per_device.items():
+      arrays = local_copy_lib.local_copy(
+          version.devices[k], [export.pointer(t, k, version.slot) for t, _ in sources],
+          boxes, outs)
+      jax.block_until_ready(arrays)  # before the slot may be written again
+      for (j, to), a in zip(where, arrays):
+        got[j].append(a if a.dtype == to else pieces.converter(to)(a))
+  return [parts[0] if len(packs[j]) == 1 else pieces.flat_concatenate(len(parts))(*parts)
+          for j, parts in enumerate(got)]

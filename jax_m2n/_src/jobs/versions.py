@@ -24,7 +24,7 @@ from jax_m2n._src import checks
 from jax_m2n._src import jax_compat
 from jax_m2n._src import local_copy as local_copy_lib
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError, VersionGone
-from jax_m2n._src.jobs import exports, manifest as manifest_lib
+from jax_m2n._src.jobs import exports, manifest as manifest_lib, pieces
 from jax_m2n._src.layout import Box, Layout
 
 # Manifests kept per publisher (a training run publishes one layout set, a few at most).
@@ -66,7 +66,7 @@ class Version:
     converted = self.wire.setdefault(dtype, {})
     got = converted.get((t, k))
     if got is None:
-      got = converted[(t, k)] = _converter(np.dtype(dtype))(array)
+      got = converted[(t, k)] = pieces.converter(np.dtype(dtype))(array)
     return box, got
 
   def _materialize(self) -> None:
@@ -101,17 +101,13 @@ class Version:
           self.shards[(t, k)] = (self.shards[(t, k)][0], a)
 
 
-@functools.lru_cache(maxsize=64)
-def _converter(dtype: Any):
-  return jax.jit(lambda a: a.astype(dtype))
-
 
 def _snapshot(array: jax.Array, dtype: np.dtype) -> jax.Array:
   """A copy of one single-device array in `dtype`, never aliasing it (the trainer may
   donate or overwrite its arrays once publish returns)."""
   if array.dtype == dtype:
     return jax.device_put(array, may_alias=False)
-  return _converter(np.dtype(dtype))(array)
+  return pieces.converter(np.dtype(dtype))(array)
 
 
 @functools.lru_cache(maxsize=1024)  # a trainer publishes the same shardings each step
@@ -187,7 +183,7 @@ class Versions:
                           jax_compat.single_device_arrays(leaf)):
         k = index[dev.id]
         devices[k] = dev
-        arrays[(t, k)] = arr if arr.dtype == dt else _converter(np.dtype(dt))(arr)
+        arrays[(t, k)] = arr if arr.dtype == dt else pieces.converter(np.dtype(dt))(arr)
         nbytes += arrays[(t, k)].nbytes
     export = self._exports.get(m.id)
     if export is None and _export_is_snapshot(devices):

@@ -54,18 +54,22 @@ def transfer_host() -> str:
 
 
 class _Engine:
-  """This process's transfer server, its connections to peers, and its beat thread."""
+  """This process's transfer server, its connections to peers, and its beat thread.
+
+  The transfer server starts on first use (`server`): a process that only waits with
+  its job's peers (a multi-process Subscriber job, whose bytes cross jobs/' own
+  transport) opens no port of JAX's, whose wire format trusts its peers. Such a process
+  posts another address its peers may probe (`post_probe_address`)."""
 
   def __init__(self):
     self.pid = jax.process_index()
     self.kv = store.Store(kv_client(), jax_compat.distributed_coordinator_address())
-    self.server = transfer_server.start(transfer_host())
-    self.address = self.server.address()
-    self.kv.set(f"{PREFIX}/addr/{self.pid}", self.address)
+    self._server: Any = None
+    self._posted: str | None = None
     self.liveness = liveness.Liveness()
     self._addresses: dict[int, str] = {}
     self._connections: dict[int, Any] = {}
-    self._lock = threading.Lock()
+    self._lock = threading.RLock()
     self._stop = threading.Event()
     self._beats = 0
     self._cleanups: list[Callable[[], None]] = []
@@ -74,6 +78,29 @@ class _Engine:
                                     daemon=True)
     self._thread.start()
     atexit.register(self.leave)
+
+  @property
+  def server(self) -> Any:
+    """This process's transfer server, started (and its address posted) on first use."""
+    with self._lock:
+      if self._server is None:
+        self._server = transfer_server.start(transfer_host())
+        self._posted = self._server.address()
+        self.kv.set(f"{PREFIX}/addr/{self.pid}", self._posted)
+      return self._server
+
+  @property
+  def address(self) -> str:
+    return self.server.address()
+
+  def post_probe_address(self, address: str) -> None:
+    """Posts `address` (a port of this process that its kernel answers: a jobs
+    transport's) as the one peers probe when this process falls silent, unless the
+    transfer server's is posted already."""
+    with self._lock:
+      if self._posted is None:
+        self._posted = address
+        self.kv.set(f"{PREFIX}/addr/{self.pid}", address)
 
   def _beat(self) -> None:
     self._beats += 1

@@ -85,7 +85,7 @@ class CrossProcessReshard:
     self.local_dst = [list(jax_compat.addressable_device_assignment(d)) for d in self.dsts]
     self.src_index = [{d.id: i for i, d in enumerate(
         jax_compat.addressable_device_assignment(s))} for s in self.srcs]
-    bootstrap.engine()  # every process of the job serves (peers pull from it)
+    bootstrap.engine().server  # every process of the job serves (peers pull from it)
     if logger.isEnabledFor(logging.DEBUG):
       logger.debug("reshard: %d of the planned bytes cross processes %s (transfer "
                    "server)", self.network_bytes, self.participants)
