@@ -86,6 +86,54 @@ def test_members_in_one_process_relay_bitwise_with_one_copy_from_the_trainer(
                  "offered_chunk_bytes": one_copy}, got
 
 
+def test_a_lying_member_is_caught_and_its_child_gets_the_right_bytes(published,
+                                                                    monkeypatch):
+  # The first member flips a byte of every chunk it forwards: the second checks each
+  # against the publisher's digest, takes the rest from the trainer, and returns the
+  # published values bitwise (never what the liar sent).
+  _, host = published
+  pub = jax_m2n.Publisher(token=TOKEN, keep=2)  # its own: the module's keeps version 1
+  gen = Mesh(np.array(jax.devices()[4:]), ("y",))
+  dst = {"w": NamedSharding(gen, P(None, "y")), "n": NamedSharding(gen, P("y"))}
+  liar = jax_m2n.Subscriber(pub.address, token=TOKEN, relay=True)
+  honest = jax_m2n.Subscriber(pub.address, token=TOKEN, relay=True)
+  for s in (liar, honest):
+    s._state.relay.chunk_bytes = 4096
+  init = relay._Forwarder.__init__
+
+  def lying(self, member, v, transport, timeout_s):
+    if member is not liar._state.relay:
+      return init(self, member, v, transport, timeout_s)
+
+    class Flipping:
+      def offer(self_, arrays, *a, **k):
+        bad = [jnp.asarray(np.asarray(x).reshape(-1).view(np.uint8) ^ np.uint8(1)).view(
+            x.dtype).reshape(x.shape) for x in arrays]
+        return transport.offer([jax.device_put(b, x.devices().pop())
+                                for b, x in zip(bad, arrays)], *a, **k)
+
+      def __getattr__(self_, name):
+        return getattr(transport, name)
+    init(self, member, v, Flipping(), timeout_s)
+  monkeypatch.setattr(relay._Forwarder, "__init__", lying)
+  version = pub.publish({"w": jax.device_put(host["w"] * 2, NamedSharding(
+      Mesh(np.array(jax.devices()[:4]), ("x",)), P("x"))), "n": jax.device_put(
+          host["n"], NamedSharding(Mesh(np.array(jax.devices()[:4]), ("x",)),
+                                   P(None, "x")))})
+  before = dict(relay.stats)
+  try:
+    liar.pull(dst, version=version, timeout_s=60, path="network")
+    out = honest.pull(dst, version=version, timeout_s=60, path="network")
+  finally:
+    liar.close()
+    honest.close()
+    pub.close()
+  np.testing.assert_array_equal(_bits(out["w"]), _bits(host["w"] * 2))
+  np.testing.assert_array_equal(_bits(out["n"]), _bits(host["n"]))
+  assert relay.stats["bad_chunks"] > before.get("bad_chunks", 0)
+  assert relay.stats["reroutes"] == before.get("reroutes", 0) + 1
+
+
 def test_an_upstream_dead_before_the_pull_connects_is_passed_over_at_once(published):
   # A pull from an address nothing listens on would wait forever (the transfer
   # server's behaviour): the member finds its upstream gone before pulling and takes
@@ -133,11 +181,11 @@ def _call(pub, body):
 @pytest.mark.parametrize("body", [
     {"op": "relay_join"},
     {"op": "relay_join", "version": 1, "group": "g" * 33, "member": "m",
-     "transfer": "x", "fanout": 1},
-    {"op": "relay_join", "version": 1, "group": "g", "member": "m", "transfer": "x",
+     "address": "x", "fanout": 1},
+    {"op": "relay_join", "version": 1, "group": "g", "member": "m", "address": "x",
      "fanout": 99},
     {"op": "relay_join", "version": 1 << 63, "group": "g", "member": "m",
-     "transfer": "x", "fanout": 1},
+     "address": "x", "fanout": 1},
     {"op": "relay_children", "version": 1, "group": "g", "member": "nobody",
      "known": 0, "wait_ms": 0},
     {"op": "relay_reroute", "version": 1, "group": "g", "member": "nobody",

@@ -98,9 +98,30 @@ def _slicer(size: int):
   return jax.jit(lambda a, s: lax.dynamic_slice_in_dim(a.reshape(-1), s, size))
 
 
+def digest(array: jax.Array) -> str:
+  """A chunk's digest (BLAKE2b, 128 bits, hex) over its bytes on the host (on CPU its
+  buffer itself; on GPUs a device-to-host copy): what a member checks each chunk it got
+  from another member against (the publisher's, `chunk_digests`)."""
+  return hashlib.blake2b(np.ascontiguousarray(np.asarray(array)).view(np.uint8),
+                         digest_size=16).hexdigest()
+
+
 # ---------------------------------------------------------------------------------------
 # The trainer's side
 # ---------------------------------------------------------------------------------------
+
+def chunk_digests(groups: list[list[jax.Array]], body: dict[str, Any]) -> dict[str, Any]:
+  """The digest of every chunk of a pieces request's packs (as `offer_chunks` cuts
+  them), in order: {"digests": [...]}. A member gets them from the publisher, never
+  from another member, so a lying member cannot make its child accept what it sent."""
+  chunk_bytes = messages.field(body, "chunk_bytes", int, lo=MIN_CHUNK_BYTES,
+                               hi=MAX_CHUNK_BYTES)
+  arrays = [np.asarray(a).reshape(-1) for group in groups for a in group]
+  table = chunks_of([(a.shape, a.dtype) for a in arrays], chunk_bytes)
+  return {"digests": [hashlib.blake2b(arrays[a][start:start + size].view(np.uint8),
+                                      digest_size=16).hexdigest()
+                      for a, start, size in table]}
+
 
 def offer_chunks(offer: Callable[[list[jax.Array]], int], groups: list[list[jax.Array]],
                  body: dict[str, Any]) -> dict[str, Any]:
@@ -182,6 +203,10 @@ class _Version:
     self.order = [(k, j) for k in sorted(self.table) for j in range(len(self.table[k]))]
     self.fetches: dict[tuple[int, int], Pending] = {}
     self.sources: dict[tuple[int, int], str] = {}  # "trainer" or "peers"
+    # The publisher's digest of each chunk (where it came from a member) and the
+    # chunks checked: only those are used and forwarded.
+    self.digests: dict[tuple[int, int], str] = {}
+    self.good: set[tuple[int, int]] = set()
     self.lock = threading.Lock()
     self.stop = threading.Event()
 
@@ -193,6 +218,17 @@ class _Version:
     with self.lock:
       self.fetches[kj] = fetch
       self.sources[kj] = source
+      self.good.discard(kj)
+
+  def check(self, kj: tuple[int, int]) -> bool:
+    """Whether chunk kj (arrived) is what the publisher offered: its digest where it
+    came from a member (a chunk from the trainer is its own). Checked ones are `good`."""
+    if self.sources[kj] == "peers" and digest(self.array(kj)) != self.digests[kj]:
+      stats["bad_chunks"] += 1
+      return False
+    with self.lock:
+      self.good.add(kj)
+    return True
 
   def array(self, kj: tuple[int, int]) -> jax.Array:
     """Chunk kj, arrived (`_state` said "ok")."""
@@ -270,6 +306,7 @@ class Member:
     try:
       if upstream is not None:
         try:
+          self._digests(pull, v, answer_s)
           if not _listening(upstream[1]):
             raise ReshardRuntimeError("nothing listens there (it died)")
           for k, j in v.order:  # all at once: each waits until the upstream offers it
@@ -307,6 +344,23 @@ class Member:
         v.put((k, j), pull.transport.fetch(link.address, ticket,
                                            [v.chunk_specs[k][j]]), "trainer")
 
+  def _digests(self, pull: Pull, v: _Version, answer_s: float) -> None:
+    """The publisher's digest of every chunk this member will get from another member
+    (one request to each trainer process, sent together)."""
+    opened = []
+    for k in sorted(v.table):
+      link = pull.links[k]
+      body = dict(engine.pieces_body(pull.plan, k, v.version, pull.timeout_s),
+                  op="digests", chunk_bytes=self.chunk_bytes)
+      opened.append((k, link, link.client.start(body, "the chunks' digests")))
+    for k, link, seq in opened:
+      got = link.client.finish(seq, answer_s, "the chunks' digests").get("digests")
+      if not isinstance(got, list) or len(got) != len(v.table[k]) or not all(
+          isinstance(d, str) and len(d) == 32 for d in got):
+        raise ReshardRuntimeError(f"{self.api}: {link.name} answered the digests request "
+                                  "with a malformed list.")
+      v.digests.update(((k, j), d) for j, d in enumerate(got))
+
   def _reroute(self, root: channel.Client, pull: Pull, v: _Version, up_id: str,
                missing: list[tuple[int, int]], answer_s: float) -> None:
     """The upstream died or stalled: the coordinator learns it (no one else is given
@@ -332,6 +386,12 @@ class Member:
         state = _state(v.get(kj))
         if state != "ok":
           failed = state == "failed"
+          break
+        if not v.check(kj):  # not what the publisher offered: the upstream lies
+          logger.warning("jax_m2n relay: version %d: chunk %s from member %s does not "
+                         "match the publisher's digest; the rest comes from the "
+                         "trainer", v.version, kj, upstream[0] if upstream else "?")
+          failed = True
           break
         ready.add(kj)
         progressed = True
@@ -408,8 +468,8 @@ class _Forwarder(threading.Thread):
           n = offered.get(slot, 0)
           while n < len(v.order):
             k, j = v.order[n]
-            if _state(v.get((k, j))) != "ok":
-              break  # not arrived yet (or being fetched again after a re-route)
+            if (k, j) not in v.good:
+              break  # not arrived and checked yet (or fetched again after a re-route)
             self._transport.offer([v.array((k, j))], self._timeout_s,
                                   ticket=chunk_ticket(v.salt, self._member.id, slot, k, j))
             n += 1

@@ -92,7 +92,7 @@ class Service:
         caller.reply({"manifest": found.to_json()})
     elif op == "register":
       self._work.submit(self._off_thread, caller, lambda: self._register(caller, body))
-    elif op in ("pieces", "delta", "pull"):
+    elif op in ("pieces", "delta", "pull", "digests"):
       messages.field(body, "version", int, lo=1, hi=1 << 62)
       if op == "delta":  # the version the subscriber holds (0: none)
         messages.field(body, "base", int, lo=0, hi=1 << 62)
@@ -108,7 +108,8 @@ class Service:
       self._relay.handle(caller, body)
     else:
       raise ProtocolError(f"call: op must be versions, manifest, register, pull, "
-                          f"pieces, delta, local or relay_*; got {messages._short(op)}.")
+                          f"pieces, digests, delta, local or relay_*; got "
+                          f"{messages._short(op)}.")
     self.tick()
 
   def _register(self, caller: channel.Caller, body: dict[str, Any]) -> dict[str, Any]:
@@ -230,6 +231,10 @@ class Service:
                          self._transport)
     if body["op"] == "pull":
       return self._pull(caller, version, body)
+    if body["op"] == "digests":  # a relay member's check of what members send it
+      wire = manifest_lib.wire_field(body, "digests", len(version.manifest.leaves))
+      return relay.chunk_digests([cut(version, ops, wire) for ops in self._groups(
+          version, body.get("groups"), wire)], body)
     return self._pieces(version, body)
 
   def _pull(self, caller: channel.Caller, version: Version, body: dict[str, Any]
