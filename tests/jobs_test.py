@@ -144,6 +144,9 @@ def test_a_closed_publisher_fails_a_waiting_pull_at_once(jobs):
   jobs.start("trainer", 1, "close")
   g = jobs.start("generator", 1, "close")
   jobs.wait(g, 120)
+  deadline = time.monotonic() + 30  # the trainer reports once its close() returned
+  while not jobs.results("closed") and time.monotonic() < deadline:
+    time.sleep(0.05)
   closed = jobs.results("closed")
   assert closed, jobs.logs()
   seconds, line = _failed_within(jobs, float(closed[0][1]["at"]))

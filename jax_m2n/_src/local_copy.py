@@ -168,7 +168,8 @@ def local_copy(device: jax.Device, pointers, boxes: Sequence[Box],
     >>> np.asarray(out)[1].tolist()
     [8.0, 9.0, 10.0, 11.0]
   """
-  return copier(device, boxes, outs, len(pointers))(pointers)
+  table = _pointer_table(pointers, "local_copy", device.platform)  # checked first
+  return copier(device, boxes, outs, int(table.size))(table)
 
 
 def copier(device: jax.Device, boxes: Sequence[Box], outs: Sequence[Out],

@@ -184,7 +184,7 @@ def run(pull: Pull, base_version: int, base: list[jax.Array], donate: bool,
   plan (each box once, however many local replicas hold it) encoded against
   `base_version`, fetches them, and applies them to `base` (the previous result, in the
   same dst layouts and dtypes): in place where `donate`, else to copies. Returns per
-  leaf its local destination shards (in `pull.plan.local_dst` order)."""
+  leaf its local destination shards (in the plan's `local_dst` order)."""
   pp, number, links = pull.plan, pull.number, pull.links
   devices = {d.id: d for d in jax.local_devices()}
   # Each box once per process, from the first publisher device the flat plan reads it

@@ -198,7 +198,7 @@ _ADDRESSES: dict[tuple[int, int], Any] = {}
 def run(pull: Pull, imports: dict[int, Import]) -> list[list[jax.Array]]:
   """A local pull: per destination device one local_copy from the publisher
   processes' slots of `pull.number`; returns per leaf its local destination shards (in
-  `pull.plan.local_dst` order).
+  the plan's `local_dst` order).
 
   Raises:
     VersionGone: a slot was reused for a newer version before the copies finished.

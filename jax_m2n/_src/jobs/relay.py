@@ -446,7 +446,7 @@ class Member:
 class _Forwarder(threading.Thread):
   """The forwarding thread of one version on a member: offers each chunk, once it has
   arrived, to each child (in order), until every child there will be has every chunk.
-  The children come from `_children`, a thread of its own: a control call never holds
+  The children come from `_poll_children`, a thread of its own: a control call never holds
   up an offer (the calls cross the same links as the chunks)."""
 
   def __init__(self, member: Member, v: _Version, transport: Any, timeout_s: float):

@@ -48,7 +48,7 @@ class CurveKeys:
   proving the secret behind `server_public`. Every process of both jobs holds the same
   four keys (e.g. derived from the shared token: `from_secrets`). Each key is 40 z85
   characters or 32 raw bytes; they are kept as z85 bytes. Hashable: equal keys share
-  one transport in `transport.acquire`.
+  one transport in `transports.acquire`.
 
   Example:
     >>> keys = CurveKeys.generate()
