@@ -31,6 +31,10 @@ VERSION = 1
 # bytes at once from addresses they only learn on the device (cudaMalloc and IPC
 # mappings are 256-byte aligned; place shards at multiples of 256 bytes).
 CUDA_POINTER_ALIGN = 32
+# A compiled program fills at most this many outputs: XLA's compile time of one custom
+# call grows faster than its outputs (CPU, measured: 1,024 outputs 0.19 s, 4,096 2.2 s),
+# so a 20,000-leaf pytree is copied by programs of this many, linear in the leaves.
+PROGRAM_OUTPUTS = 256
 # Element sizes of the dtypes copied as opaque bytes (bool .. complex128).
 _ELEM_BYTES = (1, 2, 4, 8, 16)
 
@@ -192,7 +196,16 @@ def copier(device: jax.Device, boxes: Sequence[Box], outs: Sequence[Out],
   except TypeError:  # lists among a box's fields: the cache key needs tuples
     boxes = tuple(Box(*(tuple(int(v) for v in f) if isinstance(f, (list, np.ndarray))
                         else f for f in box)) for box in boxes)
-  program = _program(boxes, outs, int(n_slots), device.platform)
+  for i, box in enumerate(boxes):
+    if not isinstance(box, Box):
+      raise ReshardTypeError(f"local_copy: boxes must be local_copy.Box; got "
+                             f"{type(box).__name__} at {i}.")
+  programs = []  # at most PROGRAM_OUTPUTS outputs each (XLA's compile time)
+  for first in range(0, max(len(outs), 1), PROGRAM_OUTPUTS):
+    last = first + PROGRAM_OUTPUTS
+    programs.append(_program(
+        tuple(b._replace(out=b.out - first) for b in boxes if first <= b.out < last),
+        outs[first:last], int(n_slots), device.platform))
 
   def copy(pointers: Sequence[int]) -> list[jax.Array]:
     table = _pointer_table(pointers, "local_copy", device.platform)
@@ -200,7 +213,8 @@ def copier(device: jax.Device, boxes: Sequence[Box], outs: Sequence[Out],
       raise ReshardValueError(f"local_copy: pointers must have {n_slots} entries (the "
                               f"schedule's slots); got {table.size}.")
     try:
-      return list(program(jax.device_put(table.view(np.uint32), device)))
+      on_device = jax.device_put(table.view(np.uint32), device)
+      return [a for program in programs for a in program(on_device)]
     except jax.errors.JaxRuntimeError as e:
       raise ReshardRuntimeError(f"local_copy: the native call failed on {device}: "
                                 f"{e}") from e

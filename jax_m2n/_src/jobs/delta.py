@@ -222,7 +222,8 @@ def run(pull: Pull, base_version: int, base: list[jax.Array], donate: bool,
                                   "arrays; got no ticket.")
       sharding = jax.sharding.SingleDeviceSharding(landing)
       pulled.append((links[k].name, pull.transport.fetch(links[k].address, ticket, [
-          jax.ShapeDtypeStruct((n,), d, sharding=sharding) for d, n in specs if n])))
+          jax.ShapeDtypeStruct((n,), d, sharding=sharding) for d, n in specs if n],
+          timeout_s=pull.timeout_s)))
     replies[k] = (streams, fetched)
   got = iter(wait_arrived(pull, pulled, f"the delta of version {number}"))
   replies = {k: (streams, next(got) if fetched else [])

@@ -135,7 +135,7 @@ def run(pull: Pull, tickets: dict[int, list[int]] | None,
         packs = pp.packs_of(ops)
         fetch = Arrived(next(pulled[k])) if pulled is not None else transport.fetch(
             pull.links[k].address, next(offers[k]),
-            [pack_spec(pp, pack, devices) for pack in packs])
+            [pack_spec(pp, pack, devices) for pack in packs], timeout_s=pull.timeout_s)
         arrived.setdefault(wave.depth, []).append((pull.links[k].name, packs, fetch))
   if confirm is not None:
     confirm()
@@ -155,7 +155,8 @@ def run(pull: Pull, tickets: dict[int, list[int]] | None,
       pull.waits.gather(f"w{w}", [peer], f"process {peer}'s forwards (wave {w})")
       pending.append((f"process {peer} of this job", [[op] for op in ops],
                       transport.fetch(pull.peers[peer], peer_ticket(pull.salt, w, peer, me),
-                                      [pack_spec(pp, [op], devices) for op in ops])))
+                                      [pack_spec(pp, [op], devices) for op in ops],
+                                      timeout_s=pull.timeout_s)))
     if not pending:
       continue
     got = wait_arrived(pull, [(name, fetch) for name, _, fetch in pending],

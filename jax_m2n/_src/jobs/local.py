@@ -148,8 +148,8 @@ def _copies(pp: PullPlan) -> dict[int, tuple[list[tuple[int, int]],
       x = tr[i]
       if x.dst not in local or x.dst_kind != DST_SHARD:
         continue
-      outputs, sources, boxes, outs, index = per_device.setdefault(
-          x.dst, ([], [], [], [], {}))
+      outputs, sources, boxes, outs, index, slot_of = per_device.setdefault(
+          x.dst, ([], [], [], [], {}, {}))
       dbox = tp.dst.box_of(x.dst)
       if t not in index:
         index[t] = len(outputs)
@@ -157,18 +157,19 @@ def _copies(pp: PullPlan) -> dict[int, tuple[list[tuple[int, int]],
         outs.append(local_copy_lib.Out(tuple(hi - lo for lo, hi in dbox), delivered))
       source = (pp.process_of[x.src] - PUBLISHER_PROCESS_BASE, t,
                 x.src - PUBLISHER_DEVICE_BASE)
-      if source not in sources:
+      if source not in slot_of:
+        slot_of[source] = len(sources)
         sources.append(source)
       sbox = tp.src.box_of(x.src)
       boxes.append(local_copy_lib.Box(
-          index[t], sources.index(source), tuple(hi - lo for lo, hi in sbox), published,
+          index[t], slot_of[source], tuple(hi - lo for lo, hi in sbox), published,
           tuple(lo - s for (lo, _), (s, _) in zip(x.box, sbox)),
           tuple(lo - d for (lo, _), (d, _) in zip(x.box, dbox)),
           tuple(hi - lo for lo, hi in x.box)))
   devices = {d.id: d for d in jax.local_devices()}
   return {d: (outputs, sources, local_copy_lib.copier(devices[d], boxes, outs,
                                                        len(sources)))
-          for d, (outputs, sources, boxes, outs, _) in per_device.items()}
+          for d, (outputs, sources, boxes, outs, _, _) in per_device.items()}
 
 
 def _addresses(pp: PullPlan, d: int, sources, imports: dict[int, Import], device: Any

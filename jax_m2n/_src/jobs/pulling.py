@@ -37,8 +37,14 @@ logger = logging.getLogger("jax_m2n")
 POLL_S = 0.5
 ANSWER_S = 1.0
 # A control request that is not a long poll (manifests, pieces) must be answered within
-# this long (a pieces request waits for a lagging trainer process to publish).
+# this long (a pieces request waits for a lagging trainer process to publish), or the
+# pull's timeout_s where longer: the publisher's answer to a pull cuts its pieces, which
+# for a first pull of a large model includes compiling (minutes for 20,000 leaves).
 REQUEST_S = 60.0
+
+
+def _answer_s(p: Pull) -> float:
+  return max(REQUEST_S, p.timeout_s)
 MAX_MANIFESTS = 16
 
 
@@ -215,12 +221,12 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
       state.path = "local"
     elif base is not None:  # a delta pull (delta.py): pulled directly, never relayed
       in_place = {id(a) for a in request.donated} >= {id(a) for a in base}
-      shards = delta_lib.run(p, base_version, base, in_place, REQUEST_S)
+      shards = delta_lib.run(p, base_version, base, in_place, _answer_s(p))
       state.path = "network"
     else:
       pulled = None
       if state.relay is not None and p.links:
-        pulled = state.relay.receive(conn.root(), p, REQUEST_S)
+        pulled = state.relay.receive(conn.root(), p, _answer_s(p))
       shards = _full(p, pulled)
       state.path = "network"
   except VersionGone:
@@ -241,8 +247,8 @@ def _full(p: Pull, pulled: Any) -> list[list[jax.Array]]:
     return engine.run(p, None, pulled)
   for attempt in range(2):
     try:
-      tickets, opened = engine.request(p, REQUEST_S)
-      confirm = lambda: engine.confirm(p, opened, REQUEST_S)  # noqa: E731
+      tickets, opened = engine.request(p, _answer_s(p))
+      confirm = lambda: engine.confirm(p, opened, _answer_s(p))  # noqa: E731
       if not p.transport.early_fetch:
         confirm = confirm()  # the offers first, then the fetches
       return engine.run(p, tickets, None, confirm)
@@ -277,7 +283,7 @@ def _imports(state: State, p: Pull, m: manifest_lib.Manifest
   for k, link in p.links.items():
     imp = state.imports.get((k, m.id))
     if imp is None:
-      reply = link.client.call(local.describe_request(m.id), REQUEST_S,
+      reply = link.client.call(local.describe_request(m.id), _answer_s(p),
                                "the local export")
       if not reply.get("local"):
         if p.options.path == "local":

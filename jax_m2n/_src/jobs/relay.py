@@ -312,7 +312,7 @@ class Member:
           for k, j in v.order:  # all at once: each waits until the upstream offers it
             v.put((k, j), pull.transport.fetch(upstream[1], chunk_ticket(
                 v.salt, upstream[0], int(reply.get("slot", 0)), k, j),
-                [v.chunk_specs[k][j]]), "peers")
+                [v.chunk_specs[k][j]], timeout_s=pull.timeout_s), "peers")
         except Exception as e:  # noqa: BLE001 - an unreachable upstream: re-route now
           logger.info("jax_m2n relay: version %d: upstream %s unreachable: %s",
                       pull.number, upstream[1], e)
@@ -341,8 +341,8 @@ class Member:
       reply = link.client.call(body, answer_s, f"the chunks of version {v.version}")
       for j, ticket in zip(js, engine.tickets_of(reply, len(js), link.name,
                                                  "the chunks request")):
-        v.put((k, j), pull.transport.fetch(link.address, ticket,
-                                           [v.chunk_specs[k][j]]), "trainer")
+        v.put((k, j), pull.transport.fetch(link.address, ticket, [v.chunk_specs[k][j]],
+                                           timeout_s=pull.timeout_s), "trainer")
 
   def _digests(self, pull: Pull, v: _Version, answer_s: float) -> None:
     """The publisher's digest of every chunk this member will get from another member

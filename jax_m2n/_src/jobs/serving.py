@@ -344,17 +344,19 @@ def _cut_export(version: Version, packs: list[list[transfer_engine.Op]],
   per_device: dict[int, tuple[list, list, list, list]] = {}
   for j, ops in enumerate(packs):
     for op in ops:
-      boxes, outs, sources, where = per_device.setdefault(op.src, ([], [], [], []))
+      boxes, outs, sources, where, slot_of = per_device.setdefault(
+          op.src, ([], [], [], [], {}))
       held = version.shards[(op.tensor, op.src)][0]
       published = manifest_lib.dtype_of(m.leaves[op.tensor].dtype)
       to = wire[op.tensor]
       copies = to if to == published or schedule.fused_conversion(published, to) else (
           published)
-      if (op.tensor, op.src) not in sources:
+      if (op.tensor, op.src) not in slot_of:
+        slot_of[(op.tensor, op.src)] = len(sources)
         sources.append((op.tensor, op.src))
       shape = pieces.shape_of(op.box)
       boxes.append(local_copy_lib.Box(
-          len(outs), sources.index((op.tensor, op.src)), pieces.shape_of(held), published,
+          len(outs), slot_of[(op.tensor, op.src)], pieces.shape_of(held), published,
           tuple(lo - h for (lo, _), (h, _) in zip(op.box, held)), (0,) * len(shape),
           shape))
       outs.append(local_copy_lib.Out(shape, copies))
@@ -364,7 +366,7 @@ def _cut_export(version: Version, packs: list[list[transfer_engine.Op]],
     if export.slot_of(version.number) != version.slot:
       raise VersionGone(f"Publisher: version {version.number} must still be held to be "
                         "served; it was dropped meanwhile.")
-    for k, (boxes, outs, sources, where) in per_device.items():
+    for k, (boxes, outs, sources, where, _) in per_device.items():
       arrays = local_copy_lib.local_copy(
           version.devices[k], [export.pointer(t, k, version.slot) for t, _ in sources],
           boxes, outs)
