@@ -281,6 +281,7 @@ class Member:
     self.chunk_bytes = chunk_bytes
     self.fanout = fanout
     self._versions: list[tuple[_Forwarder, _Version]] = []
+    self.upstream: str | None = None  # whom the last pull was told to pull from
 
   def receive(self, root: channel.Client, pull: Pull, answer_s: float
               ) -> dict[int, Any] | None:
@@ -297,6 +298,7 @@ class Member:
     if reply.get("direct"):
       return None
     upstream = _upstream_of(self.api, reply)
+    self.upstream = "the trainer" if upstream is None else upstream[1]
     logger.info("jax_m2n relay: version %d: member %s pulls from %s", pull.number,
                 self.id, "the trainer" if upstream is None else upstream)
     v = _Version(pull.plan, pull.number, key, str(reply.get("salt")), self.chunk_bytes)
