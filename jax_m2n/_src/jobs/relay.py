@@ -316,8 +316,8 @@ class Member:
                 v.salt, upstream[0], int(reply.get("slot", 0)), k, j),
                 [v.chunk_specs[k][j]]), "peers")
         except Exception as e:  # noqa: BLE001 - an unreachable upstream: re-route now
-          logger.info("jax_m2n relay: version %d: upstream %s unreachable: %s",
-                      pull.number, upstream[1], e)
+          logger.warning("jax_m2n relay: version %d: upstream %s unreachable: %s",
+                         pull.number, upstream[1], e)
           self._reroute(root, pull, v, upstream[0], v.order, answer_s)
           upstream = None
       else:
@@ -410,9 +410,9 @@ class Member:
         probed = now
         gone = not _listening(upstream[1])
       if failed or gone or (upstream is not None and now - last > STALL_S):
-        logger.info("jax_m2n relay: version %d: upstream %s %s; the rest comes from "
-                    "the trainer", v.version, upstream[1],
-                    "failed" if failed else "is gone" if gone else "stalled")
+        logger.warning("jax_m2n relay: version %d: upstream %s %s; the rest comes from "
+                       "the trainer", v.version, upstream[1],
+                       "failed" if failed else "is gone" if gone else "stalled")
         self._reroute(root, pull, v, upstream[0],
                       [kj for kj in v.order if kj not in ready], answer_s)
         upstream, last = None, time.monotonic()
@@ -483,7 +483,7 @@ class _Forwarder(threading.Thread):
         if not progressed:
           time.sleep(1e-3)
     except Exception as e:  # noqa: BLE001 - the transport closed: children re-route
-      logger.info("jax_m2n relay: version %d: forwarding ended: %s", v.version, e)
+      logger.warning("jax_m2n relay: version %d: forwarding ended: %s", v.version, e)
     finally:
       v.stop.set()
 
