@@ -327,7 +327,7 @@ def test_one_log_line_per_version_and_pull_a_warning_per_failure_nothing_printed
   assert capsys.readouterr() == ("", "")
   assert [(n, l) for n, l, _ in got] == [("jax_m2n", "INFO"), ("jax_m2n", "INFO"),
                                          ("jax_m2n", "WARNING")], got
-  assert got[0][2] == "Publisher: version 1 published: 2 leaves, 640 bytes held here"
+  assert got[0][2] == "Publisher: version 1 published: 2 leaves, 640 B held here"
   assert re.fullmatch(r"Subscriber\.pull: version 1 by network \(hierarchical route\): "
                       r"576 B, 576 B received, [0-9.]+ s \(wait [0-9.]+, plan [0-9.]+, "
                       r"move [0-9.]+, compose [0-9.]+\)", got[1][2]), got[1][2]

@@ -23,6 +23,7 @@ from jax_m2n._src.jobs import auth, channel, exports, metrics as metrics_lib, re
 from jax_m2n._src.jobs import serving, transports
 from jax_m2n._src.jobs.counters import Counters
 from jax_m2n._src.jobs.versions import Versions, check_published
+from jax_m2n._src.planner.plan import fmt_bytes
 
 logger = logging.getLogger("jax_m2n")
 _API = "Publisher"
@@ -67,6 +68,8 @@ class Publisher:
     >>> w = jax.device_put(np.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("x")))
     >>> pub.publish({"w": w})
     1
+    >>> s = pub.stats(); s.last_version, s.held_bytes, s.subscribers
+    (1, 128, 0)
     >>> pub.close()
   """
 
@@ -161,8 +164,8 @@ class Publisher:
     version = self._versions.add(tree, paths, leaves, dtypes, self._processes)
     self._server.wake()  # answers the waiting long polls at once
     self._counters.published(version.number)
-    logger.info("Publisher: version %d published: %d leaves, %d bytes held here",
-                version.number, len(leaves), version.nbytes)
+    logger.info("Publisher: version %d published: %d leaves, %s held here",
+                version.number, len(leaves), fmt_bytes(version.nbytes))
     return version.number
 
   def stats(self) -> records.PublisherStats:

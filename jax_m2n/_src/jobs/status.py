@@ -73,10 +73,10 @@ def summary(reply: dict[str, Any]) -> str:
     lines.append(f"  version {v['version']}: {fmt_bytes(v['bytes'])}, published "
                  f"{_ago(now, v['published_at'])}, {fmt_bytes(v['offered_bytes'])} "
                  "offered")
-  lines.append(f"subscribers: {s['subscribers']} connected (heard from within "
-               f"{s['window_s']:g} s)")
+  lines.append(f"subscribers: {s['subscribers']} connections heard from within "
+               f"{s['window_s']:g} s (a relaying subscriber holds two)")
   for p in s["peers"]:
-    lines.append(f"  {p['peer']}: version {p['version']}, last {p['last_op']} "
+    lines.append(f"  {p['peer']}: version {p['version']}, last call {p['last_op']} "
                  f"{p['seen_s_ago']:.1f} s ago, {p['calls']} calls")
   served = "?" if s["served_bytes"] is None else fmt_bytes(s["served_bytes"])
   data = {op: n for op, n in s["answered"].items() if op in DATA_OPS}

@@ -60,6 +60,8 @@ class Subscriber:
     >>> out = sub.pull(NamedSharding(gen, P(None, "y")), dtype=jnp.bfloat16)
     >>> sub.version, out["w"].dtype, out["w"].sharding.spec == P(None, "y")
     (1, dtype(bfloat16), True)
+    >>> sub.last_pull.path, sub.last_pull.result_bytes   # read from the trainer's memory
+    ('local', 64)
     >>> sub.close(); pub.close()
   """
 
