@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_m2n
 from jax_m2n._src import cli
 from jax_m2n._src.jobs import channel, delta, records
+from jobs_faults import pass_over
 
 TOKEN = "operate-test-token-0123456789"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,14 +131,9 @@ def test_a_relayed_pull_records_its_parent_and_the_status_shows_the_tree(meshes)
       assert first.last_pull.path == "relay"
       assert first.last_pull.relay_parent == "the trainer"
       assert first.last_pull.wire_bytes == 8 * 16 * 4 + 16 * 4  # all from the trainer
-      # The first member "dies": its address in the coordinator's record points at a
-      # closed port, so the second passes it over and pulls from the trainer.
-      with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = f"127.0.0.1:{s.getsockname()[1]}"
-      for (v, _), r in pub._service._relay._relays.items():
-        if v == version:
-          r.members[first._state.relay.id].address = closed
+      # The first member "dies" (its recorded address is a closed port): the second
+      # passes it over and pulls from the trainer.
+      closed = pass_over(pub, version, first._state.relay.id)
       second.pull(dst, version=version, path="network")
       r = second.last_pull
       assert (r.path, r.relay_parent, r.retries) == ("relay", closed, ("relay re-route",))
