@@ -51,6 +51,15 @@ limits: meshes of at most 2**20 devices, device ids at most 2**31-1, dims below 
 
 exit status: 0 ok; 2 bad input or a plan over the limits (one line on stderr)."""
 
+JOBS_STATUS_USAGE = ("JAX_M2N_TOKEN=... python -m jax_m2n jobs status HOST:PORT "
+                     "[--token-file PATH] [--timeout S] [--json]")
+JOBS_STATUS_EPILOG = """token: from --token-file PATH (its content, surrounding whitespace
+  dropped), else the environment variable JAX_M2N_TOKEN; never an argument (argv is
+  public).
+
+exit status: 0 ok; 1 no answer (nothing listens, or the publisher stalled); 2 bad
+  input (usage, no token, a malformed address, a wrong token), one line on stderr."""
+
 # Bandwidths outside this range are typos (and 1e-320 GB/s would price a byte at
 # infinity, which JSON cannot carry).
 MIN_GBPS, MAX_GBPS = 1e-3, 1e6
@@ -149,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="debug log of the logger 'jax_m2n' on stderr (what was planned)")
   jobs = sub.add_parser("jobs", help="weight sync between separate jobs "
                         "(Publisher / Subscriber)").add_subparsers(
-      dest="jobs_command", required=True, parser_class=_Parser)
+      dest="jobs_command", metavar="status", required=True, parser_class=_Parser)
   s = jobs.add_parser("status", usage=JOBS_STATUS_USAGE, allow_abbrev=False,
                       help="ask a running Publisher how it is",
                       description="Asks a running Publisher (its process 0) for its "
@@ -158,8 +167,10 @@ def _parser() -> argparse.ArgumentParser:
                       epilog=JOBS_STATUS_EPILOG,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
   s.add_argument("address", help="the Publisher's address, host:port")
-  s.add_argument("--token-file", help="a file holding the token (else $JAX_M2N_TOKEN)")
+  s.add_argument("--token-file", metavar="PATH",
+                 help="a file holding the token (else $JAX_M2N_TOKEN)")
   s.add_argument("--timeout", type=_number("--timeout", float, 0.0), default=10.0,
+                 metavar="S",
                  help="seconds to wait for the handshake and the answer (default 10)")
   s.add_argument("--json", action="store_true",
                  help="the answer as one JSON object on stdout")
@@ -235,15 +246,6 @@ def _plan_command(args) -> int:
     print(f"  {x.stage:>7} {x.src:>5} -> {x.dst:<5} {box} "
           f"{box_size(x.box) * dtype.itemsize} B ({topo.link_class(x.src, x.dst)})")
   return 0
-
-
-JOBS_STATUS_USAGE = ("JAX_M2N_TOKEN=... python -m jax_m2n jobs status HOST:PORT "
-                     "[--token-file PATH] [--timeout S] [--json]")
-JOBS_STATUS_EPILOG = """token: from --token-file PATH (its content, surrounding whitespace dropped), else
-  the environment variable JAX_M2N_TOKEN; never an argument (argv is public).
-
-exit status: 0 ok; 1 no answer (nothing listens, or the publisher stalled); 2 bad
-  input (usage, no token, a malformed address, a wrong token), one line on stderr."""
 
 
 def _token(args) -> str:
