@@ -51,8 +51,9 @@ class PullRecord:
       (1.0: nothing saved); None for other paths.
     retries: the causes of what the pull redid, in order: "version gone" (the newest
       was dropped while asked for: the next newest), "plan re-registered" (a publisher
-      process forgot the plan), "relay re-route" (an upstream member died or stalled:
-      the rest came from the trainer).
+      process forgot the plan), "relay bad chunk" (a chunk from the upstream member
+      did not match the publisher's digest), "relay re-route" (an upstream member
+      died, stalled or sent a bad chunk: the rest came from the trainer).
     control_calls: control requests this pull sent (all the Subscriber's connections).
     control_bytes_sent, control_bytes_received: their bytes, each way.
     started_at: when the call began (seconds since the epoch, `time.time()`).

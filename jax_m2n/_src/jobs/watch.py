@@ -74,7 +74,7 @@ class _Counts:
   def __init__(self, state: Any):
     self.engines = {path: {k: c[k] for k in keys} for path, (c, keys) in _WIRE.items()}
     self.dense = delta.stats["subscriber_dense_bytes"]
-    self.reroutes = relay.stats["reroutes"]
+    self.relay = {k: relay.stats[k] for k in ("bad_chunks", "reroutes")}
     self.clients = {id(c): (c, dict(c.stats)) for c in state.connections.clients()}
 
   def _grown(self, path: str) -> int:
@@ -93,8 +93,9 @@ class _Counts:
     if path == "delta":
       dense = delta.stats["subscriber_dense_bytes"] - self.dense
       ratio = wire / dense if dense else None
-    retries = list(trace.retries) + ["relay re-route"] * (relay.stats["reroutes"]
-                                                           - self.reroutes)
+    grown = {k: relay.stats[k] - n for k, n in self.relay.items()}
+    retries = (list(trace.retries) + ["relay bad chunk"] * grown["bad_chunks"]
+               + ["relay re-route"] * grown["reroutes"])
     control = dict.fromkeys(("calls", "sent_bytes", "received_bytes"), 0)
     for c in state.connections.clients():
       known, was = self.clients.get(id(c), (None, {}))
