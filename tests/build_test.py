@@ -137,7 +137,7 @@ def _requirements(path):
     return out
 
 
-@pytest.mark.parametrize("extra", ["cuda", "qwix", "tunix", "jobs", "ray"])
+@pytest.mark.parametrize("extra", ["cuda", "qwix", "tunix", "jobs", "metrics", "ray"])
 def test_pip_extras_match_the_requirement_sets_the_scripts_install(extra):
     """`pip install jax_m2n[extra]` and the set scripts/setup.sh installs for it
     (requirements/<extra>.txt) name the same ranges."""
@@ -150,6 +150,6 @@ def test_pip_extras_match_the_requirement_sets_the_scripts_install(extra):
 
 def test_the_test_set_includes_the_main_jobs_and_every_extra():
     have = set(_requirements(ROOT / "requirements.txt"))
-    for name in ("runtime", "cuda", "qwix", "tunix", "jobs"):
+    for name in ("runtime", "cuda", "qwix", "tunix", "jobs", "metrics"):
         missing = set(_requirements(ROOT / "requirements" / f"{name}.txt")) - have
         assert not missing, (name, sorted(missing))

@@ -25,8 +25,9 @@ LAYERS = [
     ("eager",),
     ("traced",),
     ("transforms",),
-    ("traced_leaves", "fast_path", "quantize", "cli"),
+    ("traced_leaves", "fast_path", "quantize"),
     ("api", "jobs"),
+    ("cli",),  # the command line: `plan` and `jobs status` (jobs/status.py)
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -28,6 +28,7 @@ from jax_m2n._src.jobs import auth, channel, relay
 from jax_m2n.testing.hosts import EmulatedHosts
 
 import launcher
+from jobs_faults import pass_over
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "jobs_relay_worker.py")
@@ -150,12 +151,7 @@ def test_an_upstream_dead_before_the_pull_connects_is_passed_over_at_once(publis
                                      P(None, "x")))})
     dst = NamedSharding(gen, P("y"))
     first.pull(dst, version=version, timeout_s=60, path="network")
-    with socket.socket() as s:
-      s.bind(("127.0.0.1", 0))
-      closed = f"127.0.0.1:{s.getsockname()[1]}"
-    for (v, _), r in pub._service._relay._relays.items():
-      if v == version:
-        r.members[first._state.relay.id].address = closed
+    pass_over(pub, version, first._state.relay.id)
     before = relay.stats["reroutes"]
     t0 = time.monotonic()
     out = second.pull(dst, version=version, timeout_s=60, path="network")

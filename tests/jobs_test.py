@@ -78,7 +78,9 @@ def test_random_layouts_versions_bitwise(jobs, trainers, generators, path):
   if generators == 2:  # a replicated pytree: the trainer's bytes once per job (hierarchical)
     # or once per destination device (flat: 4 devices)
     routes = {}
-    for _, f, _ in jobs.results("route"):
+    for _, f, line in jobs.results("route"):
+      # Each process's record of the pull: what its engine received, by that route.
+      assert f["record"] == f["received"] and f["record_route"] == f["route"], line
       got = routes.setdefault(f["route"], [0, 0, int(f["payload"])])
       got[0] += int(f["pulled"])
       got[1] = int(f["plan_from_publisher"])

@@ -196,9 +196,11 @@ def generator(jax, jax_m2n, args):
     mesh = Mesh(np.array(jax.devices()), ("g",))
     for route in ("hierarchical", "flat"):
       before = engine.stats["pulled_bytes"]
+      forwarded = engine.stats["forwarded_in_bytes"]
       y = sub.pull(NamedSharding(mesh, P()), version=VERSIONS, route=route, timeout_s=120,
                    path="network")
       pulled = engine.stats["pulled_bytes"] - before
+      received = pulled + engine.stats["forwarded_in_bytes"] - forwarded
       for c, (shape, dt, _) in enumerate(table):
         _check(y["leaves"][c], values(args.seed, c, VERSIONS, shape, dt),
                NamedSharding(mesh, P()), None)
@@ -209,7 +211,9 @@ def generator(jax, jax_m2n, args):
       print(f"RESULT route role=generator process={args.process_id} route={route} "
             f"pulled={pulled} plan_from_publisher="
             f"{planning.network_bytes(pp)['from_publisher']} payload={total} "
-            f"transfer={sub._state.connections.transport(m).address}", flush=True)
+            f"transfer={sub._state.connections.transport(m).address} "
+            f"received={received} record={sub.last_pull.wire_bytes} "
+            f"record_route={sub.last_pull.route}", flush=True)
   return generator_done(sub, args)
 
 

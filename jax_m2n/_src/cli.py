@@ -1,9 +1,12 @@
-"""The `python -m jax_m2n` command line: `plan` shows and prices a reshard.
+"""The `python -m jax_m2n` command line: `plan` shows and prices a reshard; `jobs
+status` asks a running Publisher how it is.
 
 Owns argument parsing and output formats (text and the JSON contract of `plan --json`).
 Plans device-free from compact descriptors, so a 256-GPU cluster can be planned on a
 laptop. Errors are one line on stderr with exit status 2, never a traceback; a plan over
-the planner's size limits is refused from the layouts before any planning.
+the planner's size limits is refused from the layouts before any planning. `jobs
+status` reads its token from the environment or a file, never from the command line
+(argv is visible to every user of the machine).
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ import gc
 import json
 import logging
 import math
+import os
 import sys
 from typing import Sequence
 
 import numpy as np
 
-from jax_m2n._src.errors import ReshardError
+from jax_m2n._src.errors import ReshardError, ReshardRuntimeError
+from jax_m2n._src.jobs import status as jobs_status
 from jax_m2n._src.layout import MAX_DIM, box_size, check_shape, parse_mesh_spec
 from jax_m2n._src.planner import (DEFAULT_TRANSPORT, ROUTES, TRANSPORTS, Chunking,
                                   check_plan_size, plan_reshard)
@@ -45,6 +50,15 @@ limits: meshes of at most 2**20 devices, device ids at most 2**31-1, dims below 
   refused from the layouts (exit 2) before planning.
 
 exit status: 0 ok; 2 bad input or a plan over the limits (one line on stderr)."""
+
+JOBS_STATUS_USAGE = ("JAX_M2N_TOKEN=... python -m jax_m2n jobs status HOST:PORT "
+                     "[--token-file PATH] [--timeout S] [--json]")
+JOBS_STATUS_EPILOG = """token: from --token-file PATH (its content, surrounding whitespace
+  dropped), else the environment variable JAX_M2N_TOKEN; never an argument (argv is
+  public).
+
+exit status: 0 ok; 1 no answer (nothing listens, or the publisher stalled); 2 bad
+  input (usage, no token, a malformed address, a wrong token), one line on stderr."""
 
 # Bandwidths outside this range are typos (and 1e-320 GB/s would price a byte at
 # infinity, which JSON cannot carry).
@@ -142,6 +156,24 @@ def _parser() -> argparse.ArgumentParser:
                  help="one strict JSON object on stdout (a non-finite number is null)")
   p.add_argument("-v", "--verbose", action="store_true",
                  help="debug log of the logger 'jax_m2n' on stderr (what was planned)")
+  jobs = sub.add_parser("jobs", help="weight sync between separate jobs "
+                        "(Publisher / Subscriber)").add_subparsers(
+      dest="jobs_command", metavar="status", required=True, parser_class=_Parser)
+  s = jobs.add_parser("status", usage=JOBS_STATUS_USAGE, allow_abbrev=False,
+                      help="ask a running Publisher how it is",
+                      description="Asks a running Publisher (its process 0) for its "
+                      "versions, subscribers, counts and relays, over its control "
+                      "channel (authenticated as a Subscriber is; no data moves).",
+                      epilog=JOBS_STATUS_EPILOG,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+  s.add_argument("address", help="the Publisher's address, host:port")
+  s.add_argument("--token-file", metavar="PATH",
+                 help="a file holding the token (else $JAX_M2N_TOKEN)")
+  s.add_argument("--timeout", type=_number("--timeout", float, 0.0), default=10.0,
+                 metavar="S",
+                 help="seconds to wait for the handshake and the answer (default 10)")
+  s.add_argument("--json", action="store_true",
+                 help="the answer as one JSON object on stdout")
   return parser
 
 
@@ -216,6 +248,34 @@ def _plan_command(args) -> int:
   return 0
 
 
+def _token(args) -> str:
+  if args.token_file is not None:
+    try:
+      with open(args.token_file) as f:
+        return f.read().strip()
+    except OSError as e:
+      raise ReshardError(f"jobs status: --token-file must be a readable file; got "
+                         f"{args.token_file!r} ({e.strerror}).") from None
+  token = os.environ.get("JAX_M2N_TOKEN")
+  if not token:
+    raise ReshardError("jobs status: the token must come from $JAX_M2N_TOKEN or "
+                       "--token-file PATH (never the command line); got neither.")
+  return token
+
+
+def _jobs_command(args) -> int:
+  try:
+    reply = jobs_status.ask(args.address, _token(args), args.timeout)
+  except ReshardRuntimeError as e:  # no answer: not the caller's input
+    print(f"jax_m2n: error: {e}", file=sys.stderr)
+    return 1
+  if args.json:
+    sys.stdout.write(json.dumps(reply, allow_nan=False) + "\n")
+  else:
+    print(jobs_status.summary(reply))
+  return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the command line; returns the exit status (2 for bad input)."""
   argv = list(sys.argv[1:] if argv is None else argv)
@@ -226,13 +286,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   try:
     args = parser.parse_args(argv)
-    if args.verbose:
-      _debug_log()
     if args.command == "plan":
+      if args.verbose:
+        _debug_log()
       # Millions of small tuples and no cycles: the collector would rescan them many
       # times over (a third of a 1,000 x 1,000-device run).
       gc.disable()
       return _plan_command(args)
+    if args.command == "jobs":
+      return _jobs_command(args)
   except _UsageError as e:
     print(f"jax_m2n: error: {e}", file=sys.stderr)
     return 2

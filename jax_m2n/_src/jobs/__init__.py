@@ -3,6 +3,8 @@
 The two sides share no `jax.distributed` cluster; they meet at an address. One concern
 per module, dependencies one way (each line uses only the lines above it):
   messages.py    the control messages: a versioned JSON format, size limits, schemas;
+  records.py     what a person can see, as values: PullRecord, PullFailure,
+                 PublisherStats; a pull's Trace (its phases, as pulling.py laps them);
   auth.py        the token: its rules, new_token, the CurveZMQ keys derived from it;
   handshake.py   before authentication: the ZAP gate, per-address budgets, named
                  handshake failures;
@@ -26,9 +28,13 @@ per module, dependencies one way (each line uses only the lines above it):
   membership.py  relays: who forwards a version to whom (on the publisher);
   relay.py       relays: a member's data path (chunks, forwarding, re-routing);
   versions.py    a publisher process's held versions (snapshots, manifests);
+  counters.py    a publisher process's counts as it answers, and its PublisherStats;
+  status.py      the `status` call: its answer, the asking side, the summary;
+  metrics.py     Prometheus metrics in a registry the user passes (optional);
   serving.py     a publisher process's answers to subscribers (server thread);
   publisher.py   `Publisher`, the trainer's API;
   pulling.py     a pull's lifecycle (version, manifest, plan, data path, result);
+  watch.py       a subscriber's records of its pulls, their log lines and metrics;
   subscriber.py  `Subscriber`, the generator's API.
 It never plans except through call_plan, reads shardings only through
 `Layout.from_sharding`, checks arguments with checks.py's rules, and moves bytes only

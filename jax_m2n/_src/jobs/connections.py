@@ -104,6 +104,11 @@ class Connections:
     link = self._links[k] = Link(client, address, name)
     return link
 
+  def clients(self) -> list[channel.Client]:
+    """The control clients open now (process 0's and the other links'), each once."""
+    out = [] if self._root is None else [self._root]
+    return out + [l.client for l in self._links.values() if l.client is not self._root]
+
   def forget_broken(self) -> None:
     """Drops the links whose control client broke, and what their transport had
     pending (the next pull connects anew)."""

@@ -141,6 +141,18 @@ class Coordinator:
     return {"salt": relay.salt, "upstream": None if up is None else
             [up.member, up.address], "slot": slot}
 
+  def tree(self) -> list[dict[str, Any]]:
+    """Per relay (version, group), oldest first: its members in joining order, whom
+    each pulls from (None: the trainer) and its state; no salts (what `status` shows).
+    On the server thread, as every other call."""
+    return [{"version": v, "group": g, "fanout": r.fanout, "closed": r.closed,
+             "members": [{"member": e.member, "address": e.address,
+                          "upstream": e.upstream, "children": [c for c, _ in e.children],
+                          "done": e.done, "dead": e.dead,
+                          "leaving": e.member in self._leaving}
+                         for e in r.members.values()]}
+            for (v, g), r in self._relays.items()]
+
   def tick(self, closing: bool = False) -> None:
     """Answers the children polls that have news, expired or whose relay closed; drops
     the relays of versions no longer held."""

@@ -19,8 +19,11 @@ import jax
 from jax_m2n._src import jax_compat
 from jax_m2n._src.errors import ReshardRuntimeError, ReshardTypeError, ReshardValueError
 from jax_m2n._src import local_memory
-from jax_m2n._src.jobs import auth, channel, exports, serving, transports
+from jax_m2n._src.jobs import auth, channel, exports, metrics as metrics_lib, records
+from jax_m2n._src.jobs import serving, transports
+from jax_m2n._src.jobs.counters import Counters
 from jax_m2n._src.jobs.versions import Versions, check_published
+from jax_m2n._src.planner.plan import fmt_bytes
 
 logger = logging.getLogger("jax_m2n")
 _API = "Publisher"
@@ -49,6 +52,9 @@ class Publisher:
       "Security").
     keep: how many versions to hold (at least 1): a subscriber can pull any held one.
     timeout_s: how long process k > 0 waits for its peers' addresses at start.
+    metrics: a `prometheus_client.CollectorRegistry` to expose this process's counts
+      in (read at every scrape; docs/jobs.md, "Watching it"), or None. No port is
+      opened; instances passing one registry share its metrics.
 
   Memory: each held version is a snapshot of this process's shards in the published
   dtype (`publish(..., dtype=)`), so at most `keep` x the published bytes, plus the
@@ -62,13 +68,16 @@ class Publisher:
     >>> w = jax.device_put(np.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("x")))
     >>> pub.publish({"w": w})
     1
+    >>> s = pub.stats(); s.last_version, s.held_bytes, s.subscribers
+    (1, 128, 0)
     >>> pub.close()
   """
 
   def __init__(self, address: str | None = None, *, token: Any, keep: int = 2,
                timeout_s: float = 60.0, encrypt: bool = False,
-               transport: str = "net"):
+               transport: str = "net", metrics: Any = None):
     key = auth.as_key(_API, token)
+    prometheus = metrics_lib.of(_API, metrics)
     if not isinstance(encrypt, bool):
       raise ReshardTypeError(f"{_API}: encrypt must be a bool; got "
                              f"{type(encrypt).__name__}.")
@@ -87,7 +96,10 @@ class Publisher:
     self._fds: list[local_memory.FdServer] = []  # made when a local subscriber asks
     self._versions = Versions(keep, self._fd_server)
     self._transport = transports.acquire_spec(spec, host, key)
-    self._service = serving.Service(self._pid, self._versions, self._transport)
+    self._counters = Counters()
+    self._service = serving.Service(self._pid, self._versions,
+                                    self._counters.counting(self._transport),
+                                    self._counters)
     try:
       self._server = channel.Server(
           _API, channel.join_address(host, port if self._pid == 0 else 0), key,
@@ -95,6 +107,9 @@ class Publisher:
     except BaseException:
       transports.release(self._transport)
       raise
+    self._counters.bind(self._pid, self._server, self._versions, self._transport, spec)
+    if prometheus is not None:
+      prometheus.watch(self._counters)
     mine = (self._server.address, self._transport.address, exports.host_identity(), spec)
     try:
       self._processes = _gather_addresses(mine, next(_instances), timeout_s)
@@ -148,9 +163,17 @@ class Publisher:
     paths, leaves, dtypes = check_published(api, tree, dtype)
     version = self._versions.add(tree, paths, leaves, dtypes, self._processes)
     self._server.wake()  # answers the waiting long polls at once
-    logger.debug("Publisher: version %d, %d leaves, %d bytes held here", version.number,
-                 len(leaves), version.nbytes)
+    self._counters.published(version.number)
+    logger.info("Publisher: version %d published: %d leaves, %s held here",
+                version.number, len(leaves), fmt_bytes(version.nbytes))
     return version.number
+
+  def stats(self) -> records.PublisherStats:
+    """This process's state and counts now: the versions held and their bytes, the
+    subscribers heard from, the requests answered and failed, the bytes offered per
+    version, the local exports (`records.PublisherStats`; docs/jobs.md, "Watching
+    it"). Any thread; also after close."""
+    return self._counters.stats()
 
   def close(self) -> None:
     """Stops serving: waiting subscribers are told at once (they raise, naming this

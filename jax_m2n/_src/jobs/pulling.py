@@ -25,7 +25,7 @@ from jax_m2n._src.errors import (PeerFailed, PlanUnknown, ReshardError,
                                  ReshardRuntimeError, ReshardTimeoutError,
                                  ReshardValueError, VersionGone)
 from jax_m2n._src.jobs import delta as delta_lib, engine, exports, local
-from jax_m2n._src.jobs import manifest as manifest_lib, planning
+from jax_m2n._src.jobs import manifest as manifest_lib, planning, records
 from jax_m2n._src.jobs.connections import Connections
 from jax_m2n._src.jobs.pull import API, Pull
 from jax_m2n._src.jobs.request import PullOptions, pull_request
@@ -60,6 +60,7 @@ class State:
   peers: dict[int, str] | None = None     # the job's processes' transport addresses
   imports: dict[tuple[int, str], Any] = dataclasses.field(default_factory=dict)
   path: str = ""                          # the last pull's data path
+  trace: records.Trace = dataclasses.field(default_factory=records.Trace)  # this pull's
 
   def close(self) -> None:
     for imp in self.imports.values():
@@ -74,11 +75,13 @@ def pull(state: State, dst: Any, dtype: Any, donate: Any, options: PullOptions) 
     return _pull_job(state, dst, dtype, donate, options)
   while True:
     number, mid = choose(state, options)
+    state.trace.chose(number)
     try:
       return _pull(state, dst, dtype, donate, options, number, mid, None, b"")
     except VersionGone:
       if options.version is not None:
         raise
+      state.trace.retry("version gone")
       # dropped while we asked for it: the next newest
 
 
@@ -96,6 +99,7 @@ def _pull_job(state: State, dst, dtype, donate, options: PullOptions) -> Any:
       got = waits.gather("version", [0], "the version process 0 chose")[0]
       number, mid, salt_hex = json.loads(got)
       salt = bytes.fromhex(salt_hex)
+    state.trace.chose(number)
     return _pull(state, dst, dtype, donate, options, number, mid, waits, salt)
   except BaseException as e:
     if not isinstance(e, PeerFailed):  # the peers fail at once, naming it
@@ -212,23 +216,24 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
     delta_lib.agree(waits, base_version)
     waits.post("fp", pp.fingerprint)
     waits.agree(pp.fingerprint, lambda: f"{len(m.leaves)} leaves")
+  state.trace.planned(pp)
   try:
     p = Pull(request, pp, number, {k: conn.link(k, m) for k in pp.requests}, transport,
              waits, salt, _peers(state, waits, transport.address) if waits else {})
     imports = _imports(state, p, m) if local_path else None
     if imports is not None:  # the publisher's memory, read in place (local.py)
       shards = local.run(p, imports)
-      state.path = "local"
+      state.path = state.trace.path = "local"
     elif base is not None:  # a delta pull (delta.py): pulled directly, never relayed
       in_place = {id(a) for a in request.donated} >= {id(a) for a in base}
       shards = delta_lib.run(p, base_version, base, in_place, _answer_s(p))
-      state.path = "network"
+      state.path, state.trace.path = "network", "delta"
     else:
       pulled = None
       if state.relay is not None and p.links:
         pulled = state.relay.receive(conn.root(), p, _answer_s(p))
-      shards = _full(p, pulled)
-      state.path = "network"
+      shards = _full(p, pulled, state.trace)
+      state.path, state.trace.path = "network", "network" if pulled is None else "relay"
   except VersionGone:
     raise
   except ReshardError:
@@ -237,12 +242,14 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
   if waits is not None:
     waits.end()  # every process of the job done: a pull succeeds or fails everywhere
     waits.finish()
+  state.trace.lap("move")
   return _finish(state, request, pp, number, shards)
 
 
-def _full(p: Pull, pulled: Any) -> list[list[jax.Array]]:
+def _full(p: Pull, pulled: Any, trace: records.Trace) -> list[list[jax.Array]]:
   """A full pull over the transport (or from a relay's chunks, `pulled`); a plan a
-  publisher process forgot is registered again and the pull retried once."""
+  publisher process forgot is registered again and the pull retried once (`trace`
+  notes it)."""
   if pulled is not None:
     return engine.run(p, None, pulled)
   for attempt in range(2):
@@ -255,6 +262,7 @@ def _full(p: Pull, pulled: Any) -> list[list[jax.Array]]:
     except PlanUnknown:
       if attempt:
         raise
+      trace.retry("plan re-registered")
   raise AssertionError("unreachable")
 
 

@@ -281,6 +281,7 @@ class Member:
     self.chunk_bytes = chunk_bytes
     self.fanout = fanout
     self._versions: list[tuple[_Forwarder, _Version]] = []
+    self.upstream: str | None = None  # whom the last pull was told to pull from
 
   def receive(self, root: channel.Client, pull: Pull, answer_s: float
               ) -> dict[int, Any] | None:
@@ -297,6 +298,7 @@ class Member:
     if reply.get("direct"):
       return None
     upstream = _upstream_of(self.api, reply)
+    self.upstream = "the trainer" if upstream is None else upstream[1]
     logger.info("jax_m2n relay: version %d: member %s pulls from %s", pull.number,
                 self.id, "the trainer" if upstream is None else upstream)
     v = _Version(pull.plan, pull.number, key, str(reply.get("salt")), self.chunk_bytes)
@@ -314,8 +316,8 @@ class Member:
                 v.salt, upstream[0], int(reply.get("slot", 0)), k, j),
                 [v.chunk_specs[k][j]], timeout_s=pull.timeout_s), "peers")
         except Exception as e:  # noqa: BLE001 - an unreachable upstream: re-route now
-          logger.info("jax_m2n relay: version %d: upstream %s unreachable: %s",
-                      pull.number, upstream[1], e)
+          logger.warning("jax_m2n relay: version %d: upstream %s unreachable: %s",
+                         pull.number, upstream[1], e)
           self._reroute(root, pull, v, upstream[0], v.order, answer_s)
           upstream = None
       else:
@@ -408,9 +410,9 @@ class Member:
         probed = now
         gone = not _listening(upstream[1])
       if failed or gone or (upstream is not None and now - last > STALL_S):
-        logger.info("jax_m2n relay: version %d: upstream %s %s; the rest comes from "
-                    "the trainer", v.version, upstream[1],
-                    "failed" if failed else "is gone" if gone else "stalled")
+        logger.warning("jax_m2n relay: version %d: upstream %s %s; the rest comes from "
+                       "the trainer", v.version, upstream[1],
+                       "failed" if failed else "is gone" if gone else "stalled")
         self._reroute(root, pull, v, upstream[0],
                       [kj for kj in v.order if kj not in ready], answer_s)
         upstream, last = None, time.monotonic()
@@ -481,7 +483,7 @@ class _Forwarder(threading.Thread):
         if not progressed:
           time.sleep(1e-3)
     except Exception as e:  # noqa: BLE001 - the transport closed: children re-route
-      logger.info("jax_m2n relay: version %d: forwarding ended: %s", v.version, e)
+      logger.warning("jax_m2n relay: version %d: forwarding ended: %s", v.version, e)
     finally:
       v.stop.set()
 

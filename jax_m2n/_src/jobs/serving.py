@@ -23,8 +23,9 @@ import numpy as np
 from jax_m2n._src import local_copy as local_copy_lib
 from jax_m2n._src import schedule
 from jax_m2n._src.errors import ProtocolError, ReshardError, VersionGone
-from jax_m2n._src.jobs import channel, delta, engine, exports
+from jax_m2n._src.jobs import channel, delta, engine, exports, status
 from jax_m2n._src.jobs import manifest as manifest_lib, membership, messages, pieces, relay
+from jax_m2n._src.jobs.counters import Counters
 from jax_m2n._src.jobs.versions import Version, Versions
 from jax_m2n._src.planner import DST_SHARD, SRC_SHARD
 
@@ -49,10 +50,12 @@ class Service:
     pid: this process's index in the trainer job.
     versions: its held versions.
     transport: its transport (the offers).
+    counters: what it counts as it answers (counters.py; `transport` counted there).
   """
 
-  def __init__(self, pid: int, versions: Versions, transport: Any):
+  def __init__(self, pid: int, versions: Versions, transport: Any, counters: Counters):
     self._pid = pid
+    self.counters = counters
     self._versions = versions
     self._transport = transport
     self.closed = False
@@ -77,6 +80,7 @@ class Service:
 
   def handle(self, caller: channel.Caller, body: dict[str, Any]) -> None:
     op = messages.field(body, "op", str, max_len=32)
+    caller = self.counters.called(caller, op, body)
     if op == "versions":
       after = messages.field(body, "after", int, lo=0, hi=1 << 62)
       wait_ms = messages.field(body, "wait_ms", int, lo=0, hi=MAX_WAIT_MS)
@@ -106,9 +110,11 @@ class Service:
       self._work.submit(self._off_thread, caller, lambda: self._local(body))
     elif op in membership.OPS and self._pid == 0:
       self._relay.handle(caller, body)
+    elif op == "status":
+      caller.reply(status.answer(self.counters, self._relay if self._pid == 0 else None))
     else:
       raise ProtocolError(f"call: op must be versions, manifest, register, pull, "
-                          f"pieces, digests, delta, local or relay_*; got "
+                          f"pieces, digests, delta, local, status or relay_*; got "
                           f"{messages._short(op)}.")
     self.tick()
 
@@ -226,6 +232,7 @@ class Service:
       return {"error": f"version {body['version']} must be held to be pulled; trainer "
               f"process {self._pid} holds {self._versions.numbers()} "
               f"(keep={self._versions.keep}).", "kind": "gone"}
+    self.counters.serving(version.number)  # the offers below count to it
     if body["op"] == "delta":
       return delta.serve(version, self._versions.get(body["base"]), body,
                          self._transport)

@@ -2,7 +2,8 @@
 
 Owns the public calls (pull, close) and what one Subscriber keeps between pulls
 (pulling.State: its connections to the publisher, its relay membership, the last
-version, manifests and delta base). The pull itself is pulling.py's.
+version, manifests and delta base; watch.Watch: its records). The pull itself is
+pulling.py's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import jax
 
 from jax_m2n._src import checks
 from jax_m2n._src.errors import ReshardRuntimeError, ReshardTypeError
-from jax_m2n._src.jobs import auth, pulling, relay as relay_lib
+from jax_m2n._src.jobs import auth, metrics as metrics_lib, pulling, relay as relay_lib
+from jax_m2n._src.jobs import records, watch
 from jax_m2n._src.jobs.connections import Connections
 from jax_m2n._src.jobs.request import pull_options
 
@@ -38,6 +40,9 @@ class Subscriber:
       chunk, to the next (docs/jobs.md, "Relays"). Its arrays are then held
       (forwarded) until the group starts the next version. A job of several processes
       pulls directly whatever this says.
+    metrics: a `prometheus_client.CollectorRegistry` to count this subscriber's pulls
+      into (docs/jobs.md, "Watching it", lists the metrics), or None. No port is
+      opened; instances passing one registry share its metrics.
 
   Raises:
     ReshardValueError: a wrong or short token, a malformed address.
@@ -55,12 +60,15 @@ class Subscriber:
     >>> out = sub.pull(NamedSharding(gen, P(None, "y")), dtype=jnp.bfloat16)
     >>> sub.version, out["w"].dtype, out["w"].sharding.spec == P(None, "y")
     (1, dtype(bfloat16), True)
+    >>> sub.last_pull.path, sub.last_pull.result_bytes   # read from the trainer's memory
+    ('local', 64)
     >>> sub.close(); pub.close()
   """
 
   def __init__(self, address: str, *, token: Any, timeout_s: float = 60.0,
-               relay: bool = False):
+               relay: bool = False, metrics: Any = None):
     key = auth.as_key(_API, token)
+    self._watch = watch.Watch(metrics_lib.of(_API, metrics))
     if not isinstance(relay, bool):
       raise ReshardTypeError(f"{_API}: relay must be a bool; got {type(relay).__name__}.")
     connect_s = checks.options(_API, timeout_s=timeout_s).timeout_s
@@ -75,6 +83,16 @@ class Subscriber:
   def version(self) -> int:
     """The version of the last successful pull (0 before the first)."""
     return self._state.version
+
+  @property
+  def last_pull(self) -> records.PullRecord | None:
+    """The record of the last successful pull on this process (None before one)."""
+    return self._watch.last_pull
+
+  @property
+  def last_failure(self) -> records.PullFailure | None:
+    """The record of the last failed pull on this process (None before one)."""
+    return self._watch.last_failure
 
   def close(self) -> None:
     """Closes the connections (the publisher forgets this subscriber's session) and
@@ -165,4 +183,5 @@ class Subscriber:
       raise ReshardRuntimeError(f"{api}: the subscriber must be open; got a closed one.")
     options = pull_options(api, route=route, timeout_s=timeout_s, version=version,
                            delta=delta, path=path)
-    return pulling.pull(self._state, dst, dtype, donate, options)
+    return self._watch.pull(self._state, lambda: pulling.pull(
+        self._state, dst, dtype, donate, options))

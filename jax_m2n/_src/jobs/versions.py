@@ -279,6 +279,11 @@ class Versions:
       return next((v.manifest for v in self._held.values()
                    if v.manifest.id == manifest_id), None)
 
+  def exports(self) -> list[exports.Export]:
+    """The exports of the held layout sets (the local data plane's memory)."""
+    with self.lock:
+      return list(self._exports.values())
+
   def clear(self) -> None:
     """Drops every version and frees every export."""
     with self.lock:

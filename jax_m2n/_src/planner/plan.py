@@ -218,9 +218,9 @@ class Plan:
     stages: collections.Counter = collections.Counter()
     for tp in self.tensors:
       stages.update(tp.transfers.stage_counts())
-    links = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.bytes_by_link.items())
+    links = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.bytes_by_link.items())
     return (f"route {self.route}: {len(self.tensors)} tensor(s), "
-            f"{_fmt_bytes(self.payload_bytes)}, {len(self.devices)} devices; transfers "
+            f"{fmt_bytes(self.payload_bytes)}, {len(self.devices)} devices; transfers "
             + (", ".join(f"{s} {stages[s]}" for s in STAGES if stages[s]) or "none")
             + f"; bytes by link: {links}"
             + (f"; size bound {size.transfers} transfers" if size is not None else ""))
@@ -232,10 +232,10 @@ class Plan:
     for tp in self.tensors:
       stages.update(tp.transfers.stage_counts())
     lines.append(f"route: {self.route}   tensors: {len(self.tensors)}   payload: "
-                 f"{_fmt_bytes(self.payload_bytes)}   devices: {len(self.devices)}")
+                 f"{fmt_bytes(self.payload_bytes)}   devices: {len(self.devices)}")
     lines.append("transfers: " + ", ".join(f"{s} {stages[s]}" for s in STAGES if stages[s]))
     lines.append("bytes by link: " + ", ".join(
-        f"{k} {_fmt_bytes(v)}" for k, v in self.bytes_by_link.items()))
+        f"{k} {fmt_bytes(v)}" for k, v in self.bytes_by_link.items()))
     lines.append(f"topology: nvlink {self.topology.nvlink_gbps:g} GB/s, network "
                  f"{self.topology.nic_gbps:g} GB/s per device")
     for route, ms in self.estimate_ms.items():
@@ -243,7 +243,7 @@ class Plan:
       lines.append(f"estimate {route:>12}: {fmt_time(ms):>10}{mark}")
     lines.append(f"bound (sol)         : {fmt_time(self.sol_ms):>10}")
     lines.append(f"schedule: {len(self.chunks)} chunks of at most "
-                 f"{_fmt_bytes(self.chunk_bytes)} in {self.chunks.n_steps} steps "
+                 f"{fmt_bytes(self.chunk_bytes)} in {self.chunks.n_steps} steps "
                  f"({self.transport.name} transport: {self.transport.call_us:g} us per "
                  f"call, {self.transport.step_us:g} us per step)")
     return "\n".join(lines)
@@ -259,7 +259,8 @@ def fmt_time(ms: float) -> str:
   return f"{ms * 1e6:.4g} ns"
 
 
-def _fmt_bytes(n: int) -> str:
+def fmt_bytes(n: int) -> str:
+  """A byte count in readable units ("1.50 MiB", "512 B")."""
   for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
     if n >= size:
       return f"{n / size:.2f} {unit}"

@@ -93,9 +93,10 @@ class NetTransport(Transport):
   @property
   def counters(self) -> dict[str, int]:
     """Requests dropped unanswered (wrong shape), refused (too many waiting, or a
-    CurveZMQ key the ZAP handler does not admit), and offers served."""
+    CurveZMQ key the ZAP handler does not admit), offers served and their bytes."""
     s = self._server
-    return {"dropped": s.dropped, "refused": s.refused, "served": s.served}
+    return {"dropped": s.dropped, "refused": s.refused, "served": s.served,
+            "served_bytes": s.served_bytes}
 
   def offer(self, arrays, timeout_s, ticket=None):
     return self._server.offer(arrays, timeout_s, ticket)

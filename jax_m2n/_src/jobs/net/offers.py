@@ -104,6 +104,7 @@ class Server:
     self.dropped = 0   # requests of the wrong shape (dropped unanswered)
     self.refused = 0   # requests refused (BUSY), handshakes refused by the ZAP handler
     self.served = 0
+    self.served_bytes = 0
     self._zap = None
     self._router = self._bind(ctx, host)
     try:
@@ -389,6 +390,7 @@ class Server:
     except zmq.ZMQError:
       pass  # the peer left mid-reply: its fetch failed with its connection
     self.served += 1
+    self.served_bytes += offer.nbytes
     with self._lock:
       self._sending.append((trackers, offer.nbytes))
       self._sending_bytes += offer.nbytes
