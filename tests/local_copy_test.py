@@ -154,6 +154,32 @@ def test_program_is_reused_for_new_addresses():
   assert module._program.cache_info().hits >= 1
 
 
+def test_many_like_outputs_share_programs_and_keep_their_order():
+  """900 outputs of three kinds, interleaved, each read from its own place: outputs
+  come back in order, bitwise, from one program per kind and PROGRAM_OUTPUTS (starts
+  folded into pointers on CPU, so like outputs at other places share a program)."""
+  from jax_m2n._src import local_copy as module  # noqa: PLC0415
+  src = np.arange(900 * 12, dtype=np.float32).reshape(900, 12)
+  kinds = [((12,), (12,)), ((2, 3), (3, 4)), ((5,), (12,))]
+  boxes, outs, want = [], [], []
+  for i in range(900):
+    shape, held = kinds[i % 3]
+    if len(shape) == 1:
+      boxes.append(Box(i, 0, (900, 12), F32, (i, 0), (0, 0), (1, shape[0])))
+      outs.append(Out((1, shape[0]), F32))
+      want.append(src[i:i + 1, :shape[0]])
+    else:  # rows 1..2, columns 1..3 of the row seen as a (3, 4) shard: a strided box
+      boxes.append(Box(i, i, held, F32, (1, 1), (0, 0), shape))
+      outs.append(Out(shape, F32))
+      want.append(src[i].reshape(held)[1:3, 1:4])
+  pointers = [src[i].ctypes.data if i % 3 == 1 else src.ctypes.data for i in range(900)]
+  programs = module._programs(tuple(boxes), tuple(outs), "cpu")
+  assert len({id(p[0]) for p in programs}) <= 3 * 2  # per kind: a full program, a tail
+  got = module.copier(jax.devices()[1], boxes, outs, 900)(pointers)
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(g), w)
+
+
 def test_local_store_into_a_segment():
   device = jax.devices()[3]
   arrays = [jax.device_put(np.arange(n, dtype=np.int32) * (i + 1), device)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -33,7 +33,8 @@ VERSION = 1
 CUDA_POINTER_ALIGN = 32
 # A compiled program fills at most this many outputs: XLA's compile time of one custom
 # call grows faster than its outputs (CPU, measured: 1,024 outputs 0.19 s, 4,096 2.2 s),
-# so a 20,000-leaf pytree is copied by programs of this many, linear in the leaves.
+# so a 20,000-leaf pytree is copied by programs of this many, like outputs grouped (see
+# `_programs`: 20,000 like leaves compile one program per device).
 PROGRAM_OUTPUTS = 256
 # Element sizes of the dtypes copied as opaque bytes (bool .. complex128).
 _ELEM_BYTES = (1, 2, 4, 8, 16)
@@ -200,25 +201,83 @@ def copier(device: jax.Device, boxes: Sequence[Box], outs: Sequence[Out],
     if not isinstance(box, Box):
       raise ReshardTypeError(f"local_copy: boxes must be local_copy.Box; got "
                              f"{type(box).__name__} at {i}.")
-  programs = []  # at most PROGRAM_OUTPUTS outputs each (XLA's compile time)
-  for first in range(0, max(len(outs), 1), PROGRAM_OUTPUTS):
-    last = first + PROGRAM_OUTPUTS
-    programs.append(_program(
-        tuple(b._replace(out=b.out - first) for b in boxes if first <= b.out < last),
-        outs[first:last], int(n_slots), device.platform))
+  for i, box in enumerate(boxes):  # what folding starts into pointers hides (_programs)
+    if not 0 <= box.out < len(outs):
+      raise ReshardValueError(f"local_copy: box {i}'s out must be in [0, {len(outs)}); "
+                              f"got {box.out}.")
+    if not 0 <= box.slot < n_slots:
+      raise ReshardValueError(f"local_copy: box {i}'s slot must be in [0, {n_slots}); "
+                              f"got {box.slot}.")
+    if len(box.src_start) == len(box.src_shape) == len(box.extent):
+      for d, (lo, n, size) in enumerate(zip(box.src_start, box.extent, box.src_shape)):
+        if lo < 0 or lo + n > size:
+          raise ReshardValueError(
+              f"local_copy: box {i}: src_start[{d}] + extent = {lo + n} must be <= "
+              f"src_dims = {size} (and src_start >= 0; got {lo}).")
+  programs = _programs(boxes, outs, device.platform)
 
   def copy(pointers: Sequence[int]) -> list[jax.Array]:
     table = _pointer_table(pointers, "local_copy", device.platform)
     if table.size != n_slots:
       raise ReshardValueError(f"local_copy: pointers must have {n_slots} entries (the "
                               f"schedule's slots); got {table.size}.")
+    results: list[jax.Array] = [None] * len(outs)  # type: ignore[list-item]
     try:
-      on_device = jax.device_put(table.view(np.uint32), device)
-      return [a for program in programs for a in program(on_device)]
+      for program, members, slots, offsets in programs:
+        on_device = jax.device_put((table[slots] + offsets).view(np.uint32), device)
+        for o, a in zip(members, program(on_device)):
+          results[o] = a
     except jax.errors.JaxRuntimeError as e:
       raise ReshardRuntimeError(f"local_copy: the native call failed on {device}: "
                                 f"{e}") from e
+    return results
   return copy
+
+
+def _programs(boxes: tuple[Box, ...], outs: tuple[Out, ...], platform: str) -> list:
+  """The compiled programs of one copy: (program, its outputs' indices, per program
+  slot the caller's slot and a byte offset to add to its pointer).
+
+  Outputs are grouped by what their copy looks like and a program fills at most
+  PROGRAM_OUTPUTS of one group, so a pytree of many like leaves compiles a few
+  programs, not one per PROGRAM_OUTPUTS leaves. On CPU each box's start is folded into
+  a pointer of its own (the program then reads from its box's first element), which is
+  what makes like leaves at different places one program; on CUDA a pointer must stay
+  CUDA_POINTER_ALIGN-aligned, so boxes keep their starts and share their slots."""
+  per_out: list[list[Box]] = [[] for _ in outs]
+  for box in boxes:
+    per_out[box.out].append(box)
+  fold = platform == "cpu"
+  groups: dict[Any, list[int]] = {}
+  for o, out in enumerate(outs):
+    key = (out, tuple((b.src_shape, b.src_dtype, b.dst_start, b.extent) if fold else
+                      b._replace(out=0) for b in per_out[o]))
+    groups.setdefault(key, []).append(o)
+  programs = []
+  for members in groups.values():
+    for first in range(0, len(members), PROGRAM_OUTPUTS):
+      chunk = members[first:first + PROGRAM_OUTPUTS]
+      program_boxes, slots, offsets, used = [], [], [], {}
+      for j, o in enumerate(chunk):
+        for b in per_out[o]:
+          if fold:  # the box's first element, in bytes from its shard's start
+            at, stride = 0, 1
+            for lo, size in zip(reversed(b.src_start), reversed(b.src_shape)):
+              at, stride = at + lo * stride, stride * size
+            offsets.append(at * np.dtype(b.src_dtype).itemsize)
+            slots.append(b.slot)
+            program_boxes.append(Box(j, len(slots) - 1, b.src_shape, b.src_dtype,
+                                     (0,) * len(b.src_start), b.dst_start, b.extent))
+          else:
+            if b.slot not in used:
+              used[b.slot] = len(slots)
+              slots.append(b.slot)
+              offsets.append(0)
+            program_boxes.append(b._replace(out=j, slot=used[b.slot]))
+      programs.append((_program(tuple(program_boxes), tuple(outs[o] for o in chunk),
+                                len(slots), platform), chunk,
+                       np.asarray(slots, np.int64), np.asarray(offsets, np.int64)))
+  return programs
 
 
 class Stored:

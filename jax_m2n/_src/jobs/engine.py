@@ -11,6 +11,7 @@ only through `transport.Transport`.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import secrets
 from typing import Any, Callable
@@ -18,13 +19,15 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from jax_m2n._src import local_copy as local_copy_lib
+from jax_m2n._src import schedule
 from jax_m2n._src.errors import PlanUnknown, ReshardRuntimeError
 from jax_m2n._src.jobs import pieces
 from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE
 from jax_m2n._src.jobs.planning import PUBLISHER_PROCESS_BASE, PullPlan
 from jax_m2n._src.jobs.pull import API, Pull, wait_arrived
 from jax_m2n._src.jobs.transport import Arrived
-from jax_m2n._src.layout import box_size
+from jax_m2n._src.layout import box_size, intersect
 from jax_m2n._src.planner import DST_SHARD
 
 # Bytes this process fetched from publishers / exchanged with its own job's peers
@@ -123,6 +126,9 @@ def run(pull: Pull, tickets: dict[int, list[int]] | None,
   pp, transport = pull.plan, pull.transport
   me = jax.process_index()
   devices = {d.id: d for d in jax.local_devices()}
+  recipe = _direct_recipe(pp)
+  if recipe is not None:
+    return _run_direct(pull, recipe, tickets, pulled, confirm, devices)
   store = pieces.Store()
   # The publisher's pieces depend on nothing: every wave's fetch is issued at once, so
   # the transport streams them together; a wave waits only for its own.
@@ -172,6 +178,115 @@ def run(pull: Pull, tickets: dict[int, list[int]] | None,
           for op, at in zip(pack, pieces.run_offsets([op.box for op in pack])):
             store.add(op.tensor, op.dst, op.dst_kind, op.box, arr, at)
   return _compose(pp, store, devices)
+
+
+# ---------------------------------------------------------------------------------------
+# The direct path: every destination shard composed straight from the packs that arrived
+# ---------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=64)
+def _direct_recipe(pp: PullPlan) -> Any:
+  """How this process composes its destination shards straight from the packs the
+  publisher sends (no fan-out copies, no per-piece Python work per pull), where it
+  can: CPU devices (each reads any device's memory: host memory), nothing forwarded
+  to or from the job's other processes, and the arriving pieces tile every
+  destination box exactly (the flat route: a device's own pieces; the hierarchical:
+  each element once per process). Per destination device: its outputs (leaf, index
+  in pp.local_dst[leaf]), its slots (pack index, element offset in the pack) and the
+  prepared local_copy. None: the waves' path (`run`). Cached per plan."""
+  if any(d.platform != "cpu" for d in jax.local_devices()) or any(
+      wave.sends or any(p < PUBLISHER_PROCESS_BASE for p in wave.recvs)
+      for wave in pp.waves):
+    return None
+  packs = [pack for wave in pp.waves for peer, ops in sorted(wave.recvs.items())
+           for pack in pp.packs_of(ops)]
+  by_tensor: dict[int, list[tuple[Any, int, int]]] = {}  # t -> (op, pack, offset)
+  for index, pack in enumerate(packs):
+    offsets = pieces.run_offsets([op.box for op in pack]) if len(pack) > 1 else [-1]
+    for op, at in zip(pack, offsets):
+      by_tensor.setdefault(op.tensor, []).append((op, index, at))
+  per_device: dict[int, Any] = {}
+  for t, local in enumerate(pp.local_dst):
+    published = pp.wire[t]
+    delivered = pp.out[t] if (pp.out[t] == published or schedule.fused_conversion(
+        published, pp.out[t])) else published
+    for j, d in enumerate(local):
+      box = pp.plan.tensors[t].dst.box_of(d.id)
+      if box_size(box) == 0:
+        continue  # an empty box: zeros, made by the run
+      # The pieces that landed on d where they cover its box (the flat route), else
+      # every piece of the leaf that arrived (the hierarchical route: leaders share the
+      # box, each element arrives once per process).
+      mine = [x for x in by_tensor.get(t, []) if x[0].dst == d.id]
+      if sum(box_size(intersect(x[0].box, box) if box else ()) for x in mine) != (
+          box_size(box)):
+        mine = by_tensor.get(t, [])
+      outputs, slots, boxes, outs, slot_of = per_device.setdefault(
+          d.id, ([], [], [], [], {}))
+      out = len(outputs)
+      outputs.append((t, j))
+      outs.append(local_copy_lib.Out(pieces.shape_of(box), delivered))
+      covered = 0
+      for op, index, at in mine:
+        part = intersect(op.box, box) if box else ()
+        if part is None:
+          continue
+        key = (index, at)
+        if key not in slot_of:
+          slot_of[key] = len(slots)
+          slots.append(key)
+        boxes.append(local_copy_lib.Box(
+            out, slot_of[key], pieces.shape_of(op.box), published,
+            tuple(lo - o for (lo, _), (o, _) in zip(part, op.box)),
+            tuple(lo - o for (lo, _), (o, _) in zip(part, box)), pieces.shape_of(part)))
+        covered += box_size(part)
+      if covered != box_size(box):
+        return None  # pieces that overlap or fall short: the waves' path
+  devices = {d.id: d for d in jax.local_devices()}
+  return len(packs), {d: (outputs, slots, local_copy_lib.copier(devices[d], boxes, outs,
+                                                                len(slots)))
+                      for d, (outputs, slots, boxes, outs, _) in per_device.items()}
+
+
+def _run_direct(pull: Pull, recipe: Any, tickets, pulled, confirm, devices
+                ) -> list[list[jax.Array]]:
+  """`run` on the direct path: fetch every pack, then one local_copy per destination
+  device out of them."""
+  pp = pull.plan
+  pending, sizes = [], []
+  offers = {k: iter(u) for k, u in (tickets or {}).items()}
+  for wave in pp.waves:
+    for peer, ops in sorted(wave.recvs.items()):
+      k = peer - PUBLISHER_PROCESS_BASE
+      packs = pp.packs_of(ops)
+      sizes.append(len(packs))
+      pending.append((pull.links[k].name, Arrived(next(pulled[k])) if pulled is not None
+                      else pull.transport.fetch(
+                          pull.links[k].address, next(offers[k]),
+                          [pack_spec(pp, pack, devices) for pack in packs],
+                          timeout_s=pull.timeout_s)))
+  if confirm is not None:
+    confirm()
+  arrays = [a for got in wait_arrived(pull, pending, "the pieces") for a in got]
+  if pulled is None:
+    stats["pulled_bytes"] += sum(a.nbytes for a in arrays)
+  assert len(arrays) == recipe[0], (len(arrays), recipe[0])
+  bases = np.array([a.unsafe_buffer_pointer() for a in arrays], np.int64)
+  items = np.array([a.dtype.itemsize for a in arrays], np.int64)
+  shards: list[list[Any]] = [[None] * len(devs) for devs in pp.local_dst]
+  for d, (outputs, slots, copy) in recipe[1].items():
+    index = np.array([i for i, _ in slots], np.int64)
+    at = np.array([max(o, 0) for _, o in slots], np.int64)
+    for (t, j), a in zip(outputs, copy(bases[index] + at * items[index])):
+      shards[t][j] = a if a.dtype == pp.out[t] else pieces.converter(pp.out[t])(a)
+  for t, row in enumerate(shards):
+    for j, a in enumerate(row):
+      if a is None:  # an empty destination box: nothing arrives for it
+        d = pp.local_dst[t][j]
+        row[j] = jax.device_put(np.zeros(pieces.shape_of(
+            pp.plan.tensors[t].dst.box_of(d.id)), pp.out[t]), d)
+  jax.block_until_ready([a for row in shards for a in row])  # before `arrays` go
+  return shards
 
 
 def _boxes(pp: PullPlan, store: pieces.Store, ops) -> list[jax.Array]:

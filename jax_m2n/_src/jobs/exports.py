@@ -116,8 +116,13 @@ class Export:
 
   def pointer(self, t: int, k: int, slot: int) -> int:
     """Where shard (t, k) of `slot` lies in this process."""
+    return self.base(k, slot) + self.offsets[(t, k)]
+
+  def base(self, k: int, slot: int) -> int:
+    """Where device k's shards of `slot` begin in this process (shard (t, k) lies
+    `offsets[(t, k)]` bytes further)."""
     base, stride = self._bases[k]
-    return base + slot * stride + self.offsets[(t, k)]
+    return base + slot * stride
 
   def write(self, version: int, arrays: dict[tuple[int, int], Any]) -> int:
     """Writes `version` (its shards, as single-device arrays in the published dtype)

@@ -28,6 +28,7 @@ from jax_m2n._src.jobs import manifest as manifest_lib, membership, messages, pi
 from jax_m2n._src.jobs.counters import Counters
 from jax_m2n._src.jobs.versions import Version, Versions
 from jax_m2n._src.planner import DST_SHARD, SRC_SHARD
+from jax_m2n._src.layout import Box, box_size
 
 logger = logging.getLogger("jax_m2n")
 from jax_m2n._src.processes import transfer_engine
@@ -135,8 +136,9 @@ class Service:
       return {"error": f"manifest {messages._short(want)} must belong to a held version; "
               "got an unknown one (dropped: pull again).", "kind": "gone"}
     wire = manifest_lib.wire_field(body, "register", len(version.manifest.leaves))
-    self._plans[(caller.peer, key)] = _Plan(want, wire, self._groups(
-        version, body.get("groups"), wire), salt, [])
+    groups = self._groups(version, body.get("groups"), wire)
+    self._plans[(caller.peer, key)] = _Plan(want, wire, groups, salt, [],
+                                            [{} for _ in groups])
     self._plans.move_to_end((caller.peer, key))
     while len(self._plans) > MAX_PLANS:
       self._plans.popitem(last=False)
@@ -260,7 +262,8 @@ class Service:
     timeout_s = body["timeout_ms"] / 1000
     for ticket in plan.last:  # the subscriber's previous pull of this plan is over
       self._transport.cancel(ticket)
-    plan.last[:] = [self._offer(version.number, cut(version, ops, plan.wire), timeout_s,
+    plan.last[:] = [self._offer(version.number, cut(version, ops, plan.wire,
+                                                    plan.cutters[g]), timeout_s,
                                 engine.pull_ticket(plan.salt, body["seq"], g))
                     for g, ops in enumerate(plan.offers)]
     return {"offered": len(plan.offers)}
@@ -309,10 +312,12 @@ class _Plan(NamedTuple):
   offers: list  # per group, its packs of ops
   salt: bytes
   last: list[int]  # the tickets of its last pull's offers
+  cutters: list[dict]  # per group, how `cut` cuts it out of an export (made once)
 
 
 def cut(version: Version, packs: list[list[transfer_engine.Op]],
-        wire: dict[int, np.dtype]) -> list[jax.Array]:
+        wire: dict[int, np.dtype], cutters: dict[str, _Cutter] | None = None
+        ) -> list[jax.Array]:
   """One array per pack: its one box in the wire dtype (the snapshot itself where that
   is a whole shard in its own dtype), or its boxes flattened and concatenated; one
   compiled program per source device. A version that lives only in its export (CPU)
@@ -320,7 +325,11 @@ def cut(version: Version, packs: list[list[transfer_engine.Op]],
   a newer version cannot change what an offer serves."""
   if version.export is not None and version.slot >= 0 and any(
       a is None for _, a in version.shards.values()):
-    return _cut_export(version, packs, wire)
+    if cutters is None:
+      return _cut_export(version, _cutter(version, packs, wire))
+    if version.manifest.id not in cutters:
+      cutters[version.manifest.id] = _cutter(version, packs, wire)
+    return _cut_export(version, cutters[version.manifest.id])
   batches: dict[int, pieces.Batch] = {}
   slots = []
   for ops in packs:
@@ -342,43 +351,88 @@ def cut(version: Version, packs: list[list[transfer_engine.Op]],
   return [results[k][j] for k, j in slots]
 
 
-def _cut_export(version: Version, packs: list[list[transfer_engine.Op]],
-                wire: dict[int, np.dtype]) -> list[jax.Array]:
+class _Cutter(NamedTuple):
+  """How `_cut_export` cuts one list of packs out of an export slot: per source device,
+  its prepared local_copy, its sources' offsets in a slot and, per output, (pack,
+  wire dtype). The same for every version of a layout set: made once per plan."""
+  devices: dict[int, tuple[Callable, np.ndarray, list[tuple[int, Any]]]]
+  parts: list[int]  # per pack, the outputs it is concatenated from
+
+
+def _contiguous(box: Box, held: Box) -> int | None:
+  """Where `box` starts in its held shard, flattened, if its elements lie there in one
+  run (row-major); else None."""
+  inner = True  # every dimension after this one is whole
+  for (lo, hi), (h_lo, h_hi) in reversed(list(zip(box, held))):
+    if not inner and hi - lo != 1:
+      return None
+    inner = inner and (lo, hi) == (h_lo, h_hi)
+  flat, stride = 0, 1
+  for (lo, _), (h_lo, h_hi) in reversed(list(zip(box, held))):
+    flat += (lo - h_lo) * stride
+    stride *= h_hi - h_lo
+  return flat
+
+
+def _cutter(version: Version, packs: list[list[transfer_engine.Op]],
+            wire: dict[int, np.dtype]) -> _Cutter:
+  """A pack of several boxes that each lie in one run of their shard is one flat
+  output (its boxes copied as runs); any other box is an output of its own (a pack of
+  those is concatenated after the copy)."""
+  m, export = version.manifest, version.export
+  per_device: dict[int, tuple[list, list, list, list, dict]] = {}
+  parts = []
+  for j, ops in enumerate(packs):
+    boxes, outs, sources, where, slot_of = per_device.setdefault(
+        ops[0].src, ([], [], [], [], {}))
+    to = wire[ops[0].tensor]  # one wire dtype per pack (checked)
+    published = {manifest_lib.dtype_of(m.leaves[op.tensor].dtype) for op in ops}
+    converts = all(d == to or schedule.fused_conversion(d, to) for d in published)
+    held = [version.shards[(op.tensor, op.src)][0] for op in ops]
+    runs = [_contiguous(op.box, h) for op, h in zip(ops, held)]
+    flat = len(ops) > 1 and converts and None not in runs
+    if flat:
+      outs.append(local_copy_lib.Out((sum(box_size(op.box) for op in ops),), to))
+      where.append((j, to))
+    for op, h, run, at in zip(ops, held, runs, pieces.run_offsets([op.box for op in ops])):
+      if (op.tensor, op.src) not in slot_of:
+        slot_of[(op.tensor, op.src)] = len(sources)
+        sources.append(export.offsets[(op.tensor, op.src)])
+      slot, published = slot_of[(op.tensor, op.src)], manifest_lib.dtype_of(
+          m.leaves[op.tensor].dtype)
+      if flat:
+        boxes.append(local_copy_lib.Box(len(outs) - 1, slot, (box_size(h),), published,
+                                        (run,), (at,), (box_size(op.box),)))
+        continue
+      shape = pieces.shape_of(op.box)
+      boxes.append(local_copy_lib.Box(
+          len(outs), slot, pieces.shape_of(h), published,
+          tuple(lo - h_lo for (lo, _), (h_lo, _) in zip(op.box, h)), (0,) * len(shape),
+          shape))
+      outs.append(local_copy_lib.Out(shape, to if to == published or (
+          schedule.fused_conversion(published, to)) else published))
+      where.append((j, to))
+    parts.append(1 if flat else len(ops))
+  return _Cutter({k: (local_copy_lib.copier(version.devices[k], boxes, outs,
+                                            len(sources)),
+                      np.array(sources, np.int64), where)
+                  for k, (boxes, outs, sources, where, _) in per_device.items()}, parts)
+
+
+def _cut_export(version: Version, cutter: _Cutter) -> list[jax.Array]:
   """`cut` out of the version's export slot: one local_copy per source device (its
   boxes into arrays of their own, converted where the copies convert), concatenated
   per pack of several boxes; the slot checked to still hold the version."""
-  m, export = version.manifest, version.export
-  per_device: dict[int, tuple[list, list, list, list]] = {}
-  for j, ops in enumerate(packs):
-    for op in ops:
-      boxes, outs, sources, where, slot_of = per_device.setdefault(
-          op.src, ([], [], [], [], {}))
-      held = version.shards[(op.tensor, op.src)][0]
-      published = manifest_lib.dtype_of(m.leaves[op.tensor].dtype)
-      to = wire[op.tensor]
-      copies = to if to == published or schedule.fused_conversion(published, to) else (
-          published)
-      if (op.tensor, op.src) not in slot_of:
-        slot_of[(op.tensor, op.src)] = len(sources)
-        sources.append((op.tensor, op.src))
-      shape = pieces.shape_of(op.box)
-      boxes.append(local_copy_lib.Box(
-          len(outs), slot_of[(op.tensor, op.src)], pieces.shape_of(held), published,
-          tuple(lo - h for (lo, _), (h, _) in zip(op.box, held)), (0,) * len(shape),
-          shape))
-      outs.append(local_copy_lib.Out(shape, copies))
-      where.append((j, to))
-  got: list[list[jax.Array]] = [[] for _ in packs]
+  export = version.export
+  got: list[list[jax.Array]] = [[] for _ in cutter.parts]
   with export.lock:
     if export.slot_of(version.number) != version.slot:
       raise VersionGone(f"Publisher: version {version.number} must still be held to be "
                         "served; it was dropped meanwhile.")
-    for k, (boxes, outs, sources, where, _) in per_device.items():
-      arrays = local_copy_lib.local_copy(
-          version.devices[k], [export.pointer(t, k, version.slot) for t, _ in sources],
-          boxes, outs)
+    for k, (copy, offsets, where) in cutter.devices.items():
+      arrays = copy(export.base(k, version.slot) + offsets)
       jax.block_until_ready(arrays)  # before the slot may be written again
       for (j, to), a in zip(where, arrays):
         got[j].append(a if a.dtype == to else pieces.converter(to)(a))
-  return [parts[0] if len(packs[j]) == 1 else pieces.flat_concatenate(len(parts))(*parts)
-          for j, parts in enumerate(got)]
+  return [parts[0] if n == 1 else pieces.flat_concatenate(n)(*parts)
+          for n, parts in zip(cutter.parts, got)]
