@@ -113,3 +113,45 @@ def test_dtypes_canonicalize_as_jax_does(published):
   want = jax.device_put(tree["w"].astype(np.float64), NamedSharding(_gen(), P()))
   assert out["w"].dtype == want.dtype
   np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(want))
+
+
+def _huge_manifest():
+  """A manifest as a publisher would send it, its one leaf announced as 16 TiB."""
+  from jax_m2n._src.jobs import manifest as manifest_lib  # noqa: PLC0415
+  x = jax.device_put(np.zeros((8, 16), np.float32),
+                     NamedSharding(Mesh(np.array(jax.devices()[:4]), ("x",)), P()))
+  body = manifest_lib.build([x], [("['w']",)], [np.dtype(np.float32)],
+                            manifest_lib.skeleton_of({"w": x}),
+                            [("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "", "net")]).to_json()
+  shape = [1 << 20, 1 << 22]
+  body["leaves"][0][1] = shape
+  body["layouts"] = [[ds, [[0, shape[0], 0, shape[1]] for _ in boxes]]
+                     for ds, boxes in body["layouts"]]
+  return manifest_lib.from_json(body)
+
+
+def test_a_manifest_announcing_absurd_sizes_is_refused_before_allocating():
+  from jax_m2n._src.jobs import request  # noqa: PLC0415
+  m = _huge_manifest()
+  options = request.pull_options("Subscriber.pull")
+  with pytest.raises(jax_m2n.ReshardValueError,
+                     match=r"must fit this host's memory; .* take 6.55e\+04 GiB .*largest shard: \[.w.\]"):
+    request.pull_request("Subscriber.pull", m, NamedSharding(_gen(), P()), None, None,
+                         options)
+
+
+def test_a_version_too_large_for_this_host_fails_before_any_byte_moves(published,
+                                                                       monkeypatch):
+  from jax_m2n._src.jobs import request  # noqa: PLC0415
+  tree, sub = published
+  dst = NamedSharding(_gen(), P(None, "y"))
+  before = dict(engine.stats)
+  monkeypatch.setattr(request, "_host_total", lambda: 100)  # a host of 100 bytes
+  request._cache.clear()  # checked when a request is built (once per layout set)
+  with pytest.raises(jax_m2n.ReshardValueError, match="must fit this host's memory"):
+    sub.pull({"w": dst, "b": NamedSharding(_gen(), P())}, version=1, path="network")
+  assert dict(engine.stats) == before
+  monkeypatch.undo()
+  out = sub.pull({"w": dst, "b": NamedSharding(_gen(), P())}, version=1,
+                 path="network", timeout_s=30)
+  np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(tree["w"]))

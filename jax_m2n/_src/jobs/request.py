@@ -209,6 +209,7 @@ def pull_request(api: str, m: Manifest, dst: Any, dtype: Any, donate: Any,
     shardings.append(checks.check_destination(api, checks.LazyName(names, t), d,
                                               leaf.shape, out, device_memory=True))
     outs.append(out)
+  check_fits(api, m, shardings, outs)
   request = PullRequest(m, tuple(shardings), tuple(outs), tuple(resolved), donated,
                         options, build)
   if key is not None:
@@ -216,6 +217,50 @@ def pull_request(api: str, m: Manifest, dst: Any, dtype: Any, donate: Any,
     while len(_cache) > _CACHE_SIZE:
       _cache.popitem(last=False)
   return request
+
+
+def check_fits(api: str, m: Manifest, shardings, outs) -> None:
+  """A pull's destination shards must fit this process's devices: the bytes each local
+  device would receive (its shards of every leaf, at the delivered dtype) against what
+  it can hold at all (a GPU's memory pool, memory_stats' bytes_limit; for all CPU
+  devices together, the host's MemTotal). Capacity, not free memory: a generator
+  whose pool is full of caches still pulls into donated buffers. A manifest that
+  announces absurd sizes is refused here, before any request or allocation."""
+  need: dict[Any, int] = collections.Counter()
+  largest = (0, -1)
+  for t, (leaf, sharding, out) in enumerate(zip(m.leaves, shardings, outs)):
+    nbytes = int(np.prod(sharding.shard_shape(leaf.shape), dtype=object)) * out.itemsize
+    for d in sharding.addressable_devices:
+      need[d] += nbytes
+    largest = max(largest, (nbytes, t))
+  holds = {d: (d.memory_stats() or {}).get("bytes_limit") for d in need
+           if d.platform != "cpu"}
+  host = sum(n for d, n in need.items() if d.platform == "cpu")
+  if host:
+    holds["this host"], need["this host"] = _host_total(), host
+  for where, limit in holds.items():
+    if limit is not None and need[where] > limit:
+      raise ReshardValueError(
+          f"{api}: the pulled version must fit {where}'s memory; its destination shards "
+          f"there take {_gib(need[where])} and it holds at most {_gib(limit)} (largest "
+          f"shard: {m.names()[largest[1]]}, {_gib(largest[0])}). Is this the publisher "
+          "you meant?")
+
+
+def _host_total() -> int | None:
+  """MemTotal of /proc/meminfo in bytes (None where there is none)."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemTotal:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    return None
+  return None
+
+
+def _gib(n: int) -> str:
+  return f"{n / (1 << 30):.3g} GiB"
 
 
 def _donated(api: str, donate: Any) -> list[jax.Array]:
