@@ -47,14 +47,14 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from jax_m2n.bench import jobs_trainer, jobs_trees, report, runner
+from jax_m2n.bench import jobs_trainer, jobs_trees, report, runner, timing
 
 MIB = 1 << 20
 PARTS = ("throughput", "latency", "security", "hosts", "relay")
 LATENCY_TREES = ("4KiB", "4KiB_1dev", jobs_trees.POLICY, "64x64KiB", "1x4MiB")
 LATENCY_ITERS = 20
 # The throughput rows of one (size, dtype): (what, publisher spec, path asked).
-PULLS = (("local", "net", "auto"), ("network", "net", "network"),
+PULLS = (("auto", "net", "auto"), ("network", "net", "network"),
          ("network", "net+curve", "network"), ("network", "transfer_server", "network"))
 RAW = ("transfer_server", "net")
 PULL_TIMEOUT_S = 300.0
@@ -278,7 +278,7 @@ def latency(g: Generator, warmup: int, iters: int, trees=LATENCY_TREES,
       for path in paths:
         row = {"tree": name, "payload_bytes": sum(h.nbytes for h in host),
                "leaves": len(host), "dtype": "bfloat16" if dtype else "float32",
-               "what": "local" if path == "auto" else path,
+               "what": path,
                **g.pulls("net", host, dst, dtype, path, warmup, iters)}
         rows.append(row)
         g.print(f"  jobs/latency {name} {path}: pull {row['min_ms']:.3f} / "
@@ -456,7 +456,7 @@ def throughput_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def latency_markdown(rows: list[dict[str, Any]]) -> str:
-  lines = ["| tree | leaves | bytes | wire dtype | path | pull min ms | pull median ms | "
+  lines = ["| tree | leaves | bytes | wire dtype | path (asked) | pull min ms | pull median ms | "
            "first pull ms | publish min ms | publish median ms | calls / messages per "
            "pull |",
            "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -467,7 +467,7 @@ def latency_markdown(rows: list[dict[str, Any]]) -> str:
       continue
     lines.append(
         f"| {r['tree']} | {r['leaves']} | {_size(r['payload_bytes'])} | {r['dtype']} | "
-        f"{','.join(r['path'])} | {_f(r['min_ms'])} | {_f(r['median_ms'])} | "
+        f"{','.join(r['path'])} ({r['path_asked']}) | {_f(r['min_ms'])} | {_f(r['median_ms'])} | "
         f"{_f(r['first_ms'])} | {_f(r['publish_min_ms'])} | "
         f"{_f(r['publish_median_ms'])} | {_f(r['calls_per_pull'])} / "
         f"{_f(r['messages_per_pull'])} |")
@@ -522,8 +522,7 @@ def _cli() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--parts", default=",".join(PARTS))
   parser.add_argument("--sizes_mib", default="")
-  parser.add_argument("--iters", type=int, default=10)
-  parser.add_argument("--warmup", type=int, default=3)
+  timing.add_loop_flags(parser, iters=10, warmup=3)
   parser.add_argument("--link_rate", default="1gbit")
   parser.add_argument("--out_dir", default="bench_out")
   args = parser.parse_args()
