@@ -24,7 +24,7 @@ Every row: a fresh version published before each pull (publish timed by the trai
 the call, and until its snapshot is complete), the first pull (manifest, plan,
 compile, mapped exports) apart, then warm-up and timed pulls (min, median); the data
 path each pull took (`Subscriber._state.path`); the control messages each timed pull
-sent (jax_m2n._src.jobs.channel.stats); the first pull checked bitwise.
+sent (jax_m2n._src.jobs.channel.stats); the first and last pulls checked bitwise.
 
 Usage:
   python -m jax_m2n.bench --suite jobs [--size_mib 256] [--iters 10] [--link_rate 1gbit]
@@ -105,7 +105,7 @@ class Generator:
   def pulls(self, spec: str, host: list[Any], dst: list[Any], dtype: Any, path: str,
             warmup: int, iters: int) -> dict[str, Any]:
     """1 + warmup + iters pulls of fresh versions through `spec`'s publisher; the
-    first checked bitwise against `host` (converted to `dtype`)."""
+    first and the last checked bitwise against `host` (converted to `dtype`)."""
     import numpy as np
     from jax_m2n._src.jobs import channel as control
     jax, sub = self.jax, self.subs[spec]
@@ -126,7 +126,7 @@ class Generator:
         publish.append(published["publish_ms"])
         settled.append(published["settled_ms"])
         paths.append(sub._state.path)  # noqa: SLF001 - the path this pull took
-        if i == 0:
+        if i in (0, warmup + iters):  # the first and the last checked
           for t, (h, y) in enumerate(zip(host, out)):
             want = h if dtype is None else h.astype(dtype)
             if not np.array_equal(np.asarray(y).view(np.uint8), want.view(np.uint8)):
