@@ -40,6 +40,7 @@ import functools
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -400,7 +401,9 @@ def run_hosts(jax: Any, size: int, iters: int, warmup: int, link_rate: str,
   """The trainer on emulated host 0, the generator on host 1, links of `link_rate`."""
   from jax_m2n.testing.hosts import EmulatedHosts
   env = _trainer_env(jax, True)
-  out = os.path.join(tempfile.mkdtemp(prefix="m2n_jobs_bench_"), "hosts.json")
+  directory = tempfile.mkdtemp(prefix="m2n_jobs_bench_")
+  out = os.path.join(directory, "hosts.json")
+  print_fn(f"jobs: two emulated hosts, {link_rate} links")
   with EmulatedHosts(2, rate=link_rate) as hosts:
     trainer, address = jobs_trainer.start(hosts.address(0), env,
                                           functools.partial(hosts.popen, 0))
@@ -418,6 +421,7 @@ def run_hosts(jax: Any, size: int, iters: int, warmup: int, link_rate: str,
     raise RuntimeError(f"jobs bench: the generator program on host 1 failed (rc={rc})")
   with open(out) as f:
     tables = json.load(f)
+  shutil.rmtree(directory, ignore_errors=True)
   return {"schema": 2, "suite": "jobs", "links": f"2 emulated hosts, {link_rate} each way",
           "iters": iters, "warmup": warmup, "platform": "cpu",
           "environment": runner.environment(jax), "tables": tables}

@@ -14,7 +14,6 @@ prints the address it listens on, serves one generator, exits when it disconnect
 from __future__ import annotations
 
 import json
-import os
 import select
 import socket
 import subprocess
