@@ -76,7 +76,7 @@ def main() -> None:
       jax.block_until_ready(out)
       t2 = time.perf_counter()
       print(f"version {version}: publish {1e3 * (t1 - t0):.1f} ms, pull "
-            f"{1e3 * (t2 - t1):.1f} ms ({sub._state.path})")  # noqa: SLF001
+            f"{1e3 * (t2 - t1):.1f} ms ({sub.last_pull.path})")
       if i == 0:
         _print(f"publish (version {version})", publish, args.sort, args.top)
         _print("first pull", pull, args.sort, args.top)

@@ -23,8 +23,9 @@ or the GPU) pulls, so that every pull waits for nothing but itself:
 Every row: a fresh version published before each pull (publish timed by the trainer:
 the call, and until its snapshot is complete), the first pull (manifest, plan,
 compile, mapped exports) apart, then warm-up and timed pulls (min, median); the data
-path each pull took (`pulling.State.path`, a Subscriber's `_state`); the control messages each timed pull
-sent (jax_m2n._src.jobs.channel.stats); the first and last pulls checked bitwise.
+path each pull took and its phases (`Subscriber.last_pull`); the control messages each
+timed pull sent (jax_m2n._src.jobs.channel.stats); the first and last pulls checked
+bitwise.
 
 Usage:
   python -m jax_m2n.bench --suite jobs [--size_mib 256] [--iters 10] [--link_rate 1gbit]
@@ -112,8 +113,9 @@ class Generator:
     first and the last checked bitwise against `host` (converted to `dtype`)."""
     import numpy as np
     from jax_m2n._src.jobs import channel as control
+    from jax_m2n._src.jobs.records import PHASES  # as Subscriber.last_pull times them
     jax, sub = self.jax, self.subs[spec]
-    times, publish, settled, calls, sent, paths = [], [], [], [], [], []
+    times, publish, settled, calls, sent, paths, phases = [], [], [], [], [], [], []
     gc.collect()
     gc.disable()
     try:
@@ -129,7 +131,9 @@ class Generator:
         sent.append(control.stats["sent"] - before.get("sent", 0))
         publish.append(published["publish_ms"])
         settled.append(published["settled_ms"])
-        paths.append(sub._state.path)  # noqa: SLF001 - the path this pull took
+        record = sub.last_pull
+        paths.append(record.path)
+        phases.append([1e3 * getattr(record, f"{k}_s") for k in PHASES])
         if i in (0, warmup + iters):  # the first and the last checked
           for t, (h, y) in enumerate(zip(host, out)):
             want = h if dtype is None else h.astype(dtype)
@@ -148,6 +152,8 @@ class Generator:
            "publish_median_ms": statistics.median(publish[timed]),
            "publish_min_ms": min(publish[timed]),
            "publish_settled_median_ms": statistics.median(settled[timed]),
+           "phases_median_ms": dict(zip(PHASES, (statistics.median(col) for col in zip(
+               *phases[timed])))),
            "calls_per_pull": statistics.median(calls[timed]),
            "messages_per_pull": statistics.median(sent[timed]),
            "first_calls": calls[0]}
@@ -473,19 +479,20 @@ def throughput_markdown(rows: list[dict[str, Any]]) -> str:
 def latency_markdown(rows: list[dict[str, Any]]) -> str:
   lines = ["| tree | leaves | bytes | wire dtype | path (asked) | pull min ms | pull median ms | "
            "first pull ms | publish min ms | publish median ms | calls / messages per "
-           "pull |",
-           "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "pull | wait / plan / move / compose ms |",
+           "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
   for r in rows:
     if r["kind"] == "rtt":
       lines.append(f"| {r['what']} | | | | | {_f(r['min_ms'])} | {_f(r['median_ms'])} "
-                   "| | | | |")
+                   "| | | | | |")
       continue
     lines.append(
         f"| {r['tree']} | {r['leaves']} | {_size(r['payload_bytes'])} | {r['dtype']} | "
         f"{','.join(r['path'])} ({r['path_asked']}) | {_f(r['min_ms'])} | {_f(r['median_ms'])} | "
         f"{_f(r['first_ms'])} | {_f(r['publish_min_ms'])} | "
         f"{_f(r['publish_median_ms'])} | {_f(r['calls_per_pull'])} / "
-        f"{_f(r['messages_per_pull'])} |")
+        f"{_f(r['messages_per_pull'])} | "
+        f"{' / '.join(_f(v, 2) for v in r.get('phases_median_ms', {}).values())} |")
   return "\n".join(lines) + "\n"
 
 
