@@ -1,5 +1,5 @@
 """Where a jobs pull's time goes: cProfile of one Publisher and one Subscriber in one
-process (the publisher's server thread profiled apart), on a tree of the jobs bench.
+process (the publisher's threads profiled apart), on a tree of the jobs bench.
 
   PYTHONPATH=$PWD .venv/bin/python scripts/jobs_pull_profile.py \
       [--tree 20k_leaves] [--path network] [--pulls 3] [--top 25] [--sort cumulative]
@@ -7,7 +7,8 @@ process (the publisher's server thread profiled apart), on a tree of the jobs be
 each printed as its `--top` functions by `--sort`: publish (the trainer's
 thread), the first pull (manifest, plan, compile, exports), a steady pull (the last of
 `--pulls`, a fresh version each) on the subscriber's thread, and the publisher's
-server thread over all of them (every control message it answered). Trees:
+server thread and worker thread over all of them (every control message it answered,
+the work it did off the server thread). Trees:
 jax_m2n/bench/jobs_trees.py (4 CPU devices a side, one for one-device trees).
 """
 
@@ -46,13 +47,15 @@ def main() -> None:
   from jax_m2n._src.jobs import serving
   from jax_m2n.bench import jobs_trainer, jobs_trees
 
-  server = cProfile.Profile()
-  handle = serving.Service.handle
-
-  def profiled(self, *a, **k):
-    return server.runcall(handle, self, *a, **k)
-
-  serving.Service.handle = profiled  # before the Publisher binds its handler
+  # The publisher's threads, each its own profile: the server thread's handler and,
+  # where requests' work runs off it (a worker thread), that work.
+  server = {"the publisher's server thread": cProfile.Profile(),
+            "the publisher's worker thread": cProfile.Profile()}
+  for (name, prof), method in zip(server.items(), ("handle", "_off_thread")):
+    original = getattr(serving.Service, method, None)
+    if original is not None:  # before the Publisher binds its handler
+      setattr(serving.Service, method,
+              lambda self, *a, _p=prof, _f=original, **k: _p.runcall(_f, self, *a, **k))
   devices = jax.devices()
   half = len(devices) // 2
   tree = (jobs_trees.Tree(f"{args.leaves}_leaves", ((256,),) * args.leaves, devices=1)
@@ -82,7 +85,9 @@ def main() -> None:
         _print("first pull", pull, args.sort, args.top)
       del out
     _print(f"steady pull (version {version})", pull, args.sort, args.top)
-    _print("the publisher's server thread (every pull)", server, args.sort, args.top)
+    for name, prof in server.items():
+      if prof.getstats():
+        _print(f"{name} (every pull)", prof, args.sort, args.top)
   finally:
     sub.close()
     pub.close()
