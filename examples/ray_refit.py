@@ -9,7 +9,8 @@ samples answers, the driver scores them, and the trainer actor trains (FSDP x TP
 own devices) and publishes the new version. In the same run, every step also syncs the
 way a Ray user does today: the trainer copies its weights to host numpy (cast to
 bfloat16), Ray's object store carries them, the generator `jax.device_put`s them; the
-two results are compared bitwise and both sync times are reported per step.
+two results are compared bitwise (outside both timings) and both sync times are
+reported per step; the summary gives their medians and each one's first sync.
 
 Usage (from the repository root; `pip install jax_m2n[ray]`):
   JAX_M2N_EXAMPLE=ray_refit ./scripts/run_example.sh      # installs requirements/ray.txt
@@ -96,6 +97,9 @@ class Trainer:
   def address(self) -> str:
     return self.publisher.address
 
+  def first_publish_ms(self) -> float:
+    return self.publish_ms[0]
+
   def nbytes(self) -> int:
     return sum(x.nbytes for x in self.jax.tree.leaves(self.params))
 
@@ -136,7 +140,10 @@ class Generator:
     self.sample_fn = jax.jit(rl.sample, static_argnames=("heads",))
     self.checksum_fn = jax.jit(rl.checksums)
     self.subscriber = jax_m2n.Subscriber(address, token=token)
-    self.params = None
+    self.params = self.loaded = None
+
+  def ready(self) -> bool:
+    return True
 
   def sync(self) -> tuple[int, float]:
     """Pulls the newest version (bf16 in flight), donating the previous one."""
@@ -146,16 +153,20 @@ class Generator:
     self.jax.block_until_ready(self.params)
     return self.subscriber.version, (time.perf_counter() - start) * 1e3
 
-  def load_numpy(self, host_params) -> tuple[float, bool]:
-    """The baseline's second half: jax.device_put of what Ray delivered; checks it
-    equals the pulled version bitwise (checksums of every leaf)."""
+  def load_numpy(self, host_params) -> float:
+    """The baseline's second half: jax.device_put of what Ray delivered (kept for
+    `same`); returns its ms."""
     start = time.perf_counter()
-    loaded = self.jax.device_put(host_params, self.shardings)
-    self.jax.block_until_ready(loaded)
-    ms = (time.perf_counter() - start) * 1e3
-    same = np.array_equal(*self.jax.device_get(
-        (self.checksum_fn(loaded), self.checksum_fn(self.params))))
-    return ms, bool(same)
+    self.loaded = self.jax.device_put(host_params, self.shardings)
+    self.jax.block_until_ready(self.loaded)
+    return (time.perf_counter() - start) * 1e3
+
+  def same(self) -> bool:
+    """Whether the baseline's weights equal the pulled version bitwise (checksums of
+    every leaf; outside both timings)."""
+    loaded, self.loaded = self.loaded, None
+    return bool(np.array_equal(*self.jax.device_get(
+        (self.checksum_fn(loaded), self.checksum_fn(self.params)))))
 
   def rollout(self, prompts, seed: int):
     tokens = self.sample_fn(self.params, self.jax.device_put(prompts, self.batch),
@@ -164,6 +175,25 @@ class Generator:
 
   def close(self) -> None:
     self.subscriber.close()
+
+
+def _summary(rows: list[dict], first_publish_ms: float) -> dict:
+  """Per-step medians over the last two thirds of the steps (jax_m2n: the pull as the
+  driver waits for it plus the publish in the train step; numpy: the trainer's host
+  copy, Ray's object store and the generator's device_put, as the driver waits for
+  them), and the first sync of each (jax_m2n's first pull and the trainer's first
+  publish; numpy's first step)."""
+  steady = rows[len(rows) // 3:] or rows
+  med = lambda k: float(np.median([r[k] for r in steady]))  # noqa: E731
+  out = {k: med(k) for k in ("sync_ms", "pull_ms", "publish_ms", "numpy_ms",
+                             "numpy_device_put_ms")}
+  out["jax_m2n_ms"] = float(np.median([r["sync_ms"] + r["publish_ms"] for r in steady]))
+  out["ratio"] = out["jax_m2n_ms"] / out["numpy_ms"]
+  out["first_sync_ms"] = rows[0]["sync_ms"]
+  out["first_jax_m2n_ms"] = rows[0]["sync_ms"] + first_publish_ms
+  out["first_numpy_ms"] = rows[0]["numpy_ms"]
+  out["steps_in_medians"] = len(steady)
+  return out
 
 
 def main(argv):
@@ -188,7 +218,10 @@ def main(argv):
   address = ray.get(trainer.address.remote())
   generator = ray.remote(num_cpus=0)(Generator).remote(config, address, token,
                                                        _DEVICES.value)
-  nbytes = ray.get(trainer.nbytes.remote())
+  # Both actors constructed (JAX started, the Subscriber connected) before any sync
+  # is timed: the first sync then measures the sync, not the actor's start.
+  nbytes, _ = ray.get([trainer.nbytes.remote(), generator.ready.remote()])
+  first_publish_ms = ray.get(trainer.first_publish_ms.remote())
   print(f"ray_refit: trainer and generator actors up in "
         f"{time.perf_counter() - started:.1f} s; policy {nbytes / 2**20:.2f} MiB "
         f"float32 on the trainer, {nbytes / 2**21:.2f} MiB bfloat16 on the generator; "
@@ -201,9 +234,9 @@ def main(argv):
     version, pull_ms = ray.get(generator.sync.remote())
     sync_ms = (time.perf_counter() - start) * 1e3
     start = time.perf_counter()  # the same weights, the way a Ray user moves them today
-    numpy_put_ms, same = ray.get(generator.load_numpy.remote(trainer.host_copy.remote()))
+    numpy_put_ms = ray.get(generator.load_numpy.remote(trainer.host_copy.remote()))
     numpy_ms = (time.perf_counter() - start) * 1e3
-    if not same:
+    if not ray.get(generator.same.remote()):
       raise RuntimeError(f"ray_refit: step {step}: the pulled weights must equal the "
                          "numpy path's bitwise; they differ.")
     prompts = np.repeat(rng.integers(0, rl.NUM_DIGITS, (per_prompt, cfg.digits)),
@@ -219,19 +252,22 @@ def main(argv):
       print(f"step {step:3d}  reward {np.mean(rewards[-5:]):.3f}  sync: jax_m2n "
             f"{sync_ms:6.1f} ms (pull {pull_ms:5.1f}, publish {publish_ms:4.1f}) | "
             f"numpy via Ray {numpy_ms:6.1f} ms  (bitwise equal)")
-  steady = rows[len(rows) // 3:] or rows
-  med = lambda k: float(np.median([r[k] for r in steady]))  # noqa: E731
+  summary = _summary(rows, first_publish_ms)
   print(f"ray_refit: {cfg.steps} steps, reward {np.mean(rewards[:5]):.3f} -> "
-        f"{np.mean(rewards[-5:]):.3f}; per-step sync (median of the last two thirds): "
-        f"jax_m2n Publisher/Subscriber {med('sync_ms'):.1f} ms (pull {med('pull_ms'):.1f} "
-        f"ms + publish {med('publish_ms'):.1f} ms in the train step) vs host numpy "
-        f"through Ray's object store {med('numpy_ms'):.1f} ms "
-        f"({med('numpy_ms') / (med('sync_ms') + med('publish_ms')):.2f}x)")
+        f"{np.mean(rewards[-5:]):.3f}")
+  print(f"ray_refit: per-step sync (median of the last two thirds): jax_m2n "
+        f"{summary['jax_m2n_ms']:.2f} ms (pull {summary['sync_ms']:.2f} ms as the driver "
+        f"waits for it + publish {summary['publish_ms']:.2f} ms in the train step) vs host "
+        f"numpy through Ray's object store {summary['numpy_ms']:.2f} ms: jax_m2n / numpy "
+        f"{summary['ratio']:.2f}")
+  print(f"ray_refit: first sync: jax_m2n {summary['first_jax_m2n_ms']:.0f} ms (pull "
+        f"{summary['first_sync_ms']:.0f} ms + publish {first_publish_ms:.0f} ms) vs numpy "
+        f"through Ray {summary['first_numpy_ms']:.0f} ms")
   if cfg.json_out:
     import json
     with open(cfg.json_out, "w") as f:
-      json.dump({"schema": 1, "example": "ray_refit", "nbytes": nbytes, "steps": rows},
-                f, indent=1)
+      json.dump({"schema": 2, "example": "ray_refit", "nbytes": nbytes,
+                 "summary": summary, "steps": rows}, f, indent=1)
   ray.get([trainer.close.remote(), generator.close.remote()])
   ray.shutdown()
 

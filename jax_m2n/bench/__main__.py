@@ -21,8 +21,9 @@ fig4 (the paper's Figure 4 in miniature on the emulated network: bench/fig4.py),
 (RSS over distinct eager layouts against a plain-JAX control: bench/memory.py), dtype
 (fp32 -> bf16 in flight against casting first: bench/dtype.py), quantize (FP8 values +
 scales in flight against device_put + qwix.quantize: bench/quantize.py), jobs
-(Publisher.publish + Subscriber.pull between two programs against the transfer server's
-raw pull of the same bytes: bench/jobs.py), delta (Subscriber.pull(delta=True) against
+(Publisher.publish + Subscriber.pull between two programs, every data path side by
+side against the transports' raw fetches and one copy in one process; a latency table,
+security rows, emulated hosts, relays: bench/jobs.py), delta (Subscriber.pull(delta=True) against
 full pulls on examples/rl_refit.py's training: bench/delta.py).
 Engines: m2n_{hierarchical,flat,gather_bcast} (eager), m2n_jit_{...} (inside jit),
 jit_identity (XLA), device_put, numpy_copy (CPU), torch_gather_bcast (GPUs, torch).

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -186,9 +187,9 @@ def _one_run(k: int, size: int, versions: int, hosts, die: bool, fanout: int,
   d = tempfile.mkdtemp(prefix="m2n_relay_bench_")
   code = "import sys; from jax_m2n.bench import relay; relay.{}(*sys.argv[1:])"
   host = "127.0.0.1" if hosts is None else hosts.address(0)
-  procs = []
+  procs, logs, ok = [], [], False
   try:
-    logs = [open(os.path.join(d, f"{p}.log"), "w") for p in ["trainer"] + [
+    logs += [open(os.path.join(d, f"{p}.log"), "w") for p in ["trainer"] + [
         f"s{i}" for i in range(k)]]
     procs.append(_launch(hosts, 0, [sys.executable, "-c", code.format("_trainer"), d,
                                     host, str(k), str(size), str(versions),
@@ -215,6 +216,7 @@ def _one_run(k: int, size: int, versions: int, hosts, die: bool, fanout: int,
     if os.path.exists(dead):
       with open(dead) as f:
         rows.append({"death": json.load(f)})
+    ok = True
     return rows
   finally:
     workers.write_file(os.path.join(d, "end"))
@@ -224,6 +226,10 @@ def _one_run(k: int, size: int, versions: int, hosts, die: bool, fanout: int,
       except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
+    for log in logs:
+      log.close()
+    if ok:  # the logs are kept only where a run failed (its error names them)
+      shutil.rmtree(d, ignore_errors=True)
 
 
 def _trainer(d, host, k, size, versions, own_link):
