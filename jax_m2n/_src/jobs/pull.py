@@ -76,15 +76,13 @@ def wait_arrived(pull: Pull, pending: Sequence[tuple[str, Pending]], what: str
   if pull.waits is not None:
     pull.waits.wait_ready(ready, {}, what)
   else:
-    delay = 1e-4
-    while not ready():
-      if time.monotonic() > pull.deadline:
+    for name, fetch in pending:
+      if not fetch.wait(pull.deadline - time.monotonic()):
+        ready()
         raise ReshardTimeoutError(
             f"{API}: {what} must arrive within timeout_s={pull.timeout_s:g}; got "
-            f"{len(left)} fetch(es) from {left[0][0]} still missing (the publisher "
+            f"{len(left)} fetch(es) from {name} still missing (the publisher "
             "stalled, or its link is too slow for this timeout).")
-      time.sleep(delay)
-      delay = min(2 * delay, 2e-3)
   out = []
   for name, fetch in pending:
     try:

@@ -41,6 +41,17 @@ class Pending(abc.ABC):
   def result(self) -> list[jax.Array]:
     """The arrays (waits for them where not `done()`); the transport's failure raises."""
 
+  def wait(self, timeout_s: float) -> bool:
+    """Blocks until `done()` or `timeout_s` passed; returns `done()`. This default polls
+    (sleeps doubling to 2 ms); a transport that learns of arrival wakes at once."""
+    deadline, delay = time.monotonic() + timeout_s, 1e-4
+    while not self.done():
+      if time.monotonic() >= deadline:
+        return False
+      time.sleep(min(delay, max(deadline - time.monotonic(), 0)))
+      delay = min(2 * delay, 2e-3)
+    return True
+
 
 class Arrived(Pending):
   """Arrays that are (or become, by themselves) ready: JAX's asynchronous arrays, or

@@ -60,6 +60,10 @@ class Fetch(Pending):
   def result(self) -> list[jax.Array]:
     return self.future.result()
 
+  def wait(self, timeout_s: float) -> bool:  # woken by the receiving thread
+    concurrent.futures.wait([self.future], timeout=max(timeout_s, 0))
+    return self.future.done()
+
   def fail(self, error: BaseException) -> None:
     if not self.future.done():
       self.future.set_exception(error)
