@@ -86,7 +86,9 @@ class Import:
     """Whether the publisher process still runs (its CUDA IPC memory dies with it)."""
     if self._liveness is None:
       return True
-    return not select.select([self._liveness], [], [], 0)[0]
+    poller = select.poll()  # not select(): fds above 1023 are common in big programs
+    poller.register(self._liveness, select.POLLIN)
+    return not poller.poll(0)
 
   def slot_of(self, version: int, deadline: float) -> int:
     """The slot holding `version`, waiting (bounded) while it is being written.

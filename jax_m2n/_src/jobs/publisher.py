@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import time
+import weakref
 from typing import Any
 
 import jax
@@ -93,8 +94,8 @@ class Publisher:
     host, port = channel.split_address(_API, address or "127.0.0.1:0")
     self._pid = jax.process_index()
     self._closed = False
-    self._fds: list[local_memory.FdServer] = []  # made when a local subscriber asks
-    self._versions = Versions(keep, self._fd_server)
+    self._fds = _FdServers()  # made when a local subscriber asks
+    self._versions = Versions(keep, self._fds.get)
     self._transport = transports.acquire_spec(spec, host, key)
     self._counters = Counters()
     self._service = serving.Service(self._pid, self._versions,
@@ -117,11 +118,10 @@ class Publisher:
       self._server.close()
       transports.release(self._transport)
       raise
-
-  def _fd_server(self) -> local_memory.FdServer:
-    if not self._fds:
-      self._fds.append(local_memory.FdServer())
-    return self._fds[0]
+    # Closed by close(), or when the last reference goes (nothing the threads hold
+    # refers to this object, so garbage collection reaches it).
+    self._finalizer = weakref.finalize(self, _shut, self._service, self._server,
+                                       self._versions, self._fds, self._transport)
 
   @property
   def address(self) -> str:
@@ -179,19 +179,8 @@ class Publisher:
     """Stops serving: waiting subscribers are told at once (they raise, naming this
     publisher), later requests get no answer; held versions are dropped and this
     process's transport is released (its ports close with the last user)."""
-    if self._closed:
-      return
-    self._closed = self._service.closed = True
-    self._server.wake()
-    deadline = time.monotonic() + 1.0
-    while self._service.waiting and time.monotonic() < deadline:
-      time.sleep(0.01)
-    self._server.close()
-    self._service.close()
-    self._versions.clear()
-    for fds in self._fds:
-      fds.close()
-    transports.release(self._transport)
+    self._closed = True
+    self._finalizer()
 
   def __enter__(self) -> "Publisher":
     return self
@@ -199,11 +188,35 @@ class Publisher:
   def __exit__(self, *exc) -> None:
     self.close()
 
-  def __del__(self):
-    try:
-      self.close()
-    except Exception:  # noqa: BLE001 - interpreter shutdown
-      pass
+
+class _FdServers:
+  """The publisher's fd server, made on first use (a local subscriber asked)."""
+
+  def __init__(self):
+    self.made: list[local_memory.FdServer] = []
+
+  def get(self) -> local_memory.FdServer:
+    if not self.made:
+      self.made.append(local_memory.FdServer())
+    return self.made[0]
+
+
+def _shut(service: serving.Service, server: channel.Server, versions: Versions,
+          fds: _FdServers, transport: Any) -> None:
+  """A publisher's close (at most once: weakref.finalize): waiting subscribers are told
+  (up to 1 s), then the port, the held versions, the fd server and this process's share
+  of the transport go."""
+  service.closed = True
+  server.wake()
+  deadline = time.monotonic() + 1.0
+  while service.waiting and time.monotonic() < deadline:
+    time.sleep(0.01)
+  server.close()
+  service.close()
+  versions.clear()
+  for f in fds.made:
+    f.close()
+  transports.release(transport)
 
 
 def _gather_addresses(mine: tuple[str, ...], instance: int, timeout_s: float

@@ -8,6 +8,7 @@ pulling.py's.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import jax
@@ -78,6 +79,9 @@ class Subscriber:
     # directly (its processes already forward among themselves).
     if relay and jax.process_count() == 1:
       self._state.relay = relay_lib.Member(_API, self._state.connections.new_root)
+    # Closed by close(), or when the last reference goes (nothing the threads hold
+    # refers to this object, so garbage collection reaches it).
+    self._finalizer = weakref.finalize(self, _shut, self._state)
 
   @property
   def version(self) -> int:
@@ -97,12 +101,8 @@ class Subscriber:
   def close(self) -> None:
     """Closes the connections (the publisher forgets this subscriber's session) and
     releases this process's share of the transport."""
-    if self._closed:
-      return
     self._closed = True
-    if self._state.relay is not None:
-      self._state.relay.close(self._state.connections.live_root(), pulling.ANSWER_S)
-    self._state.close()
+    self._finalizer()
 
   def __enter__(self) -> "Subscriber":
     return self
@@ -185,3 +185,10 @@ class Subscriber:
                            delta=delta, path=path)
     return self._watch.pull(self._state, lambda: pulling.pull(
         self._state, dst, dtype, donate, options))
+
+
+def _shut(state: pulling.State) -> None:
+  """A subscriber's close (at most once: weakref.finalize)."""
+  if state.relay is not None:
+    state.relay.close(state.connections.live_root(), pulling.ANSWER_S)
+  state.close()
