@@ -63,7 +63,7 @@ def meshes():
 def test_random_layouts_and_dtypes_bitwise(meshes, seed, path):
   """Both paths over the same cases: "network" on CPU composes each destination shard
   straight from the packs that arrived (engine._run_direct), cut out of the
-  publisher's export as flat runs where boxes are contiguous (serving._cutter)."""
+  publisher's export as flat runs where boxes are contiguous (offering._cutter)."""
   trainer, gen = meshes
   rng = np.random.default_rng(seed)
   cases = [_case(rng, trainer, gen) for _ in range(12)]

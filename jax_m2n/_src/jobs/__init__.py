@@ -31,6 +31,7 @@ per module, dependencies one way (each line uses only the lines above it):
   counters.py    a publisher process's counts as it answers, and its PublisherStats;
   status.py      the `status` call: its answer, the asking side, the summary;
   metrics.py     Prometheus metrics in a registry the user passes (optional);
+  offering.py    a publisher process's offers: plans registered, pieces cut and offered;
   serving.py     a publisher process's answers to subscribers (server thread);
   publisher.py   `Publisher`, the trainer's API;
   pulling.py     a pull's lifecycle (version, manifest, plan, data path, result);
