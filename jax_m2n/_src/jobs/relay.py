@@ -187,6 +187,7 @@ class _Version:
   def __init__(self, pp: PullPlan, version: int, key: str, salt: str,
                chunk_bytes: int):
     self.version, self.key, self.salt = version, key, salt
+    self.chunk_bytes = chunk_bytes
     devices = {d.id: d for d in jax.local_devices()}
     self.specs: dict[int, list[list[jax.ShapeDtypeStruct]]] = {}
     self.table: dict[int, list[tuple[int, int, int]]] = {}
@@ -308,7 +309,7 @@ class Member:
     try:
       if upstream is not None:
         try:
-          self._digests(pull, v, answer_s)
+          _digests(self.api, pull, v, answer_s)
           if not _listening(upstream[1]):
             raise ReshardRuntimeError("nothing listens there (it died)")
           for k, j in v.order:  # all at once: each waits until the upstream offers it
@@ -321,7 +322,7 @@ class Member:
           self._reroute(root, pull, v, upstream[0], v.order, answer_s)
           upstream = None
       else:
-        self._from_trainer(pull, v, v.order, answer_s)
+        _from_trainer(pull, v, v.order, answer_s)
       self._wait(root, pull, v, upstream, answer_s)
     except BaseException:
       v.stop.set()  # nothing more to forward: the children re-route
@@ -330,39 +331,6 @@ class Member:
                "member": self.id}, answer_s, "a relay report")
     return v.packs()
 
-  def _from_trainer(self, pull: Pull, v: _Version, wanted: list[tuple[int, int]],
-                    answer_s: float) -> None:
-    """Asks each trainer process for the `wanted` chunks of its packs; fetches them."""
-    per: dict[int, list[int]] = {}
-    for k, j in wanted:
-      per.setdefault(k, []).append(j)
-    for k, js in sorted(per.items()):
-      link = pull.links[k]
-      body = dict(engine.pieces_body(pull.plan, k, v.version, pull.timeout_s),
-                  chunk_bytes=self.chunk_bytes, chunks=js)
-      reply = link.client.call(body, answer_s, f"the chunks of version {v.version}")
-      for j, ticket in zip(js, engine.tickets_of(reply, len(js), link.name,
-                                                 "the chunks request")):
-        v.put((k, j), pull.transport.fetch(link.address, ticket, [v.chunk_specs[k][j]],
-                                           timeout_s=pull.timeout_s), "trainer")
-
-  def _digests(self, pull: Pull, v: _Version, answer_s: float) -> None:
-    """The publisher's digest of every chunk this member will get from another member
-    (one request to each trainer process, sent together)."""
-    opened = []
-    for k in sorted(v.table):
-      link = pull.links[k]
-      body = dict(engine.pieces_body(pull.plan, k, v.version, pull.timeout_s),
-                  op="digests", chunk_bytes=self.chunk_bytes)
-      opened.append((k, link, link.client.start(body, "the chunks' digests")))
-    for k, link, seq in opened:
-      got = link.client.finish(seq, answer_s, "the chunks' digests").get("digests")
-      if not isinstance(got, list) or len(got) != len(v.table[k]) or not all(
-          isinstance(d, str) and len(d) == 32 for d in got):
-        raise ReshardRuntimeError(f"{self.api}: {link.name} answered the digests request "
-                                  "with a malformed list.")
-      v.digests.update(((k, j), d) for j, d in enumerate(got))
-
   def _reroute(self, root: channel.Client, pull: Pull, v: _Version, up_id: str,
                missing: list[tuple[int, int]], answer_s: float) -> None:
     """The upstream died or stalled: the coordinator learns it (no one else is given
@@ -370,7 +338,7 @@ class Member:
     root.call({"op": "relay_reroute", "version": v.version, "group": v.key,
                "member": self.id, "upstream": up_id}, answer_s, "a relay re-route")
     stats["reroutes"] += 1
-    self._from_trainer(pull, v, missing, answer_s)
+    _from_trainer(pull, v, missing, answer_s)
 
   def _wait(self, root: channel.Client, pull: Pull, v: _Version,
             upstream: tuple[str, str] | None, answer_s: float) -> None:
@@ -443,6 +411,40 @@ class Member:
     for f, _ in self._versions:
       f.join(timeout=5.0)
     self._versions.clear()
+
+
+def _from_trainer(pull: Pull, v: _Version, wanted: list[tuple[int, int]],
+                answer_s: float) -> None:
+  """Asks each trainer process for the `wanted` chunks of its packs; fetches them."""
+  per: dict[int, list[int]] = {}
+  for k, j in wanted:
+    per.setdefault(k, []).append(j)
+  for k, js in sorted(per.items()):
+    link = pull.links[k]
+    body = dict(engine.pieces_body(pull.plan, k, v.version, pull.timeout_s),
+                chunk_bytes=v.chunk_bytes, chunks=js)
+    reply = link.client.call(body, answer_s, f"the chunks of version {v.version}")
+    for j, ticket in zip(js, engine.tickets_of(reply, len(js), link.name,
+                                               "the chunks request")):
+      v.put((k, j), pull.transport.fetch(link.address, ticket, [v.chunk_specs[k][j]],
+                                         timeout_s=pull.timeout_s), "trainer")
+
+def _digests(api: str, pull: Pull, v: _Version, answer_s: float) -> None:
+  """The publisher's digest of every chunk this member will get from another member
+  (one request to each trainer process, sent together)."""
+  opened = []
+  for k in sorted(v.table):
+    link = pull.links[k]
+    body = dict(engine.pieces_body(pull.plan, k, v.version, pull.timeout_s),
+                op="digests", chunk_bytes=v.chunk_bytes)
+    opened.append((k, link, link.client.start(body, "the chunks' digests")))
+  for k, link, seq in opened:
+    got = link.client.finish(seq, answer_s, "the chunks' digests").get("digests")
+    if not isinstance(got, list) or len(got) != len(v.table[k]) or not all(
+        isinstance(d, str) and len(d) == 32 for d in got):
+      raise ReshardRuntimeError(f"{api}: {link.name} answered the digests request "
+                                "with a malformed list.")
+    v.digests.update(((k, j), d) for j, d in enumerate(got))
 
 
 class _Forwarder(threading.Thread):
