@@ -25,6 +25,8 @@ import sys  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import local_cases  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "local_worker.py")
 HAVE = gpus.count_without_jax()
@@ -132,12 +134,7 @@ def _two_programs(seed, scale=1, time=False, timeout=300):
         reader.stdout + reader.stderr)
     return json.loads(line), out[-1]
   finally:
-    pub.stdin.close()
-    try:
-      pub.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-      pub.kill()
-      pub.wait()
+    local_cases.end(pub, 60)
 
 
 def test_two_programs_bitwise():

@@ -5,6 +5,7 @@ every value of each fused type, and bitwise comparison."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import ml_dtypes
@@ -115,3 +116,14 @@ def min_ms(fn, n=10) -> float:
     fn()
     best = min(best, time.perf_counter() - t0)
   return best * 1e3
+
+
+def end(proc: subprocess.Popen, timeout_s: float) -> None:
+  """Closes a worker's stdin (its cue to exit) and waits for it; killed past
+  `timeout_s`."""
+  proc.stdin.close()
+  try:
+    proc.wait(timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.wait()

@@ -30,6 +30,7 @@ from jax_m2n._src.errors import ReshardRuntimeError, ReshardTypeError, ReshardVa
 from jax_m2n._src.jobs.manifest import DTYPES
 from jax_m2n._src.local_copy import Box, Out, local_copy, local_store
 from jax_m2n._src.local_memory import Segment
+import local_cases
 from local_cases import (BF16, F32, FUSED, PAIRS, all_values, bits, case, cut,
                          fill_boxes, min_ms, random_values)
 
@@ -216,12 +217,7 @@ def test_two_processes_bitwise():
     out, _ = reader.communicate(timeout=180)
     assert reader.returncode == 0 and out.strip().endswith("OK"), out
   finally:
-    pub.stdin.close()
-    try:
-      pub.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-      pub.kill()
-      pub.wait()
+    local_cases.end(pub, 30)
 
 
 def test_timing_256mib_against_one_memcpy():

@@ -33,6 +33,7 @@ per module, dependencies one way (each line uses only the lines above it):
   metrics.py     Prometheus metrics in a registry the user passes (optional);
   offering.py    a publisher process's offers: plans registered, pieces cut and offered;
   serving.py     a publisher process's answers to subscribers (server thread);
+  lifetime.py    how both ends close (close(), with, garbage collection);
   publisher.py   `Publisher`, the trainer's API;
   pulling.py     a pull's lifecycle (version, manifest, plan, data path, result);
   watch.py       a subscriber's records of its pulls, their log lines and metrics;

@@ -12,7 +12,6 @@ import itertools
 import json
 import logging
 import time
-import weakref
 from typing import Any
 
 import jax
@@ -20,7 +19,8 @@ import jax
 from jax_m2n._src import jax_compat
 from jax_m2n._src.errors import ReshardRuntimeError, ReshardTypeError, ReshardValueError
 from jax_m2n._src import local_memory
-from jax_m2n._src.jobs import auth, channel, exports, metrics as metrics_lib, records
+from jax_m2n._src.jobs import auth, channel, exports, lifetime, records
+from jax_m2n._src.jobs import metrics as metrics_lib
 from jax_m2n._src.jobs import serving, transports
 from jax_m2n._src.jobs.counters import Counters
 from jax_m2n._src.jobs.versions import Versions, check_published
@@ -31,7 +31,7 @@ _API = "Publisher"
 _instances = itertools.count()
 
 
-class Publisher:
+class Publisher(lifetime.Closing):
   """Publishes versions of a pytree to subscriber jobs (separate programs).
 
   Every process of the trainer job (one process, or a `jax.distributed` job) creates
@@ -93,7 +93,6 @@ class Publisher:
       raise ReshardValueError(f"{_API}: keep must be an int >= 1; got {keep}.")
     host, port = channel.split_address(_API, address or "127.0.0.1:0")
     self._pid = jax.process_index()
-    self._closed = False
     self._fds = _FdServers()  # made when a local subscriber asks
     self._versions = Versions(keep, self._fds.get)
     self._transport = transports.acquire_spec(spec, host, key)
@@ -118,10 +117,8 @@ class Publisher:
       self._server.close()
       transports.release(self._transport)
       raise
-    # Closed by close(), or when the last reference goes (nothing the threads hold
-    # refers to this object, so garbage collection reaches it).
-    self._finalizer = weakref.finalize(self, _shut, self._service, self._server,
-                                       self._versions, self._fds, self._transport)
+    self._close_with(_shut, self._service, self._server, self._versions, self._fds,
+                     self._transport)
 
   @property
   def address(self) -> str:
@@ -178,15 +175,9 @@ class Publisher:
   def close(self) -> None:
     """Stops serving: waiting subscribers are told at once (they raise, naming this
     publisher), later requests get no answer; held versions are dropped and this
-    process's transport is released (its ports close with the last user)."""
-    self._closed = True
-    self._finalizer()
-
-  def __enter__(self) -> "Publisher":
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
+    process's transport is released (its ports close with the last user). Also when
+    a `with` block ends and when the last reference goes."""
+    super().close()
 
 
 class _FdServers:

@@ -8,7 +8,6 @@ pulling.py's.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import jax
@@ -16,14 +15,14 @@ import jax
 from jax_m2n._src import checks
 from jax_m2n._src.errors import ReshardRuntimeError, ReshardTypeError
 from jax_m2n._src.jobs import auth, metrics as metrics_lib, pulling, relay as relay_lib
-from jax_m2n._src.jobs import records, watch
+from jax_m2n._src.jobs import lifetime, records, watch
 from jax_m2n._src.jobs.connections import Connections
 from jax_m2n._src.jobs.request import pull_options
 
 _API = "Subscriber"
 
 
-class Subscriber:
+class Subscriber(lifetime.Closing):
   """Pulls versions a `Publisher` published, into this job's layouts.
 
   Every process of the generator job (one process, or a `jax.distributed` job of its
@@ -73,15 +72,12 @@ class Subscriber:
     if not isinstance(relay, bool):
       raise ReshardTypeError(f"{_API}: relay must be a bool; got {type(relay).__name__}.")
     connect_s = checks.options(_API, timeout_s=timeout_s).timeout_s
-    self._closed = False
     self._state = pulling.State(Connections(_API, address, key, connect_s))
     # A one-process job relays (docs/jobs.md, "Relays"); a multi-process job pulls
     # directly (its processes already forward among themselves).
     if relay and jax.process_count() == 1:
       self._state.relay = relay_lib.Member(_API, self._state.connections.new_root)
-    # Closed by close(), or when the last reference goes (nothing the threads hold
-    # refers to this object, so garbage collection reaches it).
-    self._finalizer = weakref.finalize(self, _shut, self._state)
+    self._close_with(_shut, self._state)
 
   @property
   def version(self) -> int:
@@ -100,15 +96,9 @@ class Subscriber:
 
   def close(self) -> None:
     """Closes the connections (the publisher forgets this subscriber's session) and
-    releases this process's share of the transport."""
-    self._closed = True
-    self._finalizer()
-
-  def __enter__(self) -> "Subscriber":
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
+    releases this process's share of the transport. Also when a `with` block ends
+    and when the last reference goes."""
+    super().close()
 
   def pull(self, dst: Any, *, dtype: Any = None, version: int | None = None,
            donate: Any = None, route: str = "hierarchical",
