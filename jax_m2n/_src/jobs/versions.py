@@ -25,7 +25,7 @@ from jax_m2n._src import jax_compat
 from jax_m2n._src import local_copy as local_copy_lib
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError, VersionGone
 from jax_m2n._src.jobs import exports, manifest as manifest_lib, pieces
-from jax_m2n._src.layout import Box, Layout
+from jax_m2n._src.layout import Box, Layout, box_size
 
 # Manifests kept per publisher (a training run publishes one layout set, a few at most).
 MAX_MANIFESTS = 16
@@ -122,6 +122,11 @@ def _sharding_ok(sharding: Any) -> bool:
   return True
 
 
+# manifest.DTYPES as dtypes (a dtype's name is slow to get: this runs per leaf, per
+# publish).
+_PUBLISHABLE = frozenset(np.dtype(name) for name in manifest_lib.DTYPES)
+
+
 def check_published(api: str, tree: Any, dtype: Any
                     ) -> tuple[list[Any], list[jax.Array], list[np.dtype]]:
   """`tree`'s key paths, leaves and published dtypes, after every rule (a global
@@ -139,7 +144,7 @@ def check_published(api: str, tree: Any, dtype: Any
     if leaf.is_deleted():
       raise ReshardValueError(f"{api}: every leaf must be alive; got a deleted array at "
                               f"{name}.")
-    if np.dtype(leaf.dtype).name not in manifest_lib.DTYPES:
+    if leaf.dtype not in _PUBLISHABLE:
       raise ReshardTypeError(
           f"{api}: every leaf must hold numbers or bools "
           f"({', '.join(manifest_lib.DTYPES)}); got {leaf.dtype} at {name}.")
@@ -151,7 +156,7 @@ def check_published(api: str, tree: Any, dtype: Any
   dtypes = [np.dtype(l.dtype) if o is None else np.dtype(jax.dtypes.canonicalize_dtype(o))
             for o, l in zip(outs, leaves)]
   for t, d in enumerate(dtypes):
-    if d.name not in manifest_lib.DTYPES:
+    if d not in _PUBLISHABLE:
       raise ReshardTypeError(f"{api}: dtype must be one of {manifest_lib.DTYPES}; got "
                              f"{d} for {names()[t]}.")
   return [p for p, _ in with_path], leaves, dtypes
@@ -177,14 +182,14 @@ class Versions:
     layout set's export where that is the snapshot (CPU: one copy, no XLA buffer),
     else as XLA buffers (and into the export too, where local subscribers use one)."""
     m, boxes, index = self._layouts(tree, paths, leaves, dtypes, processes)
-    arrays, devices, nbytes = {}, {}, 0
+    arrays, devices = {}, {}
     for t, (leaf, dt) in enumerate(zip(leaves, dtypes)):
       for dev, arr in zip(jax_compat.addressable_device_assignment(leaf.sharding),
                           jax_compat.single_device_arrays(leaf)):
         k = index[dev.id]
         devices[k] = dev
         arrays[(t, k)] = arr if arr.dtype == dt else pieces.converter(np.dtype(dt))(arr)
-        nbytes += arrays[(t, k)].nbytes
+    nbytes = sum(box_size(boxes[t][k]) * dtypes[t].itemsize for t, k in arrays)
     export = self._exports.get(m.id)
     if export is None and _export_is_snapshot(devices):
       export = self._export(m.id, arrays, boxes, devices)
