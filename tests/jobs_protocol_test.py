@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
-from jax_m2n._src.jobs import auth, channel, engine
+from jax_m2n._src.jobs import auth, channel, engine, local
 from doctest_test import run_docstring_examples
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -152,6 +152,32 @@ def test_a_steady_state_pulls_control_messages_are_counted(published, gen, path,
   assert first["calls"] == first_calls, (path, first)
 
 
+@pytest.mark.parametrize("path,steady_calls", [("network", 2), ("local", 1)])
+def test_prepare_makes_the_first_pull_a_steady_one(published, gen, path, steady_calls):
+  # prepare() does the first pull's work (manifest, plan, registration or export,
+  # compiled copies on both sides) and moves no weights; the first pull after it then
+  # sends what a recurring pull sends, and nothing crosses the transport before it.
+  _, tree, _ = published
+  with jax_m2n.Publisher(token=TOKEN, keep=2) as pub, jax_m2n.Subscriber(
+      pub.address, token=TOKEN) as sub:
+    pub.publish(tree)
+    moved = dict(engine.stats)
+    assert sub.prepare(_dst(gen), path=path) == 1
+    assert dict(engine.stats) == moved and sub.version == 0
+    with pytest.raises(jax_m2n.ReshardValueError, match="Subscriber.prepare: .*prefix"):
+      sub.prepare({"w": _dst(gen)["w"]}, path=path)
+    before = dict(channel.stats)
+    compiled = local._copies.cache_info().misses, engine._direct_recipe.cache_info().misses
+    out = sub.pull(_dst(gen), path=path)
+    first = {k: channel.stats[k] - before.get(k, 0) for k in ("calls", "sent")}
+    assert first == {"calls": steady_calls, "sent": steady_calls}, (path, first)
+    assert (local._copies.cache_info().misses,  # nothing prepared again
+            engine._direct_recipe.cache_info().misses) == compiled
+    assert sub.version == 1 and sub._state.path == path
+    np.testing.assert_array_equal(_bits(out["w"]), _bits(jax.device_put(
+        tree["w"], _dst(gen)["w"])))
+
+
 def test_bad_arguments_fail_before_any_byte_moves(published, gen):
   pub, tree, _ = published
   before = dict(engine.stats)
@@ -272,3 +298,19 @@ def test_the_publisher_serves_after_the_fuzzer(published, gen):
   for k in tree:
     np.testing.assert_array_equal(_bits(out[k]), _bits(jax.device_put(tree[k],
                                                                       _dst(gen)[k])))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"keep": 0}, jax_m2n.ReshardValueError, "keep must be an int >= 1; got 0"),
+    ({"keep": True}, jax_m2n.ReshardTypeError, "keep must be an int >= 1"),
+    ({"encrypt": "yes"}, jax_m2n.ReshardTypeError, "encrypt must be a bool"),
+    ({"transport": "nccl"}, jax_m2n.ReshardValueError,
+     "transport must be 'net' or 'transfer_server'; got 'nccl'"),
+    ({"encrypt": True, "transport": "transfer_server"}, jax_m2n.ReshardValueError,
+     "encrypt=True needs transport='net'"),
+])
+def test_publisher_arguments_are_checked_before_any_port_opens(kwargs, error, match):
+  fds = len(os.listdir("/proc/self/fd"))
+  with pytest.raises(error, match=match):
+    jax_m2n.Publisher(token=TOKEN, **kwargs)
+  assert len(os.listdir("/proc/self/fd")) == fds

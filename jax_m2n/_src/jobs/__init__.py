@@ -11,10 +11,13 @@ per module, dependencies one way (each line uses only the lines above it):
   channel.py     the zmq endpoints (a CURVE server loop, a client with bounded
                  requests and notices);
   transport.py   the transport interface (offer / fetch / cancel arrays between
-                 processes), JAX's transfer server behind it, and the registry of
-                 kinds: the one seam bytes cross;
+                 processes), JAX's transfer server behind it: the one seam bytes
+                 cross between processes;
   net/           the "net" transport: our own over ZeroMQ (bounded, optionally
                  CurveZMQ-encrypted), for bytes that cross a network;
+  transports.py  the registry of transport kinds, one per (kind, host) and process;
+  exports.py     a publisher process's versions in memory a reader on its host maps
+                 (keep slots per layout set, a seqlock header);
   manifest.py    what a version is made of: paths, shapes, dtypes, layouts, addresses;
   request.py     a pull as values: PullOptions (reshard's Options extended) and the
                  checked PullRequest (reshard's rules: checks.py);
@@ -23,6 +26,7 @@ per module, dependencies one way (each line uses only the lines above it):
   pull.py        one pull in flight (`Pull`), passed whole to what moves its bytes;
   pieces.py      the compiled programs that cut, pack and compose boxes;
   engine.py      a full pull on a subscriber process: waves, forwards, compose;
+  local.py       a pull on the publisher's host: its exports read in place;
   codec.py       the delta codec: change test, encoding, decoding, applying;
   delta.py       delta sync's requests: serving (publisher) and pulling (subscriber);
   membership.py  relays: who forwards a version to whom (on the publisher);

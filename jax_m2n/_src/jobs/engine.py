@@ -72,16 +72,13 @@ def tickets_of(reply: dict[str, Any], n: int, name: str, what: str) -> list[int]
   return got
 
 
-def request(pull: Pull, answer_s: float) -> tuple[dict[int, list[int]], list[Any]]:
-  """Sends each publisher process this process reads from its pull (registering the
-  plan first, once per publisher process and plan), without waiting for the answers:
-  returns the tickets to fetch at once (derived from the plan's salt and the pull's
-  random number) and the open requests (`confirm` waits for their answers). A pull
-  that recurs costs one message to each publisher process and no piece list."""
-  seq = secrets.randbits(62)
-  key = hashlib.blake2b(pull.plan.fingerprint.encode(), digest_size=16).hexdigest()
-  tickets, opened = {}, []
-  for k, groups in sorted(pull.plan.packed_requests.items()):
+def register(pull: Pull, answer_s: float) -> dict[int, bytes]:
+  """Registers the pull's plan with each publisher process it reads from that does not
+  have it yet (its packs, wire dtypes and a random salt; the publisher prepares its
+  cut); returns per process the plan's salt."""
+  key = plan_key(pull.plan)
+  salts = {}
+  for k in sorted(pull.plan.packed_requests):
     link = pull.links[k]
     salt = link.plans.get(key)
     if salt is None:
@@ -90,11 +87,36 @@ def request(pull: Pull, answer_s: float) -> tuple[dict[int, list[int]], list[Any
                   plan=key, manifest=pull.request.manifest.id, salt=salt.hex())
       link.client.call(body, answer_s, "the registration of a plan")
       link.plans[key] = salt
+    salts[k] = salt
+  return salts
+
+
+def plan_key(pp: PullPlan) -> str:
+  return hashlib.blake2b(pp.fingerprint.encode(), digest_size=16).hexdigest()
+
+
+def request(pull: Pull, answer_s: float) -> tuple[dict[int, list[int]], list[Any]]:
+  """Sends each publisher process this process reads from its pull (registering the
+  plan first, once per publisher process and plan), without waiting for the answers:
+  returns the tickets to fetch at once (derived from the plan's salt and the pull's
+  random number) and the open requests (`confirm` waits for their answers). A pull
+  that recurs costs one message to each publisher process and no piece list."""
+  seq = secrets.randbits(62)
+  key = plan_key(pull.plan)
+  tickets, opened = {}, []
+  for k, salt in register(pull, answer_s).items():
+    link = pull.links[k]
     opened.append((link, key, link.client.start(
         {"op": "pull", "plan": key, "version": pull.number, "seq": seq,
          "timeout_ms": pull.options.timeout_ms}, f"the pull of version {pull.number}")))
-    tickets[k] = [pull_ticket(salt, seq, g) for g in range(len(groups))]
+    tickets[k] = [pull_ticket(salt, seq, g)
+                  for g in range(len(pull.plan.packed_requests[k]))]
   return tickets, opened
+
+
+def prepare(pp: PullPlan) -> None:
+  """Compiles what `run` composes with (the direct path's copies), where it takes it."""
+  _direct_recipe(pp)
 
 
 def confirm(pull: Pull, opened: list[Any], answer_s: float) -> None:

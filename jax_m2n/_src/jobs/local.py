@@ -131,6 +131,11 @@ def _pidfd(pid: int) -> int | None:
     return None
 
 
+def prepare(pp: PullPlan) -> None:
+  """Compiles a plan's copies now (`Subscriber.prepare`), not on its first pull."""
+  _copies(pp)
+
+
 @functools.lru_cache(maxsize=64)
 def _copies(pp: PullPlan) -> dict[int, tuple[list[tuple[int, int]],
                                              list[tuple[int, int, int]], Any]]:

@@ -79,8 +79,11 @@ class Offers:
               "got an unknown one (dropped: pull again).", "kind": "gone"}
     wire = manifest_lib.wire_field(body, "register", len(version.manifest.leaves))
     groups = self._groups(version, body.get("groups"), wire)
-    self._plans[(caller.peer, key)] = _Plan(want, wire, groups, salt, [],
-                                            [{} for _ in groups])
+    cutters: list[dict] = [{} for _ in groups]
+    if _from_export(version):  # prepared now: a pull of the plan only runs them
+      for ops, made in zip(groups, cutters):
+        made[version.manifest.id] = _cutter(version, ops, wire)
+    self._plans[(caller.peer, key)] = _Plan(want, wire, groups, salt, [], cutters)
     self._plans.move_to_end((caller.peer, key))
     while len(self._plans) > MAX_PLANS:
       self._plans.popitem(last=False)
@@ -212,8 +215,7 @@ def cut(version: Version, packs: list[list[transfer_engine.Op]],
   compiled program per source device. A version that lives only in its export (CPU)
   is cut straight out of it: new arrays, never views of the slot, so a slot reused for
   a newer version cannot change what an offer serves."""
-  if version.export is not None and version.slot >= 0 and any(
-      a is None for _, a in version.shards.values()):
+  if _from_export(version):
     if cutters is None:
       return _cut_export(version, _cutter(version, packs, wire))
     if version.manifest.id not in cutters:
@@ -238,6 +240,12 @@ def cut(version: Version, packs: list[list[transfer_engine.Op]],
       slots.append((k, batch.pack(boxes, dtype)))
   results = {k: b.run() for k, b in batches.items()}
   return [results[k][j] for k, j in slots]
+
+
+def _from_export(version: Version) -> bool:
+  """Whether the version lives only in its export (CPU: the export is the snapshot)."""
+  return version.export is not None and version.slot >= 0 and any(
+      a is None for _, a in version.shards.values())
 
 
 class _Cutter(NamedTuple):

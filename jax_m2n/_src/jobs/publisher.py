@@ -44,8 +44,8 @@ class Publisher(lifetime.Closing):
       default): "127.0.0.1:0", loopback only, a free port (`address` says which).
       Process 0 binds it as given; other processes of the job bind the same host on a
       free port (give each process its own host where they run on different hosts).
-      The bytes themselves go through this process's transport (JAX's transfer
-      server), bound to the same host.
+      The bytes themselves go through this process's transport, bound to the same
+      host, or, for a subscriber on this host, straight from this process's memory.
     token: a str of at least 16 characters (or 16 bytes) both jobs hold, e.g.
       `jax_m2n.new_token()`. The control channel is CurveZMQ with keys derived from it
       (scrypt): only a holder completes the handshake, both sides prove it without
@@ -53,6 +53,13 @@ class Publisher(lifetime.Closing):
       "Security").
     keep: how many versions to hold (at least 1): a subscriber can pull any held one.
     timeout_s: how long process k > 0 waits for its peers' addresses at start.
+    encrypt: whether the bytes on the network are encrypted too (CurveZMQ, keys from
+      the token: "net+curve"); by default they cross in the clear (only authenticated
+      subscribers learn the tickets that fetch them). Local pulls never cross a
+      network.
+    transport: "net" (the default: jax_m2n's ZeroMQ transport) or
+      "transfer_server" (JAX's transfer server: no authentication of its own, no
+      encryption; loopback or a network you trust).
     metrics: a `prometheus_client.CollectorRegistry` to expose this process's counts
       in (read at every scrape; docs/jobs.md, "Watching it"), or None. No port is
       opened; instances passing one registry share its metrics.
@@ -85,7 +92,10 @@ class Publisher(lifetime.Closing):
     if transport not in ("net", "transfer_server"):
       raise ReshardValueError(f"{_API}: transport must be 'net' or 'transfer_server'; "
                               f"got {transport!r}.")
-    spec = "net+curve" if encrypt and transport == "net" else transport
+    if encrypt and transport != "net":
+      raise ReshardValueError(f"{_API}: encrypt=True needs transport='net' (the "
+                              f"transfer server cannot encrypt); got {transport!r}.")
+    spec = "net+curve" if encrypt else transport
     if isinstance(keep, bool) or not isinstance(keep, int):
       raise ReshardTypeError(f"{_API}: keep must be an int >= 1; got "
                              f"{type(keep).__name__} {keep!r}.")

@@ -246,6 +246,45 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
   return _finish(state, request, pp, number, shards)
 
 
+def prepare(state: State, dst: Any, dtype: Any, options: PullOptions) -> int:
+  """`Subscriber.prepare`: the first pull's work for the newest held version's layout
+  set (waiting up to the timeout for one), without moving weights: the manifest, the
+  checked request and the plan; on the local path the exports mapped and the copies
+  compiled, on the network the plan registered with each publisher process (which
+  prepares its cut) and this process's compose compiled. Returns the version it
+  prepared for."""
+  root = state.connections.root()
+  number, mid = choose(state, dataclasses.replace(options, version=None)) if (
+      state.version == 0) else _newest(root, options)
+  m = _manifest(state, mid)
+  request = pull_request("Subscriber.prepare", m, dst, dtype, None, options)
+  planning.check_devices("Subscriber.prepare", request.dsts)
+  local_path = _local_path(options, m)
+  pp = planning.plan_pull(m, request.dsts, request.outs,
+                          "flat" if local_path else options.route)
+  conn = state.connections
+  p = Pull(request, pp, number, {k: conn.link(k, m) for k in pp.requests},
+           conn.transport(m))
+  if local_path and _imports(state, p, m) is not None:
+    local.prepare(pp)
+  else:
+    engine.register(p, _answer_s(p))
+    engine.prepare(pp)
+  return number
+
+
+def _newest(root: Any, options: PullOptions) -> tuple[int, str]:
+  """The newest version held now (after an earlier pull: prepare never waits for a
+  newer one)."""
+  listing = _listing(root, root.call({"op": "versions", "after": 0, "wait_ms": 0},
+                                     ANSWER_S, "the list of versions"))
+  got = _answer(root, listing, None, 0)
+  if got is None:
+    raise ReshardRuntimeError(f"{API}: prepare needs a held version; {root.peer} holds "
+                              "none.")
+  return got
+
+
 def _full(p: Pull, pulled: Any, trace: records.Trace) -> list[list[jax.Array]]:
   """A full pull over the transport (or from a relay's chunks, `pulled`); a plan a
   publisher process forgot is registered again and the pull retried once (`trace`

@@ -39,7 +39,7 @@ from jax_m2n._src.jobs.transport import Pending
 logger = logging.getLogger("jax_m2n")
 
 # Chunks of 1 MiB: a hop of a chain adds one chunk's time to the version (8 ms at
-# 1 Gbit/s), and the transfer server's cost per array stays small against it
+# 1 Gbit/s), and the transport's cost per array stays small against it
 # (docs/benchmarks.md, "Relays").
 CHUNK_BYTES = 1 << 20
 MIN_CHUNK_BYTES = 1 << 12
@@ -48,11 +48,11 @@ MAX_CHUNK_BYTES = 1 << 30
 # one copy (a tree of fanout F sends F copies out of each inner member).
 FANOUT = 1
 # An upstream that is alive but delivers no chunk for this long is passed over (one
-# that died while connected is noticed at once: the transfer server's connection
-# closes). One that died before the pulls connected is not (a pull from an address
-# nothing listens on waits forever, measured): after PROBE_S without a chunk, and
-# before the first pull, a plain TCP connect to its transfer server says whether
-# anything listens there.
+# that died while connected is noticed at once: its transport connection closes).
+# One that died before the pulls connected may not be (a fetch from an address nothing
+# listens on waits for its timeout): after PROBE_S without a chunk, and before the
+# first pull, a plain TCP connect to its transport's port says whether anything
+# listens there.
 STALL_S = 10.0
 PROBE_S = 0.5
 # A member that leaves waits at most this long for its children to finish the version

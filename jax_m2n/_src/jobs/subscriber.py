@@ -100,6 +100,32 @@ class Subscriber(lifetime.Closing):
     and when the last reference goes."""
     super().close()
 
+  def prepare(self, dst: Any, *, dtype: Any = None, route: str = "hierarchical",
+              timeout_s: float | None = None, path: str = "auto") -> int:
+    """Does now what the first pull into these layouts would do besides moving the
+    weights, so that the first `pull` costs what later ones do: waits (up to
+    `timeout_s`) for a version, fetches its manifest, checks and plans the pull,
+    and compiles the copies on both sides (the local path maps the publisher's
+    exports; the network path registers the plan with each publisher process, which
+    prepares its cut). Arguments as `pull`'s; every process of a job calls it.
+
+    Returns:
+      The version whose layout set it prepared (nothing is pulled; the next `pull`
+      still returns the newest version after the last pull).
+
+    Raises:
+      As `pull`: bad dst or dtype, no version within timeout_s, a dead publisher.
+
+    Example:
+      >>> sub.prepare(dst_shardings, dtype=jnp.bfloat16)   # doctest: +SKIP
+      1
+    """
+    api = "Subscriber.prepare"
+    if self._closed:
+      raise ReshardRuntimeError(f"{api}: the subscriber must be open; got a closed one.")
+    options = pull_options(api, route=route, timeout_s=timeout_s, path=path)
+    return pulling.prepare(self._state, dst, dtype, options)
+
   def pull(self, dst: Any, *, dtype: Any = None, version: int | None = None,
            donate: Any = None, route: str = "hierarchical",
            timeout_s: float | None = None, delta: bool = False,
