@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -178,10 +178,10 @@ def local_copy(device: jax.Device, pointers, boxes: Sequence[Box],
 
 
 def copier(device: jax.Device, boxes: Sequence[Box], outs: Sequence[Out],
-           n_slots: int) -> Callable[[Sequence[int]], list[jax.Array]]:
+           n_slots: int) -> "Copier":
   """`local_copy` prepared once for a schedule: checks and compiles now, and returns
-  `copy(pointers) -> list[jax.Array]`, which runs it at other addresses each time (a
-  pull that recurs every version pays only the call).
+  a `Copier`: `copy(pointers) -> list[jax.Array]` runs it at other addresses each
+  time (a pull that recurs every version pays only the call).
 
   Raises:
     ReshardTypeError / ReshardValueError: before anything runs (here, not per copy).
@@ -214,24 +214,58 @@ def copier(device: jax.Device, boxes: Sequence[Box], outs: Sequence[Out],
           raise ReshardValueError(
               f"local_copy: box {i}: src_start[{d}] + extent = {lo + n} must be <= "
               f"src_dims = {size} (and src_start >= 0; got {lo}).")
-  programs = _programs(boxes, outs, device.platform)
+  return Copier(device, _programs(boxes, outs, device.platform), n_slots, len(outs))
 
-  def copy(pointers: Sequence[int]) -> list[jax.Array]:
-    table = _pointer_table(pointers, "local_copy", device.platform)
-    if table.size != n_slots:
-      raise ReshardValueError(f"local_copy: pointers must have {n_slots} entries (the "
-                              f"schedule's slots); got {table.size}.")
-    results: list[jax.Array] = [None] * len(outs)  # type: ignore[list-item]
+
+class Copier:
+  """A `local_copy` prepared for one schedule on one device (`copier` makes it):
+  `copier(pointers)` runs it at those addresses; `copy_all` runs several (one per
+  device) with one transfer of all their pointer tables."""
+
+  def __init__(self, device: jax.Device, programs: list, n_slots: int, n_outs: int):
+    self.device, self.programs = device, programs
+    self.n_slots, self.n_outs = n_slots, n_outs
+
+  def __call__(self, pointers: Sequence[int]) -> list[jax.Array]:
+    return copy_all([(self, pointers)])[0]
+
+  def tables(self, pointers: Sequence[int]) -> list[np.ndarray]:
+    """Per program, its pointer table (checked)."""
+    table = _pointer_table(pointers, "local_copy", self.device.platform)
+    if table.size != self.n_slots:
+      raise ReshardValueError(f"local_copy: pointers must have {self.n_slots} entries "
+                              f"(the schedule's slots); got {table.size}.")
+    return [(table[slots] + offsets).view(np.uint32)
+            for _, _, slots, offsets in self.programs]
+
+  def run(self, on_device: Sequence[jax.Array]) -> list[jax.Array]:
+    """Runs the programs on their tables (on this device); the outputs in order."""
+    results: list[jax.Array] = [None] * self.n_outs  # type: ignore[list-item]
     try:
-      for program, members, slots, offsets in programs:
-        on_device = jax.device_put((table[slots] + offsets).view(np.uint32), device)
-        for o, a in zip(members, program(on_device)):
+      for (program, members, _, _), table in zip(self.programs, on_device):
+        for o, a in zip(members, program(table)):
           results[o] = a
     except jax.errors.JaxRuntimeError as e:
-      raise ReshardRuntimeError(f"local_copy: the native call failed on {device}: "
+      raise ReshardRuntimeError(f"local_copy: the native call failed on {self.device}: "
                                 f"{e}") from e
     return results
-  return copy
+
+
+def copy_all(jobs: Sequence[tuple[Copier, Sequence[int]]]) -> list[list[jax.Array]]:
+  """Runs each (copier, pointers): every pointer table crosses to its device in one
+  `jax.device_put` (one dispatch, not one per device and program); per job its
+  outputs."""
+  tables, devices = [], []
+  for c, pointers in jobs:
+    mine = c.tables(pointers)
+    tables += mine
+    devices += [c.device] * len(mine)
+  on_device = jax.device_put(tables, devices) if tables else []
+  out, at = [], 0
+  for c, _ in jobs:
+    out.append(c.run(on_device[at:at + len(c.programs)]))
+    at += len(c.programs)
+  return out
 
 
 def _programs(boxes: tuple[Box, ...], outs: tuple[Out, ...], platform: str) -> list:

@@ -214,8 +214,8 @@ def _direct_recipe(pp: PullPlan) -> Any:
   to or from the job's other processes, and the arriving pieces tile every
   destination box exactly (the flat route: a device's own pieces; the hierarchical:
   each element once per process). Per destination device: its outputs (leaf, index
-  in pp.local_dst[leaf]), its slots (pack index, element offset in the pack) and the
-  prepared local_copy. None: the waves' path (`run`). Cached per plan."""
+  in pp.local_dst[leaf]), its slots' pack indices and element offsets in the packs,
+  and the prepared local_copy. None: the waves' path (`run`). Cached per plan."""
   if any(d.platform != "cpu" for d in jax.local_devices()) or any(
       wave.sends or any(p < PUBLISHER_PROCESS_BASE for p in wave.recvs)
       for wave in pp.waves):
@@ -265,8 +265,9 @@ def _direct_recipe(pp: PullPlan) -> Any:
       if covered != box_size(box):
         return None  # pieces that overlap or fall short: the waves' path
   devices = {d.id: d for d in jax.local_devices()}
-  return len(packs), {d: (outputs, slots, local_copy_lib.copier(devices[d], boxes, outs,
-                                                                len(slots)))
+  return len(packs), {d: (outputs, np.array([i for i, _ in slots], np.int64),
+                          np.array([max(o, 0) for _, o in slots], np.int64),
+                          local_copy_lib.copier(devices[d], boxes, outs, len(slots)))
                       for d, (outputs, slots, boxes, outs, _) in per_device.items()}
 
 
@@ -296,10 +297,10 @@ def _run_direct(pull: Pull, recipe: Any, tickets, pulled, confirm, devices
   bases = np.array([a.unsafe_buffer_pointer() for a in arrays], np.int64)
   items = np.array([a.dtype.itemsize for a in arrays], np.int64)
   shards: list[list[Any]] = [[None] * len(devs) for devs in pp.local_dst]
-  for d, (outputs, slots, copy) in recipe[1].items():
-    index = np.array([i for i, _ in slots], np.int64)
-    at = np.array([max(o, 0) for _, o in slots], np.int64)
-    for (t, j), a in zip(outputs, copy(bases[index] + at * items[index])):
+  jobs = [(copy, bases[index] + at * items[index])
+          for _, index, at, copy in recipe[1].values()]
+  for (outputs, _, _, _), got in zip(recipe[1].values(), local_copy_lib.copy_all(jobs)):
+    for (t, j), a in zip(outputs, got):
       shards[t][j] = a if a.dtype == pp.out[t] else pieces.converter(pp.out[t])(a)
   for t, row in enumerate(shards):
     for j, a in enumerate(row):

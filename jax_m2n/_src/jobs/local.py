@@ -222,9 +222,12 @@ def run(pull: Pull, imports: dict[int, Import]) -> list[list[jax.Array]]:
     if not imp.alive():
       raise ReshardRuntimeError(f"{API}: {imp.name} must be alive to be read from; it "
                                 "exited.")
+  jobs, outputs_of = [], []
   for d, (outputs, sources, copy) in _copies(pp).items():
     starts, strides, procs = _addresses(pp, d, sources, imports, devices[d])
-    arrays = copy(starts + strides * np.array([slots[p] for p in procs], np.int64))
+    jobs.append((copy, starts + strides * np.array([slots[p] for p in procs], np.int64)))
+    outputs_of.append(outputs)
+  for outputs, arrays in zip(outputs_of, local_copy_lib.copy_all(jobs)):
     for (t, j), a in zip(outputs, arrays):
       shards[t][j] = a if a.dtype == pp.out[t] else pieces.converter(pp.out[t])(a)
     pending += arrays
