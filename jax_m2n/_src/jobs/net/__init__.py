@@ -4,7 +4,11 @@ optionally CurveZMQ-encrypted, with every table bounded.
 One concern per module, dependencies one way:
   wire.py     the message formats, statuses, sizes and socket options both sides share;
   curve.py    `CurveKeys`: the keys of encryption and mutual authentication;
-  offers.py   the serving side: offers, waiting requests, the ROUTER socket's thread;
+  offer_table.py  what the serving side holds, bounded: offers, waiting requests, bytes
+              being sent;
+  listen.py   the serving sockets: the ROUTER bound, the ZAP endpoint and its rule;
+  replies.py  the serving side's replies: a status, or an offer's arrays zero-copy;
+  offers.py   the serving side: the ROUTER socket's thread, requests, offer / cancel;
   fetches.py  the fetching side: fetches in flight, a DEALER per peer, their thread;
 and here `NetTransport`, the two sides behind `transport.Transport`, in a zmq context of
 their own. Before authentication a stranger reaches only libzmq's ZMTP and CURVE parsers
