@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from jax_m2n._src.errors import ReshardRuntimeError, ReshardValueError
 from jax_m2n._src.jobs.net import wire
@@ -189,14 +189,16 @@ class OfferTable:
       self._offers.clear()
       self._offer_bytes = 0
 
-  def request(self, ticket: int, waiter: Waiting) -> tuple[Offer | None, bool]:
+  def request(self, ticket: int, waiter: Callable[[], Waiting]
+              ) -> tuple[Offer | None, bool]:
     """A request for `ticket`: (its offer, taken out, False) where it is held; else
-    (None, True) where `waiter` now waits for it, (None, False) where the bounds on
-    waiting requests refuse it."""
+    (None, True) where `waiter()` now waits for it, (None, False) where the bounds on
+    waiting requests refuse it. (`waiter` is called only then: a request served at
+    once costs no more.)"""
     with self._lock:
       offer = self._offers.pop(ticket, None)
       if offer is None:
-        return None, self._waiting.add(ticket, waiter)
+        return None, self._waiting.add(ticket, waiter())
       self._offer_bytes -= offer.nbytes
       return offer, False
 
@@ -223,10 +225,10 @@ class OfferTable:
     """(The earliest deadline held or None, whether work waits for `due` or sending is
     in flight)."""
     with self._lock:
-      due = [d for d in (self._expiries[0][0] if self._expiries else None,
-                         self._waiting.next_deadline) if d is not None]
+      due = self._expiries[0][0] if self._expiries else None
+      wait = self._waiting.next_deadline
       busy = bool(self._ready or self._withdrawn or self._sending)
-    return min(due, default=None), busy
+    return due if wait is None or (due is not None and due <= wait) else wait, busy
 
   def due(self, now: float) -> tuple[list[tuple[Waiting, int, Offer]],
                                      list[tuple[Waiting, int]]]:
@@ -244,14 +246,16 @@ class OfferTable:
           self._offer_bytes -= offer.nbytes
           serve.append((w, ticket, offer))
       withdrawn, self._withdrawn = self._withdrawn, []
-      answer += [(w, wire.WITHDRAWN) for t in withdrawn for w in self._waiting.pop(t)]
+      for ticket in withdrawn:
+        answer += [(w, wire.WITHDRAWN) for w in self._waiting.pop(ticket)]
       while self._expiries and self._expiries[0][0] <= now:
         _, ticket = heapq.heappop(self._expiries)
         offer = self._offers.get(ticket)
         if offer is not None and offer.deadline <= now:
           del self._offers[ticket]
           self._offer_bytes -= offer.nbytes
-      answer += [(w, wire.EXPIRED) for w in self._waiting.expired(now)]
+      if self._waiting.next_deadline is not None:
+        answer += [(w, wire.EXPIRED) for w in self._waiting.expired(now)]
       # Entries of offers fetched stay in the heap until their deadline: rebuilt from
       # what is live once they outnumber it.
       if len(self._expiries) > 2 * len(self._offers) + 1024:

@@ -172,9 +172,9 @@ class Server:
       self.dropped += 1
       return
     ident = frames[0].bytes
-    deadline = time.monotonic() + min(wait_ms / 1000, MAX_WAIT_S)
-    offer, waits = self._table.request(
-        ticket, Waiting(ident, rid, _peer_host(frames[1]), deadline))
+    offer, waits = self._table.request(ticket, lambda: Waiting(
+        ident, rid, _peer_host(frames[1]),
+        time.monotonic() + min(wait_ms / 1000, MAX_WAIT_S)))
     if offer is not None:
       self._send_offer(ident, rid, ticket, offer)
     elif not waits:
