@@ -141,8 +141,9 @@ class Server:
     zmq = self._zmq
     if self._waker.socket in events:
       self._waker.drain()
-    if self._zap is not None and self._zap in events:
-      self.refused += listen.answer_zap(self._zap, zmq, self._curve)
+    if self._zap is not None and self._zap in events and listen.answer_zap(
+        self._zap, zmq, self._curve):
+      self.refused += 1  # a handshake refused
     if self._router in events:
       for _ in range(256):  # a burst, then the bookkeeping
         try:
