@@ -8,6 +8,10 @@ per module, dependencies one way (each line uses only the lines above it):
   auth.py        the token: its rules, new_token, the CurveZMQ keys derived from it;
   handshake.py   before authentication: the ZAP gate, per-address budgets, named
                  handshake failures;
+  outbox.py      what a control server sends: replies and notices posted from any
+                 thread, queued, sent by the server thread;
+  exchange.py    a control client's messages: requests sent in chunks, replies read
+                 back (their errors raised by kind), notices kept aside;
   channel.py     the zmq endpoints (a CURVE server loop, a client with bounded
                  requests and notices);
   transport.py   the transport interface (offer / fetch / cancel arrays between

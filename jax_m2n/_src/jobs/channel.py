@@ -2,9 +2,10 @@
 
 Owns the sockets: a `Server` (a CURVE ROUTER socket behind handshake.Gate, served by one
 thread: requests reassembled within bounds and handed to a handler; replies and notices
-posted from any thread) and a `Client` (a CURVE DEALER socket: one request at a time,
-each answered within a deadline or reported as a dead peer; notices kept aside, counted
-traffic). Every wait is bounded; nothing here knows versions, arrays or plans.
+posted from any thread and sent by outbox.py) and a `Client` (a CURVE DEALER socket: one
+request at a time, each answered within a deadline or reported as a dead peer; its
+messages exchanged by exchange.py, its traffic counted here). Every wait is bounded;
+nothing here knows versions, arrays or plans.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import collections
 import dataclasses
 import ipaddress
 import logging
-import secrets
 import socket
 import threading
 import time
 from typing import Any, Callable
 
-from jax_m2n._src.errors import (PlanUnknown, ReshardRuntimeError, ReshardTimeoutError,
-                                 ReshardTypeError, ReshardValueError)
+from jax_m2n._src.errors import ReshardRuntimeError, ReshardTypeError, ReshardValueError
 from jax_m2n._src.jobs import auth, handshake, messages
+from jax_m2n._src.jobs.exchange import Exchange
 from jax_m2n._src.jobs.messages import ProtocolError
+from jax_m2n._src.jobs.outbox import Outbox
 
 logger = logging.getLogger("jax_m2n")
 
@@ -33,12 +34,10 @@ TICK_S = 0.05
 SERVER_RCVHWM = 64
 # A client's send queue: one whole request of MAX_MESSAGE_BYTES fits.
 CLIENT_SNDHWM = messages.MAX_MESSAGE_BYTES // messages.CHUNK_BYTES + 64
-# Notices a client keeps while nobody reads them; beyond, the oldest are dropped (and
-# counted in stats["notices_dropped"]).
-MAX_NOTICES = 1024
 
 # Every client's traffic in this process (a pull's control round trips, for tests and
-# benchmarks): calls, messages and bytes sent and received, notices.
+# benchmarks): calls, messages and bytes sent and received, notices (those dropped
+# beyond exchange.MAX_NOTICES too).
 stats: collections.Counter = collections.Counter()
 _stats_lock = threading.Lock()
 
@@ -104,6 +103,33 @@ def _keys(api: str, key: Any) -> auth.Keys:
   return key
 
 
+def _bind(zmq: Any, ctx: Any, gate: handshake.Gate, api: str, address: str, host: str,
+          port: int) -> tuple[Any, int]:
+  """(A ROUTER socket of `ctx` behind `gate`, bound to `address` = host:port, its port);
+  port 0: a free one, chosen by zmq."""
+  sock = ctx.socket(zmq.ROUTER)
+  try:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, SERVER_RCVHWM)
+    if ":" in host:
+      sock.setsockopt(zmq.IPV6, 1)
+    gate.protect(sock)
+    bound = bind_host(api, host)
+    try:
+      # Port 0: a free port, chosen by zmq.
+      sock.bind(f"tcp://{join_address(bound, port)}" if port
+                else f"tcp://{join_address(bound, 0)[:-1]}*")
+    except zmq.ZMQError as e:
+      raise ReshardRuntimeError(
+          f"{api}: the control socket must bind {address!r}; got {e}. Hint: another "
+          "process holds the port, or the host is not an address of this machine."
+      ) from None
+  except BaseException:
+    sock.close(0)
+    raise
+  return sock, int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+
+
 class Server:
   """A CURVE ROUTER socket bound to `address`, served by one daemon thread.
 
@@ -125,43 +151,23 @@ class Server:
     self._api = api
     self._handler = handler
     self._tick = tick
-    host, port = split_address(api, address)
+    self.host, port = split_address(api, address)
     # A context of its own: its own ZAP endpoint (one handler per context) and I/O thread.
     self._ctx = zmq.Context(io_threads=1)
     self._gate = handshake.Gate(zmq, self._ctx, keys, name)
-    sock = self._ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, SERVER_RCVHWM)
-    if ":" in host:
-      sock.setsockopt(zmq.IPV6, 1)
-    self._gate.protect(sock)
-    endpoint = f"tcp://{join_address(bind_host(api, host), port) if port else None}"
-    if not port:  # a free port, chosen by zmq
-      endpoint = f"tcp://{join_address(bind_host(api, host), 0)[:-1]}*"
     try:
-      sock.bind(endpoint)
-    except zmq.ZMQError as e:
-      sock.close(0)
+      self._sock, self.port = _bind(zmq, self._ctx, self._gate, api, address, self.host,
+                                    port)
+    except BaseException:
       self._gate.close()
       self._ctx.term()
-      raise ReshardRuntimeError(
-          f"{api}: the control socket must bind {address!r}; got {e}. Hint: another "
-          "process holds the port, or the host is not an address of this machine.") from None
-    bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-    self.host, self.port = host, int(bound.rsplit(":", 1)[1])
-    self._sock = sock
+      raise
     self._gate.start(self.port)
-    self._wake_in = self._ctx.socket(zmq.PAIR)
-    self._wake_out = self._ctx.socket(zmq.PAIR)
-    wake = f"inproc://jax_m2n-wake-{secrets.token_hex(8)}"
-    self._wake_out.bind(wake)
-    self._wake_in.connect(wake)
-    self._wake_lock = threading.Lock()
-    self._outbox: collections.deque[tuple[bytes, bytes]] = collections.deque()
-    self._assembler = messages.Assembler()
-    self._stop = threading.Event()
     self.refused = 0  # requests refused (tests read it)
     self.stats: collections.Counter = collections.Counter()  # calls, replies, notices
+    self._outbox = Outbox(zmq, self._ctx, self._sock, self.stats)
+    self._assembler = messages.Assembler()
+    self._stop = threading.Event()
     self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
     self._thread.start()
 
@@ -176,12 +182,7 @@ class Server:
 
   def wake(self) -> None:
     """Runs `tick()` soon on the server thread (any thread may call it)."""
-    with self._wake_lock:
-      if not self._stop.is_set():
-        try:
-          self._wake_in.send(b"", self._zmq.NOBLOCK)
-        except self._zmq.Again:
-          pass  # wakes are pending already: one is enough
+    self._outbox.wake()
 
   def notify(self, to: Caller | bytes, body: dict[str, Any]) -> None:
     """Sends `body` to a connected client unasked (any thread): `to` is a Caller of that
@@ -196,37 +197,20 @@ class Server:
   def close(self) -> None:
     """Stops the threads (bounded), then closes the sockets and the context."""
     self._stop.set()
-    with self._wake_lock:
-      try:
-        self._wake_in.send(b"", self._zmq.NOBLOCK)
-      except self._zmq.ZMQError:
-        pass
+    self._outbox.stop()
     joined = True
     if threading.current_thread() is not self._thread:
       self._thread.join(timeout=5.0)
       joined = not self._thread.is_alive()
-    for s in (self._sock, self._wake_in, self._wake_out):
-      s.close(0)
+    self._sock.close(0)
+    self._outbox.close()
     self._gate.close()
     if joined:  # every socket of the context is closed: term returns at once
       self._ctx.term()
 
-  # Any thread ---------------------------------------------------------------------------
-
   def _post(self, peer: bytes, message: dict[str, Any]) -> None:
-    """Encodes `message` here (a big reply costs the posting thread, not the server
-    thread) and sends it from the server thread."""
-    data = messages.encode({"m2n": messages.PROTOCOL, **message})
-    if len(data) > messages.MAX_MESSAGE_BYTES:
-      data = messages.encode({
-          "m2n": messages.PROTOCOL, "type": "error", "seq": message.get("seq"),
-          "message": f"{message['type']}: must be at most {messages.MAX_MESSAGE_BYTES} "
-                     f"bytes; got {len(data)}."})
-    if threading.current_thread() is self._thread:
-      self._send(peer, data)
-    else:
-      self._outbox.append((peer, data))
-      self.wake()
+    """Sends `message` to `peer` from the server thread (any thread may post)."""
+    self._outbox.post(peer, message, threading.current_thread() is self._thread)
 
   # The server thread ------------------------------------------------------------------
 
@@ -234,7 +218,7 @@ class Server:
     zmq = self._zmq
     poller = zmq.Poller()
     poller.register(self._sock, zmq.POLLIN)
-    poller.register(self._wake_out, zmq.POLLIN)
+    poller.register(self._outbox.socket, zmq.POLLIN)
     while not self._stop.is_set():
       try:
         events = dict(poller.poll(int(TICK_S * 1000)))
@@ -242,14 +226,9 @@ class Server:
         return  # closed under us
       if self._stop.is_set():
         return
-      if self._wake_out in events:
-        while True:
-          try:
-            self._wake_out.recv(zmq.NOBLOCK)
-          except zmq.Again:
-            break
-      while self._outbox:
-        self._send(*self._outbox.popleft())
+      if self._outbox.socket in events:
+        self._outbox.drain()
+      self._outbox.flush()
       if self._sock in events:
         for _ in range(256):  # a burst, then the tick
           try:
@@ -302,13 +281,6 @@ class Server:
     self.refused += 1
     self._post(peer, {"type": "error", "seq": seq, "message": why})
 
-  def _send(self, peer: bytes, data: bytes) -> None:
-    try:
-      self._sock.send_multipart([peer, data], self._zmq.NOBLOCK)
-      self.stats["sent"] += 1
-    except self._zmq.ZMQError:
-      pass  # the peer is gone (or not reading): nothing to answer
-
 
 class Client:
   """One authenticated connection to a `Server`: one request at a time; notices the
@@ -341,9 +313,8 @@ class Client:
     monitor = sock.get_monitor_socket(handshake.client_events(zmq))
     self._sock = sock
     self._lock = threading.Lock()
-    self._seq = 0
     self._open: int | None = None  # a request started and not finished
-    self._notices: collections.deque[dict[str, Any]] = collections.deque()
+    self._exchange = Exchange(sock, zmq, api, peer, self._count)
     self.broken: str | None = None
     self.stats: collections.Counter = collections.Counter()
     started = time.monotonic()
@@ -358,7 +329,7 @@ class Client:
     sock.disable_monitor()
     monitor.close(0)
 
-  def _count(self, name: str, n: int = 1) -> None:
+  def _count(self, name: str, n: int) -> None:
     self.stats[name] += n
     with _stats_lock:
       stats[name] += n
@@ -380,60 +351,29 @@ class Client:
     requests for several servers sends them all, then waits. One request at a time per
     client: `finish` it before the next `start` or `call`. Returns its number."""
     with self._lock:
-      if self.broken is not None:
-        raise ReshardRuntimeError(f"{self._api}: {self.peer} is unusable: {self.broken}")
+      self._usable()
       if self._open is not None:
         raise ReshardRuntimeError(f"{self._api}: {self.peer}: one request at a time; "
                                   f"request {self._open} is not finished.")
-      self._seq += 1
-      seq = self._seq
-      data = messages.encode({"m2n": messages.PROTOCOL, "type": "call", "seq": seq,
-                              "body": body})
-      if len(data) > messages.MAX_MESSAGE_BYTES:
-        raise ReshardValueError(f"{self._api}: a request must be at most "
-                                f"{messages.MAX_MESSAGE_BYTES} bytes; {what} is "
-                                f"{len(data)}.")
-      chunks = messages.split(data)
       try:
-        for chunk in chunks:
-          self._sock.send(chunk, self._zmq.NOBLOCK)
+        self._open = self._exchange.send(body, what)
       except self._zmq.ZMQError as e:
         self.broken = f"sending {what} failed ({e})"
         raise ReshardRuntimeError(f"{self._api}: {self.peer}: {self.broken}.") from None
-      self._count("calls")
-      self._count("sent", len(chunks))
-      self._count("sent_bytes", len(data))
-      self._open = seq
-      return seq
+      return self._open
 
   def finish(self, seq: int, answer_s: float, what: str) -> dict[str, Any]:
     """The reply to request `seq` (`start`), waiting at most `answer_s`; raises as
     `call` does."""
     with self._lock:
       self._open = None
-      deadline = time.monotonic() + answer_s
-      while True:
-        message = self._receive(deadline)
-        if message is None:
-          self.broken = f"no answer to {what} within {answer_s:.1f} s"
-          raise ReshardRuntimeError(
-              f"{self._api}: {self.peer} must answer {what} within {answer_s:.1f} s; "
-              "got no answer (the publisher died, closed or stalled).")
-        if message.get("seq") not in (seq, None):
-          continue  # the late answer of an earlier request: not ours
-        if message["type"] == "error":
-          raise ReshardRuntimeError(f"{self._api}: {self.peer} refused {what}: "
-                                    f"{messages._short(message.get('message'))}")
-        if message["type"] != "reply":
-          continue
-        out = messages.field(message, "body", dict)
-        error = out.get("error")
-        if error is not None:
-          kind = {"value": ReshardValueError, "timeout": ReshardTimeoutError,
-                  "gone": messages.VersionGone, "unknown_plan": PlanUnknown}.get(
-              out.get("kind"), ReshardRuntimeError)
-          raise kind(f"{self._api}: {self.peer}: {error}")
-        return out
+      message = self._exchange.reply(seq, time.monotonic() + answer_s)
+      if message is None:
+        self.broken = f"no answer to {what} within {answer_s:.1f} s"
+        raise ReshardRuntimeError(
+            f"{self._api}: {self.peer} must answer {what} within {answer_s:.1f} s; "
+            "got no answer (the publisher died, closed or stalled).")
+      return self._exchange.body(message, what)
 
   def poll_notices(self) -> list[dict[str, Any]]:
     """Every notice that has arrived, without waiting (oldest first).
@@ -442,13 +382,12 @@ class Client:
       ReshardRuntimeError: the client is broken or closed.
     """
     with self._lock:
-      if self.broken is not None:
-        raise ReshardRuntimeError(f"{self._api}: {self.peer} is unusable: {self.broken}")
+      self._usable()
       if self._open is None:  # (while a request is open, its reply is not read here)
-        while self._receive(None) is not None:
+        while self._exchange.receive(None) is not None:
           pass  # a late reply of an earlier request: dropped; notices are kept
-      out = list(self._notices)
-      self._notices.clear()
+      out = list(self._exchange.notices)
+      self._exchange.notices.clear()
       return out
 
   def wait_notice(self, timeout_s: float) -> dict[str, Any] | None:
@@ -461,49 +400,19 @@ class Client:
     deadline = time.monotonic() + timeout_s
     while True:
       with self._lock:
-        if self._notices:
-          return self._notices.popleft()
-        if self.broken is not None:
-          raise ReshardRuntimeError(
-              f"{self._api}: {self.peer} is unusable: {self.broken}")
+        if self._exchange.notices:
+          return self._exchange.notices.popleft()
+        self._usable()
         left = deadline - time.monotonic()
         if left <= 0:
           return None
         # A reply read here is a late one (no call runs while the lock is held): dropped.
-        self._receive(time.monotonic() + min(left, TICK_S))
+        self._exchange.receive(time.monotonic() + min(left, TICK_S))
 
-  def _receive(self, deadline: float | None) -> dict[str, Any] | None:
-    """The next reply or error (with the lock held), keeping notices aside; None at
-    `deadline` (None: only what has arrived, no wait)."""
-    while True:
-      if deadline is None:
-        if not self._sock.poll(0):
-          return None
-      else:
-        left = deadline - time.monotonic()
-        if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
-          return None
-      data = self._sock.recv()
-      self._count("received")
-      self._count("received_bytes", len(data))
-      try:
-        message = messages.decode(data)
-        if message["type"] == "notice":
-          body = messages.field(message, "body", dict)
-        elif message["type"] not in ("reply", "error"):
-          raise ProtocolError(f"message: type must be reply, error or notice; got "
-                              f"{messages._short(message['type'])}.")
-      except ProtocolError as e:
-        logger.warning("jax_m2n jobs: %s sent a malformed message (dropped): %s",
-                       self.peer, e)
-        continue
-      if message["type"] != "notice":
-        return message
-      self._count("notices")
-      if len(self._notices) >= MAX_NOTICES:
-        self._notices.popleft()
-        self._count("notices_dropped")
-      self._notices.append(body)
+  def _usable(self) -> None:
+    """Raises where the client is broken or closed (the lock is held)."""
+    if self.broken is not None:
+      raise ReshardRuntimeError(f"{self._api}: {self.peer} is unusable: {self.broken}")
 
   def close(self) -> None:
     with self._lock:

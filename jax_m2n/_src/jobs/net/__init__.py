@@ -1,11 +1,19 @@
 """The "net" transport: arrays between the processes of separate jobs over ZeroMQ TCP,
 optionally CurveZMQ-encrypted, with every table bounded.
 
-One concern per module, dependencies one way:
-  wire.py     the message formats, statuses, sizes and socket options both sides share;
-  curve.py    `CurveKeys`: the keys of encryption and mutual authentication;
-  offers.py   the serving side: offers, waiting requests, the ROUTER socket's thread;
-  fetches.py  the fetching side: fetches in flight, a DEALER per peer, their thread;
+One concern per module, dependencies one way (each line uses only the lines above it):
+  wire.py         the message formats, statuses, sizes and socket options both sides
+                  share;
+  curve.py        `CurveKeys`: the keys of encryption and mutual authentication;
+  offer_table.py  what the serving side holds, bounded: offers, waiting requests,
+                  bytes being sent;
+  listen.py       the serving sockets: the ROUTER bound, the ZAP endpoint and its rule;
+  replies.py      the serving side's replies: a status, or an offer's arrays zero-copy;
+  offers.py       the serving side: the ROUTER socket's thread, its requests, `offer`;
+  receive.py      one fetch: its checked arguments, its reply received into aligned
+                  buffers and placed on devices;
+  peers.py        the fetching side's connections: a DEALER per peer, its monitor;
+  fetches.py      the fetching side: the fetches in flight, the fetching thread;
 and here `NetTransport`, the two sides behind `transport.Transport`, in a zmq context of
 their own. Before authentication a stranger reaches only libzmq's ZMTP and CURVE parsers
 (frames over 64 KiB refused unallocated) and the 24-byte request. It knows no plans,
