@@ -211,6 +211,18 @@ def build(leaves: Sequence[jax.Array], paths: Sequence[tuple[str, ...]],
   return dataclasses.replace(m, id=digest(m.to_json()))
 
 
+def _entries(body: dict[str, Any], key: str, what: str, fields: str) -> list[list]:
+  """body[key]: a list (at most MAX_LEAVES) of lists of len(fields) entries each."""
+  raw = body.get(key)
+  width = fields.count(",") + 1
+  if not isinstance(raw, list) or len(raw) > MAX_LEAVES:
+    raise ProtocolError(f"manifest: {key} must be a list.")
+  for entry in raw:
+    if not isinstance(entry, list) or len(entry) != width:
+      raise ProtocolError(f"manifest: {what} must be {fields}.")
+  return raw
+
+
 def from_json(body: Any) -> Manifest:
   """A manifest received from a publisher, every field checked.
 
@@ -231,13 +243,8 @@ def from_json(body: Any) -> Manifest:
                         "transport address, host, transport spec].")
   if any(p >= len(processes) for p in devices):
     raise ProtocolError("manifest: every device must belong to a listed process.")
-  raw_layouts = body.get("layouts")
-  if not isinstance(raw_layouts, list) or len(raw_layouts) > MAX_LEAVES:
-    raise ProtocolError("manifest: layouts must be a list.")
   layouts = []
-  for entry in raw_layouts:
-    if not isinstance(entry, list) or len(entry) != 2:
-      raise ProtocolError("manifest: a layout must be [devices, boxes].")
+  for entry in _entries(body, "layouts", "a layout", "[devices, boxes]"):
     ds = messages.int_list(entry[0], "manifest layout devices", 0, len(devices) - 1,
                            MAX_DEVICES)
     boxes = entry[1]
@@ -250,13 +257,8 @@ def from_json(body: Any) -> Manifest:
         raise ProtocolError("manifest: a box must be [lo, hi] per dim.")
       parsed.append(tuple((b[i], b[i + 1]) for i in range(0, len(b), 2)))
     layouts.append((tuple(ds), tuple(parsed)))
-  raw_leaves = body.get("leaves")
-  if not isinstance(raw_leaves, list) or len(raw_leaves) > MAX_LEAVES:
-    raise ProtocolError("manifest: leaves must be a list.")
   leaves = []
-  for entry in raw_leaves:
-    if not isinstance(entry, list) or len(entry) != 4:
-      raise ProtocolError("manifest: a leaf must be [path, shape, dtype, layout].")
+  for entry in _entries(body, "leaves", "a leaf", "[path, shape, dtype, layout]"):
     path, shape, dtype, k = entry
     if not isinstance(path, list) or len(path) > 64 or not all(
         isinstance(p, str) and len(p) <= 1000 for p in path):

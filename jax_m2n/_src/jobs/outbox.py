@@ -2,8 +2,8 @@
 (and bounded) on the posting thread, queued, and sent by the server thread, woken for
 them; counted.
 
-Owns the queue, the wake-up pair and the sending on the server's ROUTER socket; it
-never reads a request (channel.py).
+Owns the queue, the wake-up pair (`Waker`, also the net transport's threads') and the
+sending on the server's ROUTER socket; it never reads a request (channel.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,47 @@ import threading
 from typing import Any
 
 from jax_m2n._src.jobs import messages
+
+
+class Waker:
+  """An inproc pair that wakes one thread's poll from any thread (`socket` is the end
+  that thread polls and `drain`s)."""
+
+  def __init__(self, ctx: Any, zmq: Any, name: str):
+    self._zmq = zmq
+    self._out, self.socket = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    endpoint = f"inproc://jax_m2n-{name}-{secrets.token_hex(8)}"
+    self.socket.bind(endpoint)
+    self._out.connect(endpoint)
+    self._lock = threading.Lock()
+    self._closed = False
+
+  def wake(self) -> None:
+    with self._lock:
+      if not self._closed:
+        try:
+          self._out.send(b"", self._zmq.NOBLOCK)
+        except self._zmq.ZMQError:
+          pass  # a wake is queued already
+
+  def drain(self) -> None:
+    drain(self.socket, self._zmq)
+
+  def close_sender(self) -> None:
+    """Wakes the thread a last time; later wakes do nothing."""
+    self.wake()
+    with self._lock:
+      self._closed = True
+      self._out.close(0)
+
+
+def drain(sock: Any, zmq: Any) -> None:
+  """Receives every message queued on `sock`, dropping them."""
+  while True:
+    try:
+      sock.recv(zmq.NOBLOCK)
+    except zmq.Again:
+      return
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -39,23 +80,13 @@ class Outbox:
 
   def __init__(self, zmq: Any, ctx: Any, sock: Any, stats: collections.Counter):
     self._zmq, self._sock, self._stats = zmq, sock, stats
-    self._wake_in = ctx.socket(zmq.PAIR)
-    self.socket = ctx.socket(zmq.PAIR)
-    wake = f"inproc://jax_m2n-wake-{secrets.token_hex(8)}"
-    self.socket.bind(wake)
-    self._wake_in.connect(wake)
-    self._lock = threading.Lock()
-    self._stopped = False
+    self._waker = Waker(ctx, zmq, "wake")
+    self.socket = self._waker.socket
     self._queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
 
   def wake(self) -> None:
     """Wakes the server thread's poll soon (any thread)."""
-    with self._lock:
-      if not self._stopped:
-        try:
-          self._wake_in.send(b"", self._zmq.NOBLOCK)
-        except self._zmq.Again:
-          pass  # wakes are pending already: one is enough
+    self._waker.wake()
 
   def post(self, peer: bytes, message: dict[str, Any], now: bool) -> None:
     """Sends `message` to `peer`: at once where `now` (the caller is the server
@@ -70,20 +101,11 @@ class Outbox:
 
   def stop(self) -> None:
     """Wakes the server thread a last time (to see its stop); later wakes do nothing."""
-    with self._lock:
-      self._stopped = True
-      try:
-        self._wake_in.send(b"", self._zmq.NOBLOCK)
-      except self._zmq.ZMQError:
-        pass
+    self._waker.close_sender()
 
   def drain(self) -> None:
     """Takes the wakes that arrived."""
-    while True:
-      try:
-        self.socket.recv(self._zmq.NOBLOCK)
-      except self._zmq.Again:
-        break
+    self._waker.drain()
 
   def flush(self) -> None:
     """Sends what was queued, oldest first."""
@@ -98,6 +120,7 @@ class Outbox:
       pass  # the peer is gone (or not reading): nothing to answer
 
   def close(self) -> None:
-    """Closes the wake-up pair (the ROUTER socket is the server's)."""
-    for s in (self._wake_in, self.socket):
-      s.close(0)
+    """Closes the wake-up pair's polled end (the sender closed at `stop`; the ROUTER
+    socket is the server's)."""
+    self._waker.close_sender()
+    self.socket.close(0)

@@ -17,6 +17,7 @@ import time
 from typing import Any, Container, Sequence
 
 from jax_m2n._src.errors import ReshardRuntimeError, ReshardTimeoutError
+from jax_m2n._src.jobs.outbox import Waker
 from jax_m2n._src.jobs.net import wire
 from jax_m2n._src.jobs.net.curve import CurveKeys
 from jax_m2n._src.jobs.net.peers import Peer, Peers
@@ -138,7 +139,7 @@ class Fetcher:
     self._stop = threading.Event()
     self._fetches = InFlight()
     self._late_due = 0.0  # when `InFlight.late` runs next
-    self._waker = wire.Waker(ctx, self._zmq, "fetch")
+    self._waker = Waker(ctx, self._zmq, "fetch")
     self._poller = self._zmq.Poller()
     self._poller.register(self._waker.socket, self._zmq.POLLIN)
     self._peers = Peers(ctx, self._zmq, curve, self._poller)  # the fetching thread's
@@ -162,12 +163,7 @@ class Fetcher:
   def close(self) -> bool:
     """Fails every fetch in flight and stops the thread (it closes its sockets); False
     where the thread did not stop within 5 s."""
-    self._stop.set()
-    self._fetches.close()
-    self._waker.close_sender()
-    if threading.current_thread() is not self._thread:
-      self._thread.join(timeout=5.0)
-    return not self._thread.is_alive()
+    return wire.stop_thread(self._stop, self._fetches.close, self._waker, self._thread)
 
   # The fetching thread ----------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from jax_m2n._src.errors import ReshardValueError
+from jax_m2n._src.jobs.outbox import Waker
 from jax_m2n._src.jobs.net import listen, replies, wire
 from jax_m2n._src.jobs.net.curve import CurveKeys
 from jax_m2n._src.jobs.net.offer_table import Offer, OfferTable, Waiting
@@ -81,7 +82,7 @@ class Server:
     try:
       if curve is not None:
         self._zap = listen.zap_socket(ctx, zmq)
-      self._waker = wire.Waker(ctx, zmq, "serve")
+      self._waker = Waker(ctx, zmq, "serve")
     except BaseException:
       for s in (self._router, self._zap):
         if s is not None:
@@ -115,12 +116,7 @@ class Server:
   def close(self) -> bool:
     """Stops the thread (it closes its sockets) and drops every offer; False where the
     thread did not stop within 5 s."""
-    self._stop.set()
-    self._table.close()
-    self._waker.close_sender()
-    if threading.current_thread() is not self._thread:
-      self._thread.join(timeout=5.0)
-    return not self._thread.is_alive()
+    return wire.stop_thread(self._stop, self._table.close, self._waker, self._thread)
 
   # The serving thread -----------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """The "net" transport's wire: message formats, statuses, sizes, and the socket plumbing
-both ends share (zmq itself, heartbeats, handshake bounds, a thread's wake-up pair).
+both ends share (zmq itself, heartbeats, handshake bounds, the thread loop; the
+wake-up pair is outbox.Waker).
 
 Owns what the serving and fetching sides must agree on; holds no state of either.
 """
@@ -7,7 +8,6 @@ Owns what the serving and fetching sides must agree on; holds no state of either
 from __future__ import annotations
 
 import logging
-import secrets
 import struct
 import threading
 from typing import Any, Callable
@@ -65,36 +65,16 @@ def tune(sock: Any, zmq: Any) -> None:
   sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
 
 
-class Waker:
-  """An inproc pair that wakes one thread's poll from any thread (`socket` is the end
-  that thread polls and `drain`s)."""
-
-  def __init__(self, ctx: Any, zmq: Any, name: str):
-    self._zmq = zmq
-    self._out, self.socket = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    endpoint = f"inproc://jax_m2n-net-{name}-{secrets.token_hex(8)}"
-    self.socket.bind(endpoint)
-    self._out.connect(endpoint)
-    self._lock = threading.Lock()
-    self._closed = False
-
-  def wake(self) -> None:
-    with self._lock:
-      if not self._closed:
-        try:
-          self._out.send(b"", self._zmq.NOBLOCK)
-        except self._zmq.ZMQError:
-          pass  # a wake is queued already
-
-  def drain(self) -> None:
-    drain(self.socket, self._zmq)
-
-  def close_sender(self) -> None:
-    """Wakes the thread a last time; later wakes do nothing."""
-    self.wake()
-    with self._lock:
-      self._closed = True
-      self._out.close(0)
+def stop_thread(stop: threading.Event, drop: Callable[[], None], waker: Any,
+                thread: threading.Thread) -> bool:
+  """Stops a socket thread: `stop` set, what it holds dropped (`drop`), woken a last
+  time; waits up to 5 s for it (not from itself); whether it stopped."""
+  stop.set()
+  drop()
+  waker.close_sender()
+  if threading.current_thread() is not thread:
+    thread.join(timeout=5.0)
+  return not thread.is_alive()
 
 
 def run(name: str, poller: Any, stop: threading.Event, timeout_ms: Callable[[], int],
@@ -112,15 +92,6 @@ def run(name: str, poller: Any, stop: threading.Event, timeout_ms: Callable[[], 
       step(events)
     except Exception:  # noqa: BLE001 - the thread must outlive a bug
       logger.exception("jax_m2n net: the %s thread's step failed", name)
-
-
-def drain(sock: Any, zmq: Any) -> None:
-  """Receives every message queued on `sock`, dropping them."""
-  while True:
-    try:
-      sock.recv(zmq.NOBLOCK)
-    except zmq.Again:
-      return
 
 
 def discard_rest(sock: Any, zmq: Any) -> None:
