@@ -11,6 +11,7 @@ jobs_security_test.py."""
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -314,3 +315,42 @@ def test_publisher_arguments_are_checked_before_any_port_opens(kwargs, error, ma
   with pytest.raises(error, match=match):
     jax_m2n.Publisher(token=TOKEN, **kwargs)
   assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_slow_work_on_the_publisher_never_silences_its_control_thread(published, gen,
+                                                                      monkeypatch):
+  # Cutting, encoding and offering run on the publisher's worker thread: while one
+  # subscriber's request takes 3 s there (a stand-in for a large cut or delta encode),
+  # the server thread answers another subscriber's calls at once, and the slow pull
+  # still completes bitwise (nobody concludes the publisher died).
+  from jax_m2n._src.jobs import offering  # noqa: PLC0415
+  _, tree, _ = published
+  answer = offering.Offers.answer
+  stalled = threading.Event()
+
+  def slow(self, caller, body):
+    if not stalled.is_set():
+      stalled.set()
+      time.sleep(3.0)
+    return answer(self, caller, body)
+
+  monkeypatch.setattr(offering.Offers, "answer", slow)
+  with jax_m2n.Publisher(token=TOKEN) as pub, jax_m2n.Subscriber(
+      pub.address, token=TOKEN) as slow_sub, jax_m2n.Subscriber(
+          pub.address, token=TOKEN) as watcher:
+    pub.publish(tree)
+    got = {}
+    puller = threading.Thread(target=lambda: got.update(out=slow_sub.pull(
+        _dst(gen), version=1, path="network")))
+    puller.start()
+    assert stalled.wait(30)
+    root = watcher._state.connections.root()
+    for _ in range(5):
+      start = time.monotonic()
+      reply = root.call({"op": "versions", "after": 0, "wait_ms": 0}, 5.0, "versions")
+      assert time.monotonic() - start < 0.5 and reply["versions"][0][0] == 1
+      time.sleep(0.2)
+    puller.join(30)
+    assert not puller.is_alive()
+    np.testing.assert_array_equal(_bits(got["out"]["w"]), _bits(jax.device_put(
+        tree["w"], _dst(gen)["w"])))
