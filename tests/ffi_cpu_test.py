@@ -790,11 +790,6 @@ def test_abort_releases_a_generation_in_progress_and_one_not_yet_joined():
   _expect_success(run_eager([p0, p1]), x)
 
 
-@pytest.mark.parametrize("network,words", [
-    (np.array([1000, 0, 0], np.int64), "2 + n_devices = 4 entries"),
-    (np.array([0, 0, 0, 1], np.int64), "bytes_per_s >= 1"),
-    (np.array([1000, -1, 0, 1], np.int64), "latency_ns >= 0"),
-])
 def _run_with_attribute(**attribute):
   """Device 0's part of a one-op schedule, with one more attribute for the handler."""
   t = Tensor(np.int32, (2, 3))
@@ -809,6 +804,11 @@ def _run_with_attribute(**attribute):
   return jax.block_until_ready(f(x))
 
 
+@pytest.mark.parametrize("network,words", [
+    (np.array([1000, 0, 0], np.int64), "2 + n_devices = 4 entries"),
+    (np.array([0, 0, 0, 1], np.int64), "bytes_per_s >= 1"),
+    (np.array([1000, -1, 0, 1], np.int64), "latency_ns >= 0"),
+])
 def test_bad_network_attribute_fails_at_instantiate(network, words):
   with pytest.raises(Exception, match="attribute network must have") as info:
     _run_with_attribute(network=network)
