@@ -140,6 +140,9 @@ class Generator:
     self.sample_fn = jax.jit(rl.sample, static_argnames=("heads",))
     self.checksum_fn = jax.jit(rl.checksums)
     self.subscriber = jax_m2n.Subscriber(address, token=token)
+    # The first pull's work (manifest, plan, compiled copies on both sides) now, while
+    # the actor starts, rather than in the first step's sync.
+    self.subscriber.prepare(self.shardings, dtype=jnp.bfloat16, timeout_s=120)
     self.params = self.loaded = None
 
   def ready(self) -> bool:

@@ -174,7 +174,7 @@ def test_many_like_outputs_share_programs_and_keep_their_order():
       outs.append(Out(shape, F32))
       want.append(src[i].reshape(held)[1:3, 1:4])
   pointers = [src[i].ctypes.data if i % 3 == 1 else src.ctypes.data for i in range(900)]
-  programs = module._programs(tuple(boxes), tuple(outs), "cpu")
+  programs = module._programs(tuple(boxes), tuple(outs), jax.devices()[1])
   assert len({id(p[0]) for p in programs}) <= 3 * 2  # per kind: a full program, a tail
   got = module.copier(jax.devices()[1], boxes, outs, 900)(pointers)
   for g, w in zip(got, want, strict=True):

@@ -126,6 +126,16 @@ def _program(boxes: tuple[Box, ...], outs: tuple[Out, ...], n_slots: int,
   return jax.jit(lambda pointers: call(pointers, schedule=schedule))
 
 
+@functools.lru_cache(maxsize=1024)
+def _executable(boxes: tuple[Box, ...], outs: tuple[Out, ...], n_slots: int,
+                device: jax.Device):
+  """`_program` compiled now for `device` (ahead of time: a prepared copy compiles
+  when it is prepared, not on its first call)."""
+  table = jax.ShapeDtypeStruct((2 * n_slots,), np.uint32,
+                               sharding=jax.sharding.SingleDeviceSharding(device))
+  return _program(boxes, outs, n_slots, device.platform).lower(table).compile()
+
+
 def _pointer_table(pointers, name: str, platform: str) -> np.ndarray:
   """The int64 addresses, checked; callers pass them to XLA as their uint32 halves
   (`.view(np.uint32)`): without jax_enable_x64, JAX would truncate int64 to int32."""
@@ -214,7 +224,7 @@ def copier(device: jax.Device, boxes: Sequence[Box], outs: Sequence[Out],
           raise ReshardValueError(
               f"local_copy: box {i}: src_start[{d}] + extent = {lo + n} must be <= "
               f"src_dims = {size} (and src_start >= 0; got {lo}).")
-  return Copier(device, _programs(boxes, outs, device.platform), n_slots, len(outs))
+  return Copier(device, _programs(boxes, outs, device), n_slots, len(outs))
 
 
 class Copier:
@@ -268,7 +278,7 @@ def copy_all(jobs: Sequence[tuple[Copier, Sequence[int]]]) -> list[list[jax.Arra
   return out
 
 
-def _programs(boxes: tuple[Box, ...], outs: tuple[Out, ...], platform: str) -> list:
+def _programs(boxes: tuple[Box, ...], outs: tuple[Out, ...], device: jax.Device) -> list:
   """The compiled programs of one copy: (program, its outputs' indices, per program
   slot the caller's slot and a byte offset to add to its pointer).
 
@@ -281,7 +291,7 @@ def _programs(boxes: tuple[Box, ...], outs: tuple[Out, ...], platform: str) -> l
   per_out: list[list[Box]] = [[] for _ in outs]
   for box in boxes:
     per_out[box.out].append(box)
-  fold = platform == "cpu"
+  fold = device.platform == "cpu"
   groups: dict[Any, list[int]] = {}
   for o, out in enumerate(outs):
     key = (out, tuple((b.src_shape, b.src_dtype, b.dst_start, b.extent) if fold else
@@ -308,8 +318,8 @@ def _programs(boxes: tuple[Box, ...], outs: tuple[Out, ...], platform: str) -> l
               slots.append(b.slot)
               offsets.append(0)
             program_boxes.append(b._replace(out=j, slot=used[b.slot]))
-      programs.append((_program(tuple(program_boxes), tuple(outs[o] for o in chunk),
-                                len(slots), platform), chunk,
+      programs.append((_executable(tuple(program_boxes), tuple(outs[o] for o in chunk),
+                                   len(slots), device), chunk,
                        np.asarray(slots, np.int64), np.asarray(offsets, np.int64)))
   return programs
 

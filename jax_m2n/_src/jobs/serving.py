@@ -78,8 +78,7 @@ class Service:
       else:
         caller.reply({"manifest": found.to_json()})
     elif op == "register":
-      self._work.submit(self._off_thread, caller,
-                        lambda: self._offers.register(caller, body))
+      self._submit(caller, lambda: self._offers.register(caller, body))
     elif op in ("pieces", "delta", "pull", "digests"):
       messages.field(body, "version", int, lo=1, hi=1 << 62)
       if op == "delta":  # the version the subscriber holds (0: none)
@@ -91,7 +90,7 @@ class Service:
       self._deferred.append((caller, body, time.monotonic() + min(
           timeout_ms, MAX_WAIT_MS) / 1000))
     elif op == "local":
-      self._work.submit(self._off_thread, caller, lambda: self._offers.local(body))
+      self._submit(caller, lambda: self._offers.local(body))
     elif op in membership.OPS and self._pid == 0:
       self._relay.handle(caller, body)
     elif op == "status":
@@ -121,8 +120,7 @@ class Service:
       if self.closed:
         caller.reply({"error": "the publisher closed.", "kind": "runtime"})
       elif version <= published:  # cut, encode, offer: on the worker thread
-        self._work.submit(self._off_thread, caller,
-                          functools.partial(self._offers.answer, caller, body))
+        self._submit(caller, functools.partial(self._offers.answer, caller, body))
       elif now >= deadline:
         caller.reply({"error": f"version {version} must be published by trainer process "
                       f"{self._pid} in time; it has published {published} so far.",
@@ -134,7 +132,20 @@ class Service:
     held_numbers = {n for n, _ in held}
     gone = [v for v in self._offers.offered() if v not in held_numbers]
     if gone:  # a dropped version's offers not fetched yet: withdrawn
-      self._work.submit(self._offers.withdraw, gone)
+      self._submit(None, lambda: self._offers.withdraw(gone))
+
+  def _submit(self, caller: channel.Caller | None,
+              work: Callable[[], dict[str, Any] | None]) -> None:
+    """Hands `work` to the worker thread (its answer replied to `caller`); once the
+    worker stopped (close, or the interpreter exiting) the caller is told so."""
+    try:
+      if caller is None:
+        self._work.submit(work)
+      else:
+        self._work.submit(self._off_thread, caller, work)
+    except RuntimeError:  # the executor shut down: nothing more is served
+      if caller is not None:
+        caller.reply({"error": "the publisher closed.", "kind": "runtime"})
 
   def _off_thread(self, caller: channel.Caller, answer: Callable[[], dict[str, Any]]
                   ) -> None:
