@@ -143,11 +143,16 @@ LEAVES = [((64, 300), np.float32, BF16), ((8, 6, 70), BF16, np.float32),
           ((), np.float16, None), ((33, 2 * 8192 + 7), np.float32, None)]
 
 
-@pytest.mark.parametrize("host_apply", [True, False], ids=["numpy", "compiled"])
-def test_random_updates_bitwise_against_full_pull(sides, host_apply, monkeypatch):
-  # On CPU the delta is applied with numpy; the compiled path (other platforms:
-  # programs updating the donated shards in place) is run here too.
+@pytest.mark.parametrize("host_apply,device_encode", [
+    (True, False), (False, False), (True, True)],
+    ids=["numpy", "compiled", "device_encode"])
+def test_random_updates_bitwise_against_full_pull(sides, host_apply, device_encode,
+                                                  monkeypatch):
+  # On CPU the delta is encoded and applied with numpy; the compiled paths (other
+  # platforms: the publisher's compare and encode on the device, programs updating the
+  # donated shards in place) are run here too.
   monkeypatch.setattr(codec, "HOST_APPLY", host_apply)
+  monkeypatch.setattr(delta, "DEVICE_ENCODE", device_encode)
   trainer, gen = sides
   rng = np.random.default_rng(7)
   pub = jax_m2n.Publisher(token=TOKEN, keep=3)
@@ -174,6 +179,9 @@ def test_random_updates_bitwise_against_full_pull(sides, host_apply, monkeypatch
       delta_pulls = delta.stats["subscriber_delta_pulls"] - before.get(
           "subscriber_delta_pulls", 0)
       assert delta_pulls == (1 if v else 0), (v, how)
+      device_streams = delta.stats["publisher_device_streams"] - before.get(
+          "publisher_device_streams", 0)
+      assert (device_streams > 0) == (device_encode and v > 0), device_streams
       if v:
         assert all(a.is_deleted() for a in prev), "the base was donated in place"
         sent = delta.stats["publisher_encoded_bytes"] - before.get(
@@ -297,8 +305,11 @@ def test_bad_delta_argument(sides):
   trainer, gen = sides
   with _one_leaf(trainer, gen) as (pub, sub, src, dst):
     pub.publish(_put(np.zeros((8, 8), np.float32), src))
-    with pytest.raises(jax_m2n.ReshardTypeError, match="delta must be a bool"):
+    with pytest.raises(jax_m2n.ReshardValueError,
+                       match="delta must be True, False or 'auto'; got 'yes'"):
       sub.pull(dst, delta="yes")
+    with pytest.raises(jax_m2n.ReshardTypeError, match="delta must be a bool or 'auto'"):
+      sub.pull(dst, delta=1)
 
 
 # ---------------------------------------------------------------- separate programs

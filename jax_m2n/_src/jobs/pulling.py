@@ -24,7 +24,7 @@ from jax_m2n._src import quantize
 from jax_m2n._src.errors import (PeerFailed, PlanUnknown, ReshardError,
                                  ReshardRuntimeError, ReshardTimeoutError,
                                  ReshardValueError, VersionGone)
-from jax_m2n._src.jobs import delta as delta_lib, engine, exports, local
+from jax_m2n._src.jobs import delta as delta_lib, delta_auto, engine, exports, local
 from jax_m2n._src.jobs import manifest as manifest_lib, planning
 from jax_m2n._src.jobs.connections import Connections
 from jax_m2n._src.jobs.pull import API, Pull
@@ -51,6 +51,8 @@ class State:
   version: int = 0                        # the last successful pull's
   manifests: dict[str, manifest_lib.Manifest] = dataclasses.field(default_factory=dict)
   last: delta_lib.Last | None = None      # what a delta pull applies to
+  auto: delta_auto.Estimates = dataclasses.field(  # what delta="auto" chooses by
+      default_factory=delta_auto.Estimates)
   peers: dict[int, str] | None = None     # the job's processes' transport addresses
   imports: dict[tuple[int, str], Any] = dataclasses.field(default_factory=dict)
   path: str = ""                          # the last pull's data path
@@ -188,22 +190,16 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
   request = pull_request(API, m, dst, dtype, donate, options)
   planning.check_devices(API, request.dsts)
   local_path = _local_path(options, m)
-  base, why = None, "delta=False"
-  if options.delta and not local_path:  # the previous result a delta applies to
-    base, why = delta_lib.base_of(state.last, mid, request.dsts, request.outs,
-                                  request.quantized)
-    logger.debug("Subscriber.pull: version %d %s", number,
-                 f"as a delta against {state.last.version}" if base is not None
-                 else f"in full ({why})")
-  base_version = state.last.version if base is not None else 0
-  pp = planning.plan_pull(m, request.dsts, request.outs,
-                          "flat" if base is not None or local_path else options.route)
+  # delta or full (in a multi-process job agreed by every process)
+  choice = delta_lib.choose(state.last, state.auto, request, local_path, waits)
+  pp = planning.plan_pull(m, request.dsts, request.outs, "flat" if
+                          choice.base is not None or local_path else options.route)
   conn = state.connections
   transport = conn.transport(m)
   if waits is not None:
-    delta_lib.agree(waits, base_version)
     waits.post("fp", pp.fingerprint)
     waits.agree(pp.fingerprint, lambda: f"{len(m.leaves)} leaves")
+  full_s = None  # a full pull's data path, its seconds (delta="auto" learns from them)
   try:
     p = Pull(request, pp, number, {k: conn.link(k, m) for k in pp.requests}, transport,
              waits, salt, _peers(state, waits, transport.address) if waits else {})
@@ -211,15 +207,17 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
     if imports is not None:  # the publisher's memory, read in place (local.py)
       shards = local.run(p, imports)
       state.path = "local"
-    elif base is not None:  # a delta pull (delta.py): pulled directly, never relayed
-      in_place = {id(a) for a in request.donated} >= {id(a) for a in base}
-      shards = delta_lib.run(p, base_version, base, in_place, REQUEST_S)
+    elif choice.base is not None:  # a delta (delta.py): pulled directly, never relayed
+      in_place = {id(a) for a in request.donated} >= {id(a) for a in choice.base}
+      shards = delta_lib.run(p, choice, in_place, REQUEST_S)
       state.path = "network"
     else:
       pulled = None
       if state.relay is not None and p.links:
         pulled = state.relay.receive(conn.root(), p, REQUEST_S)
+      start = time.perf_counter()
       shards = _full(p, pulled)
+      full_s = time.perf_counter() - start if pulled is None else None
       state.path = "network"
   except VersionGone:
     raise
@@ -229,6 +227,8 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
   if waits is not None:
     waits.end()  # every process of the job done: a pull succeeds or fails everywhere
     waits.finish()
+  if full_s is not None:
+    delta_lib.after_full(p, choice, full_s, REQUEST_S)  # what delta="auto" learns
   return _finish(state, request, pp, number, shards)
 
 

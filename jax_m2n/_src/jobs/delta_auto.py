@@ -1,0 +1,144 @@
+"""`delta="auto"`: per leaf, delta or full, from what earlier pulls measured.
+
+Owns a subscriber's estimates (per leaf the fraction of its elements whose wire bits
+changed per version, a moving average; the rate of its full network pulls; the
+publisher's encode seconds per compared element; this process's apply seconds per
+element) and the rule that chooses (docs/jobs.md, "Delta sync"). Pure: no sockets, no
+arrays, no clocks; delta.py feeds it measurements and asks it before each pull.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+# The weight of a new measurement in the moving averages: the change fraction follows
+# the learning-rate schedule, so recent pulls count most (one outlier moves an estimate
+# halfway at most).
+ALPHA = 0.5
+# A leaf's fraction is measured again after this many pulls without a measurement of it,
+# the interval doubling (up to MAX_STALE) each time a measurement leaves the choice full:
+# a measurement costs the publisher a compare (~0.1 s per GiB with numpy on CPU, well
+# under 1 ms on a GPU), so a pull that stays full pays it rarely.
+STALE_AFTER = 8
+MAX_STALE = 64
+# A delta pull must be predicted this much faster than a full one (a fraction of the full
+# pull's time): the model's error should not flip the choice back and forth.
+MARGIN = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """What one pull does.
+
+  Attributes:
+    delta: a delta pull (else full).
+    compare: in a delta pull, the leaves the publisher compares and encodes (the others
+      cross dense, not compared).
+    measure: after a full pull, the leaves whose change fraction to ask for.
+    why: the reason, for logs and the bench.
+  """
+
+  delta: bool
+  compare: frozenset[int]
+  measure: frozenset[int]
+  why: str
+
+
+class Estimates:
+  """A subscriber's estimates for one published layout set (reset when it changes).
+
+  Attributes:
+    fraction: per leaf, the moving average of its changed fraction.
+    rate: bytes per second of this process's full network pulls (moving average).
+    encode_s: the publisher's compare + encode seconds per compared element.
+    apply_s: this process's seconds per element of the leaves a delta pull applies to.
+  """
+
+  def __init__(self):
+    self._reset("")
+
+  def _reset(self, manifest_id: str) -> None:
+    self.manifest_id = manifest_id
+    self.fraction: dict[int, float] = {}
+    self._measured: dict[int, int] = {}  # leaf -> the pull count of its last measure
+    self._stale: dict[int, int] = {}     # leaf -> its current re-measure interval
+    self.pulls = 0
+    self.rate: float | None = None
+    self.encode_s: float | None = None
+    self.apply_s: float | None = None
+
+  def decide(self, manifest_id: str, leaves: Sequence[tuple[int, int, int]]
+             ) -> Decision:
+    """The choice for a pull of `leaves` ((leaf, elements, wire itemsize)) that has a
+    base (a previous result the delta would apply to).
+
+    Per leaf, comparing it pays when the bytes it saves outweigh the publisher's
+    encode: elements x ((w - sent) / rate - encode_s), sent = min(w, f w + 1/8) the
+    bytes per element of a bitmap chunk at fraction f (a dense chunk's w). A delta pull
+    pays when the leaves that pay save more than applying costs over every leaf
+    (elements x apply_s), by MARGIN of the full pull's time. Leaves never measured, or
+    not for their interval, are measured: compared within a delta pull, asked for after
+    a full one.
+    """
+    if manifest_id != self.manifest_id:
+      self._reset(manifest_id)
+    self.pulls += 1
+    stale = frozenset(t for t, _, _ in leaves if t not in self.fraction or (
+        self.pulls - self._measured[t] >= self._stale.get(t, STALE_AFTER)))
+    if self.rate is None:
+      return Decision(False, frozenset(), stale, "the link's rate is not measured yet "
+                      "(by a full network pull)")
+    encode_s, apply_s = self.encode_s or 0.0, self.apply_s or 0.0
+    compare, saved, applying, full_s = set(), 0.0, 0.0, 0.0
+    for t, n, w in leaves:
+      full_s += n * w / self.rate
+      applying += n * apply_s
+      f = self.fraction.get(t)
+      if f is None:
+        continue
+      gain = n * ((w - min(w, f * w + 0.125)) / self.rate - encode_s)
+      if gain > 0:
+        compare.add(t)
+        saved += gain
+    if compare and saved - applying > MARGIN * full_s:
+      return Decision(True, frozenset(compare) | stale, frozenset(),
+                      f"delta saves ~{1e3 * (saved - applying):.1f} ms of "
+                      f"~{1e3 * full_s:.1f} ms")
+    return Decision(False, frozenset(), stale,
+                    f"delta would save {1e3 * (saved - applying):.1f} ms of "
+                    f"~{1e3 * full_s:.1f} ms (at most {100 * MARGIN:g}% counts as none)")
+
+  def learn_changed(self, changed: dict[int, tuple[int, int]], full: bool) -> None:
+    """Per leaf (changed, compared) elements of one version against the base. `full`:
+    measured after a full pull (the leaf's interval doubles: a pull that stays full
+    pays measurements ever more rarely); else within a delta pull (the interval
+    resets)."""
+    for t, (c, n) in changed.items():
+      if n <= 0:
+        continue
+      f = c / n
+      old = self.fraction.get(t)
+      self.fraction[t] = f if old is None else ALPHA * f + (1 - ALPHA) * old
+      self._measured[t] = self.pulls
+      interval = self._stale.get(t, STALE_AFTER)
+      self._stale[t] = min(MAX_STALE, 2 * interval) if full else STALE_AFTER
+
+  def learn_full(self, nbytes: int, seconds: float) -> None:
+    """A full network pull moved `nbytes` in `seconds` (its data path, end to end)."""
+    if nbytes > 0 and seconds > 0:
+      self.rate = _average(self.rate, nbytes / seconds)
+
+  def learn_encode(self, seconds_per_element: float) -> None:
+    """The publisher's compare + encode seconds per element, as it reported them."""
+    if seconds_per_element >= 0:
+      self.encode_s = seconds_per_element
+
+  def learn_apply(self, seconds: float, elements: int) -> None:
+    """A delta pull applied to `elements` elements of leaves in `seconds`."""
+    if elements > 0 and seconds >= 0:
+      self.apply_s = _average(self.apply_s, seconds / elements)
+
+
+def _average(old: float | None, new: float) -> float:
+  return new if old is None else ALPHA * new + (1 - ALPHA) * old
