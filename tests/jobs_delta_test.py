@@ -333,4 +333,6 @@ def test_separate_jobs_delta_bitwise(jobs, trainers, generators, monkeypatch):
   if generators == 2:  # bases that differ between the processes: an error on both
     mismatch = jobs.results("mismatch")
     assert len(mismatch) == 2 and all(f["ok"] == "1" for _, f, _ in mismatch), text
-  print("\n".join(line for _, _, line in found + jobs.results("mismatch")))
+  auto = jobs.results("auto")  # delta="auto": full, then a delta the job agreed on
+  assert len(auto) == generators and all(f["ok"] == "1" for _, f, _ in auto), text
+  print("\n".join(line for _, _, line in found + jobs.results("mismatch") + auto))

@@ -227,7 +227,8 @@ def _measure(version: Any, base: Any, body: dict[str, Any], wire: dict[int, Any]
   counts: collections.Counter = collections.Counter({"publisher_measures": 1})
   seen, members = set(), []
   for (t, k), (box, _) in sorted(version.shards.items()):
-    if t in leaves and (t, box) not in seen and base.shards.get((t, k), (None,))[0] == box:
+    if (t in leaves and (t, box) not in seen
+        and base.shards.get((t, k), (None,))[0] == box):
       seen.add((t, box))
       dtype = wire.get(t, manifest_lib.dtype_of(m.leaves[t].dtype))
       new, old = version.shard(t, k, dtype)[1], base.shard(t, k, dtype)[1]
@@ -324,15 +325,17 @@ def choose(last: Last | None, estimates: delta_auto.Estimates, request: Any,
   if options.delta and not local_path:
     base, why = _base(last, m.id, request.dsts, request.outs, request.quantized)
   choice = Choice(base, last.version if base is not None else 0, why=why)
+  if options.delta == "auto" and not local_path:
+    estimates.layout(m.id)
   if options.delta == "auto" and base is not None:
-    d = estimates.decide(m.id, [
+    d = estimates.decide([
         (t, math.prod(leaf.shape), schedule.source_dtype(
             manifest_lib.dtype_of(leaf.dtype), out).itemsize)
         for t, (leaf, out) in enumerate(zip(m.leaves, request.outs))])
     choice = (Choice(base, last.version, d.compare, estimates=estimates, why=d.why)
               if d.delta else
               Choice(None, 0, None, d.measure, last.version, estimates, d.why))
-  elif options.delta == "auto":
+  elif options.delta == "auto" and not local_path:
     choice = dataclasses.replace(choice, estimates=estimates)
   if waits is not None:
     choice = agree(waits, choice, len(m.leaves), options.delta == "auto")

@@ -68,8 +68,13 @@ class Estimates:
     self.encode_s: float | None = None
     self.apply_s: float | None = None
 
-  def decide(self, manifest_id: str, leaves: Sequence[tuple[int, int, int]]
-             ) -> Decision:
+  def layout(self, manifest_id: str) -> None:
+    """The layout set the next pull is of: another than the last forgets everything
+    (leaf numbers, sizes and the link may all differ)."""
+    if manifest_id != self.manifest_id:
+      self._reset(manifest_id)
+
+  def decide(self, leaves: Sequence[tuple[int, int, int]]) -> Decision:
     """The choice for a pull of `leaves` ((leaf, elements, wire itemsize)) that has a
     base (a previous result the delta would apply to).
 
@@ -81,8 +86,6 @@ class Estimates:
     not for their interval, are measured: compared within a delta pull, asked for after
     a full one.
     """
-    if manifest_id != self.manifest_id:
-      self._reset(manifest_id)
     self.pulls += 1
     stale = frozenset(t for t, _, _ in leaves if t not in self.fraction or (
         self.pulls - self._measured[t] >= self._stale.get(t, STALE_AFTER)))
