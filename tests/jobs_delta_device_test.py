@@ -44,6 +44,8 @@ def _mask(rng, n, how):
       mask[start:start + int(rng.integers(1, 300))] = True
   elif how == "half":
     mask = rng.random(n) < 0.5
+  elif how == "most":  # near where dense wins: the mode depends on the element's width
+    mask = rng.random(n) < 0.975
   elif how == "all":
     mask[:] = True
   elif how == "mixed":  # one chunk of each mode
@@ -52,6 +54,24 @@ def _mask(rng, n, how):
     mask[2 * C + 1:3 * C:2] = True               # bitmap
     mask[3 * C:4 * C] = True                     # dense
   return mask
+
+
+def _random_bits(rng, old, new, mask):
+  """Random bit patterns (NaNs of every payload, infinities, subnormals) at some of
+  the changed elements of a float `new`, and the same ones at unchanged elements of
+  both (equal bits: unchanged)."""
+  width = {1: np.uint8, 2: np.uint16, 4: np.uint32}.get(old.dtype.itemsize)
+  if width is None or old.dtype.kind in "biuc":
+    return
+  flat_old, flat_new = old.reshape(-1).view(width), new.reshape(-1).view(width)
+  changed = np.flatnonzero(mask.reshape(-1))
+  at = rng.choice(changed, min(changed.size, 64), replace=False) if changed.size else []
+  flat_new[at] = rng.integers(0, np.iinfo(width).max, len(at), dtype=np.uint64
+                              ).astype(width) | 1  # never the old bits by chance
+  flat_new[at] ^= (flat_new[at] == flat_old[at]).astype(width) << 1
+  same = np.flatnonzero(~mask.reshape(-1))[:64]
+  flat_old[same] = flat_new[same] = rng.integers(0, np.iinfo(width).max, same.size,
+                                                 dtype=np.uint64).astype(width)
 
 
 def _changed_copy(rng, old, mask):
@@ -79,7 +99,10 @@ def test_bitwise_against_numpy(dtype, how, monkeypatch):
   rng = np.random.default_rng(abs(hash((np.dtype(dtype).name, how))) % 1000)
   shapes = [(3, C + 77), (2, 2 * C + 5), (5, 999)]
   olds = [(rng.standard_normal(s) * 8).astype(dtype) for s in shapes]
-  news = [_changed_copy(rng, o, _mask(rng, o.size, how).reshape(o.shape)) for o in olds]
+  masks = [_mask(rng, o.size, how).reshape(o.shape) for o in olds]
+  news = [_changed_copy(rng, o, m) for o, m in zip(olds, masks)]
+  for o, n, m in zip(olds, news, masks):
+    _random_bits(rng, o, n, m)
   cuts = [((0, 1), (3, C + 70)), ((0, 0), (2, 2 * C + 5)), ((1, 0), (4, 999))]
   pieces, ref_new, ref_mask = [], [], []
   for i, (new, old, (lo, hi)) in enumerate(zip(news, olds, cuts)):
@@ -130,13 +153,16 @@ def test_nan_payloads_and_signed_zero(dtype):
   assert got.changed == [int(codec.changed(new, old).sum())] and want.changed >= 3
 
 
-def test_pieces_held_on_other_devices():
+@pytest.mark.parametrize("how", ["runs", "most"])
+@pytest.mark.parametrize("dtype", [np.float32, BF16, np.complex64],
+                         ids=lambda d: np.dtype(d).name)
+def test_pieces_held_on_other_devices(dtype, how):
   """Pieces on devices other than the stream's are cut and compared there, then moved
-  (their elements and change mask): the same bytes."""
+  (their elements' bits and change mask): the same bytes."""
   rng = np.random.default_rng(5)
   devices = jax.devices()[:3]
-  olds = [rng.standard_normal((4, C // 2 + 3)).astype(np.float32) for _ in devices]
-  news = [_changed_copy(rng, o, _mask(rng, o.size, "runs").reshape(o.shape))
+  olds = [rng.standard_normal((4, C // 2 + 3)).astype(dtype) for _ in devices]
+  news = [_changed_copy(rng, o, _mask(rng, o.size, how).reshape(o.shape))
           for o in olds]
   pieces = [delta_device.Piece(jax.device_put(n, d), jax.device_put(o, d), (1, 2),
                                (4, C // 2), delta_device.COMPARE)
@@ -151,13 +177,9 @@ def test_pieces_held_on_other_devices():
   _same(delta_device.encode(pieces, devices[1]).encoded, want)
 
 
-def test_sizes_are_powers_of_two_kept_within_an_eighth():
-  key = ("test", object())
-  assert delta_device._bucket(key, 0) == 0
-  assert delta_device._bucket(key, 1000) == 1024
-  assert delta_device._bucket(key, 200) == 1024      # within 1/8: kept
-  assert delta_device._bucket(key, 100) == 256       # below: smaller
-  assert delta_device._bucket(key, 5000) == 8192
+def test_sizes_are_powers_of_two():
+  assert [delta_device._size(n) for n in (0, 1, 256, 257, 1000, 1024, 5000)] == [
+      0, 256, 256, 512, 1024, 1024, 8192]
 
 
 def test_count_changed_and_supported():

@@ -11,7 +11,6 @@ nothing about what to send (delta.py) and touches no sockets or versions.
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -26,11 +25,13 @@ from jax_m2n._src.jobs.codec import BITMAP, CHUNK, DENSE, NOTHING, RUNS
 # elements than this (its chunks padded) is encoded by codec.py on the host instead.
 MAX_ELEMENTS = (1 << 31) - CHUNK
 # The values are compacted one of two ways (both exact, the same bytes): searching each
-# output slot's position (cost ~ slots x log2(words)) or scattering every element to
-# its rank (cost ~ elements). The search is taken while at most this fraction of the
-# stream is sent (measured on XLA's CPU, 1 GiB float32: search 0.6 s at 2%, scatter
-# 2 s at any density; on a GPU both are a few memory passes).
-SEARCH_BELOW = 1 / 8
+# output slot's position (~28 dependent lookups per slot, and as many slot-sized
+# temporaries) or scattering every element to its rank (one pass over the stream, a
+# few int ops per element). The search is taken while at most this fraction of the
+# stream is sent: below ~1/30 it is fewer operations, and at 1/64 its temporaries stay
+# under ~2 bytes per element of the stream. (XLA's CPU code, 256 MiB float32: search
+# 0.35 s at 0.1%, 1.0 s at 2%, 6 s at 30%; scatter 1.1-2.1 s at any fraction.)
+SEARCH_BELOW = 1 / 64
 # A piece's change test: against the base's same box, a precomputed mask (pieces cut and
 # compared on another device first), or none (no base: every element sent).
 COMPARE, MASK, ALL = 0, 1, 2
@@ -76,14 +77,30 @@ def encode(pieces: Sequence[Piece], device: Any, chunk: int = CHUNK) -> Stream:
     >>> s.encoded.modes.tolist(), s.encoded.bitmaps.tolist(), s.encoded.values.tolist()
     ([1], [2], [2.0])
   """
+  padded, (modes, counts, nvalues, nruns, changed) = run(pieces, device, chunk)
+  values, bitmaps, runs = jax.device_get(padded)
+  values = values.view(np.dtype(pieces[0].new.dtype)).reshape(-1)  # from its bits
+  n = sum(_elements(p) for p in pieces)
+  bitmaps = bitmaps[:codec.bitmap_bytes(modes.tolist(), n, chunk)]
+  return Stream(codec.Encoded(modes, bitmaps, runs[:2 * nruns], values[:nvalues],
+                              int(counts.sum())), [int(c) for c in changed])
+
+
+def run(pieces: Sequence[Piece], device: Any, chunk: int = CHUNK
+        ) -> tuple[tuple[jax.Array, ...], tuple[Any, ...]]:
+  """`encode`'s work on the device: the summary program, its summary to the host, the
+  gather program launched. Returns ((the values' bits, bitmaps' bytes, runs) on
+  `device`, padded to powers of two), (per chunk its mode and changed count, the values and runs kept,
+  per piece its changed count) (host)."""
+  dtype = np.dtype(pieces[0].new.dtype).name  # a moved piece holds its bits
   pieces = [_moved(p, device) for p in pieces]
   sig = tuple((p.new.shape, np.dtype(p.new.dtype).name, p.starts, p.limits, p.kind)
               for p in pieces)
   news = [p.new for p in pieces]
   olds = [p.old for p in pieces]
-  words, modes, counts, runs, changed = _summary(sig, chunk)(news, olds)
+  words, modes, counts, runs, changed = _summary(sig, dtype, chunk)(news, olds)
   modes_h, counts_h, runs_h, changed_h = jax.device_get((modes, counts, runs, changed))
-  n = sum(_size(p) for p in pieces)
+  n = sum(_elements(p) for p in pieces)
   nchunks = modes_h.size
   sizes = np.full(nchunks, chunk, np.int64)
   sizes[-1] = n - (nchunks - 1) * chunk
@@ -91,40 +108,22 @@ def encode(pieces: Sequence[Piece], device: Any, chunk: int = CHUNK) -> Stream:
   nvalues = int(counts_h[sparse].sum() + sizes[modes_h == DENSE].sum())
   nbitmaps = int((modes_h == BITMAP).sum())
   nruns = int(runs_h[modes_h == RUNS].sum())
-  key = (sig, device.id, chunk)
-  sv, sb, sr = (_bucket(key + (what,), m) for what, m in (
-      ("values", nvalues), ("bitmaps", nbitmaps), ("runs", nruns)))
   search = nvalues <= SEARCH_BELOW * n
-  values, bitmaps, runs = jax.device_get(_gather(sig, chunk, sv, sb, sr, search)(
-      news, words, modes, counts))
-  bitmaps = bitmaps[:codec.bitmap_bytes(modes_h.tolist(), n, chunk)]
-  return Stream(codec.Encoded(modes_h, bitmaps, runs[:2 * nruns], values[:nvalues],
-                              int(counts_h.sum())), [int(c) for c in changed_h])
+  padded = _gather(sig, dtype, chunk, _size(nvalues), _size(nbitmaps), _size(nruns),
+                   search)(news, words, modes, counts)
+  return padded, (modes_h, counts_h, nvalues, nruns, changed_h)
 
 
-def _size(p: Piece) -> int:
+def _elements(p: Piece) -> int:
   return int(np.prod([hi - lo for lo, hi in zip(p.starts, p.limits)], dtype=np.int64))
 
 
-# Per (stream, array): the size it last used, kept while the count stays between 1/8
-# of it and it (a training run's change counts drift around a level: each size is one
-# compilation). Shared by the serving threads.
-_sizes: dict[tuple[Any, ...], int] = {}
-_sizes_lock = threading.Lock()
-
-
-def _bucket(key: tuple[Any, ...], n: int) -> int:
-  """0 for nothing, else a power of two >= n (at least 256), with hysteresis."""
-  if n == 0:
-    return 0
-  with _sizes_lock:
-    last = _sizes.get(key)
-    if last is not None and last // 8 <= n <= last:
-      return last
-    if len(_sizes) > 1 << 12:
-      _sizes.clear()
-    size = _sizes[key] = max(256, 1 << (n - 1).bit_length())
-    return size
+def _size(n: int) -> int:
+  """The slots of an output of `n` elements: 0 for none, else the power of two >= n (at
+  least 256). Each size is one compilation of the gather program, cached: a training
+  run's change counts drift around a level and compile a few sizes once each; the host
+  copies at most twice the bytes it keeps."""
+  return 0 if n == 0 else max(256, 1 << (n - 1).bit_length())
 
 
 # ---------------------------------------------------------------------------------------
@@ -136,14 +135,11 @@ def _moved(p: Piece, device: Any) -> Piece:
   on its own device, its flat elements and change mask moved."""
   if p.new.devices() == {device}:
     return p
-  shape = tuple(hi - lo for lo, hi in zip(p.starts, p.limits))
   new, mask = _cut(p.new.shape, np.dtype(p.new.dtype).name, p.starts, p.limits,
                    p.kind)(p.new, p.old)
-  n = int(np.prod(shape, dtype=np.int64))
-  whole = (0,)
   return Piece(jax.device_put(new, device),
-               None if mask is None else jax.device_put(mask, device), whole, (n,),
-               ALL if mask is None else MASK)
+               None if mask is None else jax.device_put(mask, device), (0,),
+               (_elements(p),), ALL if mask is None else MASK)
 
 
 @functools.lru_cache(maxsize=256)
@@ -151,9 +147,9 @@ def _cut(shape, dtype, starts, limits, kind) -> Any:
   del shape, dtype  # part of the cache key: one compilation per signature
 
   def cut(new, old):
-    flat = lax.slice(new, starts, limits).reshape(-1)
+    flat = _cut_bits(new, starts, limits)
     if kind == COMPARE:
-      return flat, _differ(flat, lax.slice(old, starts, limits).reshape(-1))
+      return flat, _differ(flat, _cut_bits(old, starts, limits))
     return flat, (old if kind == MASK else None)
   return jax.jit(cut)
 
@@ -173,9 +169,19 @@ def _bits(x: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(x, kind)
 
 
+def _cut_bits(x: jax.Array, starts, limits) -> jax.Array:
+  """The bits (`_bits`) of x's box `starts`..`limits`, flattened: one row per element.
+  Every program moves bits, never float values (XLA's CPU computes in bfloat16 through
+  float32, quieting NaN payloads, even for a copy or a scatter)."""
+  bits = _bits(x)
+  extra = bits.shape[len(starts):]  # a complex element's two parts
+  box = lax.slice(bits, tuple(starts) + (0,) * len(extra), tuple(limits) + extra)
+  return box.reshape((-1,) + extra)
+
+
 def _differ(new: jax.Array, old: jax.Array) -> jax.Array:
-  """The change test (codec.changed): True where the bits differ."""
-  diff = _bits(new) != _bits(old)
+  """The change test (codec.changed) on two `_cut_bits`: True where the bits differ."""
+  diff = new != old
   return diff if diff.ndim == 1 else diff.any(axis=-1)
 
 
@@ -184,9 +190,9 @@ def _popcount(x: jax.Array) -> jax.Array:
 
 
 def _stream(sig, news) -> jax.Array:
-  """The stream's elements: each piece cut and flattened, concatenated in order."""
-  flats = [lax.slice(a, starts, limits).reshape(-1)
-           for a, (_, _, starts, limits, _) in zip(news, sig)]
+  """The stream's elements' bits: each piece cut and flattened, concatenated in
+  order."""
+  flats = [_cut_bits(a, starts, limits) for a, (_, _, starts, limits, _) in zip(news, sig)]
   return flats[0] if len(flats) == 1 else jnp.concatenate(flats)
 
 
@@ -201,10 +207,11 @@ def _run_bits(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.lru_cache(maxsize=64)
-def _summary(sig: tuple[Any, ...], chunk: int) -> Any:
-  """The summary program: (the changed elements as words of 32 bits, per chunk its
-  mode (int8), changed count and run count, per piece its changed count)."""
-  itemsize = np.dtype(jnp.dtype(sig[0][1])).itemsize
+def _summary(sig: tuple[Any, ...], dtype: str, chunk: int) -> Any:
+  """The summary program of a stream of `dtype`: (the changed elements as words of 32
+  bits, per chunk its mode (int8), changed count and run count, per piece its changed
+  count)."""
+  itemsize = np.dtype(jnp.dtype(dtype)).itemsize
   sizes = [int(np.prod([hi - lo for lo, hi in zip(s, l)], dtype=np.int64))
            for _, _, s, l, _ in sig]
   n = sum(sizes)
@@ -215,8 +222,8 @@ def _summary(sig: tuple[Any, ...], chunk: int) -> Any:
     masks = []
     for (_, _, starts, limits, kind), new, old, size in zip(sig, news, olds, sizes):
       if kind == COMPARE:
-        masks.append(_differ(lax.slice(new, starts, limits).reshape(-1),
-                             lax.slice(old, starts, limits).reshape(-1)))
+        masks.append(_differ(_cut_bits(new, starts, limits),
+                             _cut_bits(old, starts, limits)))
       elif kind == MASK:
         masks.append(old)
       else:
@@ -265,19 +272,20 @@ def _select_bit(word: jax.Array, k: jax.Array) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=256)
-def _gather(sig: tuple[Any, ...], chunk: int, sv: int, sb: int, sr: int, search: bool
-            ) -> Any:
-  """The gather program: (the values (sv slots), the bitmaps' bytes (sb chunks), the
-  runs (sr int32 pairs)), each in element order, the slots past the real counts
-  unspecified."""
+def _gather(sig: tuple[Any, ...], dtype: str, chunk: int, sv: int, sb: int, sr: int,
+            search: bool) -> Any:
+  """The gather program: (the values' bits (sv slots: `_bits`, never the float values:
+  XLA's CPU moves bfloat16 through float32 and quiets NaN payloads), the bitmaps' bytes
+  (sb chunks), the runs (sr int32 pairs)), each in element order, the slots past the
+  real counts unspecified."""
   wpc = chunk // 32  # words per chunk
-  dtype = jnp.dtype(sig[0][1])
+  empty = jax.eval_shape(_bits, jax.ShapeDtypeStruct((0,), jnp.dtype(dtype)))
 
   def gather(news, words, modes, counts):
     nchunks = modes.size
     n = sum(int(np.prod([hi - lo for lo, hi in zip(s, l)])) for _, _, s, l, _ in sig)
     rows = words.reshape(nchunks, wpc)
-    values = jnp.zeros(0, dtype)
+    values = jnp.zeros(empty.shape, empty.dtype)
     if sv:
       new = _stream(sig, news)
       # The sent elements: every element of a DENSE chunk, the changed ones elsewhere.
@@ -321,7 +329,8 @@ def _values_by_search(new, take, modes, counts, chunk, sv):
   among the chunk's words and its bit in the word."""
   wpc = chunk // 32
   nchunks = modes.size
-  sizes = jnp.full(nchunks, chunk, jnp.int32).at[-1].set(new.size - (nchunks - 1) * chunk)
+  n = new.shape[0]
+  sizes = jnp.full(nchunks, chunk, jnp.int32).at[-1].set(n - (nchunks - 1) * chunk)
   sent = jnp.where(modes == DENSE, sizes, jnp.where(modes == NOTHING, 0, counts))
   chunk_end = jnp.cumsum(sent)
   j = jnp.arange(sv, dtype=jnp.int32)
@@ -334,7 +343,7 @@ def _values_by_search(new, take, modes, counts, chunk, sv):
                0, take.size - 1)
   bit = _select_bit(take[w], k - (word_end[w] - pc.reshape(-1)[w]))
   at = jnp.where(modes[c] == DENSE, c * chunk + k, w * 32 + bit)
-  return new[jnp.clip(at, 0, new.size - 1)]
+  return new[jnp.clip(at, 0, n - 1)]
 
 
 def _values_by_scatter(new, take, modes, counts, chunk, sv):
@@ -345,8 +354,9 @@ def _values_by_scatter(new, take, modes, counts, chunk, sv):
   b = jnp.arange(32, dtype=jnp.uint32)
   tw = take[:, None]
   rank = before[:, None] + _popcount(tw & ((jnp.uint32(1) << b) - 1))
-  at = jnp.where(((tw >> b) & 1).astype(jnp.bool_), rank, sv).reshape(-1)[:new.size]
-  return jnp.zeros(sv, new.dtype).at[at].set(new, mode="drop", unique_indices=True)
+  at = jnp.where(((tw >> b) & 1).astype(jnp.bool_), rank, sv).reshape(-1)[:new.shape[0]]
+  return jnp.zeros((sv,) + new.shape[1:], new.dtype).at[at].set(
+      new, mode="drop", unique_indices=True)
 
 
 def count_changed(new: jax.Array, old: jax.Array) -> jax.Array:
@@ -357,5 +367,7 @@ def count_changed(new: jax.Array, old: jax.Array) -> jax.Array:
 
 @functools.lru_cache(maxsize=256)
 def _counter(shape, dtype) -> Any:
-  del shape, dtype  # the cache key: one compilation per signature
-  return jax.jit(lambda a, b: _differ(a.reshape(-1), b.reshape(-1)).sum(dtype=jnp.int32))
+  del dtype  # part of the cache key: one compilation per signature
+  whole = (0,) * len(shape), tuple(shape)
+  return jax.jit(lambda a, b: _differ(_cut_bits(a, *whole), _cut_bits(b, *whole)).sum(
+      dtype=jnp.int32))
