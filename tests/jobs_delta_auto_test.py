@@ -187,7 +187,7 @@ def test_auto_end_to_end():
     step()
     measured = dict(est._measured)
     got = pull_both()
-    assert got.get("subscriber_auto_delta") == 1
+    assert got.get("subscriber_auto_delta") == 1, (est.rate, est.encode_s, est.apply_s)
     assert got.get("subscriber_delta_pulls") == 1
     # leaf 1 whole, leaf 0 nothing, leaf 2 its ~1%: the values that crossed
     assert hosts[1].size <= got["publisher_changed"] < hosts[1].size + hosts[2].size // 50

@@ -294,7 +294,9 @@ def test_serve_answers_from_several_threads(device_encode, monkeypatch):
           start += x.size
       assert {r[0] for r in reply["changed"]} == {t for t, _, _ in asked
                                                    if t not in b["dense"]}
-      assert reply["encode_s"] is not None and reply["encode_s"] >= 0
+      # this request's seconds per element, unless it compiled a program
+      assert reply["encode_s"] is None or reply["encode_s"] >= 0
+      assert reply["encode_s"] is not None or device_encode
     after = delta.snapshot()
     assert after["publisher_requests"] - before.get("publisher_requests", 0) == 12
     assert (after["publisher_elements"] - before.get("publisher_elements", 0)

@@ -6,11 +6,11 @@ of the new version with the base version's, encode per stream, offer the arrays;
 asked to `measure`, count the changes only) and the subscriber's (`choose`: delta or
 full, with delta_auto.py's estimates for delta="auto"; `run`: ask, fetch, decode and
 apply to its last result: in place where donated, with numpy on CPU), and the record of
-that last result (`Last`, `base_of`). The encoding itself is codec.py's (numpy, on CPU)
+that last result (`Last`, `_base`). The encoding itself is codec.py's (numpy, on CPU)
 and delta_device.py's (compiled programs, on accelerators). Plans nothing (a delta pull
 runs the flat plan's pieces) and never decides by itself that bytes are equal: what it
 cannot prove the subscriber holds crosses dense. Threads: `serve` may run on several
-worker threads at once (its shared state, `stats` and the encode rate, under `_lock`).
+worker threads at once (its one shared state, `stats`, under `_lock`).
 """
 
 from __future__ import annotations
@@ -48,9 +48,6 @@ logger = logging.getLogger("jax_m2n")
 # with `snapshot()` while pulls run on other threads.
 stats: collections.Counter = collections.Counter()
 _lock = threading.Lock()
-# The publisher process's compare + encode seconds per element (a moving average over
-# its delta requests; None before the first): what it reports to delta="auto".
-_encode_s: list[float | None] = [None]
 
 # Where the publisher compares and encodes: None: on the device holding the shards
 # except on CPU, where numpy on the shards' own host memory is 2-4x faster than XLA's
@@ -100,10 +97,10 @@ def serve(version: Any, base: Any, body: dict[str, Any], transport: Any) -> dict
   request's `dense` cross dense too, not compared); the arrays (per stream bitmaps, runs
   and values, the empty ones left out) offered under one ticket (`transport.offer`).
   The reply's header lists per stream [dtype, values, runs, modes]; `changed` lists per
-  compared leaf [leaf, changed, compared] and `encode_s` this process's compare +
-  encode seconds per element (what delta="auto" chooses by). A request with `measure`
-  (a list of leaves) offers nothing: it counts the changes of those leaves' shards held
-  here (`measured`). `version` and `base` are the publisher's held versions
+  compared leaf [leaf, changed, compared] and `encode_s` this request's compare +
+  encode seconds per element (None where a program was compiled for it), what
+  delta="auto" chooses by. A request with `measure` (a list of leaves) offers nothing:
+  it counts the changes of those leaves' shards held here (`measured`; `_measure`). `version` and `base` are the publisher's held versions
   (versions.Version). Safe on several threads at once.
   """
   m = version.manifest
@@ -136,10 +133,11 @@ def serve(version: Any, base: Any, body: dict[str, Any], transport: Any) -> dict
   counts["publisher_convert_s"] += time.perf_counter() - start
   start = time.perf_counter()
   heads, arrays, changed = [], [], collections.Counter()
-  compared = collections.Counter()
+  compared, compiled = collections.Counter(), False
   for name in sorted(streams):
     members = streams[name]
-    e, by_leaf = _encode(members, counts)
+    e, by_leaf, built = _encode(members, counts)
+    compiled = compiled or built
     heads.append([name, int(e.values.size), int(e.runs.size // 2), e.modes.tolist()])
     arrays += [e.bitmaps, e.runs, e.values]
     for t, (c, n) in by_leaf.items():
@@ -153,7 +151,8 @@ def serve(version: Any, base: Any, body: dict[str, Any], transport: Any) -> dict
     for mode, n in zip(*np.unique(e.modes, return_counts=True)):
       counts[f"publisher_chunks_{MODES[mode]}"] += int(n)
   seconds = time.perf_counter() - start
-  _learn_encode(seconds, counts["publisher_elements"])
+  per_element = (seconds / counts["publisher_elements"]
+                 if not compiled and counts["publisher_elements"] else None)
   counts["publisher_encode_s"] += seconds
   counts["publisher_requests"] += 1
   _add(counts)
@@ -166,13 +165,14 @@ def serve(version: Any, base: Any, body: dict[str, Any], transport: Any) -> dict
   return {"ticket": ticket, "streams": heads,
           "base": base.number if base is not None else 0,
           "changed": [[t, changed[t], compared[t]] for t in sorted(compared)],
-          "encode_s": _encode_s[0]}
+          "encode_s": per_element}
 
 
 def _encode(members: list[_Member], counts: collections.Counter
-            ) -> tuple[codec.Encoded, dict[int, tuple[int, int]]]:
-  """One stream encoded (on the device holding its first piece, or with numpy), and
-  per compared leaf its (changed, compared) elements."""
+            ) -> tuple[codec.Encoded, dict[int, tuple[int, int]], bool]:
+  """One stream encoded (on the device holding its first piece, or with numpy), per
+  compared leaf its (changed, compared) elements, and whether a program was compiled
+  for it."""
   device = next(iter(members[0].new.devices()))
   n = sum(p.size for p in members)
   by_leaf: dict[int, list[int]] = {}
@@ -187,7 +187,7 @@ def _encode(members: list[_Member], counts: collections.Counter
         got = by_leaf.setdefault(p.t, [0, 0])
         got[0] += c
         got[1] += p.size
-    return s.encoded, {t: tuple(v) for t, v in by_leaf.items()}
+    return s.encoded, {t: tuple(v) for t, v in by_leaf.items()}, s.compiled
   # numpy: on CPU np.asarray is the shard's own buffer; elsewhere a device-to-host copy
   news, masks = [], []
   for p in members:
@@ -202,28 +202,21 @@ def _encode(members: list[_Member], counts: collections.Counter
     news.append(new)
     masks.append(np.ones(new.size, bool) if mask is None else mask)
   e = codec.encode_changes(np.concatenate(news), np.concatenate(masks))
-  return e, {t: tuple(v) for t, v in by_leaf.items()}
-
-
-def _learn_encode(seconds: float, elements: int) -> None:
-  if elements:
-    with _lock:
-      old = _encode_s[0]
-      new = seconds / elements
-      _encode_s[0] = new if old is None else (
-          delta_auto.ALPHA * new + (1 - delta_auto.ALPHA) * old)
+  return e, {t: tuple(v) for t, v in by_leaf.items()}, False
 
 
 def _measure(version: Any, base: Any, body: dict[str, Any], wire: dict[int, Any]
              ) -> dict[str, Any]:
   """Counts, per asked leaf, the elements of its shards held here (each box once) whose
-  wire bits differ from the base's: a full pull's fraction for delta="auto". The first
-  request of a process (no encode rate yet) encodes them too, to learn the rate."""
+  wire bits differ from the base's: a full pull's fraction for delta="auto". With
+  `calibrate` it encodes them (nothing offered) and reports the seconds per element
+  (None where a program was compiled for it), for a subscriber that has no delta of
+  its own to learn them from."""
   m = version.manifest
   leaves = set(messages.int_list(body["measure"], "delta: measure", 0,
                                  len(m.leaves) - 1, len(m.leaves)))
   if base is None:
-    return {"measured": [], "base": 0, "encode_s": _encode_s[0]}
+    return {"measured": [], "base": 0}
   counts: collections.Counter = collections.Counter({"publisher_measures": 1})
   seen, members = set(), []
   for (t, k), (box, _) in sorted(version.shards.items()):
@@ -234,17 +227,21 @@ def _measure(version: Any, base: Any, body: dict[str, Any], wire: dict[int, Any]
       new, old = version.shard(t, k, dtype)[1], base.shard(t, k, dtype)[1]
       members.append(_Member(t, new, old, (0,) * new.ndim, tuple(new.shape)))
   measured: dict[int, list[int]] = {}
-  if members and _encode_s[0] is None:  # learn this process's encode rate once
-    start = time.perf_counter()
+  per_element = None
+  if members and body.get("calibrate") is True:
+    start, compiled = time.perf_counter(), False
     streams: dict[Any, list[_Member]] = {}
     for p in members:
       streams.setdefault(p.new.dtype, []).append(p)
     for group in streams.values():
-      for t, (c, n) in _encode(group, counts)[1].items():
+      _, by_leaf, built = _encode(group, counts)
+      compiled = compiled or built
+      for t, (c, n) in by_leaf.items():
         got = measured.setdefault(t, [0, 0])
         got[0] += c
         got[1] += n
-    _learn_encode(time.perf_counter() - start, sum(p.size for p in members))
+    if not compiled:
+      per_element = (time.perf_counter() - start) / sum(p.size for p in members)
   elif members:
     for p, c in zip(members, _count(members)):
       got = measured.setdefault(p.t, [0, 0])
@@ -252,7 +249,7 @@ def _measure(version: Any, base: Any, body: dict[str, Any], wire: dict[int, Any]
       got[1] += p.size
   _add(counts)
   return {"measured": [[t, c, n] for t, (c, n) in sorted(measured.items())],
-          "base": base.number, "encode_s": _encode_s[0]}
+          "base": base.number, "encode_s": per_element}
 
 
 def _count(members: list[_Member]) -> list[int]:
@@ -550,7 +547,7 @@ def after_full(pull: Pull, choice: Choice, seconds: float, answer_s: float) -> N
   for link in pull.links.values():
     body = {"op": "delta", "version": pull.number, "base": choice.measure_base,
             "wire": [[t, pp.wire[t].name] for t in leaves], "measure": leaves,
-            "timeout_ms": pull.options.timeout_ms}
+            "calibrate": est.encode_s is None, "timeout_ms": pull.options.timeout_ms}
     try:
       reply = link.client.call(body, answer_s,
                                f"the change counts of version {pull.number}")

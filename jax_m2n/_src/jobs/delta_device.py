@@ -50,11 +50,13 @@ class Piece(NamedTuple):
 
 
 class Stream(NamedTuple):
-  """A stream encoded: codec's `Encoded` (host arrays, the wire format) and, per piece,
-  how many of its elements changed (what `delta="auto"` learns the density from)."""
+  """A stream encoded: codec's `Encoded` (host arrays, the wire format), per piece how
+  many of its elements changed (what `delta="auto"` learns the density from), and
+  whether a program was compiled for it (its time is then no measure of the encode)."""
 
   encoded: codec.Encoded
   changed: list[int]
+  compiled: bool
 
 
 def supported(dtype: Any, n: int) -> bool:
@@ -77,13 +79,15 @@ def encode(pieces: Sequence[Piece], device: Any, chunk: int = CHUNK) -> Stream:
     >>> s.encoded.modes.tolist(), s.encoded.bitmaps.tolist(), s.encoded.values.tolist()
     ([1], [2], [2.0])
   """
+  compiles = _compiles()
   padded, (modes, counts, nvalues, nruns, changed) = run(pieces, device, chunk)
   values, bitmaps, runs = jax.device_get(padded)
   values = values.view(np.dtype(pieces[0].new.dtype)).reshape(-1)  # from its bits
   n = sum(_elements(p) for p in pieces)
   bitmaps = bitmaps[:codec.bitmap_bytes(modes.tolist(), n, chunk)]
   return Stream(codec.Encoded(modes, bitmaps, runs[:2 * nruns], values[:nvalues],
-                              int(counts.sum())), [int(c) for c in changed])
+                              int(counts.sum())), [int(c) for c in changed],
+                _compiles() != compiles)
 
 
 def run(pieces: Sequence[Piece], device: Any, chunk: int = CHUNK
@@ -112,6 +116,12 @@ def run(pieces: Sequence[Piece], device: Any, chunk: int = CHUNK
   padded = _gather(sig, dtype, chunk, _size(nvalues), _size(nbitmaps), _size(nruns),
                    search)(news, words, modes, counts)
   return padded, (modes_h, counts_h, nvalues, nruns, changed_h)
+
+
+def _compiles() -> int:
+  """Programs built so far (each is compiled on its first call; another thread's count
+  too: a compiling call is one whose time tells nothing)."""
+  return sum(f.cache_info().misses for f in (_cut, _summary, _gather))
 
 
 def _elements(p: Piece) -> int:
