@@ -9,6 +9,8 @@ tests) the programs run on XLA's CPU backend; tests/gpu_delta_test.py runs them 
 
 import collections
 import doctest
+import os
+import sys
 import threading
 
 import jax
@@ -22,6 +24,9 @@ import jax_m2n
 from jax_m2n._src.jobs import codec, delta, delta_auto, delta_device
 from jax_m2n._src.jobs.net import NetTransport
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from delta_cases import changes  # noqa: E402
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 C = codec.CHUNK
 TOKEN = "delta-device-test-token-0123"
@@ -33,27 +38,6 @@ def _same(got: codec.Encoded, want: codec.Encoded):
     assert a.dtype == b.dtype and a.shape == b.shape, (field, a.dtype, a.shape, b.shape)
     assert a.tobytes() == b.tobytes(), field
   assert got.changed == want.changed
-
-
-def _mask(rng, n, how):
-  mask = np.zeros(n, bool)
-  if how == "sparse":
-    mask[rng.integers(0, n, max(1, n // 500))] = True
-  elif how == "runs":
-    for start in rng.integers(0, n, 9):
-      mask[start:start + int(rng.integers(1, 300))] = True
-  elif how == "half":
-    mask = rng.random(n) < 0.5
-  elif how == "most":  # near where dense wins: the mode depends on the element's width
-    mask = rng.random(n) < 0.975
-  elif how == "all":
-    mask[:] = True
-  elif how == "mixed":  # one chunk of each mode
-    mask[:C:700] = True                          # bitmap or runs
-    mask[C:C + 40] = True                        # runs
-    mask[2 * C + 1:3 * C:2] = True               # bitmap
-    mask[3 * C:4 * C] = True                     # dense
-  return mask
 
 
 def _random_bits(rng, old, new, mask):
@@ -99,7 +83,7 @@ def test_bitwise_against_numpy(dtype, how, monkeypatch):
   rng = np.random.default_rng(abs(hash((np.dtype(dtype).name, how))) % 1000)
   shapes = [(3, C + 77), (2, 2 * C + 5), (5, 999)]
   olds = [(rng.standard_normal(s) * 8).astype(dtype) for s in shapes]
-  masks = [_mask(rng, o.size, how).reshape(o.shape) for o in olds]
+  masks = [changes(rng, o.size, how).reshape(o.shape) for o in olds]
   news = [_changed_copy(rng, o, m) for o, m in zip(olds, masks)]
   for o, n, m in zip(olds, news, masks):
     _random_bits(rng, o, n, m)
@@ -162,7 +146,7 @@ def test_pieces_held_on_other_devices(dtype, how):
   rng = np.random.default_rng(5)
   devices = jax.devices()[:3]
   olds = [rng.standard_normal((4, C // 2 + 3)).astype(dtype) for _ in devices]
-  news = [_changed_copy(rng, o, _mask(rng, o.size, how).reshape(o.shape))
+  news = [_changed_copy(rng, o, changes(rng, o.size, how).reshape(o.shape))
           for o in olds]
   pieces = [delta_device.Piece(jax.device_put(n, d), jax.device_put(o, d), (1, 2),
                                (4, C // 2), delta_device.COMPARE)

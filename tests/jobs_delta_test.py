@@ -25,6 +25,7 @@ from jax_m2n._src.jobs import codec, delta
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import jobs_test  # noqa: E402
+from delta_cases import changes  # noqa: E402
 from jobs_test import Jobs  # noqa: E402
 from multiprocess_cpu_worker import _check, _random_sharding  # noqa: E402
 
@@ -39,20 +40,6 @@ def _bits(x):
 # ---------------------------------------------------------------- the encoding
 
 
-def _changes(rng, n, how):
-  mask = np.zeros(n, bool)
-  if how == "sparse":
-    mask[rng.integers(0, n, max(1, n // 500))] = True
-  elif how == "runs":
-    for start in rng.integers(0, n, 5):
-      mask[start:start + int(rng.integers(1, 300))] = True
-  elif how == "half":
-    mask = rng.random(n) < 0.5
-  elif how == "all":
-    mask[:] = True
-  return mask
-
-
 @pytest.mark.parametrize("dtype", [np.float32, BF16, np.int8, np.bool_, np.complex64,
                                    np.float64])
 @pytest.mark.parametrize("how", ["none", "sparse", "runs", "half", "all"])
@@ -60,7 +47,7 @@ def test_encode_decode_round_trip(dtype, how):
   rng = np.random.default_rng(len(how))
   n = 3 * codec.CHUNK + 1234  # a partial last chunk
   old = (rng.standard_normal(n) * 10).astype(dtype)
-  mask = _changes(rng, n, how)
+  mask = changes(rng, n, how)
   new = old.copy()
   new[mask] = (rng.standard_normal(int(mask.sum())) * 10 + 100).astype(dtype)
   if dtype == np.bool_:
@@ -86,7 +73,7 @@ def test_encode_decode_round_trip(dtype, how):
   assert np.array_equal(codec.decode(full.modes, full.bitmaps, full.runs, n), np.arange(n))
 
 
-def test_nan_and_signed_zero_are_changes():
+def test_nan_and_signed_zero_arechanges():
   old = np.array([0.0, -0.0, np.nan, np.nan, 1.0, 1.0], np.float32)
   new = old.copy()
   new[0] = -0.0                                             # +0 -> -0
@@ -167,7 +154,7 @@ def test_random_updates_bitwise_against_full_pull(sides, host_apply, device_enco
     prev = None
     for v, how in enumerate(["all", "sparse", "runs", "none", "half", "sparse"]):
       for h in hosts:
-        mask = _changes(rng, h.size, how).reshape(h.shape)
+        mask = changes(rng, h.size, how).reshape(h.shape)
         h[mask] = (h[mask] + rng.integers(1, 5, int(mask.sum()))).astype(h.dtype)
       pub.publish([_put(h, s) for h, s in zip(hosts, srcs)])
       before = dict(delta.stats)

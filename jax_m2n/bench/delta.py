@@ -14,7 +14,9 @@ Owns three measurements:
   the same three ways in float32.
 - encode: the publisher's compare + encode of --bytes float32 with each fraction changed,
   in one program on this platform's first device: the compiled programs
-  (delta_device.py) and numpy (codec.py), min of --repeats after a warm-up.
+  (delta_device.py: alone, and with the host's copy of their padded outputs; each way
+  of compacting the values) and numpy (codec.py, with the copy of the shards to the
+  host on accelerators), min of --repeats after a warm-up, each checked bitwise.
 Both programs run on 127.0.0.1, or on two emulated hosts (jax_m2n.testing.hosts)
 joined by shaped links (--rates 1gbit). The trainer waits for the three pulls before it
 goes on (lockstep). Each kind of pull goes first every third version (the first pull
@@ -429,7 +431,11 @@ def encode_run(nbytes: int, fractions, repeats: int,
       return codec.encode_changes(host_new, codec.changed(host_new, host_old))
 
     want = numpy_encode()
-    times = {}
+
+    def programs():  # the device's part: the host's copy of the outputs left out
+      jax.block_until_ready(delta_device.run(piece, device)[0])
+
+    times = {"device_programs": {}}
     for name, fn, search in (("device", delta_device.encode, None),
                              ("device_search", delta_device.encode, 2.0),
                              ("device_scatter", delta_device.encode, -1.0),
@@ -452,6 +458,15 @@ def encode_run(nbytes: int, fractions, repeats: int,
           call()
           ts.append(time.perf_counter() - t0)
         times[name] = {"min_ms": 1e3 * min(ts), "median_ms": 1e3 * statistics.median(ts)}
+        if name == "device":
+          programs()
+          ts = []
+          for _ in range(repeats):
+            t0 = time.perf_counter()
+            programs()
+            ts.append(time.perf_counter() - t0)
+          times["device_programs"] = {"min_ms": 1e3 * min(ts),
+                                      "median_ms": 1e3 * statistics.median(ts)}
       finally:
         delta_device.SEARCH_BELOW = saved
     runs.append({"fraction": fraction, "changed": changed, "elements": n,
@@ -459,7 +474,7 @@ def encode_run(nbytes: int, fractions, repeats: int,
     print_fn(f"  delta/encode {nbytes / 2**20:.0f} MiB, {100 * fraction:g}% changed on "
              f"{device.platform}: " + ", ".join(
                  f"{k} {v['min_ms']:.1f} ms" for k, v in times.items()))
-    del dnew, new, piece
+    dnew = new = piece = None  # freed before the next fraction's copies
   return {"bytes": nbytes, "platform": device.platform,
           "device": getattr(device, "device_kind", device.platform), "repeats": repeats,
           "runs": runs}
@@ -490,7 +505,7 @@ def run(workloads, lrs, steps: int, d_model: int, layers: int, nbytes: int, leav
   return doc
 
 
-ENCODERS = ("device", "device_search", "device_scatter", "numpy")
+ENCODERS = ("device_programs", "device", "device_search", "device_scatter", "numpy")
 HEAD = ("| link | {what} | changed / step (steady; first 10) | wire KiB full | "
         "wire KiB delta | full / delta | pull ms full | pull ms delta | pull ms auto "
         "(chose delta) | first pull ms full / delta / auto | publisher compare+encode "
