@@ -1,21 +1,25 @@
 """`delta="auto"`: per leaf, delta or full, from what earlier pulls measured.
 
 Owns a subscriber's estimates (per leaf the fraction of its elements whose wire bits
-changed per version, a moving average; the rate of its full network pulls; the
-publisher's encode seconds per compared element; this process's apply seconds per
-element) and the rule that chooses (docs/jobs.md, "Delta sync"). Pure: no sockets, no
+changed per version, a moving average; the rate of its full network pulls, the
+publisher's encode seconds per compared element and this process's apply seconds per
+element, each the median of its last few measurements) and the rule that chooses (docs/jobs.md, "Delta sync"). Pure: no sockets, no
 arrays, no clocks; delta.py feeds it measurements and asks it before each pull.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import statistics
 from typing import Sequence
 
-# The weight of a new measurement in the moving averages: the change fraction follows
-# the learning-rate schedule, so recent pulls count most (one outlier moves an estimate
-# halfway at most).
+# The weight of a new measurement in a leaf's fraction: it follows the learning-rate
+# schedule, so recent pulls count most (the counts are exact: no outliers).
 ALPHA = 0.5
+# Times are noisy (a pull of the RL example's model took 13-120 ms on a loaded host):
+# the rate and the costs are the median of this many last measurements.
+RECENT = 5
 # A leaf's fraction is measured again after this many pulls without a measurement of it,
 # the interval doubling (up to MAX_STALE) each time a measurement leaves the choice full:
 # a measurement costs the publisher a compare (~0.1 s per GiB with numpy on CPU, well
@@ -23,8 +27,8 @@ ALPHA = 0.5
 STALE_AFTER = 8
 MAX_STALE = 64
 # A delta pull must be predicted this much faster than a full one (a fraction of the full
-# pull's time): the model's error should not flip the choice back and forth.
-MARGIN = 0.05
+# pull's time): near even the model's error would pick the slower one half the time.
+MARGIN = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +54,19 @@ class Estimates:
 
   Attributes:
     fraction: per leaf, the moving average of its changed fraction.
-    rate: bytes per second of this process's full network pulls (moving average).
+    rate: bytes per second of this process's full network pulls.
     encode_s: the publisher's compare + encode seconds per compared element.
     apply_s: this process's seconds per element of the leaves a delta pull applies to.
+    (The last three: None before a measurement, else the median of the last RECENT;
+    setting one replaces its measurements, e.g. with a link's known rate.)
   """
+
+  rate = property(lambda self: self._median("rate"),
+                  lambda self, v: self._set("rate", v))
+  encode_s = property(lambda self: self._median("encode_s"),
+                      lambda self, v: self._set("encode_s", v))
+  apply_s = property(lambda self: self._median("apply_s"),
+                     lambda self, v: self._set("apply_s", v))
 
   def __init__(self):
     self._reset("")
@@ -64,9 +77,17 @@ class Estimates:
     self._measured: dict[int, int] = {}  # leaf -> the pull count of its last measure
     self._stale: dict[int, int] = {}     # leaf -> its current re-measure interval
     self.pulls = 0
-    self.rate: float | None = None
-    self.encode_s: float | None = None
-    self.apply_s: float | None = None
+    self._recent: dict[str, collections.deque] = {
+        k: collections.deque(maxlen=RECENT) for k in ("rate", "encode_s", "apply_s")}
+
+  def _median(self, what: str) -> float | None:
+    got = self._recent[what]
+    return statistics.median(got) if got else None
+
+  def _set(self, what: str, value: float | None) -> None:
+    self._recent[what].clear()
+    if value is not None:
+      self._recent[what].append(value)
 
   def layout(self, manifest_id: str) -> None:
     """The layout set the next pull is of: another than the last forgets everything
@@ -130,18 +151,14 @@ class Estimates:
   def learn_full(self, nbytes: int, seconds: float) -> None:
     """A full network pull moved `nbytes` in `seconds` (its data path, end to end)."""
     if nbytes > 0 and seconds > 0:
-      self.rate = _average(self.rate, nbytes / seconds)
+      self._recent["rate"].append(nbytes / seconds)
 
   def learn_encode(self, seconds_per_element: float) -> None:
     """The publisher's compare + encode seconds per element, as it reported them."""
     if seconds_per_element >= 0:
-      self.encode_s = seconds_per_element
+      self._recent["encode_s"].append(seconds_per_element)
 
   def learn_apply(self, seconds: float, elements: int) -> None:
     """A delta pull applied to `elements` elements of leaves in `seconds`."""
     if elements > 0 and seconds >= 0:
-      self.apply_s = _average(self.apply_s, seconds / elements)
-
-
-def _average(old: float | None, new: float) -> float:
-  return new if old is None else ALPHA * new + (1 - ALPHA) * old
+      self._recent["apply_s"].append(seconds / elements)
