@@ -180,7 +180,7 @@ def test_count_changed_and_supported():
                          ids=["codec", "delta_device", "delta_auto"])
 def test_doctests(module):
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
-  assert result.failed == 0, result
+  assert result.attempted > 0 and result.failed == 0, result
 
 
 # ---------------------------------------------------------------- serve on threads

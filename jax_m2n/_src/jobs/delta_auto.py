@@ -59,6 +59,20 @@ class Estimates:
     apply_s: this process's seconds per element of the leaves a delta pull applies to.
     (The last three: None before a measurement, else the median of the last RECENT;
     setting one replaces its measurements, e.g. with a link's known rate.)
+
+  Example (1 GiB of float32, 2% changed, over 1 Gbit/s: a delta; over 10 GB/s, not):
+    >>> est = Estimates()
+    >>> est.layout("a layout set")
+    >>> est.learn_full(125_000_000, 1.0)
+    >>> est.learn_encode(4e-9)
+    >>> est.learn_apply(0.1, 10 ** 8)
+    >>> est.learn_changed({0: (2, 100)}, full=True)
+    >>> d = est.decide([(0, 1 << 28, 4)])
+    >>> d.delta, sorted(d.compare)
+    (True, [0])
+    >>> est.rate = 10e9
+    >>> est.decide([(0, 1 << 28, 4)]).delta
+    False
   """
 
   rate = property(lambda self: self._median("rate"),
