@@ -107,6 +107,19 @@ def test_stale_leaves_are_measured_ever_more_rarely_while_full():
   assert [est.decide(leaves).measure for _ in range(8)][-1] == {0}
 
 
+def test_a_delta_slower_than_predicted_is_followed_by_one_full_pull():
+  est = _estimates(rate=GBIT, encode_s=1e-10, apply_s=1e-10, fractions={0: 0.01})
+  leaves = [(0, 10 ** 6, 4)]
+  assert est.decide(leaves).delta  # predicted full: 4 MB / 125 MB/s = 32 ms
+  est.learn_delta(0.010)           # 10 ms: it won
+  assert est.decide(leaves).delta
+  est.learn_delta(0.050)           # 50 ms: it lost
+  d = est.decide(leaves)
+  assert not d.delta and "more than a full pull's predicted 32.0 ms" in d.why
+  est.learn_full(4 * 10 ** 6, 0.032)
+  assert est.decide(leaves).delta  # the model again
+
+
 def test_a_new_layout_set_forgets_everything():
   est = _estimates(rate=GBIT, encode_s=1e-12, apply_s=1e-12, fractions={0: 0.0})
   assert est.decide([(0, 10 ** 6, 4)]).delta
@@ -180,11 +193,12 @@ def test_auto_end_to_end():
       return got
 
     pub.publish([_put(h, src) for h in hosts])
-    got = pull_both()  # no base: full; the link's rate measured
-    assert got.get("subscriber_full_pulls") == 1 and est.rate is not None
+    got = pull_both()  # no base: full (it plans and compiles: no measure of the link)
+    assert got.get("subscriber_full_pulls") == 1 and est.rate is None
     step()
-    got = pull_both()  # a base, no fractions yet: full, then measured
+    got = pull_both()  # a base, no rate nor fractions yet: full, then both measured
     assert got.get("subscriber_auto_full") == 1 and got.get("publisher_measures") == 1
+    assert est.rate is not None
     assert est.fraction[0] == 0.0 and est.fraction[1] == 1.0
     assert 0.005 < est.fraction[2] < 0.02 and est.encode_s is not None
     # A slow link (its rate as a full pull would have measured it: 1 MB/s): the

@@ -217,6 +217,11 @@ def _program(sig: tuple[tuple[int, str], ...], names: tuple[str, ...], donate: b
   return jax.jit(apply, donate_argnums=(0,) if donate else ())
 
 
+def programs_built() -> int:
+  """How many apply programs were built so far (each compiles on its first call)."""
+  return _program.cache_info().misses
+
+
 def apply_compiled(pp: Any, device: Any, group, parts, donate: bool) -> list[jax.Array]:
   """Updates `group`'s shards (leaf, index, shard) on `device` with one compiled
   program, in place where `donate`."""

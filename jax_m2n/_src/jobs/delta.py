@@ -409,9 +409,10 @@ def run(pull: Pull, choice: Choice, donate: bool, answer_s: float
   `choice.version` (the leaves outside `choice.compare` dense), fetches them, and
   applies them to `choice.base` (the previous result, in the same dst layouts and
   dtypes): in place where `donate`, else to copies. Returns per leaf its local
-  destination shards (in `pull.plan.local_dst` order). What it measured (change
+  destination shards (in the order of the plan's `local_dst`). What it measured (change
   fractions, encode and apply costs) goes to `choice.estimates`."""
   pp, number, links = pull.plan, pull.number, pull.links
+  began, programs = time.perf_counter(), codec.programs_built()
   devices = {d.id: d for d in jax.local_devices()}
   counts: collections.Counter = collections.Counter({"subscriber_delta_pulls": 1})
   # Each box once per process, from the first publisher device the flat plan reads it
@@ -428,7 +429,7 @@ def run(pull: Pull, choice: Choice, donate: bool, answer_s: float
       math.prod(hi - lo for lo, hi in box) * pp.wire[t].itemsize
       for (t, box) in unique)
   landing = devices[asked[min(asked)][0][3][0]] if asked else None
-  replies, pulled, changed, encode_s = {}, [], {}, []
+  replies, pulled, changed, encode_s, compiled = {}, [], {}, [], False
   for k, pieces_ in asked.items():
     wire = sorted({t for t, *_ in pieces_})
     body = {"op": "delta", "version": number, "base": choice.version,
@@ -442,6 +443,7 @@ def run(pull: Pull, choice: Choice, donate: bool, answer_s: float
     counts["subscriber_reply_bytes"] += len(messages.encode(reply))
     streams = _streams(pp, pieces_, reply.get("streams"), links[k].name)
     _changes(reply, "changed", len(pp.wire), links[k].name, changed, encode_s)
+    compiled = compiled or (bool(reply.get("changed")) and reply.get("encode_s") is None)
     specs = [(d, n) for _, _, sizes in streams for d, n in sizes]
     ticket = reply.get("ticket")
     fetched = any(n for _, n in specs)
@@ -501,12 +503,14 @@ def run(pull: Pull, choice: Choice, donate: bool, answer_s: float
   counts["subscriber_apply_s"] += seconds
   _add(counts)
   est = choice.estimates
-  if est is not None:
+  if est is not None:  # what delta="auto" learns (not from a pull that compiled)
     est.learn_changed(changed, full=False)
     if encode_s:
       est.learn_encode(sum(encode_s) / len(encode_s))
-    est.learn_apply(seconds, sum(p.size for shards in per_device.values()
-                                 for _, _, p in shards))
+    if not compiled and codec.programs_built() == programs:
+      est.learn_apply(seconds, sum(p.size for shards in per_device.values()
+                                   for _, _, p in shards))
+      est.learn_delta(time.perf_counter() - began)
   return out
 
 

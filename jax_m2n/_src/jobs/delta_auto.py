@@ -91,6 +91,8 @@ class Estimates:
     self._measured: dict[int, int] = {}  # leaf -> the pull count of its last measure
     self._stale: dict[int, int] = {}     # leaf -> its current re-measure interval
     self.pulls = 0
+    self._full_s = 0.0    # the last decision's predicted full pull, in seconds
+    self._lost = ""       # why the last delta lost against it ("": it did not)
     self._recent: dict[str, collections.deque] = {
         k: collections.deque(maxlen=RECENT) for k in ("rate", "encode_s", "apply_s")}
 
@@ -119,7 +121,8 @@ class Estimates:
     pays when the leaves that pay save more than applying costs over every leaf
     (elements x apply_s), by MARGIN of the full pull's time. Leaves never measured, or
     not for their interval, are measured: compared within a delta pull, asked for after
-    a full one.
+    a full one. After a delta that took longer than the full pull predicted
+    (`learn_delta`), one full pull: it measures the link again.
     """
     self.pulls += 1
     stale = frozenset(t for t, _, _ in leaves if t not in self.fraction or (
@@ -127,6 +130,9 @@ class Estimates:
     if self.rate is None:
       return Decision(False, frozenset(), stale, "the link's rate is not measured yet "
                       "(by a full network pull)")
+    if self._lost:
+      why, self._lost = self._lost, ""
+      return Decision(False, frozenset(), stale, why)
     encode_s, apply_s = self.encode_s or 0.0, self.apply_s or 0.0
     compare, saved, applying, full_s = set(), 0.0, 0.0, 0.0
     for t, n, w in leaves:
@@ -139,6 +145,7 @@ class Estimates:
       if gain > 0:
         compare.add(t)
         saved += gain
+    self._full_s = full_s
     if compare and saved - applying > MARGIN * full_s:
       return Decision(True, frozenset(compare) | stale, frozenset(),
                       f"delta saves ~{1e3 * (saved - applying):.1f} ms of "
@@ -166,6 +173,14 @@ class Estimates:
     """A full network pull moved `nbytes` in `seconds` (its data path, end to end)."""
     if nbytes > 0 and seconds > 0:
       self._recent["rate"].append(nbytes / seconds)
+
+  def learn_delta(self, seconds: float) -> None:
+    """A delta pull (no program compiled for it) took `seconds`: longer than the full
+    pull its decision predicted, the next pull is full."""
+    if seconds > self._full_s > 0:
+      self._lost = (f"the last delta took {1e3 * seconds:.1f} ms, more than a full "
+                    f"pull's predicted {1e3 * self._full_s:.1f} ms: a full pull measures "
+                    "the link again")
 
   def learn_encode(self, seconds_per_element: float) -> None:
     """The publisher's compare + encode seconds per element, as it reported them."""

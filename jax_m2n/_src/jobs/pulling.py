@@ -200,6 +200,7 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
     waits.post("fp", pp.fingerprint)
     waits.agree(pp.fingerprint, lambda: f"{len(m.leaves)} leaves")
   full_s = None  # a full pull's data path, its seconds (delta="auto" learns from them)
+  warm = bool(pp.avals)  # the plan ran before (its first pull plans and compiles)
   try:
     p = Pull(request, pp, number, {k: conn.link(k, m) for k in pp.requests}, transport,
              waits, salt, _peers(state, waits, transport.address) if waits else {})
@@ -217,7 +218,7 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
         pulled = state.relay.receive(conn.root(), p, REQUEST_S)
       start = time.perf_counter()
       shards = _full(p, pulled)
-      full_s = time.perf_counter() - start if pulled is None else None
+      full_s = time.perf_counter() - start if pulled is None and warm else None
       state.path = "network"
   except VersionGone:
     raise
