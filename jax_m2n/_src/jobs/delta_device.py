@@ -39,8 +39,9 @@ COMPARE, MASK, ALL = 0, 1, 2
 
 class Piece(NamedTuple):
   """One piece of a stream: the box `starts`..`limits` of `new` (a held shard in the
-  wire dtype), and what it is compared with (`old`: the base's shard for COMPARE, a
-  flat bool array for MASK, None for ALL)."""
+  wire dtype; for MASK its flat bits, moved from another device), and what it is
+  compared with (`old`: the base's shard for COMPARE, a flat bool array for MASK, None
+  for ALL)."""
 
   new: jax.Array
   old: jax.Array | None
