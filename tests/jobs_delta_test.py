@@ -25,6 +25,7 @@ from jax_m2n._src.jobs import codec, delta
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import jobs_test  # noqa: E402
+from delta_cases import changes  # noqa: E402
 from jobs_test import Jobs  # noqa: E402
 from multiprocess_cpu_worker import _check, _random_sharding  # noqa: E402
 
@@ -39,20 +40,6 @@ def _bits(x):
 # ---------------------------------------------------------------- the encoding
 
 
-def _changes(rng, n, how):
-  mask = np.zeros(n, bool)
-  if how == "sparse":
-    mask[rng.integers(0, n, max(1, n // 500))] = True
-  elif how == "runs":
-    for start in rng.integers(0, n, 5):
-      mask[start:start + int(rng.integers(1, 300))] = True
-  elif how == "half":
-    mask = rng.random(n) < 0.5
-  elif how == "all":
-    mask[:] = True
-  return mask
-
-
 @pytest.mark.parametrize("dtype", [np.float32, BF16, np.int8, np.bool_, np.complex64,
                                    np.float64])
 @pytest.mark.parametrize("how", ["none", "sparse", "runs", "half", "all"])
@@ -60,7 +47,7 @@ def test_encode_decode_round_trip(dtype, how):
   rng = np.random.default_rng(len(how))
   n = 3 * codec.CHUNK + 1234  # a partial last chunk
   old = (rng.standard_normal(n) * 10).astype(dtype)
-  mask = _changes(rng, n, how)
+  mask = changes(rng, n, how)
   new = old.copy()
   new[mask] = (rng.standard_normal(int(mask.sum())) * 10 + 100).astype(dtype)
   if dtype == np.bool_:
@@ -86,7 +73,7 @@ def test_encode_decode_round_trip(dtype, how):
   assert np.array_equal(codec.decode(full.modes, full.bitmaps, full.runs, n), np.arange(n))
 
 
-def test_nan_and_signed_zero_are_changes():
+def test_nan_and_signed_zero_arechanges():
   old = np.array([0.0, -0.0, np.nan, np.nan, 1.0, 1.0], np.float32)
   new = old.copy()
   new[0] = -0.0                                             # +0 -> -0
@@ -143,11 +130,16 @@ LEAVES = [((64, 300), np.float32, BF16), ((8, 6, 70), BF16, np.float32),
           ((), np.float16, None), ((33, 2 * 8192 + 7), np.float32, None)]
 
 
-@pytest.mark.parametrize("host_apply", [True, False], ids=["numpy", "compiled"])
-def test_random_updates_bitwise_against_full_pull(sides, host_apply, monkeypatch):
-  # On CPU the delta is applied with numpy; the compiled path (other platforms:
-  # programs updating the donated shards in place) is run here too.
+@pytest.mark.parametrize("host_apply,device_encode", [
+    (True, False), (False, False), (True, True)],
+    ids=["numpy", "compiled", "device_encode"])
+def test_random_updates_bitwise_against_full_pull(sides, host_apply, device_encode,
+                                                  monkeypatch):
+  # On CPU the delta is encoded and applied with numpy; the compiled paths (other
+  # platforms: the publisher's compare and encode on the device, programs updating the
+  # donated shards in place) are run here too.
   monkeypatch.setattr(codec, "HOST_APPLY", host_apply)
+  monkeypatch.setattr(delta, "DEVICE_ENCODE", device_encode)
   trainer, gen = sides
   rng = np.random.default_rng(7)
   pub = jax_m2n.Publisher(token=TOKEN, keep=3)
@@ -162,7 +154,7 @@ def test_random_updates_bitwise_against_full_pull(sides, host_apply, monkeypatch
     prev = None
     for v, how in enumerate(["all", "sparse", "runs", "none", "half", "sparse"]):
       for h in hosts:
-        mask = _changes(rng, h.size, how).reshape(h.shape)
+        mask = changes(rng, h.size, how).reshape(h.shape)
         h[mask] = (h[mask] + rng.integers(1, 5, int(mask.sum()))).astype(h.dtype)
       pub.publish([_put(h, s) for h, s in zip(hosts, srcs)])
       before = dict(delta.stats)
@@ -174,6 +166,9 @@ def test_random_updates_bitwise_against_full_pull(sides, host_apply, monkeypatch
       delta_pulls = delta.stats["subscriber_delta_pulls"] - before.get(
           "subscriber_delta_pulls", 0)
       assert delta_pulls == (1 if v else 0), (v, how)
+      device_streams = delta.stats["publisher_device_streams"] - before.get(
+          "publisher_device_streams", 0)
+      assert (device_streams > 0) == (device_encode and v > 0), device_streams
       if v:
         assert all(a.is_deleted() for a in prev), "the base was donated in place"
         sent = delta.stats["publisher_encoded_bytes"] - before.get(
@@ -297,8 +292,11 @@ def test_bad_delta_argument(sides):
   trainer, gen = sides
   with _one_leaf(trainer, gen) as (pub, sub, src, dst):
     pub.publish(_put(np.zeros((8, 8), np.float32), src))
-    with pytest.raises(jax_m2n.ReshardTypeError, match="delta must be a bool"):
+    with pytest.raises(jax_m2n.ReshardValueError,
+                       match="delta must be True, False or 'auto'; got 'yes'"):
       sub.pull(dst, delta="yes")
+    with pytest.raises(jax_m2n.ReshardTypeError, match="delta must be a bool or 'auto'"):
+      sub.pull(dst, delta=1)
 
 
 # ---------------------------------------------------------------- separate programs
@@ -322,4 +320,6 @@ def test_separate_jobs_delta_bitwise(jobs, trainers, generators, monkeypatch):
   if generators == 2:  # bases that differ between the processes: an error on both
     mismatch = jobs.results("mismatch")
     assert len(mismatch) == 2 and all(f["ok"] == "1" for _, f, _ in mismatch), text
-  print("\n".join(line for _, _, line in found + jobs.results("mismatch")))
+  auto = jobs.results("auto")  # delta="auto": full, then a delta the job agreed on
+  assert len(auto) == generators and all(f["ok"] == "1" for _, f, _ in auto), text
+  print("\n".join(line for _, _, line in found + jobs.results("mismatch") + auto))

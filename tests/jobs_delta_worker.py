@@ -12,7 +12,9 @@ generator pulls every version with delta=True, donating the last result, checks 
 bitwise, and prints "RESULT delta role=generator process=I ok=1 deltas=N in_place=B
 delta_bytes=X full_bytes=Y"; in a 2-process generator job, then a pull whose processes
 hold different bases (process 1 deleted its previous arrays): "RESULT mismatch ...
-ok=1" when it failed on both with the rule's message.
+ok=1" when it failed on both with the rule's message; then two delta="auto" pulls,
+full (nothing measured yet) and then, given a slow link's estimates, a delta: "RESULT
+auto ... ok=1".
 """
 
 import os
@@ -107,6 +109,25 @@ def generator(jax, jax_m2n, args):
     except jax_m2n.ReshardValueError as e:
       print(f"RESULT mismatch role=generator process={args.process_id} "
             f"ok={int('same previous version' in str(e))} {e}", flush=True)
+  # delta="auto": the first pull full (no rate measured yet; in a 2-process job one
+  # process also has no base); then, the estimates those of a slow link on every
+  # process, a delta on all of them (the job agrees), both bitwise.
+  kinds = []
+  for forced in (False, True):
+    if forced:
+      est = sub._state.auto
+      est.learn_full(1000, 1.0)
+      est.learn_encode(0.0)
+      est.learn_changed({t: (1, 1000) for t in range(len(LEAVES))}, full=False)
+    before = dict(delta.stats)
+    out = sub.pull(dsts, dtype=outs, version=VERSIONS, delta="auto", timeout_s=120,
+                   path="network")
+    kinds.append("delta" if delta.stats["subscriber_auto_delta"] > before.get(
+        "subscriber_auto_delta", 0) else "full")
+    for c, (h, s, o) in enumerate(zip(hosts(args.seed, VERSIONS), dsts, outs)):
+      jobs_worker._check(out[c], h, s, o)
+  print(f"RESULT auto role=generator process={args.process_id} "
+        f"ok={int(kinds == ['full', 'delta'])} kinds={','.join(kinds)}", flush=True)
   print(f"RESULT delta role=generator process={args.process_id} ok=1 "
         f"deltas={got['subscriber_delta_pulls']} in_place={in_place} "
         f"delta_bytes={got['subscriber_pulled_bytes']} "

@@ -226,7 +226,8 @@ bodies = st.fixed_dictionaries({"op": st.sampled_from(
         "after": json_values, "wait_ms": json_values, "id": json_values,
         "version": json_values, "base": json_values, "wire": json_values,
         "groups": json_values, "timeout_ms": json_values, "group": json_values,
-        "member": json_values, "chunk_bytes": json_values})
+        "member": json_values, "chunk_bytes": json_values, "dense": json_values,
+        "measure": json_values, "calibrate": json_values})
 
 
 @pytest.fixture(scope="module")

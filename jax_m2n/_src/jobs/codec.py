@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 from typing import Any, Sequence
 
 import jax
@@ -79,8 +80,8 @@ def encode(new: np.ndarray, old: np.ndarray | None, chunk: int = CHUNK) -> Encod
 
   Example:
     >>> e = encode(np.array([1, 2, 3], np.float32), np.array([1, 5, 3], np.float32), 8)
-    >>> e.modes.tolist(), e.values.tolist(), e.changed
-    ([2], [2.0], 1)
+    >>> e.modes.tolist(), e.bitmaps.tolist(), e.values.tolist(), e.changed
+    ([1], [2], [2.0], 1)
   """
   if old is None:
     return encode_changes(new, None, chunk)
@@ -216,6 +217,11 @@ def _program(sig: tuple[tuple[int, str], ...], names: tuple[str, ...], donate: b
   return jax.jit(apply, donate_argnums=(0,) if donate else ())
 
 
+def programs_built() -> int:
+  """How many apply programs were built so far (each compiles on its first call)."""
+  return _program.cache_info().misses
+
+
 def apply_compiled(pp: Any, device: Any, group, parts, donate: bool) -> list[jax.Array]:
   """Updates `group`'s shards (leaf, index, shard) on `device` with one compiled
   program, in place where `donate`."""
@@ -258,8 +264,10 @@ def apply_host(pp: Any, device: Any, group, parts, donate: bool) -> list[jax.Arr
   return out
 
 
-# Per destination shard (shape, dtype, device): the scatter size it last used.
+# Per destination shard (shape, dtype, device): the scatter size it last used (pulls of
+# several subscribers may run on several threads).
 _buckets: dict[tuple[Any, ...], int] = {}
+_buckets_lock = threading.Lock()
 
 
 def _bucket(key: tuple[Any, ...], n: int) -> int:
@@ -267,13 +275,14 @@ def _bucket(key: tuple[Any, ...], n: int) -> int:
   kept while n stays between 1/8 of it and it. Each size is one compilation per shard
   shape and device, and a training run's change counts drift around a level: without
   the hysteresis a count wandering across a power of two recompiled (~50 ms a shard)."""
-  last = _buckets.get(key)
-  if last is not None and last // 8 <= n <= last:
-    return last
-  size = _buckets[key] = max(256, 1 << max(0, n - 1).bit_length())
-  if len(_buckets) > 1 << 16:
-    _buckets.clear()
-  return size
+  with _buckets_lock:
+    last = _buckets.get(key)
+    if last is not None and last // 8 <= n <= last:
+      return last
+    if len(_buckets) > 1 << 16:
+      _buckets.clear()
+    size = _buckets[key] = max(256, 1 << max(0, n - 1).bit_length())
+    return size
 
 
 def in_shard(positions: np.ndarray, shape: tuple[int, ...], box: Box, dbox: Box

@@ -24,7 +24,7 @@ from jax_m2n._src import quantize
 from jax_m2n._src.errors import (PeerFailed, PlanUnknown, ReshardError,
                                  ReshardRuntimeError, ReshardTimeoutError,
                                  ReshardValueError, VersionGone)
-from jax_m2n._src.jobs import delta as delta_lib, engine, exports, local
+from jax_m2n._src.jobs import delta as delta_lib, delta_auto, engine, exports, local
 from jax_m2n._src.jobs import manifest as manifest_lib, planning, records
 from jax_m2n._src.jobs.connections import Connections
 from jax_m2n._src.jobs.pull import API, Pull
@@ -57,6 +57,8 @@ class State:
   version: int = 0                        # the last successful pull's
   manifests: dict[str, manifest_lib.Manifest] = dataclasses.field(default_factory=dict)
   last: delta_lib.Last | None = None      # what a delta pull applies to
+  auto: delta_auto.Estimates = dataclasses.field(  # what delta="auto" chooses by
+      default_factory=delta_auto.Estimates)
   peers: dict[int, str] | None = None     # the job's processes' transport addresses
   imports: dict[tuple[int, str], Any] = dataclasses.field(default_factory=dict)
   path: str = ""                          # the last pull's data path
@@ -200,23 +202,18 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
   request = pull_request(API, m, dst, dtype, donate, options)
   planning.check_devices(API, request.dsts)
   local_path = _local_path(options, m)
-  base, why = None, "delta=False"
-  if options.delta and not local_path:  # the previous result a delta applies to
-    base, why = delta_lib.base_of(state.last, mid, request.dsts, request.outs,
-                                  request.quantized)
-    logger.debug("Subscriber.pull: version %d %s", number,
-                 f"as a delta against {state.last.version}" if base is not None
-                 else f"in full ({why})")
-  base_version = state.last.version if base is not None else 0
-  pp = planning.plan_pull(m, request.dsts, request.outs,
-                          "flat" if base is not None or local_path else options.route)
+  # delta or full (in a multi-process job agreed by every process)
+  choice = delta_lib.choose(state.last, state.auto, request, local_path, waits)
+  pp = planning.plan_pull(m, request.dsts, request.outs, "flat" if
+                          choice.base is not None or local_path else options.route)
   conn = state.connections
   transport = conn.transport(m)
   if waits is not None:
-    delta_lib.agree(waits, base_version)
     waits.post("fp", pp.fingerprint)
     waits.agree(pp.fingerprint, lambda: f"{len(m.leaves)} leaves")
   state.trace.planned(pp)
+  full_s = None  # a full pull's data path, its seconds (delta="auto" learns from them)
+  warm = bool(pp.avals)  # the plan ran before (its first pull plans and compiles)
   try:
     p = Pull(request, pp, number, {k: conn.link(k, m) for k in pp.requests}, transport,
              waits, salt, _peers(state, waits, transport.address) if waits else {})
@@ -224,15 +221,17 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
     if imports is not None:  # the publisher's memory, read in place (local.py)
       shards = local.run(p, imports)
       state.path = state.trace.path = "local"
-    elif base is not None:  # a delta pull (delta.py): pulled directly, never relayed
-      in_place = {id(a) for a in request.donated} >= {id(a) for a in base}
-      shards = delta_lib.run(p, base_version, base, in_place, _answer_s(p))
+    elif choice.base is not None:  # a delta (delta.py): pulled directly, never relayed
+      in_place = {id(a) for a in request.donated} >= {id(a) for a in choice.base}
+      shards = delta_lib.run(p, choice, in_place, _answer_s(p))
       state.path, state.trace.path = "network", "delta"
     else:
       pulled = None
       if state.relay is not None and p.links:
         pulled = state.relay.receive(conn.root(), p, _answer_s(p))
+      start = time.perf_counter()
       shards = _full(p, pulled, state.trace)
+      full_s = time.perf_counter() - start if pulled is None and warm else None
       state.path, state.trace.path = "network", "network" if pulled is None else "relay"
   except VersionGone:
     raise
@@ -243,6 +242,8 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
     waits.end()  # every process of the job done: a pull succeeds or fails everywhere
     waits.finish()
   state.trace.lap("move")
+  if full_s is not None:
+    delta_lib.after_full(p, choice, full_s, _answer_s(p))  # what delta="auto" learns
   return _finish(state, request, pp, number, shards)
 
 

@@ -43,12 +43,13 @@ class PullOptions(Options):
 
   Attributes:
     version: the version to pull, or None (the newest not yet pulled).
-    delta: whether only the elements that changed since the last pull cross.
+    delta: whether only the elements that changed since the last pull cross: True,
+      False, or "auto" (per leaf, where it pays: delta_auto.py).
     path: "auto", "local" or "network" (PATHS).
   """
 
   version: int | None = None
-  delta: bool = False
+  delta: bool | str = False
   path: str = "auto"
 
 
@@ -64,8 +65,11 @@ def pull_options(api: str, *, route: Any = "hierarchical", timeout_s: Any = None
                               or version < 1):
     raise ReshardValueError(f"{api}: version must be None or an int >= 1; got "
                             f"{version!r}.")
-  if not isinstance(delta, bool):
-    raise ReshardTypeError(f"{api}: delta must be a bool; got {type(delta).__name__}.")
+  if not isinstance(delta, (bool, str)):
+    raise ReshardTypeError(f"{api}: delta must be a bool or 'auto'; got "
+                           f"{type(delta).__name__}.")
+  if isinstance(delta, str) and delta != "auto":
+    raise ReshardValueError(f"{api}: delta must be True, False or 'auto'; got {delta!r}.")
   if path not in PATHS:
     raise ReshardValueError(f"{api}: path must be one of {PATHS}; got {path!r}.")
   return PullOptions(base.route, None, base.timeout_ms, None, version, delta, path)

@@ -128,7 +128,7 @@ class Subscriber(lifetime.Closing):
 
   def pull(self, dst: Any, *, dtype: Any = None, version: int | None = None,
            donate: Any = None, route: str = "hierarchical",
-           timeout_s: float | None = None, delta: bool = False,
+           timeout_s: float | None = None, delta: bool | str = False,
            path: str = "auto") -> Any:
     """Returns a published version in this job's layouts.
 
@@ -170,8 +170,11 @@ class Subscriber(lifetime.Closing):
         published layouts, dst layouts or dtypes changed, a leaf is quantized, or
         the previous arrays were deleted or donated elsewhere; chunks whose base
         version the publisher no longer holds (beyond `keep`) cross dense. A delta
-        pull runs the flat route's pieces (each box once per process). docs/jobs.md
-        ("Delta sync") has the measurements behind the default.
+        pull runs the flat route's pieces (each box once per process). "auto": per
+        leaf, delta where it is measured to pay (the leaf's change fraction, the
+        link's rate from earlier full pulls, the publisher's encode and this
+        process's apply costs), else full: never slower than full by the model.
+        docs/jobs.md ("Delta sync") has the rule and the measurements.
 
       path: "auto" (default): where every publisher process runs on this host (same
         kernel, network namespace and user), the version is read straight from the
