@@ -101,14 +101,13 @@ def _buffer(plan, bufs, device, tensor, kind):
 
 
 def _buffers_reference(plan):
-  operands, results = {}, {}
-  for t, tp in enumerate(plan.tensors):
-    for d in tp.src.devices:
-      slots = operands.setdefault(d, {})
-      slots[t] = len(slots)
-    for d in tp.dst.devices:
-      slots = results.setdefault(d, {})
-      slots[t] = len(slots)
+  def slots(side):  # per device, its tensors numbered in tensor order
+    devices = {d for tp in plan.tensors for d in getattr(tp, side).devices}
+    return {d: {t: i for i, t in enumerate(
+        t for t, tp in enumerate(plan.tensors) if d in getattr(tp, side).devices)}
+        for d in devices}
+
+  operands, results = slots("src"), slots("dst")
   tmp, tmp_bytes = {}, {}
   for x in plan.transfers:
     for dev, kind in ((x.src, x.src_kind), (x.dst, x.dst_kind)):
