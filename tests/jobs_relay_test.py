@@ -13,7 +13,6 @@ import os
 import random
 import re
 import signal
-import socket
 import time
 
 import jax
@@ -244,9 +243,7 @@ def test_a_two_process_trainer_job_sends_each_version_once(procs):
   # The trainer a jax.distributed job of 2 processes (1 device each: each serves its
   # own shards); 3 subscribers relay 3 versions: the head asks both trainer processes
   # for its chunks, the others get them from the head's chain.
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = launcher.free_port()
   for i in range(2):
     procs.start("trainer", f"trainer{i}", "--wait-for", 3, "--period", 0.5,
                 "--devices", 1, "--num-processes", 2, "--process-id", i, "--port", port,

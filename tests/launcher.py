@@ -6,6 +6,7 @@ together (multiprocess_cpu_test, multiprocess_gpu_test, tunix_multiprocess_test)
 module: tests/BUILD."""
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -31,10 +32,21 @@ class Worker(NamedTuple):
 
 
 def free_port() -> int:
-  """A TCP port on 127.0.0.1 free right now (the coordinator's)."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  """A TCP port on 127.0.0.1 free right now (the coordinator's), below the kernel's
+  ephemeral range (net.ipv4.ip_local_port_range, 32768 and up by default): a port
+  the kernel handed out here could be handed to another process's socket before the
+  coordinator binds it ("Failed to add port to server", seen with tests running
+  alongside)."""
+  rng = random.Random()
+  for _ in range(200):
+    port = rng.randrange(20000, 32768)
+    with socket.socket() as s:
+      try:
+        s.bind(("127.0.0.1", port))
+      except OSError:
+        continue
+      return port
+  raise RuntimeError("free_port: no free port in 20000-32767 after 200 tries")
 
 
 def worker_env(extra: dict | None = None) -> dict:
