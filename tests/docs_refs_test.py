@@ -358,6 +358,28 @@ def test_python_comment_and_docstring_references_exist():
   assert not broken, "\n".join(broken)
 
 
+# A line that is one upper-case word with an underscore (AUTO_TABLE): a placeholder a
+# generated table or text was to replace, left in a document.
+PLACEHOLDER = re.compile(r"^\s*[A-Z][A-Z0-9]*_[A-Z0-9_]+\s*$")
+
+
+def _placeholders(path: str) -> list[str]:
+  out, fenced = [], False
+  with open(os.path.join(ROOT, path)) as f:
+    for n, line in enumerate(f, 1):
+      if line.lstrip().startswith("```"):
+        fenced = not fenced
+      elif not fenced and PLACEHOLDER.match(line):
+        out.append(f"{path}:{n}: {line.strip()} -> a placeholder left in the text")
+  return out
+
+
+@pytest.mark.parametrize("path", _documents())
+def test_no_placeholder_is_left(path):
+  left = _placeholders(path)
+  assert not left, "\n".join(left)
+
+
 # ------------------------------------------------------------------- the rules' own test
 
 @pytest.mark.parametrize("word, broken", [
