@@ -82,6 +82,37 @@ def test_binds_loopback_by_default_and_pulls_bitwise(published, gen):
       np.testing.assert_array_equal(_bits(out[k]), _bits(want))
 
 
+@pytest.mark.parametrize("host_cut", [True, False], ids=["numpy_cut", "xla_cut"])
+def test_network_pulls_are_bitwise_whichever_way_the_publisher_cuts(published, gen,
+                                                                    host_cut,
+                                                                    monkeypatch):
+  # A small plan in its published dtypes is cut with numpy (offering.HOST_CUT_BYTES),
+  # others by XLA programs; both give the same bytes, over layouts whose pieces are
+  # whole shards, runs and strided boxes, packed alone and several to a pack.
+  from jax_m2n._src.jobs import exports, offering
+  monkeypatch.setattr(offering, "HOST_CUT_BYTES", 1 << 20 if host_cut else 0)
+  reads = []
+  shard = exports.Export.host_shard
+  monkeypatch.setattr(exports.Export, "host_shard",
+                      lambda self, *a: reads.append(a) or shard(self, *a))
+  pub, tree, _ = published
+  layouts = [_dst(gen),
+             {"w": NamedSharding(gen, P("x", "y")), "b": NamedSharding(gen, P()),
+              "n": NamedSharding(gen, P("y", "x"))},
+             {"w": NamedSharding(gen, P("y", None)), "b": NamedSharding(gen, P("y")),
+              "n": NamedSharding(gen, P(("x", "y"), None))}]
+  for route in ("hierarchical", "flat"):
+    with jax_m2n.Subscriber(pub.address, token=TOKEN) as sub:
+      for dst in layouts:
+        for _ in range(2):  # the first pull registers the plan, the second reuses it
+          out = sub.pull(dst, version=1, path="network", route=route)
+          for k in dst:
+            want = jax.device_put(tree[k], dst[k])
+            assert out[k].sharding == dst[k]
+            np.testing.assert_array_equal(_bits(out[k]), _bits(want))
+  assert bool(reads) == host_cut
+
+
 def test_quantize_matches_reshard(published, gen):
   pub, tree, _ = published
   spec = jax_m2n.Quantize("float8_e4m3fn", tiled_axes={1: 8})

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import queue
 import threading
@@ -117,6 +118,14 @@ class Export:
   def pointer(self, t: int, k: int, slot: int) -> int:
     """Where shard (t, k) of `slot` lies in this process."""
     return self.base(k, slot) + self.offsets[(t, k)]
+
+  def host_shard(self, t: int, k: int, slot: int, shape: tuple[int, ...],
+                 dtype: np.dtype) -> np.ndarray:
+    """CPU: shard (t, k) of `slot` as a numpy view of the mapping (read it under
+    `lock`, and copy what must outlive a newer version's write)."""
+    start = self.pointer(t, k, slot) - self._host.address
+    n = math.prod(shape) * np.dtype(dtype).itemsize
+    return self._host.array[start:start + n].view(dtype).reshape(shape)
 
   def base(self, k: int, slot: int) -> int:
     """Where device k's shards of `slot` begin in this process (shard (t, k) lies

@@ -33,6 +33,11 @@ MAX_PLANS = 256
 # An offer not fetched within this is dropped (a subscriber fetches at once; one that
 # failed or went away leaves nothing behind for longer), whatever the pull's timeout.
 OFFER_TTL_S = 60.0
+# A plan's packs of at most this many bytes in all, each piece in its published dtype,
+# are cut from a CPU export with numpy where the transport takes host arrays: a copy of
+# a few microseconds where one XLA copy program per device costs ~0.25 ms of dispatch
+# (issue 43: small pulls). Larger ones keep the compiled copies (parallel per device).
+HOST_CUT_BYTES = 1 << 20
 
 
 class Offers:
@@ -82,7 +87,8 @@ class Offers:
     cutters: list[dict] = [{} for _ in groups]
     if _from_export(version):  # prepared now: a pull of the plan only runs them
       for ops, made in zip(groups, cutters):
-        made[version.manifest.id] = _cutter(version, ops, wire)
+        made[version.manifest.id] = _cutter(version, ops, wire,
+                                            self._transport.host_offers)
     self._plans[(caller.peer, key)] = _Plan(want, wire, groups, salt, [], cutters)
     self._plans.move_to_end((caller.peer, key))
     while len(self._plans) > MAX_PLANS:
@@ -140,8 +146,9 @@ class Offers:
     timeout_s = body["timeout_ms"] / 1000
     for ticket in plan.last:  # the subscriber's previous pull of this plan is over
       self._transport.cancel(ticket)
+    host = self._transport.host_offers
     plan.last[:] = [self._offer(version.number, cut(version, ops, plan.wire,
-                                                    plan.cutters[g]), timeout_s,
+                                                    plan.cutters[g], host), timeout_s,
                                 engine.pull_ticket(plan.salt, body["seq"], g))
                     for g, ops in enumerate(plan.offers)]
     return {"offered": len(plan.offers)}
@@ -208,18 +215,19 @@ class _Plan(NamedTuple):
 
 
 def cut(version: Version, packs: list[list[transfer_engine.Op]],
-        wire: dict[int, np.dtype], cutters: dict[str, _Cutter] | None = None
-        ) -> list[jax.Array]:
+        wire: dict[int, np.dtype], cutters: dict[str, _Cutter] | None = None,
+        host: bool = False) -> list[Any]:
   """One array per pack: its one box in the wire dtype (the snapshot itself where that
   is a whole shard in its own dtype), or its boxes flattened and concatenated; one
   compiled program per source device. A version that lives only in its export (CPU)
   is cut straight out of it: new arrays, never views of the slot, so a slot reused for
-  a newer version cannot change what an offer serves."""
+  a newer version cannot change what an offer serves; with `host` (the transport takes
+  host arrays) a small plan's are numpy arrays (HOST_CUT_BYTES)."""
   if _from_export(version):
     if cutters is None:
-      return _cut_export(version, _cutter(version, packs, wire))
+      return _cut_export(version, _cutter(version, packs, wire, host))
     if version.manifest.id not in cutters:
-      cutters[version.manifest.id] = _cutter(version, packs, wire)
+      cutters[version.manifest.id] = _cutter(version, packs, wire, host)
     return _cut_export(version, cutters[version.manifest.id])
   batches: dict[int, pieces.Batch] = {}
   slots = []
@@ -254,6 +262,9 @@ class _Cutter(NamedTuple):
   wire dtype). The same for every version of a layout set: made once per plan."""
   devices: dict[int, tuple[Callable, np.ndarray, list[tuple[int, Any]]]]
   parts: list[int]  # per pack, the outputs it is concatenated from
+  # Or, for a small plan in its published dtypes: per pack, its boxes as (leaf, device,
+  # held shape, dtype, slices) read with numpy (HOST_CUT_BYTES); else None.
+  host: list[list[tuple[int, int, tuple[int, ...], np.dtype, tuple[slice, ...]]]] | None
 
 
 def _contiguous(box: Box, held: Box) -> int | None:
@@ -272,11 +283,26 @@ def _contiguous(box: Box, held: Box) -> int | None:
 
 
 def _cutter(version: Version, packs: list[list[transfer_engine.Op]],
-            wire: dict[int, np.dtype]) -> _Cutter:
+            wire: dict[int, np.dtype], host: bool = False) -> _Cutter:
   """A pack of several boxes that each lie in one run of their shard is one flat
   output (its boxes copied as runs); any other box is an output of its own (a pack of
-  those is concatenated after the copy)."""
+  those is concatenated after the copy). With `host`, a small plan whose pieces are all
+  in their published dtype is read with numpy instead (`_Cutter.host`)."""
   m, export = version.manifest, version.export
+  ops_all = [op for ops in packs for op in ops]
+  if host and export.platform == "cpu" and all(
+      manifest_lib.dtype_of(m.leaves[op.tensor].dtype) == wire[op.tensor]
+      for op in ops_all) and sum(box_size(op.box) * np.dtype(wire[op.tensor]).itemsize
+                                 for op in ops_all) <= HOST_CUT_BYTES:
+    reads = []
+    for ops in packs:
+      reads.append([])
+      for op in ops:
+        held = version.shards[(op.tensor, op.src)][0]
+        reads[-1].append((op.tensor, op.src, pieces.shape_of(held), wire[op.tensor],
+                          tuple(slice(lo - h, hi - h)
+                                for (lo, hi), (h, _) in zip(op.box, held))))
+    return _Cutter({}, [len(ops) for ops in packs], reads)
   per_device: dict[int, tuple[list, list, list, list, dict]] = {}
   parts = []
   for j, ops in enumerate(packs):
@@ -313,7 +339,8 @@ def _cutter(version: Version, packs: list[list[transfer_engine.Op]],
   return _Cutter({k: (local_copy_lib.copier(version.devices[k], boxes, outs,
                                             len(sources)),
                       np.array(sources, np.int64), where)
-                  for k, (boxes, outs, sources, where, _) in per_device.items()}, parts)
+                  for k, (boxes, outs, sources, where, _) in per_device.items()}, parts,
+                 None)
 
 
 def _cut_export(version: Version, cutter: _Cutter) -> list[jax.Array]:
@@ -326,6 +353,14 @@ def _cut_export(version: Version, cutter: _Cutter) -> list[jax.Array]:
     if export.slot_of(version.number) != version.slot:
       raise VersionGone(f"Publisher: version {version.number} must still be held to be "
                         "served; it was dropped meanwhile.")
+    if cutter.host is not None:  # copies (never views: the slot is written again)
+      out = []
+      for reads in cutter.host:
+        boxes = [export.host_shard(t, k, version.slot, shape, dtype)[box]
+                 for t, k, shape, dtype, box in reads]
+        out.append(np.array(boxes[0]) if len(boxes) == 1 else
+                   np.concatenate([b.reshape(-1) for b in boxes]))
+      return out
     for k, (copy, offsets, where) in cutter.devices.items():
       arrays = copy(export.base(k, version.slot) + offsets)
       jax.block_until_ready(arrays)  # before the slot may be written again

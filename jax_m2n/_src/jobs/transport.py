@@ -80,6 +80,9 @@ class Transport(abc.ABC):
   # Whether a fetch may be issued before its offer exists (it waits for it): a pull
   # then fetches as soon as it asked, one round trip before the bytes flow.
   early_fetch: bool = True
+  # Whether `offer` also takes host numpy arrays (their bytes are sent as they are): a
+  # CPU publisher then cuts a small pull with numpy instead of XLA programs.
+  host_offers: bool = False
 
   @property
   @abc.abstractmethod

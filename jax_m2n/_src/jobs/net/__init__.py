@@ -67,6 +67,7 @@ class NetTransport(Transport):
   """
 
   kind = "net"
+  host_offers = True  # replies send np.asarray of what was offered
 
   def __init__(self, host: str, curve: CurveKeys | None = None, *,
                max_offers: int = offers.MAX_OFFERS,
