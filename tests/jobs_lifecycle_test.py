@@ -93,19 +93,6 @@ def test_an_exception_in_with_and_garbage_collection_close_too(case, how):
   assert _counts()[:2] == (fds, threads)
 
 
-def _network_pulls(subs, dst, monkeypatch):
-  """Each subscriber's pull of `dst` over the network, and its `Pull` (what
-  engine.request asks the publisher for again, without fetching)."""
-  from jax_m2n._src.jobs import engine
-  grabbed, run = [], engine.run
-  monkeypatch.setattr(engine, "run",
-                      lambda pull, *a, **k: grabbed.append(pull) or run(pull, *a, **k))
-  for sub in subs:
-    sub.pull(dst, path="network")
-  monkeypatch.setattr(engine, "run", run)
-  return grabbed
-
-
 def test_unfetched_offers_are_one_pull_per_plan_and_go_with_their_version(case,
                                                                           monkeypatch):
   # A subscriber that asks for its pieces and never fetches them (a client that went
@@ -117,7 +104,13 @@ def test_unfetched_offers_are_one_pull_per_plan_and_go_with_their_version(case,
   sub = jax_m2n.Subscriber(pub.address, token=TOKEN)
   try:
     pub.publish({"x": x})
-    [pull], transport = _network_pulls([sub], {"x": dst}, monkeypatch), pub._transport
+    grabbed = []
+    run = engine.run
+    monkeypatch.setattr(engine, "run",
+                        lambda pull, *a, **k: grabbed.append(pull) or run(pull, *a, **k))
+    sub.pull({"x": dst}, path="network")
+    monkeypatch.setattr(engine, "run", run)
+    pull, transport = grabbed[0], pub._transport
 
     def held(want):  # (offers, bytes) once they are `want`, or after 10 s
       deadline = time.monotonic() + 10  # (withdrawals and sends finish on threads)
@@ -160,7 +153,14 @@ def test_unfetched_offers_of_many_subscribers_stay_within_the_idle_bound(case,
   subs = [jax_m2n.Subscriber(pub.address, token=TOKEN) for _ in range(5)]
   try:
     pub.publish({"x": x})
-    for pull in _network_pulls(subs, {"x": dst}, monkeypatch):
+    grabbed = []
+    run = engine.run
+    monkeypatch.setattr(engine, "run",
+                        lambda pull, *a, **k: grabbed.append(pull) or run(pull, *a, **k))
+    for sub in subs:
+      sub.pull({"x": dst}, path="network")
+    monkeypatch.setattr(engine, "run", run)
+    for pull in grabbed:
       _, opened = engine.request(pull, 10.0)
       engine.confirm(pull, opened, 10.0)
     deadline = time.monotonic() + 10  # the first pulls' replies still going out
