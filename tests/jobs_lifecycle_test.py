@@ -139,37 +139,3 @@ def test_unfetched_offers_are_one_pull_per_plan_and_go_with_their_version(case,
   finally:
     sub.close()
     pub.close()
-
-
-def test_unfetched_offers_of_many_subscribers_stay_within_the_idle_bound(case,
-                                                                         monkeypatch):
-  # Five subscribers (five plans) ask for their pieces and never fetch: the publisher
-  # holds at most the transport's idle bound (here 2.5 pulls' worth) of them, not five.
-  from jax_m2n._src.jobs import engine
-  from jax_m2n._src.jobs.net import offers
-  x, dst = case
-  monkeypatch.setattr(offers, "MAX_IDLE_BYTES", int(2.5 * x.nbytes))
-  pub = jax_m2n.Publisher(token=TOKEN, keep=2)
-  subs = [jax_m2n.Subscriber(pub.address, token=TOKEN) for _ in range(5)]
-  try:
-    pub.publish({"x": x})
-    grabbed = []
-    run = engine.run
-    monkeypatch.setattr(engine, "run",
-                        lambda pull, *a, **k: grabbed.append(pull) or run(pull, *a, **k))
-    for sub in subs:
-      sub.pull({"x": dst}, path="network")
-    monkeypatch.setattr(engine, "run", run)
-    for pull in grabbed:
-      _, opened = engine.request(pull, 10.0)
-      engine.confirm(pull, opened, 10.0)
-    deadline = time.monotonic() + 10  # the first pulls' replies still going out
-    while pub._transport.held[1] > 2 * x.nbytes and time.monotonic() < deadline:
-      time.sleep(0.01)
-    assert pub._transport.held[1] == 2 * x.nbytes, pub._transport.held
-    got = subs[0].pull({"x": dst}, version=1, path="network")  # its offer dropped: no harm
-    np.testing.assert_array_equal(np.asarray(got["x"]), np.asarray(x))
-  finally:
-    for sub in subs:
-      sub.close()
-    pub.close()

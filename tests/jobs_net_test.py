@@ -189,41 +189,6 @@ def test_the_bounds_on_offers_and_a_duplicate_ticket():
     t._close()  # pylint: disable=protected-access
 
 
-def test_idle_offers_stay_within_their_bound_oldest_dropped_first():
-  # Offers nobody asked for (a subscriber that requested and never fetched) hold at
-  # most max_idle_bytes: the oldest go first and a late fetch of one is answered
-  # "withdrawn" at once; an offer a fetch already waits for is never dropped.
-  t = net.NetTransport("127.0.0.1", max_idle_bytes=250)
-  other = net.NetTransport("127.0.0.1")
-  try:
-    x = np.arange(100, dtype=np.uint8)
-    spec = [_spec(x.shape, x.dtype, jax.devices()[1])]
-    awaited = other.fetch(t.address, 5, spec, timeout_s=10.0)
-    time.sleep(0.2)  # the fetch waits on t before the offer exists
-    t.offer([jax.device_put(x, jax.devices()[0])], 10.0, ticket=5)
-    for ticket in (1, 2, 3):  # 300 idle bytes: ticket 1 dropped
-      t.offer([jax.device_put(x + ticket, jax.devices()[0])], 10.0, ticket=ticket)
-    np.testing.assert_array_equal(np.asarray(awaited.result()[0]), x)
-    deadline = time.monotonic() + 5  # the reply's bytes are counted until sent
-    while t.held != (2, 200) and time.monotonic() < deadline:
-      time.sleep(0.01)
-    assert t.held == (2, 200)
-    start = time.monotonic()
-    with pytest.raises(ReshardRuntimeError, match="withdrawn"):
-      other.fetch(t.address, 1, spec, timeout_s=10.0).result()
-    assert time.monotonic() - start < 2.0
-    for ticket in (2, 3):
-      np.testing.assert_array_equal(
-          np.asarray(other.fetch(t.address, ticket, spec).result()[0]), x + ticket)
-    deadline = time.monotonic() + 5
-    while t.held != (0, 0) and time.monotonic() < deadline:
-      time.sleep(0.01)
-    assert t.held == (0, 0)
-  finally:
-    t._close()  # pylint: disable=protected-access
-    other._close()  # pylint: disable=protected-access
-
-
 def test_a_wrong_spec_fails_clearly(pair):
   a, b = pair
   x = np.arange(12, dtype=np.float32)

@@ -52,9 +52,6 @@ class NetTransport(Transport):
       (any process that can reach the port may fetch an offer whose ticket it knows).
     max_offers / max_offer_bytes: the bounds on what `offer` holds (offers not yet
       fetched, cancelled or expired, and the bytes of replies still being sent).
-    max_idle_bytes: the bytes of offers no request waits for yet; beyond it the oldest
-      such are dropped (a late request for one is answered WITHDRAWN). None:
-      offers.MAX_IDLE_BYTES.
 
   Example:
     >>> import jax, numpy as np
@@ -74,8 +71,7 @@ class NetTransport(Transport):
 
   def __init__(self, host: str, curve: CurveKeys | None = None, *,
                max_offers: int = offers.MAX_OFFERS,
-               max_offer_bytes: int = offers.MAX_OFFER_BYTES,
-               max_idle_bytes: int | None = None):
+               max_offer_bytes: int = offers.MAX_OFFER_BYTES):
     if curve is not None and not isinstance(curve, CurveKeys):
       raise ReshardTypeError(f"{wire.API}: curve must be CurveKeys or None; got "
                              f"{type(curve).__name__}.")
@@ -85,9 +81,7 @@ class NetTransport(Transport):
     self._ctx = zmq.Context(io_threads=1)
     self._server: offers.Server | None = None
     try:
-      self._server = offers.Server(
-          self._ctx, host, curve, max_offers, max_offer_bytes,
-          offers.MAX_IDLE_BYTES if max_idle_bytes is None else max_idle_bytes)
+      self._server = offers.Server(self._ctx, host, curve, max_offers, max_offer_bytes)
       self._fetcher = fetches.Fetcher(self._ctx, curve)
     except BaseException:
       if self._server is not None:

@@ -9,7 +9,6 @@ serving thread (offers.py) sends what the table hands out.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import heapq
 import threading
@@ -24,9 +23,6 @@ API = wire.API
 # from one IP address (a stranger's well-formed requests cannot take every slot).
 MAX_WAITING = 1 << 16
 MAX_WAITING_PER_HOST = MAX_WAITING // 2
-# Tickets of idle offers dropped for the bound, remembered (at most this many) so that
-# a late request for one is answered WITHDRAWN at once instead of waiting.
-MAX_GONE = 4096
 
 
 @dataclasses.dataclass
@@ -118,44 +114,6 @@ class Waiters:
       self._by_ticket.pop(ticket, None)
 
 
-class Idle:
-  """Offers no request waits for yet, oldest first, within `max_bytes` (the newest
-  always kept); the tickets dropped for it remembered (bounded). Used under
-  `OfferTable`'s lock."""
-
-  def __init__(self, max_bytes: int):
-    self.max_bytes = max_bytes
-    self._bytes = 0
-    self._order: collections.OrderedDict[int, int] = collections.OrderedDict()
-    self.gone: collections.OrderedDict[int, None] = collections.OrderedDict()
-    self.dropped = 0  # offers dropped for the bound, in all
-
-  def add(self, ticket: int, nbytes: int) -> list[int]:
-    """Counts `ticket` idle; returns the oldest others to drop to stay within bound."""
-    self._order[ticket] = nbytes
-    self._bytes += nbytes
-    out = []
-    while self._bytes > self.max_bytes and len(self._order) > 1:
-      old, n = self._order.popitem(last=False)
-      self._bytes -= n
-      out.append(old)
-      self.gone[old] = None
-      if len(self.gone) > MAX_GONE:
-        self.gone.popitem(last=False)
-    self.dropped += len(out)
-    return out
-
-  def discard(self, ticket: int) -> None:
-    """`ticket` is idle no more (requested, cancelled, expired)."""
-    n = self._order.pop(ticket, None)
-    if n is not None:
-      self._bytes -= n
-
-  def clear(self) -> None:
-    self._order.clear()
-    self._bytes = 0
-
-
 class OfferTable:
   """Offers by ticket, requests waiting by ticket, bytes being sent; bounded.
 
@@ -163,9 +121,8 @@ class OfferTable:
   or restored.
   """
 
-  def __init__(self, max_offers: int, max_offer_bytes: int, max_idle_bytes: int):
+  def __init__(self, max_offers: int, max_offer_bytes: int):
     self.max_offers, self.max_offer_bytes = max_offers, max_offer_bytes
-    self.idle = Idle(max_idle_bytes)  # offers nobody asked for yet
     self._lock = threading.Lock()
     self._closed = False
     self._offers: dict[int, Offer] = {}
@@ -207,18 +164,11 @@ class OfferTable:
             "bytes offered (offers leave when fetched, cancelled or expired).")
       self._offers[ticket] = Offer(arrays, nbytes, deadline)
       self._offer_bytes += nbytes
-      self.idle.gone.pop(ticket, None)  # offered anew
       heapq.heappush(self._expiries, (deadline, ticket))
       awaited = ticket in self._waiting
       if awaited:
         self._ready.append(ticket)
-      else:
-        self._drop_idle(ticket, nbytes)
     return awaited
-
-  def _drop_idle(self, ticket: int, nbytes: int) -> None:
-    for old in self.idle.add(ticket, nbytes):  # the oldest idle ones beyond the bound
-      self._offer_bytes -= self._offers.pop(old).nbytes
 
   def cancel(self, ticket: int) -> tuple[bool, bool]:
     """Drops the offer of `ticket`; returns (whether it was held, whether a request
@@ -227,7 +177,6 @@ class OfferTable:
       offer = self._offers.pop(ticket, None)
       if offer is not None:
         self._offer_bytes -= offer.nbytes
-        self.idle.discard(ticket)
       awaited = ticket in self._waiting
       if awaited:
         self._withdrawn.append(ticket)
@@ -239,7 +188,6 @@ class OfferTable:
       self._closed = True
       self._offers.clear()
       self._offer_bytes = 0
-      self.idle.clear()
 
   def request(self, ticket: int, waiter: Callable[[], Waiting]
               ) -> tuple[Offer | None, bool]:
@@ -250,12 +198,8 @@ class OfferTable:
     with self._lock:
       offer = self._offers.pop(ticket, None)
       if offer is None:
-        waits = self._waiting.add(ticket, waiter())
-        if waits and ticket in self.idle.gone:  # dropped for the bound: `due` answers
-          self._withdrawn.append(ticket)
-        return None, waits
+        return None, self._waiting.add(ticket, waiter())
       self._offer_bytes -= offer.nbytes
-      self.idle.discard(ticket)
       return offer, False
 
   def restore(self, ticket: int, offer: Offer) -> None:
@@ -265,7 +209,6 @@ class OfferTable:
       if ticket not in self._offers and not self._closed:
         self._offers[ticket] = offer
         self._offer_bytes += offer.nbytes
-        self._drop_idle(ticket, offer.nbytes)
 
   def sending(self, trackers: list[Any], nbytes: int) -> None:
     """Counts `nbytes` in flight until every zmq tracker is done."""
@@ -311,7 +254,6 @@ class OfferTable:
         if offer is not None and offer.deadline <= now:
           del self._offers[ticket]
           self._offer_bytes -= offer.nbytes
-          self.idle.discard(ticket)
       if self._waiting.next_deadline is not None:
         answer += [(w, wire.EXPIRED) for w in self._waiting.expired(now)]
       # Entries of offers fetched stay in the heap until their deadline: rebuilt from

@@ -32,10 +32,6 @@ API = wire.API
 # once, and the bytes of their arrays plus those of replies still being sent.
 MAX_OFFERS = 1 << 16
 MAX_OFFER_BYTES = 1 << 40
-# The bytes of offers no request waits for yet (a subscriber fetches before the offer
-# exists, so only one that asked and never fetched, or went away, leaves them); beyond
-# it the oldest are dropped and a late request for one is answered WITHDRAWN.
-MAX_IDLE_BYTES = 256 << 20
 # Requests for tickets not offered yet: each waits at most its own wait (the fetch's
 # `timeout_s`), capped at MAX_WAIT_S (how many may wait: offer_table.MAX_WAITING).
 MAX_WAIT_S = 600.0
@@ -71,10 +67,10 @@ class Server:
   """
 
   def __init__(self, ctx: Any, host: str, curve: CurveKeys | None, max_offers: int,
-               max_offer_bytes: int, max_idle_bytes: int):
+               max_offer_bytes: int):
     zmq = self._zmq = wire.zmq_module()
     self._curve = curve
-    self._table = OfferTable(max_offers, max_offer_bytes, max_idle_bytes)
+    self._table = OfferTable(max_offers, max_offer_bytes)
     self._stop = threading.Event()
     # Counters (tests and the bench read them).
     self.dropped = 0   # requests of the wrong shape (dropped unanswered)
