@@ -102,6 +102,14 @@ def test_own_handle_and_misaligned_pointers_are_refused():
     assert len(seg.handle) == 64 and seg.address % ALIGN == 0
     with pytest.raises(ReshardRuntimeError, match="cudaIpcOpenMemHandle"):
       DeviceSegment.open(device, seg.handle, 1 << 20)
+    # The failed open leaves no error behind on this thread: an eager converting
+    # reshard launches its kernel here next (it once reported "invalid device context").
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import jax_m2n  # noqa: PLC0415
+    x = jax.device_put(np.arange(1024, dtype=np.float32) / 7, device)
+    y = jax_m2n.reshard(x, jax.sharding.SingleDeviceSharding(device), dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x.astype(jnp.bfloat16)))
     box = [Box(0, 0, (4,), np.dtype(np.float32), (0,), (0,), (4,))]
     with pytest.raises(ReshardValueError, match="multiple of 32"):
       local_copy(device, [seg.address + 4], box, [Out((4,), np.dtype(np.float32))])

@@ -14,6 +14,9 @@ namespace jax_m2n {
 namespace {
 
 std::string Failed(const char* call, const std::string& what, cudaError_t err) {
+  // A failed runtime call stays this thread's last error: cleared here, or the next
+  // kernel launch checked on this thread (XLA's, an eager call's) reports it as its own.
+  cudaGetLastError();
   return std::string(call) + ": " + what + " failed: " + cudaGetErrorString(err) + " (" +
          cudaGetErrorName(err) + ")";
 }

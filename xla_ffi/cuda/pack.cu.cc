@@ -254,6 +254,7 @@ cudaError_t LaunchKernel(BatchKernel kernel, const CopyTask* tasks, int n,
     }
     if (batch.n == 0) continue;
     batch.block_start[batch.n] = static_cast<uint32_t>(blocks);
+    cudaGetLastError();  // an earlier call's error on this thread is not this launch's
     kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(batch);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
