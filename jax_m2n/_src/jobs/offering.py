@@ -56,6 +56,7 @@ class Offers:
     self.counters = counters
     self._versions = versions
     self._transport = transport
+    self._host = transport.host_offers  # small plans cut with numpy (HOST_CUT_BYTES)
     # The plans subscribers registered (`register`; a `pull` then names one), least
     # recently used dropped.
     self._plans: collections.OrderedDict[tuple[bytes, str], _Plan] = (
@@ -87,8 +88,7 @@ class Offers:
     cutters: list[dict] = [{} for _ in groups]
     if _from_export(version):  # prepared now: a pull of the plan only runs them
       for ops, made in zip(groups, cutters):
-        made[version.manifest.id] = _cutter(version, ops, wire,
-                                            self._transport.host_offers)
+        made[version.manifest.id] = _cutter(version, ops, wire, self._host)
     self._plans[(caller.peer, key)] = _Plan(want, wire, groups, salt, [], cutters)
     self._plans.move_to_end((caller.peer, key))
     while len(self._plans) > MAX_PLANS:
@@ -146,9 +146,8 @@ class Offers:
     timeout_s = body["timeout_ms"] / 1000
     for ticket in plan.last:  # the subscriber's previous pull of this plan is over
       self._transport.cancel(ticket)
-    host = self._transport.host_offers
     plan.last[:] = [self._offer(version.number, cut(version, ops, plan.wire,
-                                                    plan.cutters[g], host), timeout_s,
+                                                    plan.cutters[g], self._host), timeout_s,
                                 engine.pull_ticket(plan.salt, body["seq"], g))
                     for g, ops in enumerate(plan.offers)]
     return {"offered": len(plan.offers)}
