@@ -399,6 +399,12 @@ def test_a_spent_budget_is_named_and_never_blamed_on_the_token(monkeypatch):
     err = handshake.diagnose("test", "the test server", "127.0.0.1", s.port, 0.5)
     assert isinstance(err, jax_m2n.ReshardRuntimeError), err
     assert "budget of unauthenticated connections" in str(err)
+    # A unit that comes back between a client's failures and its diagnosis (a refill, or
+    # a ZAP reply's) serves one probe; the other is closed at once: still the budget.
+    s.gate.budget.give_back("127.0.0.1", time.monotonic())
+    err = handshake.diagnose("test", "the test server", "127.0.0.1", s.port, 0.5)
+    assert isinstance(err, jax_m2n.ReshardRuntimeError), err
+    assert "budget of unauthenticated connections" in str(err)
     # A client: refused, naming the budget; or connected, when its first connection
     # was closed by the gate just as zmq finished its handshake (the ZAP reply then gives
     # the address a unit back). Never blamed on the token.

@@ -49,6 +49,9 @@ HANDSHAKE_S = 5.0
 # connection at once (its budget for this address is spent) or keeps it (it dropped
 # our handshake: another token).
 PROBE_S = 0.5
+# How many probe connections a diagnosis opens at once: one unit that came back to a
+# spent budget between our failure and the probe must not read as a dropped handshake.
+PROBES = 2
 # How long a client waits for zmq's reconnect (100 ms by default) after a failed
 # handshake before it diagnoses the first failure alone.
 RETRY_S = 0.3
@@ -335,45 +338,60 @@ def _wrong_token(api: str, peer: str, how: str) -> ReshardValueError:
 
 
 def diagnose(api: str, peer: str, host: str, port: int, probe_s: float) -> Exception:
-  """Why the publisher closed our connection during the handshake, from one probe
-  connection that sends nothing: closed at once (this address's budget of
-  unauthenticated connections is spent), kept open after a ZMTP greeting (it dropped
-  our CURVE HELLO: another token), or something that is not a zmq peer."""
+  """Why the publisher closed our connection during the handshake, from PROBES
+  connections opened together that send nothing: one closed at once (this address's
+  budget of unauthenticated connections is spent: a unit that came back since our
+  failure, refilled or given back, serves one probe at most), all kept open after a
+  ZMTP greeting (it dropped our CURVE HELLO: another token), or something that is not
+  a zmq peer."""
+  opened = []
   try:
-    probe = socket.create_connection((host, port), timeout=probe_s)
-  except OSError as e:
-    return ReshardRuntimeError(
-        f"{api}: {peer} must accept connections; it closed ours during the handshake "
-        f"and refused another ({e}): it closed or crashed meanwhile.")
-  got = b""
-  closed = False
-  with probe:
+    for _ in range(PROBES):
+      try:
+        opened.append(socket.create_connection((host, port), timeout=probe_s))
+      except OSError as e:
+        return ReshardRuntimeError(
+            f"{api}: {peer} must accept connections; it closed ours during the handshake "
+            f"and refused another ({e}): it closed or crashed meanwhile.")
     until = time.monotonic() + probe_s
-    try:
-      while (left := until - time.monotonic()) > 0:
-        probe.settimeout(left)
-        data = probe.recv(64)
-        if not data:
-          closed = True
-          break
-        got += data
-    except (socket.timeout, OSError) as e:
-      closed = not isinstance(e, socket.timeout)
-  if got and (got[0] != _SIGNATURE_FIRST or (len(got) >= 10
-                                             and got[9] != _SIGNATURE_LAST)):
-    return ReshardRuntimeError(
-        f"{api}: {peer} must be a jax_m2n publisher (a ZeroMQ peer); what it sends "
-        f"first is not a ZMTP greeting ({got[:10]!r}).")
-  if closed:
+    seen = [_probe(p, until) for p in opened]
+  finally:
+    for p in opened:
+      p.close()
+  for got, _ in seen:
+    if got and (got[0] != _SIGNATURE_FIRST or (len(got) >= 10
+                                               and got[9] != _SIGNATURE_LAST)):
+      return ReshardRuntimeError(
+          f"{api}: {peer} must be a jax_m2n publisher (a ZeroMQ peer); what it sends "
+          f"first is not a ZMTP greeting ({got[:10]!r}).")
+  if any(closed for _, closed in seen):
     return ReshardRuntimeError(
         f"{api}: {peer} must accept connections from this host; it closes them at once: "
         "its budget of unauthenticated connections for this address is spent (too many "
         f"failed or unfinished handshakes from it lately; {BURST} at once, "
         f"{REFILL_PER_S:g} more per second). Hint: retry in a few seconds, and look for "
         "what else connects from this host.")
-  if not got:
+  if not all(got for got, _ in seen):
     return ReshardRuntimeError(
         f"{api}: {peer} must be a jax_m2n publisher (a ZeroMQ peer); it accepted a "
         "connection and sent no greeting.")
   return _wrong_token(api, peer, "dropped our CURVE handshake (our HELLO did not "
                       "decrypt with its key)")
+
+
+def _probe(probe: socket.socket, until: float) -> tuple[bytes, bool]:
+  """What `probe` received by `until` (past it, what was already there), and whether
+  it was closed. Reads 1 KiB at most (a greeting is 64 bytes)."""
+  got = b""
+  try:
+    while len(got) < 1024:
+      probe.settimeout(max(0.001, until - time.monotonic()))
+      data = probe.recv(64)
+      if not data:
+        return got, True
+      got += data
+    return got, False
+  except socket.timeout:
+    return got, False
+  except OSError:
+    return got, True
