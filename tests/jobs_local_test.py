@@ -139,6 +139,24 @@ def test_a_reused_slot_is_never_read_as_the_old_version(meshes):
     assert sub.version == 3 and float(np.asarray(out["x"])[0, 0]) == 3.0
 
 
+def test_a_closed_export_reads_as_gone_to_a_reader_that_mapped_it(meshes):
+  """A reader's mapping outlives the publisher's close; the header it reads says no
+  slot holds a version any more (on CUDA the memory itself is freed)."""
+  trainer, gen = meshes
+  x = {"x": jax.device_put(np.ones((8, 8), np.float32), NamedSharding(trainer, P("a")))}
+  with jax_m2n.Publisher(token=TOKEN, keep=2) as pub, jax_m2n.Subscriber(
+      pub.address, token=TOKEN) as sub:
+    pub.publish(x)
+    sub.pull(NamedSharding(gen, P()), version=1)
+    imp = next(iter(sub._state.imports.values()))
+    assert imp.slot_of(1, time.monotonic() + 1.0) in range(2)
+    pub.close()
+    with pytest.raises(jax_m2n.ReshardValueError, match="holds another version"):
+      imp.slot_of(1, time.monotonic() + 1.0)
+    with pytest.raises(jax_m2n.ReshardRuntimeError, match="closed"):
+      sub.pull(NamedSharding(gen, P()), timeout_s=5.0)
+
+
 def _memfds():
   out = 0
   for fd in os.listdir("/proc/self/fd"):

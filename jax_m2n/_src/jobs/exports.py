@@ -35,6 +35,8 @@ logger = logging.getLogger("jax_m2n")
 # of its own beside CUDA IPC memory).
 HEADER_BYTES = 4096
 MAX_SLOTS = HEADER_BYTES // 8
+# `latest` of a closed export: past every version (none is still to be written).
+CLOSED = np.iinfo(np.int64).max
 # Shards start at multiples of this in a slot (the CUDA copy kernels read 32 bytes at
 # once; XLA's CPU buffers are 64-byte aligned; 256 keeps both and cache lines apart).
 ALIGN = 256
@@ -204,7 +206,14 @@ class Export:
 
   def close(self) -> None:
     """Frees the memory (readers' mappings of the host segment stay valid; CUDA IPC
-    memory is freed: readers must not copy from it any more)."""
+    memory is freed: readers must not copy from it any more). The header says no slot
+    holds a version first, so a reader's check before or after its copy finds its
+    version gone rather than returning what freed memory held (and `latest` past any
+    version: none is still to be written)."""
+    with self.lock:
+      if self.header is not None:
+        self.header[:] = 0
+        self.latest[0] = CLOSED
     for seg in self._device.values():
       try:
         seg.close()
