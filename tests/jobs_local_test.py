@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
-from jax_m2n._src.jobs import engine, exports
+from jax_m2n._src.jobs import engine, exports, pulling
 
 TOKEN = "local-test-token-0123456789"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,6 +137,42 @@ def test_a_reused_slot_is_never_read_as_the_old_version(meshes):
     assert imp.slot_of(3, time.monotonic() + 1.0) in range(2)
     out = sub.pull(NamedSharding(gen, P()))  # the newest
     assert sub.version == 3 and float(np.asarray(out["x"])[0, 0]) == 3.0
+
+
+def test_a_steady_local_pull_copies_while_the_publisher_confirms(meshes, monkeypatch):
+  """Where the exports already hold a newer version, a pull copies it while the
+  publisher answers which version is the newest; an answer naming another version
+  (here a newer one of another layout set) is what the pull returns."""
+  trainer, gen = meshes
+  seen = []
+  confirmed = pulling.Ahead.confirmed
+  monkeypatch.setattr(pulling.Ahead, "confirmed",
+                      lambda self: seen.append(confirmed(self)) or seen[-1])
+  a = lambda v: {"x": jax.device_put(np.full((8, 8), v, np.float32),  # noqa: E731
+                                     NamedSharding(trainer, P("a")))}
+  b = lambda v: {"x": jax.device_put(np.full((4, 16), v, np.float32),  # noqa: E731
+                                     NamedSharding(trainer, P(None, "b")))}
+  dst = NamedSharding(gen, P("x"))
+  with jax_m2n.Publisher(token=TOKEN, keep=2) as pub, jax_m2n.Subscriber(
+      pub.address, token=TOKEN) as sub:
+    pub.publish(a(1))
+    sub.pull(dst)
+    assert seen == []  # the first pull asks first
+    for v in (2, 3):
+      pub.publish(a(v))
+      out = sub.pull(dst)
+      assert sub.version == v and (np.asarray(out["x"]) == v).all()
+      assert sub.last_pull.path == "local"
+    assert seen == [True, True]
+    pub.publish(a(4))
+    pub.publish(b(5))  # the newest is of another layout set
+    out = sub.pull(dst)
+    assert seen == [True, True, False]
+    assert sub.version == 5 and out["x"].shape == (4, 16)
+    assert (np.asarray(out["x"]) == 5).all()
+    pub.publish(b(6))
+    out = sub.pull(dst, donate=out)
+    assert seen[-1] is True and (np.asarray(out["x"]) == 6).all()
 
 
 def test_a_closed_export_reads_as_gone_to_a_reader_that_mapped_it(meshes):

@@ -62,6 +62,7 @@ class State:
   peers: dict[int, str] | None = None     # the job's processes' transport addresses
   imports: dict[tuple[int, str], Any] = dataclasses.field(default_factory=dict)
   path: str = ""                          # the last pull's data path
+  local_mid: str | None = None            # the layout set of the last local pull
   trace: records.Trace = dataclasses.field(default_factory=records.Trace)  # this pull's
 
   def close(self) -> None:
@@ -76,7 +77,19 @@ def pull(state: State, dst: Any, dtype: Any, donate: Any, options: PullOptions) 
   if jax.process_count() > 1:
     return _pull_job(state, dst, dtype, donate, options)
   while True:
-    number, mid = choose(state, options)
+    got = None
+    ahead = Ahead.begin(state, options)
+    if ahead is not None:  # the copy runs while the publisher confirms the version
+      state.trace.chose(ahead.number)
+      try:
+        return _pull(state, dst, dtype, donate, options, ahead.number, ahead.mid, None,
+                     b"", ahead)
+      except (Unconfirmed, VersionGone):
+        got = ahead.answer()  # the publisher's word (raises where it closed or died)
+      except BaseException:
+        ahead.drain()
+        raise
+    number, mid = got if got is not None else choose(state, options)
     state.trace.chose(number)
     try:
       return _pull(state, dst, dtype, donate, options, number, mid, None, b"")
@@ -139,6 +152,69 @@ def choose(state: State, options: PullOptions) -> tuple[int, str]:
           f"{sorted(listing['numbers']) or 'no version'}).")
 
 
+class Unconfirmed(Exception):
+  """A pull begun ahead (`Ahead`) that needs a control call before it can go on, or
+  whose version the publisher did not confirm: it is made again the usual way."""
+
+
+class Ahead:
+  """A steady local pull begun before the publisher confirms its version: where the
+  last pull was local and the exports of its layout set already hold a newer version
+  (committed, the same in every publisher process mapped; the plan must read no other), the versions request is sent
+  and, while it is answered, that version is copied; the result is returned only if
+  the answer names the same version and layout set (the newest after the last pull,
+  as `choose` would take), so the round trip overlaps the copy and the publisher still
+  hears every pull (its stats, `jobs status`). Use: `begin` (None: ask first), then
+  `_pull(..., ahead)`, which calls `confirmed` before it finishes; `answer` or `drain`
+  where it did not."""
+
+  def __init__(self, root: Any, number: int, mid: str, after: int):
+    self.root, self.number, self.mid, self._after = root, number, mid, after
+    self._seq = root.start({"op": "versions", "after": after, "wait_ms": 0},
+                           "the list of versions")
+    self._done = False
+    self._got: tuple[int, str] | None = None
+
+  @classmethod
+  def begin(cls, state: State, options: PullOptions) -> "Ahead | None":
+    mid = state.local_mid
+    root = state.connections.live_root()
+    if (options.version is not None or options.path == "network" or mid is None
+        or root is None or mid not in state.manifests):
+      return None
+    imports = [imp for (_, m), imp in state.imports.items() if m == mid]
+    latest = {int(imp.latest[0]) for imp in imports if imp.latest is not None}
+    if len(latest) != 1:  # none mapped, or the publisher processes disagree for now
+      return None
+    (number,) = latest
+    if (number <= state.version or number == exports.CLOSED
+        or not all((imp.header == number).any() for imp in imports)):
+      return None
+    return cls(root, number, mid, state.version)
+
+  def answer(self) -> tuple[int, str] | None:
+    """(version, manifest id) the publisher names as the newest after the last pull
+    (None: none yet). Raises as `choose` does (closed, died)."""
+    if not self._done:
+      self._done = True
+      listing = _listing(self.root, self.root.finish(self._seq, ANSWER_S,
+                                                     "the list of versions"))
+      self._got = _answer(self.root, listing, None, self._after)
+    return self._got
+
+  def confirmed(self) -> bool:
+    return self.answer() == (self.number, self.mid)
+
+  def drain(self) -> None:
+    """Reads the answer where a failure left it open (its own failure is dropped: the
+    first one is what the caller reports)."""
+    if not self._done:
+      try:
+        self.answer()
+      except ReshardError:
+        pass
+
+
 def _listing(root: Any, reply: dict[str, Any]) -> dict[str, Any]:
   """A versions answer or notice, checked: {"numbers": {version: manifest id}, ...}."""
   held = reply.get("versions")
@@ -197,7 +273,7 @@ def _peers(state: State, waits: Any, address: str) -> dict[int, str]:
 
 
 def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
-          mid: str, waits: Any, salt: bytes) -> Any:
+          mid: str, waits: Any, salt: bytes, ahead: Ahead | None = None) -> Any:
   m = _manifest(state, mid)
   request = pull_request(API, m, dst, dtype, donate, options)
   planning.check_devices(API, request.dsts)
@@ -206,6 +282,9 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
   choice = delta_lib.choose(state.last, state.auto, request, local_path, waits)
   pp = planning.plan_pull(m, request.dsts, request.outs, "flat" if
                           choice.base is not None or local_path else options.route)
+  if ahead is not None and not (local_path and all(
+      (k, m.id) in state.imports for k in pp.requests)):
+    raise Unconfirmed  # (it would map an export: a control call while one is open)
   conn = state.connections
   transport = conn.transport(m)
   if waits is not None:
@@ -221,10 +300,12 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
     if imports is not None:  # the publisher's memory, read in place (local.py)
       shards = local.run(p, imports)
       state.path = state.trace.path = "local"
+      state.local_mid = m.id
     elif choice.base is not None:  # a delta (delta.py): pulled directly, never relayed
       in_place = {id(a) for a in request.donated} >= {id(a) for a in choice.base}
       shards = delta_lib.run(p, choice, in_place, _answer_s(p))
       state.path, state.trace.path = "network", "delta"
+      state.local_mid = None
     else:
       pulled = None
       if state.relay is not None and p.links:
@@ -233,6 +314,7 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
       shards = _full(p, pulled, state.trace)
       full_s = time.perf_counter() - start if pulled is None and warm else None
       state.path, state.trace.path = "network", "network" if pulled is None else "relay"
+      state.local_mid = None
   except VersionGone:
     raise
   except ReshardError:
@@ -242,6 +324,10 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
     waits.end()  # every process of the job done: a pull succeeds or fails everywhere
     waits.finish()
   state.trace.lap("move")
+  if ahead is not None:
+    if not ahead.confirmed():
+      raise Unconfirmed
+    state.trace.lap("wait")  # what the answer took beyond the copy
   if full_s is not None:
     delta_lib.after_full(p, choice, full_s, _answer_s(p))  # what delta="auto" learns
   return _finish(state, request, pp, number, shards)
