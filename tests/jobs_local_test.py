@@ -173,6 +173,14 @@ def test_a_steady_local_pull_copies_while_the_publisher_confirms(meshes, monkeyp
     pub.publish(b(6))
     out = sub.pull(dst, donate=out)
     assert seen[-1] is True and (np.asarray(out["x"]) == 6).all()
+    # A version asked by number: the same, where the export holds it.
+    pub.publish(b(7))
+    out = sub.pull(dst, version=7)
+    assert seen[-1] is True and len(seen) == 5 and (np.asarray(out["x"]) == 7).all()
+    out = sub.pull(dst, version=6)  # an older one still held
+    assert seen[-1] is True and (np.asarray(out["x"]) == 6).all()
+    with pytest.raises(jax_m2n.ReshardValueError, match="holds"):
+      sub.pull(dst, version=5)  # dropped (keep=2): refused before anything is read
 
 
 def test_a_closed_export_reads_as_gone_to_a_reader_that_mapped_it(meshes):

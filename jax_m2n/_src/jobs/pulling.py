@@ -159,17 +159,20 @@ class Unconfirmed(Exception):
 
 class Ahead:
   """A steady local pull begun before the publisher confirms its version: where the
-  last pull was local and the exports of its layout set already hold a newer version
-  (committed, the same in every publisher process mapped; the plan must read no other), the versions request is sent
-  and, while it is answered, that version is copied; the result is returned only if
-  the answer names the same version and layout set (the newest after the last pull,
-  as `choose` would take), so the round trip overlaps the copy and the publisher still
-  hears every pull (its stats, `jobs status`). Use: `begin` (None: ask first), then
-  `_pull(..., ahead)`, which calls `confirmed` before it finishes; `answer` or `drain`
-  where it did not."""
+  last pull was local and the exports of its layout set already hold the version to
+  pull (committed, in every publisher process mapped; the plan must read no other):
+  the one asked, or without `version` a newer one than the last pull's (the same in
+  every process mapped), the versions request is sent and, while it is answered, that
+  version is copied; the result is returned only if the answer names the same version
+  and layout set (as `choose` would take it), so the round trip overlaps the copy and
+  the publisher still hears every pull (its stats, `jobs status`). Use: `begin` (None:
+  ask first), then `_pull(..., ahead)`, which calls `confirmed` before it finishes;
+  `answer` or `drain` where it did not."""
 
-  def __init__(self, root: Any, number: int, mid: str, after: int):
-    self.root, self.number, self.mid, self._after = root, number, mid, after
+  def __init__(self, root: Any, number: int, mid: str, version: int | None,
+               after: int):
+    self.root, self.number, self.mid = root, number, mid
+    self._version, self._after = version, after
     self._seq = root.start({"op": "versions", "after": after, "wait_ms": 0},
                            "the list of versions")
     self._done = False
@@ -179,27 +182,30 @@ class Ahead:
   def begin(cls, state: State, options: PullOptions) -> "Ahead | None":
     mid = state.local_mid
     root = state.connections.live_root()
-    if (options.version is not None or options.path == "network" or mid is None
-        or root is None or mid not in state.manifests):
+    if (options.path == "network" or mid is None or root is None
+        or mid not in state.manifests):
       return None
     imports = [imp for (_, m), imp in state.imports.items() if m == mid]
     latest = {int(imp.latest[0]) for imp in imports if imp.latest is not None}
     if len(latest) != 1:  # none mapped, or the publisher processes disagree for now
       return None
-    (number,) = latest
-    if (number <= state.version or number == exports.CLOSED
+    number = options.version if options.version is not None else latest.pop()
+    if ((options.version is None and number <= state.version)
+        or number == exports.CLOSED
         or not all((imp.header == number).any() for imp in imports)):
       return None
-    return cls(root, number, mid, state.version)
+    after = state.version if options.version is None else number - 1
+    return cls(root, number, mid, options.version, after)
 
   def answer(self) -> tuple[int, str] | None:
-    """(version, manifest id) the publisher names as the newest after the last pull
-    (None: none yet). Raises as `choose` does (closed, died)."""
+    """(version, manifest id) the publisher names: the one asked where it holds it,
+    else the newest after the last pull (None: none yet). Raises as `choose` does
+    (closed, died; the version asked no longer held)."""
     if not self._done:
       self._done = True
       listing = _listing(self.root, self.root.finish(self._seq, ANSWER_S,
                                                      "the list of versions"))
-      self._got = _answer(self.root, listing, None, self._after)
+      self._got = _answer(self.root, listing, self._version, self._after)
     return self._got
 
   def confirmed(self) -> bool:
