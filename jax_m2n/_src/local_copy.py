@@ -282,9 +282,10 @@ def _programs(boxes: tuple[Box, ...], outs: tuple[Out, ...], device: jax.Device)
   """The compiled programs of one copy: (program, its outputs' indices, per program
   slot the caller's slot and a byte offset to add to its pointer).
 
-  Outputs are grouped by what their copy looks like and a program fills at most
-  PROGRAM_OUTPUTS of one group, so a pytree of many like leaves compiles a few
-  programs, not one per PROGRAM_OUTPUTS leaves. On CPU each box's start is folded into
+  Outputs are grouped by what their copy looks like; a program fills at most
+  PROGRAM_OUTPUTS outputs: whole chunks of one group (so a pytree of many like leaves
+  compiles a few programs, not one per PROGRAM_OUTPUTS leaves), then what is left of
+  every group together. On CPU each box's start is folded into
   a pointer of its own (the program then reads from its box's first element), which is
   what makes like leaves at different places one program; on CUDA a pointer must stay
   CUDA_POINTER_ALIGN-aligned, so boxes keep their starts and share their slots."""
@@ -297,30 +298,38 @@ def _programs(boxes: tuple[Box, ...], outs: tuple[Out, ...], device: jax.Device)
     key = (out, tuple((b.src_shape, b.src_dtype, b.dst_start, b.extent) if fold else
                       b._replace(out=0) for b in per_out[o]))
     groups.setdefault(key, []).append(o)
-  programs = []
+  # Full chunks of a group are alike (one compiled program serves them all); what is
+  # left of every group shares programs, so a pytree of a few leaves of each of many
+  # shapes is one call per device, not one per shape (each call costs a dispatch and
+  # its pointer table a transfer).
+  chunks, rest = [], []
   for members in groups.values():
-    for first in range(0, len(members), PROGRAM_OUTPUTS):
-      chunk = members[first:first + PROGRAM_OUTPUTS]
-      program_boxes, slots, offsets, used = [], [], [], {}
-      for j, o in enumerate(chunk):
-        for b in per_out[o]:
-          if fold:  # the box's first element, in bytes from its shard's start
-            at, stride = 0, 1
-            for lo, size in zip(reversed(b.src_start), reversed(b.src_shape)):
-              at, stride = at + lo * stride, stride * size
-            offsets.append(at * np.dtype(b.src_dtype).itemsize)
+    full = len(members) - len(members) % PROGRAM_OUTPUTS
+    chunks += [members[i:i + PROGRAM_OUTPUTS] for i in range(0, full, PROGRAM_OUTPUTS)]
+    rest += members[full:]
+  chunks += [rest[i:i + PROGRAM_OUTPUTS] for i in range(0, len(rest), PROGRAM_OUTPUTS)]
+  programs = []
+  for chunk in chunks:
+    program_boxes, slots, offsets, used = [], [], [], {}
+    for j, o in enumerate(chunk):
+      for b in per_out[o]:
+        if fold:  # the box's first element, in bytes from its shard's start
+          at, stride = 0, 1
+          for lo, size in zip(reversed(b.src_start), reversed(b.src_shape)):
+            at, stride = at + lo * stride, stride * size
+          offsets.append(at * np.dtype(b.src_dtype).itemsize)
+          slots.append(b.slot)
+          program_boxes.append(Box(j, len(slots) - 1, b.src_shape, b.src_dtype,
+                                   (0,) * len(b.src_start), b.dst_start, b.extent))
+        else:
+          if b.slot not in used:
+            used[b.slot] = len(slots)
             slots.append(b.slot)
-            program_boxes.append(Box(j, len(slots) - 1, b.src_shape, b.src_dtype,
-                                     (0,) * len(b.src_start), b.dst_start, b.extent))
-          else:
-            if b.slot not in used:
-              used[b.slot] = len(slots)
-              slots.append(b.slot)
-              offsets.append(0)
-            program_boxes.append(b._replace(out=j, slot=used[b.slot]))
-      programs.append((_executable(tuple(program_boxes), tuple(outs[o] for o in chunk),
-                                   len(slots), device), chunk,
-                       np.asarray(slots, np.int64), np.asarray(offsets, np.int64)))
+            offsets.append(0)
+          program_boxes.append(b._replace(out=j, slot=used[b.slot]))
+    programs.append((_executable(tuple(program_boxes), tuple(outs[o] for o in chunk),
+                                 len(slots), device), chunk,
+                     np.asarray(slots, np.int64), np.asarray(offsets, np.int64)))
   return programs
 
 
