@@ -15,13 +15,9 @@
 # sections (xla_ffi/schedule.cc), the device-to-device transfer guard on the eager
 # path, tests/gpus.py and tests/launcher.py under the GPU tests.
 set -uo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-OUT=${OUT:-$ROOT/bench_out/i30}
 PY=${PYTHON:-python3}
 STEP=${STEP:-all}
-mkdir -p "$OUT"
-cd "$ROOT"
-. "$ROOT/.gpu/setup.sh"
+GPU_RUN=i30 . "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 nvidia-smi -L | tee "$OUT/gpus.txt"
 rc=0
 if [ "$STEP" = all ] || [ "$STEP" = build ]; then

@@ -5,11 +5,7 @@
 # and tests/jobs_delta_test.py on the machine's 16 CPU cores (CUDA hidden).
 # Needs the built extension and pyzmq (.gpu/setup.sh builds and installs them). Output: $OUT (default bench_out/i33).
 set -uo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-OUT=${OUT:-$ROOT/bench_out/i33}
-mkdir -p "$OUT"
-cd "$ROOT"
-. "$ROOT/.gpu/setup.sh"
+GPU_RUN=i33 . "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 build_inplace
 rc=0
 OUT=$OUT timeout 400 python3 .gpu/i33_delta.py 2>&1 | tee "$OUT/i33_delta.log" | grep -E "^\{|device|Error" || rc=1

@@ -6,11 +6,7 @@
 #   OUT=/path/to/out bash .gpu/i42_gpu.sh
 # .whl/ must hold a cp312 pyzmq wheel (.gpu/jobs.sh says how to fetch one).
 set -uo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-OUT=${OUT:-$ROOT/bench_out/i42_gpu}
-mkdir -p "$OUT"
-cd "$ROOT"
-. "$ROOT/.gpu/setup.sh"
+GPU_RUN=i42_gpu . "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 export JAX_M2N_CMAKE_ARGS=${JAX_M2N_CMAKE_ARGS:--DJAX_M2N_CUDA_ARCHITECTURES=90-real}
 rc=0
 build_inplace

@@ -11,12 +11,8 @@
 # /tmp/site.
 # Output: $OUT (logs, JSON), a short summary on stdout.
 set -uo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-OUT=${OUT:-$ROOT/bench_out/one_gpu}
 PART=${PART:-gpu}
-mkdir -p "$OUT"
-cd "$ROOT"
-. "$ROOT/.gpu/setup.sh"
+GPU_RUN=one_gpu . "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 rc=0
 build_inplace
 if [ "$PART" = gpu ]; then

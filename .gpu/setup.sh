@@ -1,10 +1,16 @@
-# The GPU machine's environment for the .gpu/ scripts (sourced, not run; ROOT and OUT
-# set first): NVLink multicast off in every process, no GPU memory preallocated, the
+# The GPU machine's environment for the .gpu/ scripts (sourced, not run): ROOT (this
+# checkout, unless set), OUT (unless set: bench_out/$GPU_RUN) made and the working
+# folder ROOT; NVLink multicast off in every process, no GPU memory preallocated, the
 # wheels it lacks (.whl/: pyzmq, nccl-extensions...) installed into /tmp/site, and
 # build_inplace, the in-place CMake build (no Bazel there; $JAX_M2N_CMAKE_ARGS are passed
 # on, e.g. -DJAX_M2N_CUDA_ARCHITECTURES=90-real for one architecture, a shorter build).
-#   . "$ROOT/.gpu/setup.sh"; build_inplace          # builds unless both .so are there
+#   GPU_RUN=name . "$(dirname "${BASH_SOURCE[0]}")/setup.sh"; build_inplace
+#                                                   # builds unless both .so are there
 #   build_inplace always                            # builds whatever is there
+ROOT=${ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+OUT=${OUT:-$ROOT/bench_out/${GPU_RUN:-gpu}}
+mkdir -p "$OUT"
+cd "$ROOT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 if [ -d "$ROOT/.whl" ]; then
