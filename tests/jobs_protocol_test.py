@@ -156,15 +156,16 @@ def test_the_token_never_travels(published, monkeypatch):
 
 
 @pytest.mark.parametrize("path,first_calls,steady_calls", [
-    ("network", 4, 2),  # versions, manifest, register the plan, pull; then versions, pull
+    ("network", 4, 1),  # versions, manifest, register the plan, pull; then one pull
     ("local", 3, 1),    # versions, manifest, the export; then versions (memory after)
 ])
 def test_a_steady_state_pulls_control_messages_are_counted(published, gen, path,
                                                            first_calls, steady_calls):
-  # A pull that recurs (same layouts, a newer version) asks which version is the newest
-  # (one long poll, answered at once), then sends one message per publisher process on
-  # the network path (its plan is registered) and none on the local path (it reads the
-  # publisher's memory): asserted, so that it cannot regress silently.
+  # A pull that recurs (same layouts, a newer version) sends one message: on the network
+  # path the pull of the newest version after its last (the plan is registered with the
+  # one publisher process; the answer names the version offered), on the local path the
+  # versions request, answered while it copies from the publisher's memory: asserted,
+  # so that it cannot regress silently.
   _, tree, _ = published
   with jax_m2n.Publisher(token=TOKEN, keep=2) as pub, jax_m2n.Subscriber(
       pub.address, token=TOKEN) as sub:
@@ -184,7 +185,66 @@ def test_a_steady_state_pulls_control_messages_are_counted(published, gen, path,
   assert first["calls"] == first_calls, (path, first)
 
 
-@pytest.mark.parametrize("path,steady_calls", [("network", 2), ("local", 1)])
+def test_a_pull_of_the_newest_in_one_message_falls_back_where_it_must(published, gen):
+  """The one-message network pull (the newest version after the last, offered at once)
+  where the newest has another layout set, where none is newer yet (the publisher
+  answers after NEWEST_WAIT_S; the pull then waits the usual way), and after close."""
+  _, tree, _ = published
+  trainer = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+  other = {"w": jax.device_put(np.full((4, 8), 7, np.float32),
+                               NamedSharding(trainer, P("b")))}
+  dst = NamedSharding(gen, P("x"))
+  pub = jax_m2n.Publisher(token=TOKEN, keep=2)
+  with jax_m2n.Subscriber(pub.address, token=TOKEN) as sub:
+    pub.publish(tree)
+    sub.pull(dst, path="network")
+    v = pub.publish(tree)
+    before = dict(channel.stats)
+    out = sub.pull(dst, path="network")  # one message
+    assert channel.stats["calls"] - before.get("calls", 0) == 1
+    assert sub.version == v and sub.last_pull.path == "network"
+    np.testing.assert_array_equal(_bits(out["n"]), _bits(tree["n"]))
+    v = pub.publish(other)  # the newest has another layout set: named, pulled after
+    out = sub.pull(dst, path="network")
+    assert sub.version == v and (np.asarray(out["w"]) == 7).all()
+    pub.publish(other)
+    out = sub.pull(dst, path="network")
+    assert sub.version == v + 1 and out["w"].shape == (4, 8)
+    # None newer yet: the publisher answers "none" after NEWEST_WAIT_S, the pull waits on.
+    timer = threading.Timer(2 * engine.NEWEST_WAIT_S, pub.publish, (other,))
+    timer.start()
+    try:
+      t0 = time.monotonic()
+      out = sub.pull(dst, path="network", timeout_s=30)
+      assert sub.version == v + 2 and time.monotonic() - t0 >= engine.NEWEST_WAIT_S
+    finally:
+      timer.join()
+    # Published within the publisher's wait: offered at once.
+    timer = threading.Timer(engine.NEWEST_WAIT_S / 5, pub.publish, (other,))
+    timer.start()
+    try:
+      before = dict(channel.stats)
+      sub.pull(dst, path="network", timeout_s=30)
+      assert sub.version == v + 3 and channel.stats["calls"] - before["calls"] == 1
+    finally:
+      timer.join()
+    # A version asked by number: one message too; a dropped one refused (keep=2).
+    v = pub.publish(other)
+    before = dict(channel.stats)
+    out = sub.pull(dst, version=v, path="network")
+    assert sub.version == v and channel.stats["calls"] - before["calls"] == 1
+    out = sub.pull(dst, version=v - 1, path="network")  # older, still held
+    assert (np.asarray(out["w"]) == 7).all()
+    with pytest.raises(jax_m2n.ReshardValueError, match=f"version {v - 2} must be held"):
+      sub.pull(dst, version=v - 2, path="network")
+    pub.close()
+    t0 = time.monotonic()
+    with pytest.raises(jax_m2n.ReshardRuntimeError, match="closed"):
+      sub.pull(dst, path="network", timeout_s=5)
+    assert time.monotonic() - t0 < 2 * (engine.NEWEST_WAIT_S + engine.NEWEST_ANSWER_S)
+
+
+@pytest.mark.parametrize("path,steady_calls", [("network", 1), ("local", 1)])
 def test_prepare_makes_the_first_pull_a_steady_one(published, gen, path, steady_calls):
   # prepare() does the first pull's work (manifest, plan, registration or export,
   # compiled copies on both sides) and moves no weights; the first pull after it then

@@ -2,7 +2,7 @@
 
 Owns every error type any layer raises (the public family and the two internal
 signals, `Unplaceable` and `PeerFailed`, the control plane's `CoordinatorUnreachable`,
-the jobs layer's `ProtocolError`, `PlanUnknown` and `VersionGone`) and the API name
+the jobs layer's `ProtocolError`, `PlanUnknown`, `Unconfirmed` and `VersionGone`) and the API name
 messages start with. Messages
 follow one rule: "<api>: <what> must <rule>; got <value>." plus a hint. Nothing here
 moves data. Argument errors are raised before data moves and are also ValueError /
@@ -69,6 +69,18 @@ class ProtocolError(ReshardValueError):
 class PlanUnknown(ReshardRuntimeError):
   """Internal: a publisher process no longer knows the plan a pull names (evicted, or
   the process restarted); the subscriber registers it again and retries."""
+
+
+class Unconfirmed(Exception):
+  """Internal: a pull begun before the publisher named its version (a local copy made
+  while it answers; a network pull of "the newest after the last one") cannot go on as
+  begun: it needs a control call first, or the newest version is not what it assumed.
+  `got`: the (version, manifest id) the publisher named, where it did; the pull then
+  runs the usual way."""
+
+  def __init__(self, got: "tuple[int, str] | None" = None):
+    super().__init__(got)
+    self.got = got
 
 
 class VersionGone(ReshardValueError):

@@ -21,7 +21,7 @@ import numpy as np
 
 from jax_m2n._src import local_copy as local_copy_lib
 from jax_m2n._src import schedule
-from jax_m2n._src.errors import PlanUnknown, ReshardRuntimeError
+from jax_m2n._src.errors import PlanUnknown, ReshardRuntimeError, Unconfirmed
 from jax_m2n._src.jobs import pieces
 from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE
 from jax_m2n._src.jobs.planning import PUBLISHER_PROCESS_BASE, PullPlan
@@ -29,6 +29,14 @@ from jax_m2n._src.jobs.pull import API, Pull, wait_arrived
 from jax_m2n._src.jobs.transport import Arrived
 from jax_m2n._src.layout import box_size, intersect
 from jax_m2n._src.planner import DST_SHARD
+
+# How long a publisher holds a pull of the newest version (`Pull.number` None) while it
+# has none newer than the subscriber's last; then the subscriber asks the usual way
+# (the versions long poll).
+NEWEST_WAIT_S = 0.5
+# ... and answers it within this more (from its server thread, before it offers the
+# bytes): a publisher that died or closed is named as fast as by a long poll.
+NEWEST_ANSWER_S = 1.0
 
 # Bytes this process fetched from publishers / exchanged with its own job's peers
 # (tests, bench).
@@ -106,9 +114,13 @@ def request(pull: Pull, answer_s: float) -> tuple[dict[int, list[int]], list[Any
   tickets, opened = {}, []
   for k, salt in register(pull, answer_s).items():
     link = pull.links[k]
+    which = ({"version": pull.number} if pull.number is not None else
+             {"after": pull.after, "wait_ms": int(NEWEST_WAIT_S * 1000)})
+    if pull.number is None and pull.options.version is not None:
+      which["want"] = pull.options.version  # that one, in one message too
     opened.append((link, key, link.client.start(
-        {"op": "pull", "plan": key, "version": pull.number, "seq": seq,
-         "timeout_ms": pull.options.timeout_ms}, f"the pull of version {pull.number}")))
+        dict(op="pull", plan=key, seq=seq, timeout_ms=pull.options.timeout_ms, **which),
+        _what(pull))))
     tickets[k] = [pull_ticket(salt, seq, g)
                   for g in range(len(pull.plan.packed_requests[k]))]
   return tickets, opened
@@ -125,15 +137,41 @@ def confirm(pull: Pull, opened: list[Any], answer_s: float) -> None:
   from those processes (their offers will not come)."""
   try:
     for link, key, seq in opened:
-      try:
-        link.client.finish(seq, answer_s, f"the pull of version {pull.number}")
+      try:  # a pull of the newest is answered before its offers: within a bound
+        reply = link.client.finish(seq, answer_s if pull.number is not None else
+                                   NEWEST_WAIT_S + NEWEST_ANSWER_S, _what(pull))
       except PlanUnknown:
         link.plans.pop(key, None)  # the next pull registers it again
         raise
+      if pull.number is None:  # which version the publisher offered, or none
+        pull.number = _newest(link, reply, pull.after)
   except BaseException:
     for link, _, _ in opened:
       pull.transport.forget(link.address)
     raise
+
+
+def _what(pull: Pull) -> str:
+  if pull.number is None and pull.options.version is not None:
+    return f"the pull of version {pull.options.version}"
+  return (f"the pull of version {pull.number}" if pull.number is not None else
+          f"the pull of the newest version after {pull.after}")
+
+
+def _newest(link: Any, reply: dict[str, Any], after: int) -> int:
+  """The version a pull of the newest was offered; raises Unconfirmed (with the version
+  the publisher named, if any) where it offered none."""
+  if "newer" in reply:
+    newer = reply["newer"]
+    if newer is None:
+      raise Unconfirmed(None)
+    if (isinstance(newer, list) and len(newer) == 2 and type(newer[0]) is int
+        and newer[0] > after and isinstance(newer[1], str)):
+      raise Unconfirmed((newer[0], newer[1]))
+  elif type(reply.get("version")) is int and reply["version"] > after:
+    return reply["version"]
+  raise ReshardRuntimeError(f"{API}: {link.name} answered the pull of the newest "
+                            f"version with a malformed answer.")
 
 
 def run(pull: Pull, tickets: dict[int, list[int]] | None,

@@ -11,6 +11,7 @@ runs on the server thread; plans nothing; holds no version itself (versions.py d
 from __future__ import annotations
 
 import collections
+import logging
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -26,6 +27,8 @@ from jax_m2n._src.jobs.versions import Version, Versions
 from jax_m2n._src.layout import Box, box_size
 from jax_m2n._src.planner import DST_SHARD, SRC_SHARD
 from jax_m2n._src.processes import transfer_engine
+
+logger = logging.getLogger("jax_m2n")
 
 # Registered plans a publisher process keeps (a plan is its piece list: kilobytes to
 # megabytes), least recently used dropped.
@@ -151,6 +154,40 @@ class Offers:
                                 engine.pull_ticket(plan.salt, body["seq"], g))
                     for g, ops in enumerate(plan.offers)]
     return {"offered": len(plan.offers)}
+
+  def newest(self, caller: channel.Caller, body: dict[str, Any]
+             ) -> tuple[dict[str, Any], Callable[[], Any] | None]:
+    """A pull of the newest version after body["after"] (or of body["want"]), answered
+    at once from the server thread: (the answer, the work that offers it, or None). The
+    answer names the version, {"newer": [version, manifest id]} where it has another
+    layout set than the plan (the subscriber pulls it the usual way), {"newer": None}
+    where none is newer, or the plan's absence; the offers follow on the worker thread
+    (the subscriber's fetches, issued before the answer, wait for them)."""
+    numbers = self._versions.numbers()
+    if "want" in body:  # a version named by number (published: the caller checked)
+      version = self._versions.get(body["want"])
+      if version is None:
+        return {"error": f"version {body['want']} must be held to be pulled; trainer "
+                f"process {self._pid} holds {numbers} (keep={self._versions.keep}).",
+                "kind": "gone"}, None
+    else:
+      version = self._versions.get(max(numbers)) if numbers else None
+    if version is None or version.number <= body["after"]:
+      return {"newer": None}, None  # dropped meanwhile (a close): it asks the usual way
+    plan = self._plans.get((caller.peer, body["plan"]))
+    if plan is None:
+      return {"error": "pull: the plan must be registered with this process; it is not "
+              "(dropped, or this process restarted).", "kind": "unknown_plan"}, None
+    if plan.manifest != version.manifest.id:
+      return {"newer": [version.number, version.manifest.id]}, None
+
+    def offer() -> None:
+      self.counters.serving(version.number)
+      got = self._pull(caller, version, body)
+      if "error" in got:  # (the plan was dropped since: the subscriber's fetch times out)
+        logger.warning("jax_m2n Publisher: offering version %d failed: %s",
+                       version.number, got["error"])
+    return {"version": version.number}, offer
 
   def _groups(self, version: Version, groups: Any, wire: dict[int, Any]) -> list:
     """A request's groups of packs of pieces, each checked (inside this process's

@@ -29,22 +29,26 @@ class Pull:
   Attributes:
     request: what the caller asked (dst, dtypes, options...).
     plan: its plan and this process's part of it.
-    number: the version pulled.
+    number: the version pulled; None for a network pull of the newest version after
+      `after` (one message to a single publisher process: engine.request), set once the
+      publisher names the version it offered.
     links: per publisher process this pull reads from, its connection.
     transport: this process's transport (fetches, and offers to its job's peers).
     waits: the subscriber job's CallWaits (None in a one-process job).
     salt: the pull's random salt (the tickets of forwards inside the job).
     peers: per process of the subscriber job, its transport's address.
+    after: with `number` None, the subscriber's last version.
   """
 
   request: PullRequest
   plan: PullPlan
-  number: int
+  number: int | None
   links: dict[int, Link]
   transport: Transport
   waits: Any = None
   salt: bytes = b""
   peers: dict[int, str] = dataclasses.field(default_factory=dict)
+  after: int = 0
   started: float = dataclasses.field(default_factory=time.monotonic)
 
   @property

@@ -23,7 +23,7 @@ from jax_m2n._src import jax_compat
 from jax_m2n._src import quantize
 from jax_m2n._src.errors import (PeerFailed, PlanUnknown, ReshardError,
                                  ReshardRuntimeError, ReshardTimeoutError,
-                                 ReshardValueError, VersionGone)
+                                 ReshardValueError, Unconfirmed, VersionGone)
 from jax_m2n._src.jobs import delta as delta_lib, delta_auto, engine, exports, local
 from jax_m2n._src.jobs import manifest as manifest_lib, planning, records
 from jax_m2n._src.jobs.connections import Connections
@@ -63,6 +63,7 @@ class State:
   imports: dict[tuple[int, str], Any] = dataclasses.field(default_factory=dict)
   path: str = ""                          # the last pull's data path
   local_mid: str | None = None            # the layout set of the last local pull
+  net_mid: str | None = None              # ... of the last full network pull
   trace: records.Trace = dataclasses.field(default_factory=records.Trace)  # this pull's
 
   def close(self) -> None:
@@ -89,6 +90,11 @@ def pull(state: State, dst: Any, dtype: Any, donate: Any, options: PullOptions) 
       except BaseException:
         ahead.drain()
         raise
+    elif _newest_in_one(state, options):  # the version named by the pull's answer
+      try:
+        return _pull(state, dst, dtype, donate, options, None, state.net_mid, None, b"")
+      except Unconfirmed as e:
+        got = e.got  # a newer version of another layout set, or none yet
     number, mid = got if got is not None else choose(state, options)
     state.trace.chose(number)
     try:
@@ -150,11 +156,6 @@ def choose(state: State, options: PullOptions) -> tuple[int, str]:
           f"{API}: {want} must be published within timeout_s={options.timeout_s:g}; "
           f"got none ({root.peer} is alive and holds "
           f"{sorted(listing['numbers']) or 'no version'}).")
-
-
-class Unconfirmed(Exception):
-  """A pull begun ahead (`Ahead`) that needs a control call before it can go on, or
-  whose version the publisher did not confirm: it is made again the usual way."""
 
 
 class Ahead:
@@ -278,8 +279,21 @@ def _peers(state: State, waits: Any, address: str) -> dict[int, str]:
   return state.peers
 
 
-def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
+def _newest_in_one(state: State, options: PullOptions) -> bool:
+  """Whether this pull may ask for the newest version and its bytes in one message
+  (`_pull` with number None; a version asked by number too): the last pull was a full
+  network pull of the same layout set (`net_mid`), and no delta or relay is asked for;
+  `_pull` then also needs the plan registered with the one publisher process it reads
+  from, and a transport that fetches before the offers exist."""
+  return (options.delta is False and options.path != "local" and state.relay is None
+          and state.net_mid in state.manifests)
+
+
+def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int | None,
           mid: str, waits: Any, salt: bytes, ahead: Ahead | None = None) -> Any:
+  """Pulls version `number` of layout set `mid` (None: the newest after the last pull,
+  or the version asked, as the one publisher process the plan reads from names and
+  offers it in one message: `_newest_in_one`)."""
   m = _manifest(state, mid)
   request = pull_request(API, m, dst, dtype, donate, options)
   planning.check_devices(API, request.dsts)
@@ -292,6 +306,11 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
       (k, m.id) in state.imports for k in pp.requests)):
     raise Unconfirmed  # (it would map an export: a control call while one is open)
   conn = state.connections
+  if number is None and (local_path or choice.base is not None or len(pp.requests) != 1
+                         or not conn.transport(m).early_fetch
+                         or engine.plan_key(pp) not in conn.link(
+                             next(iter(pp.requests)), m).plans):
+    raise Unconfirmed  # (a first pull of this plan, or from several processes)
   transport = conn.transport(m)
   if waits is not None:
     waits.post("fp", pp.fingerprint)
@@ -301,17 +320,18 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
   warm = bool(pp.avals)  # the plan ran before (its first pull plans and compiles)
   try:
     p = Pull(request, pp, number, {k: conn.link(k, m) for k in pp.requests}, transport,
-             waits, salt, _peers(state, waits, transport.address) if waits else {})
+             waits, salt, _peers(state, waits, transport.address) if waits else {},
+             after=state.version if options.version is None else options.version - 1)
     imports = _imports(state, p, m) if local_path else None
     if imports is not None:  # the publisher's memory, read in place (local.py)
       shards = local.run(p, imports)
       state.path = state.trace.path = "local"
-      state.local_mid = m.id
+      state.local_mid, state.net_mid = m.id, None
     elif choice.base is not None:  # a delta (delta.py): pulled directly, never relayed
       in_place = {id(a) for a in request.donated} >= {id(a) for a in choice.base}
       shards = delta_lib.run(p, choice, in_place, _answer_s(p))
       state.path, state.trace.path = "network", "delta"
-      state.local_mid = None
+      state.local_mid = state.net_mid = None
     else:
       pulled = None
       if state.relay is not None and p.links:
@@ -320,7 +340,7 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
       shards = _full(p, pulled, state.trace)
       full_s = time.perf_counter() - start if pulled is None and warm else None
       state.path, state.trace.path = "network", "network" if pulled is None else "relay"
-      state.local_mid = None
+      state.local_mid, state.net_mid = None, m.id if pulled is None else None
   except VersionGone:
     raise
   except ReshardError:
@@ -334,9 +354,11 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int,
     if not ahead.confirmed():
       raise Unconfirmed
     state.trace.lap("wait")  # what the answer took beyond the copy
+  if number is None:
+    state.trace.version = p.number  # named by the pull's answer (its wait is in move)
   if full_s is not None:
     delta_lib.after_full(p, choice, full_s, _answer_s(p))  # what delta="auto" learns
-  return _finish(state, request, pp, number, shards)
+  return _finish(state, request, pp, p.number, shards)
 
 
 def prepare(state: State, dst: Any, dtype: Any, options: PullOptions) -> int:
@@ -360,9 +382,11 @@ def prepare(state: State, dst: Any, dtype: Any, options: PullOptions) -> int:
            conn.transport(m))
   if local_path and _imports(state, p, m) is not None:
     local.prepare(pp)
+    state.local_mid = m.id  # the first pull copies while its version is confirmed
   else:
     engine.register(p, _answer_s(p))
     engine.prepare(pp)
+    state.net_mid = m.id  # the first pull asks for the newest and its bytes at once
   return number
 
 

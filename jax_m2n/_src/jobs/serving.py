@@ -80,13 +80,22 @@ class Service:
     elif op == "register":
       self._submit(caller, lambda: self._offers.register(caller, body))
     elif op in ("pieces", "delta", "pull", "digests"):
-      messages.field(body, "version", int, lo=1, hi=1 << 62)
+      if op == "pull" and "after" in body:  # the newest after `after`, or `want`
+        messages.field(body, "after", int, lo=0, hi=1 << 62)
+        if "want" in body:
+          body["after"] = messages.field(body, "want", int, lo=1, hi=1 << 62) - 1
+        wait_ms = messages.field(body, "wait_ms", int, lo=0, hi=MAX_WAIT_MS)
+        body["version"] = None
+      else:
+        messages.field(body, "version", int, lo=1, hi=1 << 62)
       if op == "delta":  # the version the subscriber holds (0: none)
         messages.field(body, "base", int, lo=0, hi=1 << 62)
       if op == "pull":
         messages.field(body, "plan", str, max_len=64)
         messages.field(body, "seq", int, lo=0, hi=1 << 62)
       timeout_ms = messages.field(body, "timeout_ms", int, lo=1, hi=MAX_OFFER_MS)
+      if body["version"] is None:
+        timeout_ms = min(timeout_ms, wait_ms)
       self._deferred.append((caller, body, time.monotonic() + min(
           timeout_ms, MAX_WAIT_MS) / 1000))
     elif op == "local":
@@ -119,6 +128,16 @@ class Service:
       version = body["version"]
       if self.closed:
         caller.reply({"error": "the publisher closed.", "kind": "runtime"})
+      elif version is None:  # a pull of the newest version after body["after"]
+        if published > body["after"]:  # answered now (a dead publisher shows at once)
+          answer, offer = self._offers.newest(caller, body)
+          caller.reply(answer)
+          if offer is not None:
+            self._submit(None, offer)
+        elif now >= deadline:
+          caller.reply({"newer": None})  # none within its wait: it asks the usual way
+        else:
+          keep.append((caller, body, deadline))
       elif version <= published:  # cut, encode, offer: on the worker thread
         self._submit(caller, functools.partial(self._offers.answer, caller, body))
       elif now >= deadline:
@@ -140,7 +159,7 @@ class Service:
     worker stopped (close, or the interpreter exiting) the caller is told so."""
     try:
       if caller is None:
-        self._work.submit(work)
+        self._work.submit(_logged, work)
       else:
         self._work.submit(self._off_thread, caller, work)
     except RuntimeError:  # the executor shut down: nothing more is served
@@ -166,3 +185,12 @@ class Service:
     """Stops the worker thread (after what it is doing) and withdraws every offer."""
     self._work.shutdown(wait=True, cancel_futures=True)
     self._offers.withdraw(self._offers.offered())
+
+
+def _logged(work: Callable[[], Any]) -> None:
+  """Runs work nobody waits for (withdrawing offers, offering a pull answered before):
+  a failure is logged, not lost in its future."""
+  try:
+    work()
+  except Exception:  # noqa: BLE001 - the worker must outlive it
+    logger.exception("jax_m2n Publisher: work on the worker thread failed")
