@@ -458,7 +458,7 @@ def test_half_open_connections_are_bounded_per_address(server):
     for s in held:  # the server sends its 10-byte signature, then closes the refused
       s.setblocking(False)
       try:
-        while got := s.recv(64):
+        while s.recv(64):
           pass
         closed += 1  # EOF
       except BlockingIOError:
