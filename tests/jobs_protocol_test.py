@@ -237,6 +237,11 @@ def test_a_pull_of_the_newest_in_one_message_falls_back_where_it_must(published,
     assert (np.asarray(out["w"]) == 7).all()
     with pytest.raises(jax_m2n.ReshardValueError, match=f"version {v - 2} must be held"):
       sub.pull(dst, version=v - 2, path="network")
+    # None newer within timeout_s: the timeout bounds the whole wait.
+    t0 = time.monotonic()
+    with pytest.raises(jax_m2n.ReshardTimeoutError, match="timeout_s=0.3"):
+      sub.pull(dst, path="network", timeout_s=0.3)
+    assert time.monotonic() - t0 < 0.3 + engine.NEWEST_WAIT_S
     pub.close()
     t0 = time.monotonic()
     with pytest.raises(jax_m2n.ReshardRuntimeError, match="closed"):

@@ -115,7 +115,8 @@ def request(pull: Pull, answer_s: float) -> tuple[dict[int, list[int]], list[Any
   for k, salt in register(pull, answer_s).items():
     link = pull.links[k]
     which = ({"version": pull.number} if pull.number is not None else
-             {"after": pull.after, "wait_ms": int(NEWEST_WAIT_S * 1000)})
+             {"after": pull.after,
+              "wait_ms": int(min(NEWEST_WAIT_S, pull.timeout_s) * 1000)})
     if pull.number is None and pull.options.version is not None:
       which["want"] = pull.options.version  # that one, in one message too
     opened.append((link, key, link.client.start(

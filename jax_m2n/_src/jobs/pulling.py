@@ -77,6 +77,7 @@ def pull(state: State, dst: Any, dtype: Any, donate: Any, options: PullOptions) 
   """`Subscriber.pull` after its options were checked (see its contract)."""
   if jax.process_count() > 1:
     return _pull_job(state, dst, dtype, donate, options)
+  deadline = time.monotonic() + options.timeout_s  # for a version, where none is yet
   while True:
     got = None
     ahead = Ahead.begin(state, options)
@@ -95,7 +96,7 @@ def pull(state: State, dst: Any, dtype: Any, donate: Any, options: PullOptions) 
         return _pull(state, dst, dtype, donate, options, None, state.net_mid, None, b"")
       except Unconfirmed as e:
         got = e.got  # a newer version of another layout set, or none yet
-    number, mid = got if got is not None else choose(state, options)
+    number, mid = got if got is not None else choose(state, options, deadline)
     state.trace.chose(number)
     try:
       return _pull(state, dst, dtype, donate, options, number, mid, None, b"")
@@ -132,15 +133,17 @@ def _pull_job(state: State, dst, dtype, donate, options: PullOptions) -> Any:
     raise
 
 
-def choose(state: State, options: PullOptions) -> tuple[int, str]:
+def choose(state: State, options: PullOptions, deadline: float | None = None
+           ) -> tuple[int, str]:
   """(version, manifest id): the newest held version after the last pull, or
   `options.version`, as the publisher says now (a version published before this call
   is never missed): a long poll of POLL_S, answered at once when there is one, or the
-  moment the trainer publishes it."""
+  moment the trainer publishes it; until `deadline` (default: timeout_s from now)."""
   root = state.connections.root()
   version = options.version
   after = state.version if version is None else version - 1
-  deadline = time.monotonic() + options.timeout_s
+  if deadline is None:
+    deadline = time.monotonic() + options.timeout_s
   while True:
     wait_s = max(0.0, min(POLL_S, deadline - time.monotonic()))
     listing = _listing(root, root.call(
