@@ -2,8 +2,8 @@
 
 Owns every error type any layer raises (the public family and the two internal
 signals, `Unplaceable` and `PeerFailed`, the control plane's `CoordinatorUnreachable`,
-the jobs layer's `ProtocolError`, `PlanUnknown`, `Unconfirmed` and `VersionGone`) and the API name
-messages start with. Messages
+the jobs layer's `ProtocolError`, `PlanUnknown`, `Unconfirmed` and `VersionGone`) and
+the API name messages start with. Messages
 follow one rule: "<api>: <what> must <rule>; got <value>." plus a hint. Nothing here
 moves data. Argument errors are raised before data moves and are also ValueError /
 TypeError (JAX's convention); failures while data moves are also RuntimeError, timeouts

@@ -145,7 +145,7 @@ def confirm(pull: Pull, opened: list[Any], answer_s: float) -> None:
         link.plans.pop(key, None)  # the next pull registers it again
         raise
       if pull.number is None:  # which version the publisher offered, or none
-        pull.number = _newest(link, reply, pull.after)
+        pull.number = _offered_version(link, reply, pull.after)
   except BaseException:
     for link, _, _ in opened:
       pull.transport.forget(link.address)
@@ -159,7 +159,7 @@ def _what(pull: Pull) -> str:
           f"the pull of the newest version after {pull.after}")
 
 
-def _newest(link: Any, reply: dict[str, Any], after: int) -> int:
+def _offered_version(link: Any, reply: dict[str, Any], after: int) -> int:
   """The version a pull of the newest was offered; raises Unconfirmed (with the version
   the publisher named, if any) where it offered none."""
   if "newer" in reply:

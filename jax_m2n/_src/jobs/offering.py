@@ -87,7 +87,7 @@ class Offers:
       return {"error": f"manifest {messages._short(want)} must belong to a held version; "
               "got an unknown one (dropped: pull again).", "kind": "gone"}
     wire = manifest_lib.wire_field(body, "register", len(version.manifest.leaves))
-    groups = self._groups(version, body.get("groups"), wire)
+    groups = _groups(version, body.get("groups"), wire)
     cutters: list[dict] = [{} for _ in groups]
     if _from_export(version):  # prepared now: a pull of the plan only runs them
       for ops, made in zip(groups, cutters):
@@ -129,7 +129,7 @@ class Offers:
       return self._pull(caller, version, body)
     if body["op"] == "digests":  # a relay member's check of what members send it
       wire = manifest_lib.wire_field(body, "digests", len(version.manifest.leaves))
-      return relay.chunk_digests([cut(version, ops, wire) for ops in self._groups(
+      return relay.chunk_digests([cut(version, ops, wire) for ops in _groups(
           version, body.get("groups"), wire)], body)
     return self._pieces(version, body)
 
@@ -158,11 +158,9 @@ class Offers:
   def newest(self, caller: channel.Caller, body: dict[str, Any]
              ) -> tuple[dict[str, Any], Callable[[], Any] | None]:
     """A pull of the newest version after body["after"] (or of body["want"]), answered
-    at once from the server thread: (the answer, the work that offers it, or None). The
-    answer names the version, {"newer": [version, manifest id]} where it has another
-    layout set than the plan (the subscriber pulls it the usual way), {"newer": None}
-    where none is newer, or the plan's absence; the offers follow on the worker thread
-    (the subscriber's fetches, issued before the answer, wait for them)."""
+    at once from the server thread: (the answer: the version, {"newer": [version,
+    manifest id]} of another layout set, {"newer": None}, or an error; the work that
+    offers it on the worker thread, or None)."""
     numbers = self._versions.numbers()
     if "want" in body:  # a version named by number (published: the caller checked)
       version = self._versions.get(body["want"])
@@ -189,34 +187,11 @@ class Offers:
                        version.number, got["error"])
     return {"version": version.number}, offer
 
-  def _groups(self, version: Version, groups: Any, wire: dict[int, Any]) -> list:
-    """A request's groups of packs of pieces, each checked (inside this process's
-    shards, one device and wire dtype per pack, the byte budget)."""
-    m = version.manifest
-    if not isinstance(groups, list) or not groups or len(groups) > 1 << 16:
-      raise ProtocolError("pieces: groups must be a non-empty list of piece lists.")
-    budget = manifest_lib.request_budget(version.nbytes)
-    offers = []
-    for group in groups:
-      if not isinstance(group, list) or not group:
-        raise ProtocolError("pieces: every group must be a non-empty list of packs.")
-      packs = []
-      for pack in group:
-        ops = [transfer_engine.Op(t, k, -1, SRC_SHARD, DST_SHARD, box, "inject")
-               for t, k, box in manifest_lib.pieces_field(pack, "pieces", m.leaves,
-                                                          version.shards, wire, budget)]
-        if len({op.src for op in ops}) != 1 or len({wire[op.tensor] for op in ops}) != 1:
-          raise ProtocolError("pieces: the pieces of a pack must share a device and a "
-                              "wire dtype.")
-        packs.append(ops)
-      offers.append(packs)
-    return offers
-
   def _pieces(self, version: Version, body: dict[str, Any]) -> dict[str, Any]:
     """Cuts the asked boxes of a held version (in their wire dtypes), offers each
     group through the transport, and returns the tickets."""
     wire = manifest_lib.wire_field(body, "pieces", len(version.manifest.leaves))
-    offers = self._groups(version, body.get("groups"), wire)
+    offers = _groups(version, body.get("groups"), wire)
     timeout_s = body["timeout_ms"] / 1000
     if "chunk_bytes" in body:  # a relay's head (or a re-route): chunks, one offer each
       return relay.offer_chunks(
@@ -224,7 +199,6 @@ class Offers:
           [cut(version, ops, wire) for ops in offers], body)
     return {"tickets": [self._offer(version.number, cut(version, ops, wire), timeout_s)
                         for ops in offers]}
-
 
   def _offer(self, version: int, arrays: list[Any], timeout_s: float,
              ticket: int | None = None) -> int:
@@ -238,6 +212,30 @@ class Offers:
     for v in versions:
       for ticket in self._offers.pop(v, []):
         self._transport.cancel(ticket)
+
+
+def _groups(version: Version, groups: Any, wire: dict[int, Any]) -> list:
+  """A request's groups of packs of pieces, each checked (inside this process's
+  shards, one device and wire dtype per pack, the byte budget)."""
+  m = version.manifest
+  if not isinstance(groups, list) or not groups or len(groups) > 1 << 16:
+    raise ProtocolError("pieces: groups must be a non-empty list of piece lists.")
+  budget = manifest_lib.request_budget(version.nbytes)
+  offers = []
+  for group in groups:
+    if not isinstance(group, list) or not group:
+      raise ProtocolError("pieces: every group must be a non-empty list of packs.")
+    packs = []
+    for pack in group:
+      ops = [transfer_engine.Op(t, k, -1, SRC_SHARD, DST_SHARD, box, "inject")
+             for t, k, box in manifest_lib.pieces_field(pack, "pieces", m.leaves,
+                                                        version.shards, wire, budget)]
+      if len({op.src for op in ops}) != 1 or len({wire[op.tensor] for op in ops}) != 1:
+        raise ProtocolError("pieces: the pieces of a pack must share a device and a "
+                            "wire dtype.")
+      packs.append(ops)
+    offers.append(packs)
+  return offers
 
 
 class _Plan(NamedTuple):
