@@ -39,6 +39,7 @@ import ast
 import functools
 import glob
 import importlib
+import importlib.util
 import io
 import os
 import re
@@ -179,7 +180,8 @@ def _check_path(word: str, where: str) -> str | None:
   """Why the path `word` (named in file `where`) is broken; None when it exists or is
   not a path of this repository (its first part names none of its folders: `GB/s`)."""
   word = word.rstrip("/") or word
-  if word.startswith(EXTERNAL) or word.startswith(GENERATED):
+  if (word.startswith(EXTERNAL) or word.startswith(GENERATED)
+      or word.rsplit("/", 1)[-1] in EXTERNAL_FILES):  # (jax_m2n/_ffi_cuda.so: built)
     return None
   if word.split("/")[0] not in _folders():
     return None
@@ -228,6 +230,13 @@ def _resolve(dotted: str) -> str | None:
 
 def _resolve_from(start: str, rest: list[str]) -> str | None:
   names = start.split(".") + rest
+  for ext, src in EXTENSION_SOURCES.items():  # an extension not built in this checkout
+    parts = ext.split(".")                     # (no CUDA here): its C++ source says
+    if names[:len(parts)] == parts and importlib.util.find_spec(ext) is None:
+      after = names[len(parts):]
+      if after and not _defines(_text(src), after[0], cxx=True):
+        return f"{ext} (not built; its source {src}) has no {after[0]}"
+      return None
   # The longest importable module prefix, then attributes.
   obj, i = None, len(names)
   while i > 0:
