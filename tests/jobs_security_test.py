@@ -282,9 +282,9 @@ def test_malformed_frames_from_an_authenticated_peer(server):
   assert "chunk must start" in _reply(raw)["message"]
   raw.send(messages.LAST + b"[1,2]")
   assert "JSON object" in _reply(raw)["message"]
-  raw.send(messages.LAST + messages.encode({"m2n": 1, "type": "call", "seq": 1,
-                                            "body": {}}))
-  assert "protocol must be m2n 2" in _reply(raw)["message"]
+  raw.send(messages.LAST + messages.encode({"m2n": 2, "type": "call", "seq": 1,
+                                            "body": {}}))  # the previous protocol's peer
+  assert "protocol must be m2n 3; got 2" in _reply(raw)["message"]
   _call_raw(raw, {"op": "fail"}, seq=7)
   reply = _reply(raw)
   assert reply["type"] == "error" and reply["seq"] == 7 and "fail" in reply["message"]
@@ -379,7 +379,7 @@ def test_a_zmq_peer_without_curve_is_named():
   sock.setsockopt(zmq.LINGER, 0)
   port = sock.bind_to_random_port("tcp://127.0.0.1")
   try:
-    with pytest.raises(jax_m2n.ReshardRuntimeError, match="control protocol 2"):
+    with pytest.raises(jax_m2n.ReshardRuntimeError, match=f"control protocol {messages.PROTOCOL}"):
       channel.Client("test", f"127.0.0.1:{port}", KEYS, 2.0, "it")
   finally:
     sock.close(0)

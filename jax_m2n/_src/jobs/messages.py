@@ -15,9 +15,12 @@ from typing import Any
 
 from jax_m2n._src.errors import ProtocolError, VersionGone  # noqa: F401 - re-exported
 
-# The protocol's version: 2 is CurveZMQ (auth.py's keys) with chunked requests; a peer
-# speaking another fails its handshake (1 was an HMAC challenge-response over plain TCP).
-PROTOCOL = 2
+# The protocol's version: 3 is CurveZMQ (auth.py's keys) with chunked requests, and a
+# pull that may name "the newest after my last" (`after`, `want`), answered before its
+# offers. A peer of protocol 2 completes the handshake and has every message refused
+# ("protocol must be m2n 3"); one of protocol 1 (an HMAC challenge-response over plain
+# TCP) fails the handshake.
+PROTOCOL = 3
 # The largest frame a publisher's zmq socket accepts from anyone (its ZMQ_MAXMSGSIZE):
 # zmq's decoder refuses a larger frame, handshake commands included, before allocating
 # it, so an unauthenticated peer can make it hold at most this much per connection.
