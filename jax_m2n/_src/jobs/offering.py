@@ -30,6 +30,10 @@ from jax_m2n._src.processes import transfer_engine
 
 logger = logging.getLogger("jax_m2n")
 
+# The answer to a pull naming a plan this process does not hold (the subscriber
+# registers it again).
+_UNKNOWN_PLAN = {"error": "pull: the plan must be registered with this process; it is "
+                 "not (dropped, or this process restarted).", "kind": "unknown_plan"}
 # Registered plans a publisher process keeps (a plan is its piece list: kilobytes to
 # megabytes), least recently used dropped.
 MAX_PLANS = 256
@@ -140,8 +144,7 @@ class Offers:
     before this answer arrives: one round trip before the bytes flow)."""
     plan = self._plans.get((caller.peer, body["plan"]))
     if plan is None:
-      return {"error": "pull: the plan must be registered with this process; it is not "
-              "(dropped, or this process restarted).", "kind": "unknown_plan"}
+      return dict(_UNKNOWN_PLAN)
     if plan.manifest != version.manifest.id:
       return {"error": f"pull: version {version.number} must have the plan's layout set; "
               "it has another (register the new one).", "kind": "unknown_plan"}
@@ -174,8 +177,7 @@ class Offers:
       return {"newer": None}, None  # dropped meanwhile (a close): it asks the usual way
     plan = self._plans.get((caller.peer, body["plan"]))
     if plan is None:
-      return {"error": "pull: the plan must be registered with this process; it is not "
-              "(dropped, or this process restarted).", "kind": "unknown_plan"}, None
+      return dict(_UNKNOWN_PLAN), None
     if plan.manifest != version.manifest.id:
       return {"newer": [version.number, version.manifest.id]}, None
 

@@ -309,12 +309,12 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int | 
       (k, m.id) in state.imports for k in pp.requests)):
     raise Unconfirmed  # (it would map an export: a control call while one is open)
   conn = state.connections
+  transport = conn.transport(m)
   if number is None and (local_path or choice.base is not None or len(pp.requests) != 1
-                         or not conn.transport(m).early_fetch
+                         or not transport.early_fetch
                          or engine.plan_key(pp) not in conn.link(
                              next(iter(pp.requests)), m).plans):
     raise Unconfirmed  # (a first pull of this plan, or from several processes)
-  transport = conn.transport(m)
   if waits is not None:
     waits.post("fp", pp.fingerprint)
     waits.agree(pp.fingerprint, lambda: f"{len(m.leaves)} leaves")
