@@ -260,7 +260,7 @@ def jobs_latency(results_dir: str, path: str, src: Sequence[str]) -> None:
   def size(tree):
     b = next(r["payload_bytes"] for r in rows if r["tree"] == tree)
     leaves = next(r["leaves"] for r in rows if r["tree"] == tree)
-    return f"{tree}: {b / 1024:.0f} KiB, {leaves} leaves"
+    return f"{tree}: {b / 1024:.0f} KiB, {leaves} leaf" + ("" if leaves == 1 else "s")
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(9, 4.2))
   _grouped_barh(ax, [size(t) for t in trees],
@@ -310,6 +310,7 @@ def delta_by_change(results_dir: str, path: str, src: Sequence[str]) -> None:
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(8, 4.8))
   marks = {"loopback": ("o", "tab:green"), "1gbit": ("s", "tab:blue")}
+  labelled = []
   for name in src:
     doc = _load(results_dir, name)
     for run in doc.get("runs", []):
@@ -318,8 +319,13 @@ def delta_by_change(results_dir: str, path: str, src: Sequence[str]) -> None:
       ax.scatter(100 * s["changed_fraction"], s["wire_ratio"], marker=m, color=c,
                  label=f"RL example, {run['rate']}", zorder=3)
       if run["rate"] == "loopback":
-        ax.annotate(f"lr {run['lr']:g}", (100 * s["changed_fraction"], s["wire_ratio"]),
-                    xytext=(-8, -12), textcoords="offset points", fontsize=7, ha="right")
+        labelled.append((s["changed_fraction"], s["wire_ratio"], run["lr"]))
+    # The learning rate beside each point, alternately below and above (neighbours at
+    # 76-85% changed would overlap).
+    for k, (frac, ratio, lr) in enumerate(sorted(labelled)):
+      ax.annotate(f"lr {lr:g}", (100 * frac, ratio), xytext=(-8, -12 if k % 2 else 8),
+                  textcoords="offset points", fontsize=7, ha="right")
+    labelled = []
     for run in doc.get("synthetic", []):
       rows = [r for r in run["rows"] if r.get("delta_bytes") and r.get("version", 0) > 1]
       if not rows:
@@ -364,7 +370,8 @@ def ray_refit(results_dir: str, path: str, src: Sequence[str]) -> None:
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=8)
   ax.set_title("Against Ray's object store: examples/ray_refit.py, 0.39 MiB policy as "
-               "bfloat16,\n2 actors x 4 CPU devices, commit 9e98007, 2026-12-05", fontsize=9)
+               "bfloat16, 2 actors x 4 CPU devices,\ncommit 9e98007, 2026-12-05; "
+               "`JAX_M2N_EXAMPLE=ray_refit ./scripts/run_example.sh`", fontsize=9)
   _save(fig, path)
 
 
