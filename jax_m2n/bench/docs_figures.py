@@ -146,6 +146,106 @@ def injob_gpu(results_dir: str, path: str, src: Sequence[str]) -> None:
          f"and direction; `python -m jax_m2n.bench --suite refit,colocated,model`", path)
 
 
+def _by_size(docs: Sequence[dict], pairs: Sequence[tuple[str, str]]) -> dict:
+  """{engine: [(MiB, median ms)]} and the bound over the runs' cases named in pairs
+  ((small case, sized case): the 4.5 KiB case stands for the same move at its size; a
+  size measured in several runs: the median of their medians)."""
+  import statistics
+  points: dict[tuple[str, float], list] = {}
+  for doc in docs:
+    for r in _bench_rows(doc):
+      if f"{r['suite']}/{r['case']}" in {c for pair in pairs for c in pair}:
+        mib = r["payload_bytes"] / 2**20
+        points.setdefault((r["engine"], mib), []).append(r["median_ms"])
+        points.setdefault(("bound", mib), []).append(r["bound_ms"])
+  out: dict[str, list] = {}
+  for (eng, mib), ms in sorted(points.items(), key=lambda kv: kv[0][1]):
+    out.setdefault(eng, []).append((mib, statistics.median(ms)))  # a size in several runs
+  return out
+
+
+def injob_by_size(results_dir: str, path: str, src: Sequence[str]) -> None:
+  """Median time against size, CPU (the runs of src but the last) and 2 x H200 (the
+  last): where the fixed cost ends and the bytes begin."""
+  plt = _pyplot()
+  cpu = [_load(results_dir, name) for name in src[:-1]]
+  gpu = _load(results_dir, src[-1])
+  panels = [(cpu, [("refit/tiny_1to1", "refit/1to1_copy")], "CPU: device 0 -> 1"),
+            (cpu, [("refit/tiny_2to2_replicate", "refit/2to2_replicate")],
+             "CPU: 2 devices P(x,None) -> 2 others P()"),
+            ([gpu], [("refit/tiny_1to1", "refit/1to1_copy")], "2 x H200: GPU 0 -> 1")]
+  styles = {"m2n_hierarchical": ("jax_m2n", "tab:green", "-o"),
+            "device_put": ("device_put", "tab:blue", "-s"),
+            "numpy_copy": ("numpy copy (same bytes)", "tab:gray", "-^"),
+            "torch_gather_bcast": ("torch copy_", "tab:purple", "-v"),
+            "bound": ("data-movement bound", "black", ":")}
+  fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
+  for ax, (docs, pairs, title) in zip(axes, panels):
+    for eng, pts in _by_size(docs, pairs).items():
+      if eng not in styles:
+        continue
+      label, color, style = styles[eng]
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=label,
+              ms=4)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("MiB moved (log)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+  axes[0].set_ylabel("median ms per call (log; lower is better)")
+  handles, labels = [], []
+  for ax in axes:
+    for h, l in zip(*ax.get_legend_handles_labels()):
+      if l not in labels:
+        handles.append(h)
+        labels.append(l)
+  fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=5, frameon=False,
+             bbox_to_anchor=(0.5, -0.06))
+  env = cpu[0]["environment"]
+  commits = ", ".join(dict.fromkeys(_commit(doc, "?") for doc in cpu))
+  loads = [doc["environment"]["loadavg_start"][0] for doc in cpu]
+  fig.suptitle(f"In-job reshard by size. CPU: 8 host devices, 2 shared cores (load "
+               f"{min(loads):.0f}-{max(loads):.0f}), commits {commits} (the same code), "
+               f"{env['date_utc'][:10]}; 2 x H200: commit 0805d53, 2026-11-29\n`python -m "
+               "jax_m2n.bench --suite refit,colocated --size_mib N`", fontsize=10)
+  _save(fig, path)
+
+
+def multiprocess_cpu(results_dir: str, path: str, src: Sequence[str]) -> None:
+  """reshard / the raw transfer of the same bytes, by size, per case."""
+  doc = _load(results_dir, src[0])
+  rows = [r for r in doc["engine"] if r["ok"]]
+  sizes = sorted({r["size_mib"] for r in rows})
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(8, 4.4))
+  for k, (case, color, what) in enumerate((
+      ("whole", "tab:green", "whole: P(), 1 device -> 1"),
+      ("sharded", "tab:olive", "sharded: P('x'), 2 devices -> 2"))):
+    xs, ys, notes = [], [], []
+    for i, size in enumerate(sizes):
+      r = next((r for r in rows if r["case"] == case and r["size_mib"] == size), None)
+      if r is not None:
+        xs.append(i - 0.2 + 0.4 * k)
+        ys.append(r["ratio"])
+        notes.append(f"{_fmt(r['m2n_ms'])} /\n{_fmt(r['raw_ms'])} ms")
+    ax.bar(xs, ys, 0.4, color=color, label=what)
+    for x, y, note in zip(xs, ys, notes):
+      ax.annotate(note, (x, y), xytext=(0, 3), textcoords="offset points", ha="center",
+                  fontsize=7)
+  ax.axhline(1.0, color="black", linewidth=0.8, label="as fast as the raw transfer")
+  ax.set_xticks(range(len(sizes)))
+  ax.set_xticklabels([f"{s:g} MiB" for s in sizes])
+  ax.set_ylim(0, 1.6)
+  ax.set_ylabel("reshard / the raw transfer (lower is better)")
+  ax.grid(axis="y", alpha=0.3)
+  ax.legend(fontsize=7, loc="upper right")
+  ax.set_title("One job across 2 processes (jax.distributed, 2 CPU devices each), "
+               "loopback, 16 cores, 2026-12-03:\njax_m2n.reshard against the transfer "
+               "server's raw pull of the same arrays (mean ms above each bar);\n"
+               "`python -m jax_m2n.bench.multiprocess_cpu`", fontsize=9)
+  _save(fig, path)
+
+
 def fig4_emulated(results_dir: str, path: str, src: Sequence[str]) -> None:
   """fig4.plot's figure, drawn on the fastest of each row's runs (the comparison on a
   loaded machine: the emulated link sets the floor, load only adds; medians: the table)."""
@@ -436,6 +536,14 @@ FIGURES = (
            "in-job reshard against device_put, a numpy copy and the bound, CPU"),
     Figure("injob_gpu.png", ("h200x2_run1_0805d53.json",), injob_gpu,
            "in-job reshard against device_put, XLA in jit, torch and the bound, 2 x H200"),
+    Figure("injob_by_size.png", ("injob_cpu_20261206_1204a7a_1mib.json",
+                                 "injob_cpu_20261206_1204a7a_4mib.json",
+                                 "injob_cpu_20261206_1204a7a_16mib.json",
+                                 "injob_cpu_20261206_49a45fd.json",
+                                 "h200x2_run1_0805d53.json"), injob_by_size,
+           "in-job reshard by size against device_put, a copy and the bound, CPU and GPU"),
+    Figure("multiprocess_cpu.png", ("multiprocess_cpu_loopback_16core_20261203.json",),
+           multiprocess_cpu, "one job across processes: reshard against the raw transfer"),
     Figure("fig4_emulated.png", ("fig4_cpu_20261206_49a45fd.json",), fig4_emulated,
            "the paper's Figure 4 on the emulated network: time against r_d per route"),
     Figure("jobs_throughput.png", ("jobs_cpu_c896311.json",
