@@ -1,9 +1,9 @@
 """The figures of docs/benchmarks.md, drawn from the JSON checked in under docs/bench_results.
 
 Owns FIGURES (each figure's file name, the JSON files it reads, what it shows) and one
-drawing function per figure; `python -m jax_m2n.bench.plots --docs [OUT_DIR]` (default
-docs/figures) draws them all. A figure whose JSON is absent is skipped with a line saying
-so, never an error. Reads result files only: it measures nothing and imports no JAX.
+drawing function per figure; `python -m jax_m2n.bench.plots --docs [OUT_DIR]` (default:
+this checkout's docs/figures) draws them all. A figure whose JSON is absent is skipped
+with a line saying so, never an error. Reads result files only: measures nothing.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ import os
 import sys
 from typing import Callable, Sequence
 
-RESULTS_DIR = os.path.join("docs", "bench_results")
-OUT_DIR = os.path.join("docs", "figures")
+# The checkout's docs/ (this file is jax_m2n/bench/docs_figures.py of the repository).
+_DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "docs")
+RESULTS_DIR = os.path.join(_DOCS, "bench_results")
+OUT_DIR = os.path.join(_DOCS, "figures")
 
 # One colour per thing compared, the same in every figure.
 COLORS = {
@@ -587,7 +590,8 @@ def write_docs(results_dir: str = RESULTS_DIR, out_dir: str = OUT_DIR,
 
 
 def main(argv: Sequence[str]) -> int:
-  """`python -m jax_m2n.bench.plots --docs [OUT_DIR]`, from the repository root."""
+  """`python -m jax_m2n.bench.plots --docs [OUT_DIR]` in a checkout: docs/bench_results
+  -> OUT_DIR (default docs/figures)."""
   if len(argv) > 1:
     print(main.__doc__, file=sys.stderr)
     return 2

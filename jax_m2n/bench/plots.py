@@ -127,8 +127,8 @@ def write_all(rows: Sequence[dict], out_dir: str, subtitle: str = "") -> list[st
 def main(argv: list[str]) -> int:
   """`python -m jax_m2n.bench.plots RESULTS.json [OUT_DIR]`: (re)draw a run's plots, e.g.
   on a machine with matplotlib, from the JSON of a GPU run made without it.
-  `python -m jax_m2n.bench.plots --docs [OUT_DIR]`, from the repository root: the figures
-  of docs/benchmarks.md from docs/bench_results (docs_figures.py) into docs/figures."""
+  `python -m jax_m2n.bench.plots --docs [OUT_DIR]`, in a checkout: the figures of
+  docs/benchmarks.md from docs/bench_results (docs_figures.py) into docs/figures."""
   import json
   import sys
   if len(argv) > 1 and argv[1] == "--docs":
