@@ -106,14 +106,29 @@ def eager_key(request: Request) -> HashedKey | None:
   return key
 
 
+class _LeafName:
+  """Leaf i's name in a message: formed (with the call's other names) only when a
+  message is, not for every leaf a check passes (856 leaves: 0.6 s of names)."""
+
+  __slots__ = ("_names", "_i")
+
+  def __init__(self, names, i: int):
+    self._names, self._i = names, i
+
+  def __str__(self) -> str:
+    return self._names()[self._i]
+
+  def __format__(self, spec: str) -> str:
+    return format(str(self), spec)
+
+
 def check_request(request: Request) -> list[Sharding]:
   """Every rule of the eager path beyond those of every path (checks.py's
   check_call_shardings ran on the call: meshes, unreduced shardings, src_sharding's
   type); returns the destination shardings."""
-  names = request.names
   out = []
   for i, (leaf, dst) in enumerate(zip(request.leaves, request.dsts)):
-    name = names()[i]
+    name = _LeafName(request.names, i)
     if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array):
       hint = (" Hint: put host data on devices first with jax.device_put."
               if isinstance(leaf, (np.ndarray, np.generic, int, float, complex, bool))

@@ -343,16 +343,20 @@ class EagerReshard:
   def _assemble(self, results: Sequence[Any]) -> list[jax.Array]:
     """The global output arrays from the programs' per-device outputs."""
     out = []
+    checked: dict[Any, Any] = {}  # first call: one checked leaf per (shape, dtype, sharding)
     for t, ((shape, dtype, sharding), slots) in enumerate(zip(self.out_avals,
                                                               self.out_slots)):
       arrays = [results[p][r] for p, r in slots]
-      if self.avals[t] is not None:
+      aval = self.avals[t]
+      if aval is None:
+        aval = self.avals[t] = checked.get((shape, dtype, sharding))
+      if aval is not None:
         y = jax_compat.array_from_single_device_arrays(shape, sharding, arrays, dtype,
-                                                       self.avals[t])
+                                                       aval)
       else:  # checked by JAX, under the x64 value the programs were traced under
         with jax.enable_x64(self.x64):
           y = jax_compat.array_from_single_device_arrays(shape, sharding, arrays, dtype)
-        self.avals[t] = jax_compat.reusable_aval(y)
+        self.avals[t] = checked[(shape, dtype, sharding)] = jax_compat.reusable_aval(y)
       out.append(y)
     return out
 
