@@ -8,12 +8,12 @@ lifecycle in calls.py.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import hashlib
 import logging
 import os
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -103,38 +103,10 @@ def _extent(box) -> tuple[int, ...]:
 
 
 # Compiled per-device programs by (device, schedule digest, buffers, attributes): shared
-# by every cache entry of the same layouts. Bounded: a compiled program holds its
-# schedule.
-PROGRAM_CACHE_SIZE = 4096
-
-
-class _ProgramCache:
-  """A bounded map, least recently used out first (eager_cache.lock held by callers)."""
-
-  def __init__(self, size: int):
-    self.size = size
-    self._data: collections.OrderedDict = collections.OrderedDict()
-
-  def get(self, key: Any) -> Any:
-    value = self._data.get(key)
-    if value is not None:
-      self._data.move_to_end(key)
-    return value
-
-  def put(self, key: Any, value: Any) -> None:
-    self._data[key] = value
-    self._data.move_to_end(key)
-    while len(self._data) > self.size:
-      self._data.popitem(last=False)
-
-  def __len__(self) -> int:
-    return len(self._data)
-
-  def clear(self) -> None:
-    self._data.clear()
-
-
-program_cache = _ProgramCache(PROGRAM_CACHE_SIZE)
+# by every cache entry of the same layouts while one holds them. Weak values: this map
+# keeps nothing alive itself (a compiled program holds its schedule), so what stays
+# resident is bounded by the entries' cache (cache.eager_cache) as before.
+program_cache: "weakref.WeakValueDictionary[Any, Any]" = weakref.WeakValueDictionary()
 
 
 @dataclasses.dataclass
@@ -466,7 +438,7 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
     if e is not None:
       raise e
   for k, c in zip(keys, compiled):
-    program_cache.put(k, c)
+    program_cache[k] = c
     for i in missing[k]:
       programs[i].call = c
   compiled = [p.call for p in programs]
