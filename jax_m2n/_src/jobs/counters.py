@@ -146,6 +146,8 @@ class Counters:
         self._pulls.wait(min(left, 0.1))
 
   def replied(self, op: str, body: dict[str, Any]) -> None:
+    if op == "pulled":  # a subscriber's word after its pull, mostly unanswered: not counted
+      return
     with self._lock:
       if "error" in body:
         self._failures[str(body.get("kind", "runtime"))] += 1

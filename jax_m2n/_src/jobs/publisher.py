@@ -199,8 +199,9 @@ class Publisher(lifetime.Closing):
     version = self._versions.add(tree, paths, leaves, dtypes, self._processes, lend)
     self._server.wake()  # answers the waiting long polls at once
     self._counters.published(version.number)
-    logger.info("Publisher: version %d published: %d leaves, %s (%s)", version.number,
-                len(leaves), fmt_bytes(version.nbytes), version.how)
+    logger.info("Publisher: version %d published: %d leaves, %s held here%s",
+                version.number, len(leaves), fmt_bytes(version.nbytes),
+                "" if version.how == "snapshot" else f" ({version.how})")
     return version.number
 
   def wait_pulled(self, version: int, n: int = 1, timeout_s: float = 60.0) -> int:

@@ -182,7 +182,8 @@ class Ahead:
     # now; asked only where that failed.
     self._lent = lent
     self._seq = None if lent else root.start(
-        {"op": "versions", "after": after, "wait_ms": 0}, "the list of versions")
+        {"op": "versions", "after": after, "wait_ms": 0, "pulling": number},
+        "the list of versions")
     self._done = False
     self._got: tuple[int, str] | None = None
 
@@ -373,16 +374,18 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int | 
     state.trace.lap("wait")  # what the answer took beyond the copy
   if number is None:
     state.trace.version = p.number  # named by the pull's answer (its wait is in move)
-  if not confirmed:
-    _tell_pulled(p)
+  if local_path and not confirmed and ahead is None:
+    _tell_pulled(p)  # (a steady pull says so in its one request: Ahead)
   if full_s is not None:
     delta_lib.after_full(p, choice, full_s, _answer_s(p))  # what delta="auto" learns
   return _finish(state, request, pp, p.number, shards)
 
 
 def _tell_pulled(p: Pull) -> None:
-  """Each publisher process read from hears that the pull is done (its status shows
-  the version, `Publisher.wait_pulled` counts it); no answer awaited."""
+  """Each publisher process read from hears that a local pull not confirmed otherwise
+  (a first one) is done: its status shows the version, `Publisher.wait_pulled` counts
+  it; no answer awaited. (A steady local pull names its version in its one request,
+  a lent one confirms after its copy, a network pull is counted where it is served.)"""
   for link in p.links.values():
     try:
       link.client.tell({"op": "pulled", "version": p.number}, "the pull's end")

@@ -71,6 +71,11 @@ class Service:
     if op == "versions":
       after = messages.field(body, "after", int, lo=0, hi=1 << 62)
       wait_ms = messages.field(body, "wait_ms", int, lo=0, hi=MAX_WAIT_MS)
+      if "pulling" in body:  # a steady local pull of a snapshot, copying as it asks
+        pulling = messages.field(body, "pulling", int, lo=1, hi=1 << 62)
+        held = self._versions.get(pulling)
+        if held is not None and not held.lent:
+          self.counters.pulled(caller.peer, pulling)
       self._polls.append((caller, after, time.monotonic() + wait_ms / 1000))
     elif op == "manifest":
       want = messages.field(body, "id", str, max_len=64)
@@ -151,13 +156,16 @@ class Service:
           answer, offer = self._offers.newest(caller, body)
           caller.reply(answer)
           if offer is not None:
-            self._submit(None, offer)
+            self._submit(None, functools.partial(self._served, caller, answer["version"],
+                                                 offer))
         elif now >= deadline:
           caller.reply({"newer": None})  # none within its wait: it asks the usual way
         else:
           keep.append((caller, body, deadline))
       elif version <= published:  # cut, encode, offer: on the worker thread
-        self._submit(caller, functools.partial(self._offers.answer, caller, body))
+        self._submit(caller, functools.partial(
+            self._served, caller, version, functools.partial(self._offers.answer, caller,
+                                                             body)))
       elif now >= deadline:
         caller.reply({"error": f"version {version} must be published by trainer process "
                       f"{self._pid} in time; it has published {published} so far.",
@@ -170,6 +178,14 @@ class Service:
     gone = [v for v in self._offers.offered() if v not in held_numbers]
     if gone:  # a dropped version's offers not fetched yet: withdrawn
       self._submit(None, lambda: self._offers.withdraw(gone))
+
+  def _served(self, caller: channel.Caller, number: int, work: Callable[[], Any]) -> Any:
+    """Runs a network pull's cut and offer; once done without error the subscriber no
+    longer reads the version's arrays: counted as pulled (`Publisher.wait_pulled`)."""
+    got = work()
+    if not (isinstance(got, dict) and "error" in got):
+      self.counters.pulled(caller.peer, number)
+    return got
 
   def _allocations(self, manifest_id: str, ids: list[int]) -> dict[str, Any]:
     """Tickets for the allocations (of the held versions) a local reader maps."""

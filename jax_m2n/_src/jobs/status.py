@@ -70,10 +70,9 @@ def summary(reply: dict[str, Any]) -> str:
            f"versions: {len(s['versions'])} held, {fmt_bytes(s['held_bytes'])}; last "
            f"published {s['last_version']}, {_ago(now, s['last_published_at'])}"]
   for v in s["versions"]:
-    lines.append(f"  version {v['version']}: {fmt_bytes(v['bytes'])}, "
-                 f"{v.get('held_as', 'snapshot')}, published "
+    lines.append(f"  version {v['version']}: {fmt_bytes(v['bytes'])}, published "
                  f"{_ago(now, v['published_at'])}, {fmt_bytes(v['offered_bytes'])} "
-                 "offered")
+                 f"offered; {v.get('held_as', 'snapshot')}")
   held = s.get("device_bytes") or {}
   lines.append("device memory held for weight sync: " + (", ".join(
       f"{d} {fmt_bytes(n)}" for d, n in sorted(held.items())) or "none") + (
