@@ -274,9 +274,17 @@ class Export:
       try:
         for w in waits:
           w.block_until_ready()
-      except Exception as e:  # noqa: BLE001 - a failed store: the slot stays unreadable
-        logger.warning("jax_m2n Publisher: storing version %d for local subscribers "
-                       "failed: %s", version, e)
+      except Exception as e:  # noqa: BLE001 - a failed store: the slot holds no version
+        donated = any(getattr(w, "is_deleted", lambda: False)() for w in waits)
+        (logger.info if donated else logger.warning)(
+            "jax_m2n Publisher: version %d is not exported to local subscribers (%s): "
+            "%s", version, "a lent array was donated or deleted before it was ready"
+            if donated else "its store failed", e)
+        with self.lock:  # readers find it gone, rather than waiting for it
+          if self._versions[slot] == version and self.header is not None:
+            self.header[slot] = 0
+            self._versions[slot] = 0
+            self._allocs[slot] = set()
         continue
       with self.lock:
         if self._versions[slot] == version and self.header is not None:

@@ -35,9 +35,11 @@ from jax_m2n._src.planner import DST_SHARD
 # How long a pull waits for a slot being written (the publisher's copy in flight) to
 # be committed before it gives up on the version.
 COMMIT_WAIT_S = 10.0
-# How long a publisher process may take to answer a lent pull's confirmation, or the
-# tickets of its allocations.
-CONFIRM_S = 10.0
+# How long a publisher process may take to answer a lent pull's confirmation (answered
+# on its server thread: a dead or stalled one is named within this), and the tickets
+# of its allocations (its worker thread, which may be cutting for another pull).
+CONFIRM_S = 1.0
+MAP_S = 10.0
 
 
 class Import:
@@ -180,13 +182,17 @@ class Import:
       time.sleep(delay)
       delay = min(2 * delay, 1e-3)
 
-  def close(self) -> None:
-    for m in self._maps.values():
+  def unmap(self) -> None:
+    """GPU: unmaps every allocation mapped here (copies reading them finished)."""
+    maps, self._maps = self._maps, {}
+    for m in maps.values():
       try:
         m.close()
       except ReshardRuntimeError:
         pass  # the publisher's memory is gone with it
-    self._maps = {}
+
+  def close(self) -> None:
+    self.unmap()
     self.header = self.latest = self.flags = self.tables = None
     self._host.close()
     if self._liveness is not None:
@@ -339,6 +345,7 @@ def run(pull: Pull, imports: dict[int, Import]) -> tuple[list[list[jax.Array]], 
   pending = []
   for k, imp in imports.items():
     if not imp.alive():
+      imp.unmap()  # (a mapping would keep the dead trainer's GPU memory)
       raise ReshardRuntimeError(f"{API}: {imp.name} must be alive to be read from; it "
                                 "exited.")
   gpu = any(imp.tables is not None for imp in imports.values())
@@ -347,7 +354,7 @@ def run(pull: Pull, imports: dict[int, Import]) -> tuple[list[list[jax.Array]], 
     for k, imp in imports.items():
       ids = imp.missing(slots[k])
       if ids:
-        imp.map(pull.links[k].client, ids, ordinal, min(pull.timeout_s, CONFIRM_S))
+        imp.map(pull.links[k].client, ids, ordinal, min(pull.timeout_s, MAP_S))
   jobs, outputs_of = [], []
   for d, (outputs, sources, copy) in _copies(pp).items():
     if gpu:

@@ -76,8 +76,19 @@ class State:
 
 def pull(state: State, dst: Any, dtype: Any, donate: Any, options: PullOptions) -> Any:
   """`Subscriber.pull` after its options were checked (see its contract)."""
-  if jax.process_count() > 1:
-    return _pull_job(state, dst, dtype, donate, options)
+  try:
+    if jax.process_count() > 1:
+      return _pull_job(state, dst, dtype, donate, options)
+    return _pull_one(state, dst, dtype, donate, options)
+  except ReshardRuntimeError:
+    for imp in state.imports.values():  # a dead trainer's GPU memory is not kept mapped
+      if not imp.alive():
+        imp.unmap()
+    raise
+
+
+def _pull_one(state: State, dst: Any, dtype: Any, donate: Any,
+              options: PullOptions) -> Any:
   deadline = time.monotonic() + options.timeout_s  # for a version, where none is yet
   while True:
     got = None
@@ -247,8 +258,10 @@ def _listing(root: Any, reply: dict[str, Any]) -> dict[str, Any]:
       and isinstance(v[1], str) for v in held):
     raise ReshardRuntimeError(f"{API}: {root.peer} answered with a malformed list "
                               "of versions.")
+  published = reply.get("published")
   return {"numbers": {n: mid for n, mid in held}, "closed": bool(reply.get("closed")),
-          "keep": reply.get("keep")}
+          "keep": reply.get("keep"),
+          "published": published if type(published) is int else 0}
 
 
 def _answer(root: Any, listing: dict[str, Any], version: int | None,
@@ -264,8 +277,8 @@ def _answer(root: Any, listing: dict[str, Any], version: int | None,
     return (max(newer), numbers[max(newer)]) if newer else None
   if version in numbers:
     return version, numbers[version]
-  if numbers and version < max(numbers):
-    raise VersionGone(
+  if (numbers and version < max(numbers)) or version <= listing["published"]:
+    raise VersionGone(  # (dropped, or a lent version whose arrays went)
         f"{API}: version must be one the publisher holds; got {version}, and "
         f"{root.peer} holds {sorted(numbers)} (keep={listing['keep']}).")
   return None

@@ -142,7 +142,7 @@ class Service:
     for caller, after, deadline in self._polls:
       if self.closed or any(n > after for n, _ in held) or now >= deadline:
         caller.reply({"versions": held, "closed": self.closed,
-                      "keep": self._versions.keep})
+                      "keep": self._versions.keep, "published": published})
       else:
         keep.append((caller, after, deadline))
     self._polls = keep

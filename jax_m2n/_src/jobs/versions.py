@@ -238,7 +238,8 @@ class Versions:
       shards = {key: (boxes[key[0]][key[1]], None) for key in arrays}
     elif how == "lent":
       shards = {key: (boxes[key[0]][key[1]], a) for key, a in arrays.items()}
-      lent = tuple(mine.values())
+      # The caller's global arrays too: donating or deleting one marks it deleted.
+      lent = tuple(mine.values()) + tuple(leaves)
     else:
       shards = {key: (boxes[key[0]][key[1]],
                       _snapshot(a, a.dtype) if key in mine else a)
@@ -263,7 +264,7 @@ class Versions:
       return -1
     try:
       return export.write(number, arrays, lent)
-    except ReshardRuntimeError as e:
+    except (ReshardRuntimeError, RuntimeError) as e:  # (RuntimeError: a deleted array)
       logger.warning("jax_m2n Publisher: version %d cannot be exported to local "
                      "subscribers: %s", number, e)
       return -1
