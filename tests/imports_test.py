@@ -19,7 +19,7 @@ LAYERS = [
     ("layout", "topology"),
     ("planner",),
     ("schedule", "ffi"),
-    ("local_copy", "local_memory"),
+    ("local_copy", "local_memory", "lent_memory"),
     ("checks", "call_plan"),
     ("processes",),
     ("eager",),
