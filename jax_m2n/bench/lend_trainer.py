@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 import traceback
@@ -87,13 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         if cmd.get("wait"):
           jax.block_until_ready(tree)
         answer = {"stepped": True}
-      elif op == "race":  # publish lent, (wait_pulled), donate; n times
+      elif op == "race":  # publish lent, (wait_pulled | a random wait), donate; n times
         got = []
         for _ in range(cmd["n"]):
           v = pub.publish(tree, lend=True)
           if cmd.get("wait_pulled"):
             pub.wait_pulled(v, 1, timeout_s=30)
-          time.sleep(cmd.get("sleep_s", 0.0))
+          time.sleep(random.uniform(0.0, cmd.get("sleep_s", 0.0)))
           tree = step(tree)
           got.append(v)
         jax.block_until_ready(tree)
