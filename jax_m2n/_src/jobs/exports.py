@@ -159,7 +159,7 @@ class Export:
     self.keep = keep
     self.platform = next(iter(devices.values())).platform
     self._fds = fds
-    self._devices = devices
+    self.devices = devices
     self.allocations = allocations
     # Per device index, the byte offset of each of its shards in a slot, and its size.
     self.offsets: dict[tuple[int, int], int] = {}

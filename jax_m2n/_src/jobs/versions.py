@@ -398,13 +398,19 @@ class Versions:
 
   def device_bytes(self) -> dict[str, int]:
     """Per device, the bytes held for weight sync beside the caller's own arrays
-    (snapshots and wire conversions of the held versions)."""
+    (snapshots and wire conversions of the held versions; on CPU the export slots,
+    which are the snapshots)."""
     out: dict[str, int] = {}
     with self.lock:
       held = list(self._held.values())
+      cpu = [e for e in self._exports.values() if e.tables is None]
     for v in held:
       for d, n in v.device_bytes().items():
         out[d] = out.get(d, 0) + n
+    for e in cpu:
+      for k, n in e.slot_bytes.items():
+        d = str(e.devices[k])
+        out[d] = out.get(d, 0) + e.keep * n
     return out
 
   def versions(self) -> list[Version]:
