@@ -491,6 +491,9 @@ def _imports(state: State, p: Pull, m: manifest_lib.Manifest
   out = {}
   for k, link in p.links.items():
     imp = state.imports.get((k, m.id))
+    if imp is not None and int(imp.latest[0]) == exports.CLOSED:
+      state.imports.pop((k, m.id)).close()  # freed meanwhile (its layout set dropped)
+      imp = None
     if imp is None:
       reply = link.client.call(local.describe_request(m.id), _answer_s(p),
                                "the local export")

@@ -292,15 +292,20 @@ class Versions:
               f"{per[over[0]]}, over lend_limit={self.lend_limit:g}x)")
     return "lent"
 
-  def _dropped(self, versions: list[Version]) -> None:
+  def _dropped(self, versions: list[Version], close: bool = True) -> None:
     """After versions left `_held`: their slots cleared (before their buffers go),
-    the exports of layout sets no longer held closed, unused allocations released."""
+    unused allocations released, and (`close`: a publish dropped them) the exports of
+    layout sets no longer held closed. A lent version dropped between publishes
+    (donated, deleted, released) keeps its layout set's export: the trainer's next
+    publish writes into it (it may be publishing into it now)."""
     for v in versions:
       if v.export is not None:
         v.export.forget(v.number)
-    with self.lock:
-      live = {v.manifest.id for v in self._held.values()}
-      gone = [self._exports.pop(mid) for mid in list(self._exports) if mid not in live]
+    gone = []
+    if close:
+      with self.lock:
+        live = {v.manifest.id for v in self._held.values()}
+        gone = [self._exports.pop(mid) for mid in list(self._exports) if mid not in live]
     for e in gone:
       e.close()
     self._trim()
@@ -385,7 +390,7 @@ class Versions:
       if v is None or not v.lent:
         return False
       del self._held[number]
-    self._dropped([v])
+    self._dropped([v], close=False)
     return True
 
   def _prune(self) -> None:
@@ -394,7 +399,7 @@ class Versions:
       gone = [n for n, v in self._held.items() if v.lent and v.gone()]
       dropped = [self._held.pop(n) for n in gone]
     if dropped:
-      self._dropped(dropped)
+      self._dropped(dropped, close=False)
 
   def device_bytes(self) -> dict[str, int]:
     """Per device, the bytes held for weight sync beside the caller's own arrays
