@@ -1,4 +1,5 @@
-"""GPU memory lent between programs on one host: XLA's own allocations, by file descriptor.
+"""GPU memory lent between programs on one host: XLA's own allocations, by file
+descriptor.
 
 Owns the CUDA driver calls (libcuda through ctypes, no JAX needed) of the local data
 plane on GPUs. The lending side: `allocation_of(pointer)` finds and retains the VMM

@@ -146,7 +146,7 @@ class Counters:
         self._pulls.wait(min(left, 0.1))
 
   def replied(self, op: str, body: dict[str, Any]) -> None:
-    if op == "pulled":  # a subscriber's word after its pull, mostly unanswered: not counted
+    if op == "pulled":  # a subscriber's word after its pull (mostly unanswered)
       return
     with self._lock:
       if "error" in body:

@@ -17,8 +17,8 @@ from typing import Any
 import jax
 
 from jax_m2n._src import jax_compat
-from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError, ReshardTypeError,
-                                 ReshardValueError)
+from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError,
+                                 ReshardTypeError, ReshardValueError)
 from jax_m2n._src import local_memory
 from jax_m2n._src.jobs import auth, channel, exports, lifetime, records
 from jax_m2n._src.jobs import metrics as metrics_lib
