@@ -52,12 +52,15 @@ def pieces_shape(pack) -> tuple[int, ...]:
 class TorchPull:
   """What the last pull did on this rank: its version, data path ("local" or
   "network"), the bytes this rank received (wire dtype; the local path reads them out
-  of the trainer's memory), the targets written and its seconds (wall)."""
+  of the trainer's memory), the targets written, its seconds (wall) and their phases:
+  `wait_s` (the version's long poll, where it was not overlapped) and `move_s` (the
+  bytes' way in, with the answer's confirmation)."""
   version: int
   path: str
   nbytes: int
   targets: int
   seconds: float
+  phases: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -108,6 +111,7 @@ class Subscriber(lifetime.Closing):
     self._mapped: dict[tuple[int, str], copies.Mapped] = {}
     self._sources: dict[Any, Any] = {}
     self.last_pull: TorchPull | None = None
+    self._waited = 0.0
     self._close_with(_shut, self._state, self._mapped, self._sources)
 
   @property
@@ -191,7 +195,17 @@ class Subscriber(lifetime.Closing):
     while True:
       started = time.monotonic()
       got = None
-      if (options.path != "local" and options.version is None
+      ahead = pulling.Ahead.begin(state, options) if state.path == "local" else None
+      if ahead is not None:  # the copy runs while the publisher confirms the version
+        try:
+          return self._attempt(api, options, names, placements, dtypes, shapes,
+                               tensors_of, ahead.number, ahead.mid, started, ahead)
+        except (Unconfirmed, VersionGone):
+          got = ahead.answer()  # the publisher's word (raises where it closed or died)
+        except BaseException:
+          ahead.drain()
+          raise
+      elif (options.path != "local" and options.version is None
           and state.net_mid in state.manifests and state.path == "network"):
         # A steady network pull: the newest after the last one and its bytes in one
         # message (answered within 1.5 s: a dead publisher is named that fast).
@@ -200,7 +214,12 @@ class Subscriber(lifetime.Closing):
                                tensors_of, None, state.net_mid, started)
         except Unconfirmed as e:
           got = e.got  # a newer version of another layout set, or none yet
-      number, mid = got if got is not None else pulling.choose(state, options, deadline)
+      if got is None:
+        waited = time.monotonic()
+        number, mid = pulling.choose(state, options, deadline)
+        self._waited = time.monotonic() - waited
+      else:
+        number, mid = got
       try:
         return self._attempt(api, options, names, placements, dtypes, shapes,
                              tensors_of, number, mid, started)
@@ -210,7 +229,7 @@ class Subscriber(lifetime.Closing):
         # dropped while we read it: the next newest
 
   def _attempt(self, api, options, names, placements, dtypes, shapes, tensors_of,
-               number: int | None, mid: str, started: float) -> int:
+               number: int | None, mid: str, started: float, ahead: Any = None) -> int:
     """Pulls version `number` of layout set `mid` (None: the newest after the last
     pull, named by the publisher's answer: the network path only)."""
     state = self._state
@@ -221,13 +240,18 @@ class Subscriber(lifetime.Closing):
     rp = planning.plan_rank(api, m, ts, self.rank, self.world_size)
     tensors = tensors_of(ts)
     written: list[str] = []
+    moved = time.monotonic()
     try:
       p = "network"
       if number is not None and self._local_path(api, options, m):
-        mapped = self._imports(api, options, m, rp)
+        mapped = self._imports(api, options, m, rp, ahead is not None)
         if mapped is not None:
           p = "local"
           self._run_local(api, options, m, rp, mapped, number, tensors, written)
+          if ahead is not None and not ahead.confirmed():
+            raise Unconfirmed  # (a valid version, but not the one to return)
+        elif ahead is not None:
+          raise Unconfirmed
       if p == "network":
         number = self._run_network(api, options, m, rp, number, tensors, written)
     except (VersionGone, Unconfirmed):
@@ -242,7 +266,13 @@ class Subscriber(lifetime.Closing):
     state.path = p
     if p == "network":
       state.net_mid = m.id
-    self.last_pull = TorchPull(number, p, rp.nbytes, len(ts), time.monotonic() - started)
+    else:
+      state.local_mid = m.id
+    total = time.monotonic() - started
+    self.last_pull = TorchPull(number, p, rp.nbytes, len(ts), total,
+                               {"wait_s": getattr(self, "_waited", 0.0),
+                                "move_s": time.monotonic() - moved})
+    self._waited = 0.0
     return number
 
   def _manifest(self, mid: str) -> manifest_lib.Manifest:
@@ -270,14 +300,18 @@ class Subscriber(lifetime.Closing):
                               "elsewhere.")
     return not elsewhere
 
-  def _imports(self, api, options, m, rp) -> dict[int, copies.Mapped] | None:
+  def _imports(self, api, options, m, rp, ahead: bool = False
+               ) -> dict[int, copies.Mapped] | None:
     """The exports this rank reads, mapped (once per layout set and publisher
-    process); None where one declines (the network then)."""
+    process, kept in `State.imports`); None where one declines (the network then)."""
     out = {}
+    imports = self._state.imports
     procs = sorted({m.devices[k] for boxes in rp.boxes.values() for k, _ in boxes})
     for p in procs:
       mp = self._mapped.get((p, m.id))
-      if mp is None:
+      if mp is None or imports.get((p, m.id)) is not mp.imp:
+        if ahead:
+          raise Unconfirmed  # (mapping is a control call: not while one is open)
         link = self._state.connections.link(p, m)
         reply = link.client.call(local.describe_request(m.id),
                                  max(pulling.REQUEST_S, options.timeout_s),
@@ -287,11 +321,13 @@ class Subscriber(lifetime.Closing):
             raise ReshardValueError(f"{api}: path='local' needs {link.name} to export "
                                     f"host memory; it declined: {reply.get('why')}.")
           return None
-        while len(self._mapped) >= pulling.MAX_MANIFESTS:
-          old = self._mapped.pop(next(iter(self._mapped)))
-          self._sources.clear()
-          old.imp.close()
-        mp = self._mapped[(p, m.id)] = copies.Mapped(local.Import(reply, link.name))
+        self._sources.clear()
+        while len(imports) >= pulling.MAX_MANIFESTS:
+          key = next(iter(imports))
+          imports.pop(key).close()
+          self._mapped.pop(key, None)
+        imp = imports[(p, m.id)] = local.Import(reply, link.name)
+        mp = self._mapped[(p, m.id)] = copies.Mapped(imp)
       out[p] = mp
     return out
 
@@ -373,7 +409,5 @@ def _dtypes_of(api: str, m: manifest_lib.Manifest, names, dtype) -> dict[str, to
 
 def _shut(state: pulling.State, mapped: dict, sources: dict) -> None:
   sources.clear()
-  for mp in mapped.values():
-    mp.imp.close()
   mapped.clear()
-  state.close()
+  state.close()  # (closes the imports)
