@@ -178,6 +178,21 @@ class Subscriber(lifetime.Closing):
     self._pull(api, options, names, dict(placements or {}), dtype, None, alloc)
     return made
 
+  def published(self, *, version: int | None = None, timeout_s: float | None = None
+                ) -> tuple[int, list[tuple[str, tuple[int, ...], torch.dtype]]]:
+    """What a version is made of, without pulling it: (its number, per leaf its
+    dotted name, global shape and torch dtype). Without `version`, the newest
+    published after the last pull (waiting up to `timeout_s`); pull it with
+    `version=` that number."""
+    api = f"{_API}.published"
+    if self._closed:
+      raise ReshardRuntimeError(f"{api}: the subscriber must be open; got a closed one.")
+    options = pull_options(api, timeout_s=timeout_s, version=version)
+    number, mid = pulling.choose(self._state, options)
+    m = self._manifest(mid)
+    return number, [(dotted(l.path), tuple(l.shape),
+                     TORCH_OF.get(manifest_lib.dtype_of(l.dtype))) for l in m.leaves]
+
   def iter_pull(self, **kwargs) -> Iterator[tuple[str, torch.Tensor]]:
     """`pull`'s tensors as (name, tensor) pairs, for a model's `load_weights`."""
     return iter(self.pull(**kwargs).items())
