@@ -8,7 +8,7 @@ Runs where vLLM is installed (requirements/vllm.txt, its own virtual environment
 scripts/test.sh runs this file there when /work/venv-vllm or $JAX_M2N_VLLM_PYTHON is
 set up); elsewhere it skips saying so. What of vLLM cannot run on a CPU-only machine:
 its own trainer engines (ipc, nccl, nccl_m2n, sharded_rdt need CUDA, NCCL or NIXL), the
-`torch.accelerator.synchronize()` of its base `update_weights` (no accelerator), and
+the accelerator synchronization of its base `update_weights` (no accelerator), and
 its tensor-parallel layers (they need its distributed state on GPUs).
 """
 

@@ -106,7 +106,8 @@ def _model_layer(np, v: int, i: int) -> dict[str, Any]:
 class Trainer:
   def __init__(self, gpu: bool):
     env = dict(os.environ)
-    if gpu:
+    if gpu:  # (the generator's JAX may be held to the CPU: not the trainer's)
+      env.pop("JAX_PLATFORMS", None)
       env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.3"
     else:
       env["JAX_PLATFORMS"] = "cpu"

@@ -6,7 +6,7 @@ the worker's model; `WeightTransferTrainerFactory`: the trainer engine that publ
 JAX pytree and drives start / update / finish through vLLM's `VLLMWeightSyncClient`),
 by module path, so vLLM imports the engines only when one is made. `import jax_m2n`
 (and this module) never imports vLLM or torch; `register()` and `source()` do. The
-engines themselves are `jax_m2n.integrations.vllm_engines` (docs/torch.md).
+engines themselves are jax_m2n/integrations/vllm_engines.py (docs/torch.md).
 """
 
 from __future__ import annotations

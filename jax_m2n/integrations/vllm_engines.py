@@ -182,7 +182,7 @@ class JaxM2NWeightTransferEngine(WeightTransferEngine[JaxM2NInitInfo, JaxM2NUpda
 
   def update_weights(self, update_info: dict[str, Any]) -> None:
     """As vLLM's, synchronizing the device only where there is one (vLLM's base
-    calls `torch.accelerator.synchronize()`, which raises on a machine without one)."""
+    synchronizes the accelerator, which raises on a machine without one)."""
     self.receive_weights(self.parse_update_info(update_info))
     if self.device.type != "cpu":
       torch.accelerator.synchronize()
