@@ -7,7 +7,7 @@ torch tensors (docs/torch.md). Importing it imports torch; `import jax_m2n` does
 """
 
 from jax_m2n._src.torch.subscriber import Subscriber as Subscriber
-from jax_m2n._src.torch.subscriber import TorchPull as TorchPull
+from jax_m2n._src.torch.pull import TorchPull as TorchPull
 from jax_m2n._src.torch.targets import Into as Into
 from jax_m2n._src.torch.targets import Replicate as Replicate
 from jax_m2n._src.torch.targets import Shard as Shard

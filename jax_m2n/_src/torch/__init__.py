@@ -7,6 +7,8 @@ One concern per module, dependencies one way (each line uses only the lines abov
                  rank's boxes, in the jobs protocol's terms;
   copies.py      the torch copies of both data paths (the mapped export; the packs a
                  network fetch delivered);
+  pull.py        one pull on a torch rank (version, manifest, targets, plan, data
+                 path), and what a Subscriber holds between pulls;
   subscriber.py  `Subscriber`, the torch rank's API.
 Imported only through `jax_m2n.torch` (importing jax_m2n never imports torch). Uses the
 jobs layer's control channel, token, manifests, exports and transports as they are.
