@@ -3,7 +3,8 @@
 # memory) and a torch subscriber sharing the GPU. From the repository root:
 #   bash .gpu/torch.sh        # about 3 min on nvidia-h100-x1 / nvidia-h200
 # Needs torch with CUDA (the device image has 2.11) and pyzmq (.whl/, setup.sh).
-# Steps: the torch tests (CPU publisher, torch on the GPU's host), then the bench's gpu
+# Steps: the torch tests (tests/torch_gpu_test.py: a JAX publisher on the GPU, torch
+# CUDA tensors; the CPU ones), then the bench's gpu
 # rows: 1 GiB float32 published on the GPU, pulled into a torch CUDA tensor, against
 # torch's own device copy, the first pull apart. What it measures today: the torch
 # subscriber declines the GPU export (CUDA memory is read by the JAX Subscriber only)
@@ -17,8 +18,9 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())" \
   | tee "$OUT/torch.txt"
 rc=0
-JAX_PLATFORMS=cpu timeout 400 "$PY" -m pytest -q -p no:cacheprovider \
-  tests/torch_subscriber_test.py > "$OUT/torch_tests.log" 2>&1 || rc=1
+JAX_PLATFORMS=cpu timeout 400 "$PY" -m pytest -q -s -p no:cacheprovider \
+  tests/torch_gpu_test.py tests/torch_subscriber_test.py > "$OUT/torch_tests.log" 2>&1 \
+  || rc=1
 tail -3 "$OUT/torch_tests.log"
 # The generator (this process) keeps its JAX on the CPU; the trainer program takes the GPU.
 JAX_PLATFORMS=cpu timeout 400 "$PY" -m jax_m2n.bench.torch_jobs --parts gpu --iters 10 \
