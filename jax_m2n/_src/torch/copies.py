@@ -1,7 +1,8 @@
 """A torch rank's copies: boxes of the publisher's shards into the rank's tensors.
 
 Owns the torch side of both data paths: `Mapped` (a publisher's mapped export, `local.
-Import`, as one torch byte tensor), `copy_local` (each box of this rank read straight
+Import`, as one torch byte tensor; `DeviceMapped`: its GPU export's lent allocations as
+torch CUDA views), `copy_local` (each box of this rank read straight
 out of the export's slot with one `Tensor.copy_`, the dtype conversion fused into it),
 and `compose` (the packs one network fetch delivered, viewed without a copy through
 dlpack, copied into the rank's tensors). Transposes and fused parts are views of the
@@ -59,7 +60,33 @@ class Mapped:
     return self.bytes[at:at + n].view(TORCH_OF[dtype]).view(shape)
 
 
-def local_sources(rp: RankPlan, m: Manifest, mapped: dict[int, Mapped], slot_of: dict[int, int]
+class _CudaMemory:
+  """A device address as `__cuda_array_interface__` (what torch's as_tensor wraps
+  without a copy; torch refuses the read-only flag, so it is not set)."""
+
+  def __init__(self, address: int, nbytes: int):
+    self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                     "data": (address, False), "version": 3,
+                                     "strides": None}
+
+
+class DeviceMapped:
+  """A publisher process's GPU export (`local.Import` of lent allocations, mapped by
+  fd on device `ordinal`): shard (leaf, device, slot) is a torch CUDA view of it."""
+
+  def __init__(self, imp: local.Import, ordinal: int):
+    self.imp, self.ordinal = imp, ordinal
+
+  def shard(self, t: int, k: int, slot: int, box, dtype: np.dtype) -> torch.Tensor:
+    shape = tuple(hi - lo for lo, hi in box)
+    n = math.prod(shape) * dtype.itemsize
+    [address] = self.imp.addresses(np.array([self.imp.rows[(t, k)]]), slot, self.ordinal)
+    raw = torch.as_tensor(_CudaMemory(int(address), max(n, 1)),
+                          device=f"cuda:{self.ordinal}")
+    return raw[:n].view(TORCH_OF[dtype]).view(shape)
+
+
+def local_sources(rp: RankPlan, m: Manifest, mapped: dict[int, Any], slot_of: dict[int, int]
                   ) -> list[list[tuple[Part, tuple[slice, ...], torch.Tensor]]]:
   """Per target, its copies out of the slots `slot_of` (per publisher process): (part,
   the region of the part's view, the source region). Made once per (plan, slots)."""

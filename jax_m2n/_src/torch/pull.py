@@ -13,6 +13,7 @@ pull / fetch (engine.request, the transport) and the packs copied in (copies.com
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import time
 from typing import Any, Mapping
@@ -30,10 +31,6 @@ from jax_m2n._src.torch import copies, planning, targets as targets_lib
 from jax_m2n._src.torch.targets import TORCH_OF, dotted
 
 API = "jax_m2n.torch.Subscriber"
-
-
-class Declined(Exception):
-  """Internal: the local path cannot read this version (a lent one): the network."""
 
 
 def pieces_shape(pack) -> tuple[int, ...]:
@@ -121,6 +118,7 @@ def pull(held, api, options, names, placements, dtypes, shapes, tensors_of) -> i
         raise
       # dropped while we read it: the next newest
 
+
 def attempt(held, api, options, names, placements, dtypes, shapes, tensors_of,
              number: int | None, mid: str, started: float, ahead: Any = None) -> int:
   """Pulls version `number` of layout set `mid` (None: the newest after the last
@@ -137,17 +135,17 @@ def attempt(held, api, options, names, placements, dtypes, shapes, tensors_of,
   try:
     p = "network"
     if number is not None and local_path(api, options, m):
-      mapped = imports(held, api, options, m, rp, ahead is not None)
+      cuda = {t.device.index if t.device.index is not None else
+              torch.cuda.current_device() for t in tensors if t.is_cuda}
+      on_cpu = all(not t.is_cuda for t in tensors)
+      mapped = (imports(held, api, options, m, rp, ahead is not None,
+                        None if on_cpu else next(iter(cuda)))
+                if on_cpu or len(cuda) == 1 and all(t.is_cuda for t in tensors)
+                else None)
       if mapped is not None:
         p = "local"
-        try:
-          run_local(held, api, options, m, rp, mapped, number, tensors, written)
-        except Declined:
-          if ahead is not None or options.path == "local":
-            raise Unconfirmed if ahead is not None else ReshardValueError(
-                f"{api}: path='local' cannot read version {number}: it is lent "
-                "(the trainer's own arrays).")
-          p = "network"
+        run_local(held, api, options, m, rp, mapped, number, tensors, written,
+                  ahead is not None)
         if ahead is not None and not ahead.confirmed():
           raise Unconfirmed  # (a valid version, but not the one to return)
       elif ahead is not None:
@@ -175,6 +173,7 @@ def attempt(held, api, options, names, placements, dtypes, shapes, tensors_of,
   held.waited = 0.0
   return number
 
+
 def manifest(held, mid: str) -> manifest_lib.Manifest:
   m = held.state.manifests.get(mid)
   if m is None:
@@ -188,6 +187,7 @@ def manifest(held, mid: str) -> manifest_lib.Manifest:
     held.state.manifests[mid] = m
   return m
 
+
 def local_path(api: str, options, m: manifest_lib.Manifest) -> bool:
   if options.path == "network":
     return False
@@ -200,10 +200,13 @@ def local_path(api: str, options, m: manifest_lib.Manifest) -> bool:
                             "elsewhere.")
   return not elsewhere
 
-def imports(held, api, options, m, rp, ahead: bool = False
-             ) -> dict[int, copies.Mapped] | None:
-  """The exports this rank reads, mapped (once per layout set and publisher
-  process, kept in `State.imports`); None where one declines (the network then)."""
+
+def imports(held, api, options, m, rp, ahead: bool = False, ordinal: int | None = None
+            ) -> dict[int, Any] | None:
+  """The exports this rank reads, mapped (once per layout set and publisher process,
+  kept in `State.imports`): host memory (copies.Mapped), or where the targets are on
+  CUDA device `ordinal` a GPU export of lent allocations (copies.DeviceMapped); None
+  where one declines or cannot be read so (the network then)."""
   out = {}
   imports = held.state.imports
   procs = sorted({m.devices[k] for boxes in rp.boxes.values() for k, _ in boxes})
@@ -216,44 +219,78 @@ def imports(held, api, options, m, rp, ahead: bool = False
       reply = link.client.call(local.describe_request(m.id),
                                max(pulling.REQUEST_S, options.timeout_s),
                                "the local export")
-      if not reply.get("local") or reply.get("platform", "cpu") != "cpu" or (
-          reply.get("handles") or reply.get("rows")):  # (CUDA memory: not read here)
+      gpu = reply.get("platform", "cpu") != "cpu"
+      readable = reply.get("local") and (
+          (not gpu and ordinal is None) or (gpu and ordinal is not None and bool(
+              reply.get("rows")) and not reply.get("handles")))
+      if not readable:  # (CUDA IPC slots, or memory on the other side of a copy)
         if options.path == "local":
-          raise ReshardValueError(f"{api}: path='local' needs {link.name} to export "
-                                  f"host memory; it declined: {reply.get('why')}.")
+          raise ReshardValueError(
+              f"{api}: path='local' needs {link.name}'s export where the targets are "
+              f"({'CUDA' if ordinal is not None else 'host'} memory); got "
+              f"{reply.get('why') or reply.get('platform')}.")
         return None
       held.sources.clear()
       while len(imports) >= pulling.MAX_MANIFESTS:
         key = next(iter(imports))
         imports.pop(key).close()
         held.mapped.pop(key, None)
-      imp = imports[(p, m.id)] = local.Import(reply, link.name)
-      mp = held.mapped[(p, m.id)] = copies.Mapped(imp)
+      args = ((reply, link.name, m.id) if "manifest_id" in inspect.signature(
+          local.Import).parameters else (reply, link.name))
+      imp = imports[(p, m.id)] = local.Import(*args)
+      mp = held.mapped[(p, m.id)] = (copies.Mapped(imp) if not gpu else
+                                     copies.DeviceMapped(imp, ordinal))
     out[p] = mp
   return out
 
-def run_local(held, api, options, m, rp, mapped, number, tensors, written) -> None:
+
+def run_local(held, api, options, m, rp, mapped, number, tensors, written,
+              ahead: bool = False) -> None:
+  """Reads version `number` out of the mapped exports with torch copies, between the
+  two reads of each slot's header; a lent version (the trainer's own arrays) is
+  confirmed with its publisher processes after the copies (the jobs layer's confirm)."""
   deadline = time.monotonic() + min(local.COMMIT_WAIT_S, options.timeout_s)
   slots = {p: mp.imp.slot_of(number, deadline) for p, mp in mapped.items()}
+  links = {p: held.state.connections.link(p, m) for p in mapped}
+  gpu = any(isinstance(mp, copies.DeviceMapped) for mp in mapped.values())
+  lent = any(getattr(mp.imp, "lent", lambda s: False)(slots[p])
+             for p, mp in mapped.items())
+  if lent and ahead:
+    raise Unconfirmed  # (its confirmation is a control call: not while one is open)
   for p, mp in mapped.items():
-    lent = getattr(mp.imp, "lent", None)
-    if lent is not None and lent(slots[p]):  # the trainer's own arrays: they need a
-      raise Declined  # confirmation after the copy this path does not make
     if not mp.imp.alive():
+      if gpu:
+        mp.imp.unmap()  # (a mapping would keep the dead trainer's GPU memory)
       raise ReshardRuntimeError(f"{api}: {mp.imp.name} must be alive to be read from; "
                                 "it exited.")
+    if gpu:
+      ids = mp.imp.missing(slots[p])
+      if ids:
+        mp.imp.map(links[p].client, ids, mp.ordinal, min(options.timeout_s, local.MAP_S))
   key = (id(rp), tuple(sorted((p, id(mp), s) for (p, mp), s in
                               zip(mapped.items(), slots.values()))))
-  sources = held.sources.get(key)
+  sources = None if gpu else held.sources.get(key)  # (GPU: a version's allocations)
   if sources is None:
     if len(held.sources) > 64:
       held.sources.clear()
-    sources = held.sources[key] = (rp, copies.local_sources(rp, m, mapped, slots))
+    sources = (rp, copies.local_sources(rp, m, mapped, slots))
+    if not gpu:
+      held.sources[key] = sources
   copies.copy_local(sources[1], tensors, [t.name for t in rp.targets], written)
+  if gpu:
+    torch.cuda.current_stream().synchronize()
   for p, mp in mapped.items():  # the seqlock's second read
     if int(mp.imp.header[slots[p]]) != number:
       raise VersionGone(f"{api}: version {number} was overwritten on {mp.imp.name} "
                         "while it was copied.")
+  if lent:
+    local.confirm(Pull(Request(m, options), rp, number, links, None),
+                  {p: mp.imp for p, mp in mapped.items()}, slots,
+                  min(options.timeout_s, local.CONFIRM_S))
+  if gpu:
+    for mp in mapped.values():
+      mp.imp.trim()
+
 
 def run_network(held, api, options, m, rp, number, tensors, written) -> int:
   conn = held.state.connections
@@ -290,8 +327,6 @@ def run_network(held, api, options, m, rp, number, tensors, written) -> int:
     except PlanUnknown:
       if attempt:
         raise
-
-
 
 
 def dtypes_of(api: str, m: manifest_lib.Manifest, names, dtype) -> dict[str, torch.dtype]:
