@@ -62,7 +62,7 @@ def of(api: str, registry: Any) -> "Metrics | None":
 
 
 class Metrics:
-  """The metrics of one registry (see the module's comment; docs/jobs.md lists them)."""
+  """The metrics of one registry (see the module's comment; docs/watching.md lists them)."""
 
   def __init__(self, pc: Any, registry: Any):
     def counter(name, what, labels):

@@ -62,13 +62,13 @@ class Publisher(lifetime.Closing):
       "transfer_server" (JAX's transfer server: no authentication of its own, no
       encryption; loopback or a network you trust).
     metrics: a `prometheus_client.CollectorRegistry` to expose this process's counts
-      in (read at every scrape; docs/jobs.md, "Watching it"), or None. No port is
+      in (read at every scrape; docs/watching.md), or None. No port is
       opened; instances passing one registry share its metrics.
     lend_limit: None (the default: lend any allocation), or a number >= 1: `publish(...,
       lend=True)` lends an XLA allocation only where it is at most `lend_limit` x the
       bytes lent from it, else snapshots the version (`stats().versions[i].held_as`
       says why). A local reader maps whole allocations: with XLA's preallocation one
-      allocation is the whole pool (docs/jobs.md, "Security").
+      allocation is the whole pool (docs/jobs_security.md).
 
   Memory: each held version is a snapshot of this process's shards in the published
   dtype (`publish(..., dtype=)`), so at most `keep` x the published bytes, plus the
@@ -242,8 +242,7 @@ class Publisher(lifetime.Closing):
   def stats(self) -> records.PublisherStats:
     """This process's state and counts now: the versions held and their bytes, the
     subscribers heard from, the requests answered and failed, the bytes offered per
-    version, the local exports (`records.PublisherStats`; docs/jobs.md, "Watching
-    it"). Any thread; also after close."""
+    version, the local exports (`records.PublisherStats`; docs/watching.md). Any thread; also after close."""
     return self._counters.stats()
 
   def close(self) -> None:
