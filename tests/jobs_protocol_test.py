@@ -367,17 +367,23 @@ def test_fuzz_strangers_and_malformed_calls_are_refused(published, insider, case
 
 def test_a_subscriber_connects_and_pulls_during_a_flood(published, gen):
   pub, tree, _ = published
-  seconds = 4.0
+  seconds = 10.0
   floods = [subprocess.Popen(
       [sys.executable, attacks.__file__, "--port", str(pub._server.port), "--kind", kind,
        "--rate", "200", "--seconds", str(seconds), "--source", source],
       stdout=subprocess.PIPE, text=True)
       for kind, source in (("hello", "127.0.0.2"), ("garbage", "127.0.0.3"))]
   try:
-    time.sleep(0.5)
+    # The pulls start once the floods are refused (a flood's process takes seconds to
+    # start on a loaded machine: pulls that began at once finished before it).
+    deadline = time.monotonic() + 60.0
+    while pub._server.gate.stats["refused"] == 0:
+      assert time.monotonic() < deadline, "the floods were never refused"
+      assert all(f.poll() is None for f in floods), "a flood ended before it was refused"
+      time.sleep(0.02)
     want = jax.device_put(tree["w"], _dst(gen)["w"])
     pulls = 0
-    until = time.monotonic() + seconds - 1.0
+    until = time.monotonic() + 2.0
     while time.monotonic() < until or not pulls:
       with jax_m2n.Subscriber(pub.address, token=TOKEN, timeout_s=10.0) as sub:
         out = sub.pull(_dst(gen), version=1)
