@@ -115,6 +115,7 @@ except ImportError:  # pragma: no cover - a JAX without it
 
 _DST_TYPES = (Sharding, jax.ShapeDtypeStruct, PartitionSpec, jax.Device) + (
     (_Format,) if _Format is not None else ())
+DST_TYPES = _DST_TYPES  # what a destination leaf may be (besides None)
 
 
 def is_dst_leaf(v: Any) -> bool:
