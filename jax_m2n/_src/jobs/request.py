@@ -198,6 +198,7 @@ def pull_request(api: str, m: Manifest, dst: Any, dtype: Any, donate: Any,
       PUBLISHED)
   outs, resolved, shardings = [], [], []
   checked: dict[tuple, Sharding] = {}
+  named: set[np.dtype] = set()
   for t, (leaf, spec, d) in enumerate(zip(m.leaves, specs, dsts)):
     published = manifest_lib.dtype_of(leaf.dtype)
     if isinstance(spec, quantize.Quantize):
@@ -206,9 +207,11 @@ def pull_request(api: str, m: Manifest, dst: Any, dtype: Any, donate: Any,
     else:
       resolved.append(None)
       out = published if spec is None else np.dtype(jax.dtypes.canonicalize_dtype(spec))
-      if out.name not in manifest_lib.DTYPES:
-        raise ReshardTypeError(f"{api}: dtype must be one of {manifest_lib.DTYPES}; got "
-                               f"{out} for {names()[t]}.")
+      if out not in named:  # (a dtype's name costs more than the rest of the check)
+        if out.name not in manifest_lib.DTYPES:
+          raise ReshardTypeError(f"{api}: dtype must be one of {manifest_lib.DTYPES}; "
+                                 f"got {out} for {names()[t]}.")
+        named.add(out)
     if d is None:
       raise ReshardTypeError(
           f"{api}: the destination of {names()[t]} must be a Sharding, a Device, a "
