@@ -99,3 +99,57 @@ def test_parse_forms():
 def test_bad_descriptors(text, shape, match):
   with pytest.raises(ReshardValueError, match=match):
     parse_layout(text, shape)
+
+
+def test_from_sharding_once_per_sharding_and_shape():
+  """Equal shardings of one shape share one Layout (a model's repeated leaves, a
+  repeated call); another shape gets its own; the boxes are JAX's."""
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+  a = Layout.from_sharding(NamedSharding(mesh, P("a", "b")), (4, 8))
+  b = Layout.from_sharding(NamedSharding(mesh, P("a", "b")), [4, 8])
+  assert a is b
+  c = Layout.from_sharding(NamedSharding(mesh, P("a", "b")), (8, 8))
+  assert c is not a and c.shape == (8, 8)
+  assert a == parse_layout("mesh(a=2, b=2) P(a, b) @0", (4, 8))
+  with pytest.raises(Exception, match="must be a jax.sharding.Sharding"):
+    Layout.from_sharding(object(), (4,))
+
+
+def test_repeated_call_plans_once_and_keeps_its_own_shardings():
+  """call_plan.plan_call of an equal call is a lookup: the same Plan; a call with equal
+  (not identical) shardings gets them back as its own; another dst plans anew."""
+  from jax_m2n._src import call_plan
+  from jax_m2n._src.request import Options
+  devs = np.array(jax.devices()[:8])
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P())
+  first = call_plan.plan_call([(8,)] * 3, [np.float32] * 3, [src] * 3, [dst] * 3,
+                              Options(), path="test")
+  again = call_plan.plan_call([(8,)] * 3, [np.float32] * 3, [src] * 3, [dst] * 3,
+                              Options(), path="test")
+  assert again is first
+  dst2 = NamedSharding(Mesh(devs[4:], ("x",)), P())  # equal, another object
+  equal = call_plan.plan_call([(8,)] * 3, [np.float32] * 3, [src] * 3, [dst2] * 3,
+                              Options(), path="test")
+  assert equal.plan is first.plan and all(d is dst2 for d in equal.dsts)
+  other = call_plan.plan_call([(8,)] * 3, [np.float32] * 3, [src] * 3,
+                              [NamedSharding(Mesh(devs[4:], ("x",)), P("x"))] * 3,
+                              Options(), path="test")
+  assert other.plan is not first.plan
+
+
+def test_plan_errors_name_the_leaf_after_cached_successes():
+  """plan()'s checks keep only successes: a leaf refused after an equal tree planned
+  is refused with its own name, and names are formed only for the message."""
+  import jax_m2n
+  devs = np.array(jax.devices()[:8])
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P())
+  tree = {f"w{i}": jax.ShapeDtypeStruct((8,), np.float32, sharding=src) for i in range(50)}
+  assert jax_m2n.plan(tree, dst).payload_bytes == 50 * 32
+  assert jax_m2n.plan(tree, dst).payload_bytes == 50 * 32
+  bad = dict(tree, w7=jax.ShapeDtypeStruct((6,), np.float32, sharding=src))
+  with pytest.raises(ReshardValueError, match=r"x\['w7'\]"):
+    jax_m2n.plan(bad, dst)
+  with pytest.raises(ReshardValueError, match=r"x\['w3'\].*None"):
+    jax_m2n.plan(tree, dict({k: dst for k in tree}, w3=None))

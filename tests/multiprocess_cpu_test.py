@@ -74,6 +74,27 @@ def test_random_layout_pairs_bitwise_and_bytes(num_processes, devices, seed):
   print("\n".join(line for _, _, line in found))
 
 
+def test_model_pytree_bitwise_with_key_value_operations_constant_per_call():
+  """4 processes, a 122-leaf pytree of mixed layouts: bitwise on every process, and a
+  call's key-value operations bounded by a constant of the processes (the agreement,
+  the end, the finish), not growing with the leaves or their layouts."""
+  num_processes = 4
+  outs = launch(num_processes, 2, "scale", "--cases", "30", "--seed", "5")
+  _no_fail(outs, num_processes)
+  found = results(outs, "scale")
+  assert sorted(p for p, _, _ in found) == list(range(num_processes)), outs[0][-3000:]
+  # Per call: the outcome's get, the fingerprint's post, one directory read and at
+  # most one get per peer not there yet, the done counter and (the last) its post,
+  # the fin post. (The first call also starts this process's engine: its address
+  # posted and the peers' read, once per job.)
+  bound = 6 + (num_processes - 1)
+  for _, f, line in found:
+    assert f["ok"] == "1" and int(f["leaves"]) == 122, line
+    for k in ("kv_repeat", "kv_small"):
+      assert 1 <= int(f[k]) <= bound, line
+  print("\n".join(line for _, _, line in found))
+
+
 @pytest.fixture(scope="module")
 def refit_outs():
   """One 2 x 4 launch for the refit and the mismatch checks (start-up is slow here)."""

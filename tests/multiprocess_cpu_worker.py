@@ -23,6 +23,9 @@ Scenarios:
   vanish    the last process dies before its call (no exit hook): its beat stops.
   absent    the last process stays alive but never calls: the others time out.
   interrupt process 0 is sent SIGINT while it waits for an absent peer (Ctrl-C).
+  scale     a model-shaped pytree (C layers of 4 leaves of mixed layouts and dtypes,
+            every process a pipeline stage) into a (dp, tp) mesh over every process,
+            3 calls bitwise; the key-value operations of each call and of a 2-leaf one.
 """
 
 import argparse
@@ -258,6 +261,56 @@ def scenario_refit(jax, jax_m2n, pid, args):
   return scenario_mismatch(jax, jax_m2n, pid, args)  # one launch fewer
 
 
+def scenario_scale(jax, jax_m2n, pid, args):
+  """A model-shaped pytree (--cases layers of 4 leaves + 2: every process a pipeline
+  stage, the generator a (dp, tp) mesh over every process), called 3 times: bitwise
+  each time, and the key-value operations of each call (one call of the engine per
+  reshard, whatever its leaves: as many for this pytree as for a 2-leaf one)."""
+  import ml_dtypes
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax_m2n._src.processes import store
+  n_proc = jax.process_count()
+  stages = [Mesh(np.array([d for d in jax.devices() if d.process_index == p]), ("tp",))
+            for p in range(n_proc)]
+  gen = Mesh(np.array(jax.devices()).reshape(-1, 2), ("dp", "tp"))
+  rng = np.random.default_rng(args.seed)
+  kinds = [((16, 8), np.float32, P("tp", None), P(None, "tp")),
+           ((8,), np.float32, P(), P()),
+           ((4, 16, 8), ml_dtypes.bfloat16, P(None, None, "tp"), P("dp", "tp", None)),
+           ((32, 4), np.int32, P(None, "tp"), P(("dp", "tp"), None))]
+  hosts, srcs, dsts = [], [], []
+  for layer in range(args.cases):
+    stage = stages[layer * n_proc // args.cases]
+    for shape, dtype, sspec, dspec in kinds:
+      hosts.append(_host(rng, shape, dtype))
+      srcs.append(NamedSharding(stage, sspec))
+      dsts.append(NamedSharding(gen, dspec))
+  hosts += [_host(rng, (64, 8), np.float32), _host(rng, (8, 64), np.float32)]
+  srcs += [NamedSharding(stages[0], P("tp", None)), NamedSharding(stages[-1], P(None, "tp"))]
+  dsts += [NamedSharding(gen, P("tp", None)), NamedSharding(gen, P(None, "tp"))]
+  xs = [_put(jax, h, s) for h, s in zip(hosts, srcs)]
+  ops, seconds = [], []
+  for _ in range(3):
+    before = store.stats["kv_ops"]
+    t0 = time.process_time()
+    ys = jax_m2n.reshard(xs, dsts, timeout_s=120)
+    seconds.append(time.process_time() - t0)
+    ops.append(store.stats["kv_ops"] - before)
+    for y, h, d in zip(ys, hosts, dsts):
+      _check(y, h, d)
+  small = xs[-2:]
+  jax_m2n.reshard(small, dsts[-2:], timeout_s=120)
+  before = store.stats["kv_ops"]
+  for y, h, d in zip(jax_m2n.reshard(small, dsts[-2:], timeout_s=120), hosts[-2:],
+                     dsts[-2:]):
+    _check(y, h, d)
+  small_ops = store.stats["kv_ops"] - before
+  print(f"RESULT scale process={pid} ok=1 leaves={len(xs)} kv_first={ops[0]} "
+        f"kv_repeat={max(ops[1:])} kv_small={small_ops} "
+        f"repeat_cpu_s={min(seconds[1:]):.4f}", flush=True)
+
+
 def _mesh_of_processes(jax, procs, spec_axes=("x",)):
   import numpy as np
   from jax.sharding import Mesh
@@ -369,7 +422,7 @@ def scenario_failure(jax, jax_m2n, pid, args):
   return 0
 
 
-SCENARIOS = {"random": scenario_random, "refit": scenario_refit,
+SCENARIOS = {"random": scenario_random, "refit": scenario_refit, "scale": scenario_scale,
              "mismatch": scenario_mismatch, "raise": scenario_failure,
              "die": scenario_failure, "absent": scenario_failure,
              "vanish": scenario_failure,

@@ -362,7 +362,7 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
         x, dst_sharding, src_sharding, dtype)
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
-  names = lambda: checks.leaf_names(x)  # noqa: E731
+  names = checks.names_once(x)  # formed only for a message, once per call
   dsts = checks.broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n)
   given = ([None] * n if src_sharding is None else
            checks.broadcast_prefix(api, "src_sharding", src_sharding, x, treedef, n))
@@ -372,7 +372,7 @@ def plan(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     out = out_dtypes[i]
     if out is not None:
       out = jax.dtypes.canonicalize_dtype(out)
-    src, dst = checks.plan_leaf(api, names()[i], leaf, dst, src, out)
+    src, dst = checks.plan_leaf(api, checks.LazyName(names, i), leaf, dst, src, out)
     shapes.append(tuple(getattr(leaf, "shape", ())))
     srcs.append(src)
     resolved.append(dst)

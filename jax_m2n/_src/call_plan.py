@@ -8,8 +8,10 @@ topology, layouts, wire types, chunking, the plan, its debug line). Checks no ar
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -120,6 +122,51 @@ def plan_call(shapes: Sequence[Sequence[int]], dtypes: Sequence[Any],
     >>> call.platform, call.plan.payload_bytes, sorted(call.devices) == list(range(8))
     ('cpu', 32, True)
   """
+  key = (tuple(map(tuple, shapes)), tuple(dtypes),
+         None if srcs is None else tuple(srcs), tuple(dsts), options,
+         None if out_dtypes is None else tuple(out_dtypes),
+         None if src_layouts is None else tuple(src_layouts), topology, chunking_for)
+  with _planned_lock:
+    hit = _planned.get(key)
+    if hit is not None:
+      _planned.move_to_end(key)
+  if hit is not None:  # a repeated call: a lookup
+    _log_plan(hit.plan, len(hit.dst_layouts), options, path)
+    if _same_objects(hit, key[2] or (), key[3]):
+      return hit
+    return dataclasses.replace(hit, srcs=key[2] or (), dsts=key[3])  # its own, equal
+  call = _plan_call(shapes, dtypes, srcs, dsts, options, out_dtypes, path=path,
+                    src_layouts=src_layouts, topology=topology,
+                    chunking_for=chunking_for)
+  with _planned_lock:
+    _planned[key] = call
+    if len(_planned) > _PLANNED_CALLS:
+      _planned.popitem(last=False)
+  return call
+
+
+# The calls planned lately, by their arguments (equal calls share one CallPlan): a
+# repeated call's planning is one lookup, not a pass over its leaves' layouts.
+_PLANNED_CALLS = 256
+_planned: collections.OrderedDict[tuple, CallPlan] = collections.OrderedDict()
+_planned_lock = threading.Lock()
+
+
+def clear_cache() -> None:
+  """Forgets the planned calls (benchmarks of a first call)."""
+  with _planned_lock:
+    _planned.clear()
+
+
+def _same_objects(hit: CallPlan, srcs: tuple, dsts: tuple) -> bool:
+  """Whether a cached call holds this call's own sharding objects (not equal ones)."""
+  return (len(hit.srcs) == len(srcs) and all(a is b for a, b in zip(hit.srcs, srcs))
+          and all(a is b for a, b in zip(hit.dsts, dsts)))
+
+
+def _plan_call(shapes, dtypes, srcs, dsts, options, out_dtypes, *, path, src_layouts,
+               topology, chunking_for) -> CallPlan:
+  """plan_call's work for a call not planned lately."""
   shapes = tuple(tuple(int(d) for d in s) for s in shapes)
   dtypes = tuple(np.dtype(d) for d in dtypes)
   out_dtypes = tuple(dt if o is None else np.dtype(o)
@@ -149,8 +196,13 @@ def plan_layouts(src_layouts: Sequence[Layout], dst_layouts: Sequence[Layout],
   debug line of every plan."""
   plan = plan_reshard(src_layouts, dst_layouts, itemsizes, topology, options.route,
                       chunking(platform, options.chunk_bytes))
+  _log_plan(plan, len(dst_layouts), options, path)
+  return plan
+
+
+def _log_plan(plan: Plan, leaves: int, options: Options, path: str) -> None:
+  """The one debug line of every plan (a cached one too)."""
   if logger.isEnabledFor(logging.DEBUG):  # the traffic summary costs a pass over the plan
     logger.debug("reshard: planned %d leaves, route %s, %d payload bytes, bytes by link "
-                 "%s, devices %s (%s)", len(dst_layouts), options.route, plan.payload_bytes,
+                 "%s, devices %s (%s)", leaves, options.route, plan.payload_bytes,
                  plan.bytes_by_link, list(plan.devices), path)
-  return plan

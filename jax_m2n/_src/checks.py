@@ -115,6 +115,7 @@ except ImportError:  # pragma: no cover - a JAX without it
 
 _DST_TYPES = (Sharding, jax.ShapeDtypeStruct, PartitionSpec, jax.Device) + (
     (_Format,) if _Format is not None else ())
+DST_TYPES = _DST_TYPES  # what a destination leaf may be (besides None)
 
 
 def is_dst_leaf(v: Any) -> bool:
@@ -141,6 +142,18 @@ def leaf_names(x: Any) -> list[str]:
   """`x['w'][0]`-style names of the leaves of x, in leaf order (error messages only)."""
   return ["x" + jax.tree_util.keystr(p)
           for p, _ in jax.tree_util.tree_flatten_with_path(x)[0]]
+
+
+def names_once(x: Any) -> Callable[[], list[str]]:
+  """`leaf_names(x)` formed at most once per call, on the first message that needs a
+  name (a LazyName per leaf reads it: O(leaves), not O(leaves^2))."""
+  cache: list[list[str]] = []
+
+  def names() -> list[str]:
+    if not cache:
+      cache.append(leaf_names(x))
+    return cache[0]
+  return names
 
 
 def _broadcast(api: str, rule: str, prefix: Any, x: Any, treedef, n: int,
@@ -499,10 +512,44 @@ def check_memory_kind(api: str, name: str, sharding: Sharding, what: str) -> Non
         f"memory kind {kind!r}. Hint: move between memory kinds with jax.device_put.")
 
 
-def plan_leaf(api: str, name: str, leaf: Any, dst: Any, src: Any,
+# The leaves plan_leaf accepted, by what its rules read of them (type, shape, dtype,
+# source and destination sharding, result dtype): a repeated plan() of a model checks
+# each distinct leaf once, later ones are a lookup. Only successes are kept (a refused
+# leaf is refused again with its own name); cleared when full.
+_PLANNED_LEAVES: set[tuple] = set()
+_PLANNED_LEAVES_MAX = 1 << 14
+
+
+def _plan_leaf_key(leaf: Any, dst: Any, src: Any, out: Any) -> tuple | None:
+  """What plan_leaf's rules read of one leaf, or None where that is not all hashable
+  and immutable (a PartitionSpec reads the context mesh, a Device or host data)."""
+  if not isinstance(dst, Sharding) or (src is not None and not isinstance(src, Sharding)):
+    return None
+  if type(leaf) is jax.ShapeDtypeStruct or (
+      isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)):
+    return (type(leaf), tuple(leaf.shape), leaf.dtype,
+            leaf.sharding if src is None else src, dst, out)
+  return None
+
+
+def plan_leaf(api: str, name: Any, leaf: Any, dst: Any, src: Any,
                out: Any) -> tuple[Sharding, Sharding]:
   """plan()'s rules for one leaf (reshard's, and no leaf reshard hands to JAX): its
-  source and destination shardings."""
+  source and destination shardings. `name` (a str or a LazyName) is formatted only in
+  a message."""
+  key = _plan_leaf_key(leaf, dst, src, out)
+  if key is not None and key in _PLANNED_LEAVES:
+    return key[3], dst
+  src, dst = _plan_leaf_checked(api, name, leaf, dst, src, out)
+  if key is not None:
+    if len(_PLANNED_LEAVES) >= _PLANNED_LEAVES_MAX:
+      _PLANNED_LEAVES.clear()
+    _PLANNED_LEAVES.add(key)
+  return src, dst
+
+
+def _plan_leaf_checked(api: str, name: Any, leaf: Any, dst: Any, src: Any,
+                       out: Any) -> tuple[Sharding, Sharding]:
   if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
     raise ReshardTypeError(
         f"{api}: every leaf of x must be an array or ShapeDtypeStruct; got "

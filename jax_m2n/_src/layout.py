@@ -8,6 +8,7 @@ per-device boxes. Knows nothing about routes, transports or topology.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any, Sequence
@@ -154,7 +155,10 @@ class Layout:
 
   @staticmethod
   def from_sharding(sharding: Any, shape: Sequence[int]) -> "Layout":
-    """The layout of `shape` under any `jax.sharding.Sharding` (JAX's own indices)."""
+    """The layout of `shape` under any `jax.sharding.Sharding` (JAX's own indices).
+
+    Cached per (sharding, shape): shardings are immutable, so a model's repeated
+    leaves (and every later call) share one Layout, whose hash is computed once."""
     shape = tuple(int(s) for s in shape)
     if not hasattr(sharding, "devices_indices_map"):
       raise ReshardTypeError(
@@ -163,15 +167,21 @@ class Layout:
     if len(shape) > MAX_RANK:
       raise ReshardValueError(
           f"Layout: tensor rank must be at most {MAX_RANK}; got shape {shape}.")
-    indices = sharding.devices_indices_map(shape)
-    devices, boxes = [], []
-    for device, index in indices.items():
-      devices.append(device.id)
-      boxes.append(tuple(
-          (0, s) if sl.start is None and sl.stop is None else
-          tuple(int(v) for v in sl.indices(s)[:2])
-          for sl, s in zip(index, shape)))
-    return Layout(shape, tuple(devices), tuple(boxes))
+    return _layout_of_sharding(sharding, shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_of_sharding(sharding: Any, shape: tuple[int, ...]) -> Layout:
+  """Layout.from_sharding's work, once per (sharding, shape)."""
+  indices = sharding.devices_indices_map(shape)
+  devices, boxes = [], []
+  for device, index in indices.items():
+    devices.append(device.id)
+    boxes.append(tuple(
+        (0, s) if sl.start is None and sl.stop is None else
+        tuple(int(v) for v in sl.indices(s)[:2])
+        for sl, s in zip(index, shape)))
+  return Layout(shape, tuple(devices), tuple(boxes))
 
 
 # ---------------------------------------------------------------------------------------

@@ -18,8 +18,12 @@ every output checked bitwise before timing, at default reshard arguments:
           shaped rate, or on loopback the raw bandwidth measured in the same run), and
           flat / hierarchical (the paper: about r_d where the source's link is the
           bottleneck; goal >= 0.85 r_d over shaped links).
+  scale   (--scale 1,4 alone) a pytree of --layers layers per process, each process a
+          pipeline stage of --devices devices, into one (dp, tp) mesh over every
+          process, the same shard bytes per process at every process count: per-process
+          CPU time of a repeated call. Goal: 4 processes within 1.5x of 1.
 Both report the key-value operations each call makes on the calling thread (the
-control plane per call: it grows with processes, never with chunks).
+control plane per call: it grows with processes, never with chunks or leaves).
 Latency = the maximum over processes of each one's mean over --iters timed calls after
 --warmup, each call started behind a barrier. Usage by hand (the bench starts workers):
   python -m jax_m2n.bench.multiprocess_cpu --out_dir DIR [--size_mib 16,64,256]
@@ -120,7 +124,8 @@ def _timed(jax, kv, tag: str, iters: int, warmup: int, fn) -> list[float]:
   """fn() timed `iters` times after `warmup`, each behind a barrier; ms per call."""
   times = []
   for i in range(warmup + iters):
-    kv.wait_at_barrier(f"bench/{tag}/{i}", 120_000)
+    if kv is not None:  # None: one process, no job to wait for
+      kv.wait_at_barrier(f"bench/{tag}/{i}", 120_000)
     t0 = time.perf_counter()
     fn(i)
     if i >= warmup:
@@ -203,6 +208,116 @@ def worker_engine(args) -> int:
             kv_ops=kv_ops, chunks=len(jax_m2n.plan(x, dst).chunks),
             bytes=int(host.nbytes))
   return 0
+
+
+# The scale part's pytree, per process (a pipeline stage): per layer these leaves,
+# (shape, source spec on the stage's (ep, tp) mesh, destination spec on the generator's
+# (dp, tp) mesh over every process's devices). Every destination dim 0 is split over
+# all of the generator's devices, so each process receives as many bytes whatever the
+# processes: the same per-process shard bytes at 1 and at 4 processes.
+_SCALE_LEAVES = (((128, 64), ("ep", "tp"), (("dp", "tp"), None)),
+                 ((64, 32, 16), ("ep", None, "tp"), (("dp", "tp"), None, None)),
+                 ((256,), (("ep", "tp"),), (("dp", "tp"),)),
+                 ((64, 128), (None, ("ep", "tp")), (("dp", "tp"), None)))
+
+
+def worker_scale(args) -> int:
+  """`--layers` layers per process of _SCALE_LEAVES (float32), from each process's own
+  (ep, tp) mesh into one (dp, tp) mesh over every process: per-process host time of a
+  repeated call (process CPU time, every thread) and its key-value operations."""
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax_m2n.testing import workers
+  jax = workers.start_jax(args.devices, args.n, args.pid, args.coordinator)
+  from jax_m2n._src import jax_compat
+  kv = jax_compat.distributed_client()
+  import jax_m2n
+  pid, n = jax.process_index(), jax.process_count()
+  stages = [Mesh(np.array([d for d in jax.devices() if d.process_index == p]
+                          ).reshape(-1, 2), ("ep", "tp")) for p in range(n)]
+  gen = Mesh(np.array(jax.devices()).reshape(-1, 2), ("dp", "tp"))
+  rng = np.random.default_rng(0)
+  hosts, xs, dsts = [], [], []
+  for stage in stages:
+    for _ in range(args.layers):
+      for shape, sspec, dspec in _SCALE_LEAVES:
+        h = rng.standard_normal(shape).astype(np.float32)
+        src = NamedSharding(stage, P(*sspec))
+        hosts.append(h)
+        xs.append(jax.make_array_from_callback(shape, src, lambda i, h=h: h[i],
+                                               dtype=h.dtype))
+        dsts.append(NamedSharding(gen, P(*dspec)))
+  t0 = time.perf_counter()
+  ys = jax_m2n.reshard(xs, dsts)
+  jax.block_until_ready(ys)
+  first_s = time.perf_counter() - t0
+  ok = all(_check(y, h) for y, h in zip(ys, hosts))
+  cpu, wall = [], []
+
+  def once(i):
+    c0 = time.process_time()
+    t = time.perf_counter()
+    jax.block_until_ready(jax_m2n.reshard(xs, dsts))
+    wall.append(time.perf_counter() - t)
+    cpu.append(time.process_time() - c0)
+  _, kv_ops = _per_call(lambda: _timed(jax, kv, f"scale/{n}", args.iters, args.warmup,
+                                       once), args.iters + args.warmup)
+  received = sum(s.data.nbytes for y in ys for s in y.addressable_shards)
+  _emit(part="scale", processes=n, devices=args.devices, pid=pid, ok=bool(ok),
+        leaves=len(xs), first_s=first_s, repeat_cpu_ms=1e3 * float(np.mean(cpu[args.warmup:])),
+        repeat_wall_ms=1e3 * float(np.mean(wall[args.warmup:])),
+        kv_ops=kv_ops, received_bytes=int(received))
+  return 0
+
+
+def run_scale(out_dir: str, processes: Sequence[int] = (1, 4), devices: int = 16,
+              layers: int = 4, iters: int = 5, warmup: int = 2, timeout_s: float = 1200,
+              echo=print) -> int:
+  """The scale part alone: `worker_scale` at each process count (the same per-process
+  devices, layers and shard bytes); writes OUT_DIR/multiprocess_scale.{json,md}."""
+  os.makedirs(out_dir, exist_ok=True)
+  rows, errors = [], []
+  for n in processes:
+    echo(f"multiprocess scale: {n} process(es) x {devices} devices ...")
+    try:
+      rows += launch("scale", n, ["--devices", str(devices), "--layers", str(layers),
+                                  "--iters", str(iters), "--warmup", str(warmup)],
+                     timeout_s, out_dir)
+    except RuntimeError as e:
+      errors.append(str(e))
+  lines = ["| processes x devices | leaves | per-process repeat call: CPU ms (max over "
+           "processes) / wall ms | first call s | KV ops per call | bytes received per "
+           "process | bitwise |", "| --- | --- | --- | --- | --- | --- | --- |"]
+  table = []
+  for n in processes:
+    mine = [r for r in rows if r["processes"] == n]
+    if not mine:
+      continue
+    row = {"processes": n, "devices": devices, "leaves": mine[0]["leaves"],
+           "repeat_cpu_ms": max(r["repeat_cpu_ms"] for r in mine),
+           "repeat_wall_ms": max(r["repeat_wall_ms"] for r in mine),
+           "first_s": max(r["first_s"] for r in mine),
+           "kv_ops": max(r["kv_ops"] for r in mine),
+           "received_bytes": max(r["received_bytes"] for r in mine),
+           "ok": all(r["ok"] for r in mine)}
+    table.append(row)
+    lines.append(f"| {n} x {devices} | {row['leaves']} | {row['repeat_cpu_ms']:.1f} / "
+                 f"{row['repeat_wall_ms']:.1f} | {row['first_s']:.2f} | "
+                 f"{row['kv_ops']:.1f} | {row['received_bytes']} | {row['ok']} |")
+  if len(table) >= 2:
+    lines.append(f"\nper-process repeat CPU time, {table[-1]['processes']} processes "
+                 f"against {table[0]['processes']}: "
+                 f"{table[-1]['repeat_cpu_ms'] / table[0]['repeat_cpu_ms']:.2f}x")
+  text = "\n".join(lines)
+  echo(text)
+  for e in errors:
+    echo("multiprocess scale error: " + e[-3000:])
+  with open(os.path.join(out_dir, "multiprocess_scale.json"), "w") as f:
+    json.dump({"schema": SCHEMA, "rows": table, "raw": rows, "iters": iters,
+               "warmup": warmup, "layers": layers, "errors": errors}, f, indent=1)
+  with open(os.path.join(out_dir, "multiprocess_scale.md"), "w") as f:
+    f.write(text + "\n")
+  return 1 if errors or not all(r["ok"] for r in table) else 0
 
 
 def worker_fig4(args) -> int:
@@ -392,7 +507,7 @@ def run_suite(out_dir: str, size_mib: float | Sequence[float] = 64, iters: int =
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--worker", choices=("engine", "fig4"))
+  ap.add_argument("--worker", choices=("engine", "fig4", "scale"))
   ap.add_argument("--pid", type=int, default=0)
   ap.add_argument("--n", type=int, default=2)
   ap.add_argument("--coordinator", default="")
@@ -400,12 +515,19 @@ def main(argv=None) -> int:
   timing.add_loop_flags(ap, iters=5, warmup=2)
   ap.add_argument("--out_dir", default="/tmp/jax_m2n_bench")
   ap.add_argument("--r_d", default="2,3", help="Figure 4's r_d values (the launcher).")
+  ap.add_argument("--scale", default="", help="Only the scale part at these process "
+                  "counts (e.g. 1,4): per-process host time of a repeated call.")
+  ap.add_argument("--devices", type=int, default=16, help="Devices per process (scale).")
+  ap.add_argument("--layers", type=int, default=4, help="Layers per process (scale).")
   args = ap.parse_args(argv)
   if args.worker:
-    rc = {"engine": worker_engine, "fig4": worker_fig4}[args.worker](args)
+    rc = {"engine": worker_engine, "fig4": worker_fig4,
+          "scale": worker_scale}[args.worker](args)
     sys.stdout.flush()
     from jax_m2n._src import jax_compat
     kv = jax_compat.distributed_client()
+    if kv is None:  # one process (the scale part's baseline): no job to leave
+      os._exit(rc)
     kv.wait_at_barrier("bench/end", 120_000)
     # Process 0 hosts the coordination service and leaves last: a worker still talking
     # to it when it goes is ended by JAX ("the leader task died").
@@ -417,6 +539,9 @@ def main(argv=None) -> int:
         time.sleep(0.05)
       time.sleep(0.2)
     os._exit(rc)  # no shutdown barrier: the launcher collects every worker's output
+  if args.scale:
+    return run_scale(args.out_dir, [int(n) for n in args.scale.split(",")],
+                     args.devices, args.layers, args.iters, args.warmup)
   return run_suite(args.out_dir, [float(s) for s in args.size_mib.split(",")],
                    args.iters, args.warmup,
                    r_ds=tuple(int(r) for r in args.r_d.split(",")))

@@ -38,10 +38,17 @@ DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"
 
 def dtype_of(name: str) -> np.dtype:
   """A dtype named in a message; refuses names outside DTYPES."""
+  got = _DTYPE_OF.get(name) if isinstance(name, str) else None
+  if got is not None:
+    return got
   if name not in DTYPES:
     raise ProtocolError(f"manifest: dtype must be one of {DTYPES}; got "
                         f"{messages._short(name)}.")
-  return np.dtype(jax.numpy.dtype(name))
+  got = _DTYPE_OF[name] = np.dtype(jax.numpy.dtype(name))
+  return got
+
+
+_DTYPE_OF: dict[str, np.dtype] = {}  # a 20,000-leaf manifest names a few dtypes
 
 
 def wire_field(body: dict[str, Any], op: str, leaves: int) -> dict[int, np.dtype]:
@@ -258,6 +265,7 @@ def from_json(body: Any) -> Manifest:
       parsed.append(tuple((b[i], b[i + 1]) for i in range(0, len(b), 2)))
     layouts.append((tuple(ds), tuple(parsed)))
   leaves = []
+  inside: set[tuple[int, tuple[int, ...]]] = set()
   for entry in _entries(body, "leaves", "a leaf", "[path, shape, dtype, layout]"):
     path, shape, dtype, k = entry
     if not isinstance(path, list) or len(path) > 64 or not all(
@@ -267,12 +275,15 @@ def from_json(body: Any) -> Manifest:
     dtype_of(dtype)
     if type(k) is not int or not 0 <= k < len(layouts):
       raise ProtocolError("manifest: a leaf must name a listed layout.")
-    for box in layouts[k][1]:
-      if len(box) != len(shape) or any(not 0 <= lo <= hi <= s
-                                        for (lo, hi), s in zip(box, shape)):
-        raise ProtocolError(f"manifest: every box must lie inside its leaf's shape "
-                            f"{tuple(shape)}; got {box}.")
-    leaves.append(Leaf(tuple(path), tuple(shape), dtype, k))
+    shape = tuple(shape)
+    if (k, shape) not in inside:  # leaves of one layout and shape: checked once
+      for box in layouts[k][1]:
+        if len(box) != len(shape) or any(not 0 <= lo <= hi <= s
+                                          for (lo, hi), s in zip(box, shape)):
+          raise ProtocolError(f"manifest: every box must lie inside its leaf's shape "
+                              f"{shape}; got {box}.")
+      inside.add((k, shape))
+    leaves.append(Leaf(tuple(path), shape, dtype, k))
   m = Manifest(tuple(leaves), tuple(layouts), tuple(devices),
                tuple(tuple(p) for p in processes), body.get("skeleton"))
   return dataclasses.replace(m, id=digest(m.to_json()))

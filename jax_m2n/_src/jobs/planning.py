@@ -127,9 +127,10 @@ def plan_pull(manifest: Manifest, dsts: tuple[Sharding, ...], outs: tuple[np.dty
       "pytree structure": [l.path for l in manifest.leaves],
       "shapes": [l.shape for l in manifest.leaves],
       "dtypes": [l.dtype for l in manifest.leaves],
-      "destination dtypes": [str(o) for o in outs],
+      "destination dtypes": sequence.distinct(outs, str),
       "source shardings": manifest.id,
-      "destination shardings": [tuple(l.shards()) for l in call.dst_layouts],
+      "destination shardings": sequence.distinct(call.dst_layouts,
+                                                 lambda l: tuple(l.shards())),
       "route": route, "topology": repr(topology), "chunk_bytes": None})
   return PullPlan(plan, tuple(published), wire, tuple(np.dtype(o) for o in outs), dsts,
                   process_of, participants, waves, requests, fingerprint)

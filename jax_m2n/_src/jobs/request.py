@@ -103,8 +103,11 @@ class PullRequest:
     return any(s is not None for s in self.specs)
 
 
-def _is_dst_leaf(v: Any) -> bool:
-  return checks.is_dst_leaf(v) or isinstance(v, jax.Array)
+_DST_LEAF_TYPES = checks.DST_TYPES + (jax.Array,)
+
+
+def _is_dst_leaf(v: Any) -> bool:  # checks.is_dst_leaf, or an array (one isinstance)
+  return v is None or isinstance(v, _DST_LEAF_TYPES)
 
 
 def _as_struct(v: Any) -> Any:
@@ -119,7 +122,9 @@ def _published(api: str, m: Manifest, dst: Any) -> tuple[Any, Any, Callable]:
   of, its treedef, and how to build the result from the delivered leaves: dst's own
   structure where dst is the whole tree with the published key paths (how custom
   nodes such as flax's State come back), else the published skeleton's."""
-  structs = [jax.ShapeDtypeStruct(l.shape, manifest_lib.dtype_of(l.dtype))
+  made: dict[tuple, jax.ShapeDtypeStruct] = {}  # one per (shape, dtype), shared
+  structs = [made.get((l.shape, l.dtype)) or made.setdefault(
+      (l.shape, l.dtype), jax.ShapeDtypeStruct(l.shape, manifest_lib.dtype_of(l.dtype)))
              for l in m.leaves]
   flat, treedef = jax.tree_util.tree_flatten_with_path(dst, is_leaf=_is_dst_leaf)
   if len(flat) == len(m.leaves) and all(
@@ -192,6 +197,8 @@ def pull_request(api: str, m: Manifest, dst: Any, dtype: Any, donate: Any,
       api, "dst", jax.tree.map(_as_struct, dst, is_leaf=_is_dst_leaf), tree, treedef, n,
       PUBLISHED)
   outs, resolved, shardings = [], [], []
+  checked: dict[tuple, Sharding] = {}
+  named: set[np.dtype] = set()
   for t, (leaf, spec, d) in enumerate(zip(m.leaves, specs, dsts)):
     published = manifest_lib.dtype_of(leaf.dtype)
     if isinstance(spec, quantize.Quantize):
@@ -200,9 +207,11 @@ def pull_request(api: str, m: Manifest, dst: Any, dtype: Any, donate: Any,
     else:
       resolved.append(None)
       out = published if spec is None else np.dtype(jax.dtypes.canonicalize_dtype(spec))
-      if out.name not in manifest_lib.DTYPES:
-        raise ReshardTypeError(f"{api}: dtype must be one of {manifest_lib.DTYPES}; got "
-                               f"{out} for {names()[t]}.")
+      if out not in named:  # (a dtype's name costs more than the rest of the check)
+        if out.name not in manifest_lib.DTYPES:
+          raise ReshardTypeError(f"{api}: dtype must be one of {manifest_lib.DTYPES}; "
+                                 f"got {out} for {names()[t]}.")
+        named.add(out)
     if d is None:
       raise ReshardTypeError(
           f"{api}: the destination of {names()[t]} must be a Sharding, a Device, a "
@@ -210,8 +219,14 @@ def pull_request(api: str, m: Manifest, dst: Any, dtype: Any, donate: Any,
           "(a pull has no layout to keep).")
     if isinstance(d, jax.ShapeDtypeStruct) and d.dtype != out:  # an array's dtype:
       d = jax.ShapeDtypeStruct(d.shape, out, sharding=d.sharding)  # its shape counts
-    shardings.append(checks.check_destination(api, checks.LazyName(names, t), d,
-                                              leaf.shape, out, device_memory=True))
+    key = (d, leaf.shape, out) if isinstance(d, (Sharding, jax.ShapeDtypeStruct)) else None
+    got = checked.get(key) if key is not None else None
+    if got is None:  # the rules are pure in (d, shape, dtype): once per distinct
+      got = checks.check_destination(api, checks.LazyName(names, t), d, leaf.shape, out,
+                                     device_memory=True)
+      if key is not None:
+        checked[key] = got
+    shardings.append(got)
     outs.append(out)
   check_fits(api, m, shardings, outs)
   request = PullRequest(m, tuple(shardings), tuple(outs), tuple(resolved), donated,
@@ -232,11 +247,14 @@ def check_fits(api: str, m: Manifest, shardings, outs) -> None:
   announces absurd sizes is refused here, before any request or allocation."""
   need: dict[Any, int] = collections.Counter()
   largest = (0, -1)
+  count: dict[tuple, list[int]] = {}  # per distinct (sharding, shape, dtype): its leaves
   for t, (leaf, sharding, out) in enumerate(zip(m.leaves, shardings, outs)):
-    nbytes = int(np.prod(sharding.shard_shape(leaf.shape), dtype=object)) * out.itemsize
+    count.setdefault((sharding, leaf.shape, out), []).append(t)
+  for (sharding, shape, out), ts in count.items():
+    nbytes = int(np.prod(sharding.shard_shape(shape), dtype=object)) * out.itemsize
     for d in sharding.addressable_devices:
-      need[d] += nbytes
-    largest = max(largest, (nbytes, t))
+      need[d] += nbytes * len(ts)
+    largest = max(largest, (nbytes, ts[-1]))
   holds = {d: (d.memory_stats() or {}).get("bytes_limit") for d in need
            if d.platform != "cpu"}
   host = sum(n for d, n in need.items() if d.platform == "cpu")

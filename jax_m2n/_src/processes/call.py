@@ -74,10 +74,10 @@ class CrossProcessReshard:
     self.network_bytes = transfer_engine.network_bytes(self.plan, process_of)
     self.fingerprint = sequence.fingerprint({
         "pytree structure": str(treedef) if treedef is not None else len(call.shapes),
-        "shapes": self.shapes, "dtypes": [str(d) for d in call.dtypes],
-        "destination dtypes": [str(d) for d in call.out_dtypes],
-        "source shardings": [_layout_key(l) for l in self.src_layouts],
-        "destination shardings": [_layout_key(l) for l in self.dst_layouts],
+        "shapes": self.shapes, "dtypes": sequence.distinct(call.dtypes, str),
+        "destination dtypes": sequence.distinct(call.out_dtypes, str),
+        "source shardings": sequence.distinct(self.src_layouts, _layout_key),
+        "destination shardings": sequence.distinct(self.dst_layouts, _layout_key),
         "route": options.route, "topology": repr(topo),
         "chunk_bytes": self.plan.chunking})
     self.waves = (transfer_engine.waves_of(self.plan, self.me, process_of)

@@ -52,6 +52,22 @@ def fingerprint(fields: dict[str, Any]) -> str:
   return ".".join(parts)
 
 
+def distinct(values: Sequence[Any], key: Callable[[Any], Any]) -> tuple[list, list[int]]:
+  """A fingerprint field of one entry per leaf, spelled compactly: the distinct
+  `key(v)` (hashable; computed once per distinct value) in first-appearance order and
+  per leaf the index of its key. A function of the keys alone, so equal on every
+  process whose leaves have equal keys; a model's leaves repeat a few layouts."""
+  memo: dict[Any, int] = {}
+  index: dict[Any, int] = {}
+  out = []
+  for v in values:
+    k = memo.get(v)
+    if k is None:
+      k = memo[v] = index.setdefault(key(v), len(index))
+    out.append(k)
+  return list(index), out
+
+
 def mismatch(mine: str, theirs: str) -> list[str]:
   """The FIELDS whose hashes differ between two fingerprints."""
   a, b = mine.split("."), theirs.split(".")

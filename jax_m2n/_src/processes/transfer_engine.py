@@ -11,9 +11,13 @@ bytes that cross processes. It never plans and makes no key-value call itself.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
+import threading
+import weakref
 from typing import Any, Sequence
 
 import jax
@@ -23,7 +27,7 @@ from jax import lax
 from jax_m2n._src import transfer_server
 from jax_m2n._src.errors import ReshardRuntimeError
 from jax_m2n._src.layout import Box, box_size, intersect
-from jax_m2n._src.planner import SRC_SHARD, Plan
+from jax_m2n._src.planner import SRC_SHARD, STAGES, Plan
 
 from jax_m2n._src.errors import API as _API
 
@@ -69,31 +73,167 @@ def waves_of(plan: Plan, me: int, process_of: dict[int, int]) -> list[Wave]:
   (`Plan.chunks`: a chunk runs one step after the chunks it reads, so a leader forwards
   chunk c while chunk c + 1 arrives, the paper's PIPE). A transfer in `whole_transfers`
   moves as one piece, in the step of its first chunk. Every process derives the same
-  waves; a process skips the steps it has no part in."""
-  transfers = plan.transfers
-  whole = whole_transfers(plan)
+  waves; a process skips the steps it has no part in.
+
+  Host work: array operations over the plan's chunks, then a loop over this process's
+  own chunks only (a process of a 256-device job does not walk the other processes'
+  transfers in Python)."""
+  rows = plan_rows(plan)
+  chunks = plan.chunks
+  transfer = np.asarray(chunks.transfer, np.int64)
+  proc = rows.processes(process_of)
+  ps, pd = proc[0][transfer], proc[1][transfer]
+  sel = np.flatnonzero((ps == me) | (pd == me))
+  whole = rows.whole[transfer[sel]]
+  if whole.any():  # a whole transfer moves once, with its first chunk (step order)
+    at = np.flatnonzero(whole)
+    _, first = np.unique(transfer[sel[at]], return_index=True)
+    keep = ~whole
+    keep[at[first]] = True
+    sel, whole = sel[keep], whole[keep]
+  with _gc_paused():
+    return _own_waves(plan, chunks, rows, transfer, sel, whole, ps, pd, me)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+  """The cyclic collector off while a loop makes objects by the hundred thousand (a
+  process's ops of a 256-device plan): each of its passes walks every object alive,
+  and they took 3x the loop's own time there."""
+  was = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if was:
+      gc.enable()
+
+
+def _own_waves(plan, chunks, rows, transfer, sel, whole, ps, pd, me) -> list[Wave]:
+  """waves_of's loop over this process's chunks (`sel`)."""
+  tensor = np.asarray(chunks.tensor, np.int64)[sel]
+  boxes = _chunk_boxes(plan, chunks, tensor, np.asarray(chunks.index)[sel], whole,
+                       transfer[sel] - rows.offsets[tensor])
+  g = transfer[sel]
   by_step: dict[int, Wave] = {}
-  for chunk in plan.chunks:
-    x = transfers[chunk.transfer]
-    ps, pd = process_of[x.src], process_of[x.dst]
-    if me not in (ps, pd):
-      continue
-    box = chunk.box
-    if chunk.transfer in whole:
-      if whole[chunk.transfer]:
-        continue  # its first chunk carried the whole box
-      whole[chunk.transfer], box = True, x.box
-    op = Op(x.tensor, x.src, x.dst, x.src_kind, x.dst_kind, box, x.stage)
-    w = by_step.get(chunk.step)
+  for t, s, d, sk, dk, st, box, step, a, b in zip(
+      tensor.tolist(), rows.src[g].tolist(), rows.dst[g].tolist(),
+      rows.src_kind[g].tolist(), rows.dst_kind[g].tolist(), rows.stage[g].tolist(), boxes,
+      np.asarray(chunks.step)[sel].tolist(), ps[sel].tolist(), pd[sel].tolist()):
+    op = Op(t, s, d, sk, dk, box, STAGES[st])
+    w = by_step.get(step)
     if w is None:
-      w = by_step[chunk.step] = Wave(chunk.step)
-    if ps == pd:
+      w = by_step[step] = Wave(step)
+    if a == b:
       w.local.append(op)
-    elif ps == me:
-      w.sends.setdefault(pd, []).append(op)
+    elif a == me:
+      w.sends.setdefault(b, []).append(op)
     else:
-      w.recvs.setdefault(ps, []).append(op)
+      w.recvs.setdefault(a, []).append(op)
   return [by_step[k] for k in sorted(by_step)]
+
+
+def _chunk_boxes(plan: Plan, chunks: Any, tensor: np.ndarray, index: np.ndarray,
+                 whole: np.ndarray, local: np.ndarray) -> list[Box]:
+  """The boxes of the chunks selected (their tensors, chunk indices in the tensor's
+  `TensorChunks`): a whole transfer's box (`local`: its index in the tensor's
+  transfers), else the chunk's; gathered per distinct route (the tensors of one
+  layout share their chunks), not per tensor."""
+  out: list[Any] = [None] * len(tensor)
+  if not len(tensor):
+    return out
+  group: dict[int, int] = {}
+  first: list[int] = []
+  for t, part in enumerate(chunks.parts):
+    g = group.setdefault(id(part), len(group))
+    if g == len(first):
+      first.append(t)
+  of_tensor = np.array([group[id(part)] for part in chunks.parts], np.int64)[tensor]
+  order = np.argsort(of_tensor, kind="stable")
+  cuts = np.flatnonzero(np.diff(of_tensor[order])) + 1
+  for pos in np.split(order, cuts):
+    t = first[int(of_tensor[pos[0]])]
+    part, tr = chunks.parts[t], plan.tensors[t].transfers
+    rank = part.rank
+    k = index[pos]
+    lo, hi = part.lo[k, :rank].tolist(), part.hi[k, :rank].tolist()
+    boxes, box_of = tr.boxes, tr.box
+    for p, wi, li, l, h in zip(pos.tolist(), whole[pos].tolist(), local[pos].tolist(),
+                               lo, hi):
+      out[p] = boxes[box_of[li]] if wi else tuple(zip(l, h))
+  return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlanRows:
+  """A plan's transfers as global columns (tensor after tensor), built once per plan:
+  what `waves_of` and `network_bytes` select this process's rows from."""
+
+  offsets: np.ndarray   # (tensors + 1,) first global transfer of each tensor
+  src: np.ndarray       # (transfers,) device ids
+  dst: np.ndarray
+  src_kind: np.ndarray
+  dst_kind: np.ndarray
+  stage: np.ndarray     # index into STAGES
+  whole: np.ndarray     # (transfers,) bool: moved whole (`whole_transfers`)
+  nbytes: np.ndarray    # (transfers,) bytes (int64, or Python ints: Transfers.nbytes)
+
+  def processes(self, process_of: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per transfer, the process of its source and of its destination device."""
+    key = tuple(sorted(process_of.items()))
+    cached = self.__dict__.get("_processes")
+    if cached is not None and cached[0] == key:
+      return cached[1]
+    ids = np.array([k for k, _ in key], np.int64)
+    procs = np.array([v for _, v in key], np.int64)
+    out = []
+    for devs in (self.src, self.dst):
+      at = np.searchsorted(ids, devs)
+      if len(devs) and (at.max() >= len(ids) or (ids[at] != devs).any()):
+        missing = sorted(set(devs.tolist()) - set(ids.tolist()))[0]
+        raise KeyError(missing)
+      out.append(procs[at] if len(devs) else np.zeros(0, np.int64))
+    object.__setattr__(self, "_processes", (key, tuple(out)))
+    return out[0], out[1]
+
+
+_rows_cache: "weakref.WeakKeyDictionary[Plan, PlanRows]" = weakref.WeakKeyDictionary()
+_rows_lock = threading.Lock()
+
+
+def plan_rows(plan: Plan) -> PlanRows:
+  """The global columns of `plan` (cached per plan object)."""
+  with _rows_lock:
+    rows = _rows_cache.get(plan)
+  if rows is not None:
+    return rows
+  per: dict[int, tuple] = {}  # per distinct Transfers (tensors of one layout share one)
+  cols: list[tuple] = []
+  for tp in plan.tensors:
+    tr = tp.transfers
+    c = per.get(id(tr), (None, None))
+    if c[0] is not tr or c[1] != tp.itemsize:
+      parent = np.asarray(tr.parent)
+      read = np.zeros(len(tr), bool)
+      read[parent[parent >= 0]] = True
+      for ps in tr.extra_parents.values():
+        read[list(ps)] = True
+      c = per[id(tr)] = (tr, tp.itemsize, (parent < 0) & ~read,
+                         np.asarray(tr.nbytes(tp.itemsize), np.int64))
+    cols.append((tr, c[2], c[3]))
+  cat = lambda xs, dt: (np.concatenate(xs).astype(dt, copy=False) if xs  # noqa: E731
+                        else np.zeros(0, dt))
+  counts = np.array([len(tr) for tr, _, _ in cols], np.int64)
+  rows = PlanRows(
+      np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+      cat([tr.src for tr, _, _ in cols], np.int64), cat([tr.dst for tr, _, _ in cols], np.int64),
+      cat([tr.src_kind for tr, _, _ in cols], np.int64),
+      cat([tr.dst_kind for tr, _, _ in cols], np.int64),
+      cat([tr.stage for tr, _, _ in cols], np.int64), cat([w for _, w, _ in cols], bool),
+      np.concatenate([n for _, _, n in cols]) if cols else np.zeros(0, np.int64))
+  with _rows_lock:
+    _rows_cache[plan] = rows
+  return rows
 
 
 def whole_transfers(plan: Plan) -> dict[int, bool]:
@@ -103,31 +243,14 @@ def whole_transfers(plan: Plan) -> dict[int, bool]:
   a transport's staging; the transfer server streams any size), and each would cost a
   slice on the sender and an assembly copy on the receiver: a 256 MiB copy between two
   processes took 1.6-1.8x the raw pull of the same bytes on 2 cores that way."""
-  out: dict[int, bool] = {}
-  offset = 0
-  for tp in plan.tensors:
-    tr = tp.transfers
-    parent = np.asarray(tr.parent)
-    read = set(parent[parent >= 0].tolist())
-    for ps in tr.extra_parents.values():
-      read.update(ps)
-    out.update((offset + i, False) for i in np.flatnonzero(parent < 0).tolist()
-               if i not in read)
-    offset += len(tr)
-  return out
+  return dict.fromkeys(np.flatnonzero(plan_rows(plan).whole).tolist(), False)
 
 
 def network_bytes(plan: Plan, process_of: dict[int, int]) -> int:
   """Bytes of the plan's transfers between devices of different processes."""
-  total = 0
-  for tp in plan.tensors:
-    tr = tp.transfers
-    if not len(tr):
-      continue
-    ps = np.array([process_of[int(s)] for s in tr.src.tolist()])
-    pd = np.array([process_of[int(d)] for d in tr.dst.tolist()])
-    total += int(np.asarray(tr.nbytes(tp.itemsize))[ps != pd].sum())
-  return total
+  rows = plan_rows(plan)
+  ps, pd = rows.processes(process_of)
+  return int(rows.nbytes[ps != pd].sum())
 
 
 @functools.lru_cache(maxsize=1024)
