@@ -99,9 +99,11 @@ def wire_itemsizes(dtypes, out_dtypes=None) -> tuple[list[int], tuple | None]:
 
 def _tmp_devices(tp) -> frozenset:
   """Devices that hold a full-tensor workspace buffer of `tp` (cached on `tp`)."""
-  return chunks_lib.derived(tp, "tmp_devices", lambda tp: frozenset(
-      dev for x in tp.transfers
-      for dev, kind in ((x.src, x.src_kind), (x.dst, x.dst_kind)) if kind == FULL_TMP))
+  def build(tp):
+    xs = tp.transfers
+    return frozenset(np.concatenate([xs.src[xs.src_kind == FULL_TMP],
+                                     xs.dst[xs.dst_kind == FULL_TMP]]).tolist())
+  return chunks_lib.derived(tp, "tmp_devices", build)
 
 
 @functools.lru_cache(maxsize=256)
@@ -164,36 +166,38 @@ def _contiguous_rows(extent: np.ndarray, dims: np.ndarray) -> np.ndarray:
   return ~((extent != dims) & later).any(axis=1)
 
 
+def _geometry_columns(tp, dev: np.ndarray, kind: np.ndarray):
+  """(origin, dims) rows of the buffers (`dev`, `kind`) of `tp`: one geometry per
+  distinct pair (a route repeats few buffers over many transfers)."""
+  pairs, inverse = np.unique(dev.astype(np.int64) * 3 + kind, return_inverse=True)
+  geo = [_buffer_geometry(tp, int(p) // 3, int(p) % 3) for p in pairs.tolist()]
+  origin = np.array([g[0] for g in geo], np.int64).reshape(len(geo), MAX_RANK)
+  dims = np.array([g[1] for g in geo], np.int64).reshape(len(geo), MAX_RANK)
+  inverse = inverse.reshape(-1)
+  return origin[inverse], dims[inverse]
+
+
 def _build_tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
   tc = chunks_lib.tensor_chunks(tp, chunk_bytes)
   xs = tp.transfers
-  geometry = {}
-  def geo(dev, kind):
-    key = (dev, kind)
-    if key not in geometry:
-      geometry[key] = _buffer_geometry(tp, dev, kind)
-    return geometry[key]
-  src_geo = [geo(x.src, x.src_kind) for x in xs]
-  dst_geo = [geo(x.dst, x.dst_kind) for x in xs]
-  shape = (len(xs), MAX_RANK)
-  s_origin = np.array([g[0] for g in src_geo], np.int64).reshape(shape)[tc.transfer]
-  s_dims = np.array([g[1] for g in src_geo], np.int64).reshape(shape)[tc.transfer]
-  d_origin = np.array([g[0] for g in dst_geo], np.int64).reshape(shape)[tc.transfer]
-  d_dims = np.array([g[1] for g in dst_geo], np.int64).reshape(shape)[tc.transfer]
-  fixed = np.array([(STAGE_CODES[x.stage], x.src, x.src_kind, x.dst, x.dst_kind)
-                    for x in xs], np.int64).reshape(len(xs), 5)[tc.transfer]
+  src = xs.src.astype(np.int64)[tc.transfer]
+  dst = xs.dst.astype(np.int64)[tc.transfer]
+  src_kind = xs.src_kind.astype(np.int64)[tc.transfer]
+  dst_kind = xs.dst_kind.astype(np.int64)[tc.transfer]
+  s_origin, s_dims = _geometry_columns(tp, src, src_kind)
+  d_origin, d_dims = _geometry_columns(tp, dst, dst_kind)
   n = len(tc.step)
   rows = np.full((n, OP_WIDTH), -1, np.int64)
   rows[:, 0] = tc.step
-  rows[:, 1] = fixed[:, 0]
+  rows[:, 1] = xs.stage[tc.transfer]  # STAGES order: the format's stage codes
   rows[:, 2] = 0
-  rows[:, 3:5] = fixed[:, 1:3]
-  rows[:, 6:8] = fixed[:, 3:5]
+  rows[:, 3], rows[:, 4] = src, src_kind
+  rows[:, 6], rows[:, 7] = dst, dst_kind
   extent = tc.hi - tc.lo
   rows[:, OP_FIXED::3] = extent
   rows[:, OP_FIXED + 1::3] = tc.lo - s_origin
   rows[:, OP_FIXED + 2::3] = tc.lo - d_origin
-  cross = fixed[:, 1] != fixed[:, 3]
+  cross = src != dst
   src_pack = cross & ~_contiguous_rows(extent, s_dims)
   dst_pack = cross & ~_contiguous_rows(extent, d_dims)
   nbytes = -(-(np.prod(extent, axis=1) * tp.itemsize) // ALIGN) * ALIGN
@@ -230,76 +234,143 @@ def _repack_for_types(types, tensor, src_kind, dst_kind, cross, src_pack, dst_pa
           dst_pack | (cross & converting & (type_of(dst_kind) != wire)))
 
 
-@functools.lru_cache(maxsize=256)
-def _ops(plan: Plan, staging: bool, types: tuple | None = None
-         ) -> tuple[np.ndarray, dict[int, int], int, np.ndarray]:
-  """All ops of a plan (n_ops x OP_WIDTH), workspace bytes per device, step count, and
-  the SPMD encoding, whose tail the ops are (built in place: one large allocation).
-  `types`: per tensor (src_type, dst_type) codes, None when nothing converts; the plan's
-  itemsizes are then the wire itemsizes."""
+def _index_dtype(n: int):
+  return np.int32 if n < (1 << 31) else np.int64
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Table:
+  """A plan's ops for one (staging, types), kept per device: what `encode` needs to
+  write any device's rows in O(its rows), built once by array arithmetic.
+
+  `base` holds the rows of each distinct TensorPlan once (tensor-local steps, slots and
+  packs unset); the op `i` of the plan (step order) is row `part_start[tensor[i]] +
+  index[i]` of it, with its plan step, tensor, slots and packs filled in by `_rows`.
+  `by_device[ptr[j]:ptr[j + 1]]` are the ops that touch the device at position `j` (its
+  source or destination side), in op order.
+  """
+
+  base: np.ndarray          # (rows of the distinct TensorPlans, OP_WIDTH)
+  part_start: np.ndarray    # (n_tensors,) first row of each tensor's part in `base`
+  tensor: np.ndarray        # (n_ops,) per op
+  index: np.ndarray         # (n_ops,) chunk index in the tensor's part
+  step: np.ndarray          # (n_ops,)
+  packs: np.ndarray | None  # (n_ops, 2) src_pack, dst_pack offsets; None: no staging
+  ptr: np.ndarray           # (n_devices + 1,)
+  by_device: np.ndarray     # ops, grouped by device
+  devices: np.ndarray       # (n_devices,) global ids, ascending
+  slots: np.ndarray         # `_slot_table`
+  ws: dict                  # device -> workspace bytes
+  n_steps: int
+  prefix: np.ndarray        # header (n_ops 0), devices, ws, tensors
+
+  def rows(self, ops: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The encoded rows of `ops` (indices in op order), into `out` if given."""
+    tensor = self.tensor[ops]
+    rows = out if out is not None else np.empty((len(ops), OP_WIDTH), np.int64)
+    np.take(self.base, self.part_start[tensor] + self.index[ops], axis=0, out=rows)
+    rows[:, 0] = self.step[ops]
+    rows[:, 2] = tensor
+    for dev_col, kind_col, slot_col in ((3, 4, 5), (6, 7, 8)):
+      position = np.searchsorted(self.devices, rows[:, dev_col])
+      rows[:, slot_col] = self.slots[rows[:, kind_col], tensor, position]
+    if self.packs is not None:
+      rows[:, 9:11] = self.packs[ops]
+    return rows
+
+
+def _group_by_device(src_pos: np.ndarray, dst_pos: np.ndarray, n_devices: int):
+  """(ptr, op, side): every op once per device it touches (the source side, and the
+  destination side where that is another device), grouped by device position, in op
+  order within a device: one stable sort."""
+  n = len(src_pos)
+  key = np.stack([src_pos, dst_pos], axis=1).reshape(-1)
+  keep = np.ones(2 * n, bool)
+  keep[1::2] = dst_pos != src_pos
+  entries = np.flatnonzero(keep)
+  key = key[entries]
+  if n_devices < (1 << 16):
+    key = key.astype(np.uint16)  # numpy sorts 16-bit keys stably by radix
+  order = np.argsort(key, kind="stable")
+  entries = entries[order]
+  ptr = np.zeros(n_devices + 1, np.int64)
+  ptr[1:] = np.cumsum(np.bincount(key, minlength=n_devices))
+  index = _index_dtype(n)
+  return ptr, (entries >> 1).astype(index), (entries & 1).astype(np.int8)
+
+
+@functools.lru_cache(maxsize=64)
+def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
+  """The ops of `plan` per device. `types`: per tensor (src_type, dst_type) codes, None
+  when nothing converts; the plan's itemsizes are then the wire itemsizes."""
   bufs = buffers(plan)
   chunks = plan.chunks
-  parts = [_tensor_ops(tp, plan.chunk_bytes) for tp in plan.tensors]
-  ws = dict(bufs.tmp_bytes)
-  head = _prefix_width(plan)
-  out = np.empty(head + len(chunks) * OP_WIDTH, np.int64)
-  rows = out[head:].reshape(len(chunks), OP_WIDTH)
-  if not len(chunks):
-    out[:head] = _prefix(plan, ws, 0, 0, types)
-    out.flags.writeable = False
-    return rows, ws, 0, out
-  # One scatter per tensor into the sorted position of its chunks (no concatenated copy).
-  position = np.empty_like(chunks.order)
-  position[chunks.order] = np.arange(len(chunks.order))
-  start = 0
-  for p in parts:
-    rows[position[start:start + len(p.rows)]] = p.rows
-    start += len(p.rows)
-  order = chunks.order
-  tensor = chunks.tensor
-  rows[:, 0] = chunks.step
-  rows[:, 2] = tensor
   devices = np.array(plan.devices, np.int64)
-  table = _slot_table(plan, bufs, devices)
-  src_dev = np.concatenate([p.rows[:, 3] for p in parts])[order]
-  dst_dev = np.concatenate([p.rows[:, 6] for p in parts])[order]
-  kinds = []
-  for dev, kind_col, slot_col in ((src_dev, 4, 5), (dst_dev, 7, 8)):
-    kind = np.concatenate([p.rows[:, kind_col] for p in parts])[order]
-    rows[:, slot_col] = table[kind, tensor, np.searchsorted(devices, dev)]
-    kinds.append(kind)
-  if staging:
-    # Pack areas: per (device, step), the op's aligned bytes in op order, the source side
-    # of an op before its destination side (the two sides are on different devices).
-    src_pack = np.concatenate([p.src_pack for p in parts])[order]
-    dst_pack = np.concatenate([p.dst_pack for p in parts])[order]
+  ws = dict(bufs.tmp_bytes)
+  # The distinct TensorPlans' parts, once each.
+  first: dict[int, int] = {}
+  distinct = []
+  for tp in plan.tensors:
+    if id(tp) not in first:
+      first[id(tp)] = sum(len(p.rows) for p in distinct)
+      distinct.append(_tensor_ops(tp, plan.chunk_bytes))
+  part_start = np.array([first[id(tp)] for tp in plan.tensors], np.int64)
+  base = (np.concatenate([p.rows for p in distinct]) if distinct
+          else np.zeros((0, OP_WIDTH), np.int64))
+  tensor, index = chunks.tensor, chunks.index
+  row = part_start[tensor] + index
+  src_pos = np.searchsorted(devices, base[row, 3])
+  dst_pos = np.searchsorted(devices, base[row, 6])
+  ptr, by_device, side = _group_by_device(src_pos, dst_pos, len(devices))
+  packs = None
+  if staging and len(row):
+    packs = np.full((len(row), 2), -1, np.int64)
+    src_pack = np.concatenate([p.src_pack for p in distinct])[row]
+    dst_pack = np.concatenate([p.dst_pack for p in distinct])[row]
     if types is not None:
-      src_pack, dst_pack = _repack_for_types(types, tensor, kinds[0], kinds[1],
-                                             src_dev != dst_dev, src_pack, dst_pack)
-    nbytes = np.concatenate([p.nbytes for p in parts])[order]
-    op = np.concatenate([np.flatnonzero(src_pack), np.flatnonzero(dst_pack)])
-    side = np.repeat([0, 1], [int(src_pack.sum()), int(dst_pack.sum())])
-    dev = np.where(side == 0, src_dev[op], dst_dev[op])
+      src_pack, dst_pack = _repack_for_types(types, tensor, base[row, 4], base[row, 7],
+                                             src_pos != dst_pos, src_pack, dst_pack)
+    # Pack areas: per (device, step), the ops' aligned bytes in op order (an op packs on
+    # at most one side per device: packing ops cross devices).
+    flag = np.where(side == 0, src_pack[by_device], dst_pack[by_device])
+    entries = np.flatnonzero(flag)
+    op, op_side = by_device[entries], side[entries]
+    dev = np.searchsorted(ptr, entries, side="right") - 1
     step = chunks.step[op]
-    sort = np.lexsort((side, op, dev, step))
-    op, side, dev, step = op[sort], side[sort], dev[sort], step[sort]
-    size = nbytes[op]
+    size = np.concatenate([p.nbytes for p in distinct])[row[op]]
     end = np.cumsum(size)
     new_group = np.ones(len(op), bool)
     new_group[1:] = (dev[1:] != dev[:-1]) | (step[1:] != step[:-1])
     group_start = np.maximum.accumulate(np.where(new_group, np.arange(len(op)), 0))
     used = end - size - (end - size)[group_start]
     tmp_bytes = np.array([bufs.tmp_bytes.get(int(d), 0) for d in devices], np.int64)
-    dev_pos = np.searchsorted(devices, dev)
-    rows[op, 9 + side] = used + tmp_bytes[dev_pos]
+    packs[op, op_side] = used + tmp_bytes[dev]
     peak = np.zeros(len(devices), np.int64)
-    np.maximum.at(peak, dev_pos, used + size)
+    np.maximum.at(peak, dev, used + size)
     for j in np.flatnonzero(peak):
       d = int(devices[j])
       ws[d] = ws.get(d, 0) + int(peak[j])
-  out[:head] = _prefix(plan, ws, chunks.n_steps, len(rows), types)
+    packs.flags.writeable = False
+  prefix = _prefix(plan, ws, chunks.n_steps, 0, types)
+  for a in (base, part_start, ptr, by_device, prefix):
+    a.flags.writeable = False
+  return _Table(base, part_start, tensor, index, chunks.step, packs, ptr, by_device,
+                devices, _slot_table(plan, bufs, devices), ws, chunks.n_steps, prefix)
+
+
+@functools.lru_cache(maxsize=16)
+def _spmd(plan: Plan, staging: bool, types: tuple | None = None) -> np.ndarray:
+  """The SPMD encoding (every op), written in place: one large allocation."""
+  table = _table(plan, staging, types)
+  n = len(table.step)
+  head = len(table.prefix)
+  out = np.empty(head + n * OP_WIDTH, np.int64)
+  out[:head] = table.prefix
+  out[5] = n
+  if n:
+    table.rows(np.arange(n), out[head:].reshape(n, OP_WIDTH))
   out.flags.writeable = False
-  return rows, ws, chunks.n_steps, out
+  return out
 
 
 def _prefix_width(plan: Plan) -> int:
@@ -339,7 +410,7 @@ def _check_types(plan: Plan, types):
 def workspace_bytes(plan: Plan, device: int | None = None, staging: bool = False,
                     types=None) -> int:
   """Workspace a device needs (device=None: the largest over devices, for SPMD)."""
-  _, ws, _, _ = _ops(plan, staging, _check_types(plan, types))
+  ws = _table(plan, staging, _check_types(plan, types)).ws
   if device is None:
     return max(ws.values(), default=0)
   return ws.get(device, 0)
@@ -361,14 +432,24 @@ def encode(plan: Plan, device: int | None = None, staging: bool = False,
 
   Returns:
     A read-only 1-D int64 array (docs/schedule_format.md, version 2). The SPMD encoding
-    is cached with the plan and types: repeated calls return the same array.
+    is cached with the plan and types: repeated calls return the same array. A device's
+    costs O(its ops) once the plan's per-device table is built (once per plan, staging
+    and types, by array arithmetic).
   """
   types = _check_types(plan, types)
-  rows, ws, n_steps, spmd = _ops(plan, staging, types)
   if device is None:
-    return spmd  # cached and read-only: shared by every caller
-  rows = rows[(rows[:, 3] == device) | (rows[:, 6] == device)]
-  out = np.concatenate([_prefix(plan, ws, n_steps, len(rows), types), rows.reshape(-1)])
+    return _spmd(plan, staging, types)  # cached and read-only: shared by every caller
+  table = _table(plan, staging, types)
+  j = int(np.searchsorted(table.devices, device))
+  if j < len(table.devices) and table.devices[j] == device:
+    ops = table.by_device[table.ptr[j]:table.ptr[j + 1]]
+  else:
+    ops = table.by_device[:0]
+  head = len(table.prefix)
+  out = np.empty(head + len(ops) * OP_WIDTH, np.int64)
+  out[:head] = table.prefix
+  out[5] = len(ops)
+  table.rows(ops, out[head:].reshape(len(ops), OP_WIDTH))
   out.flags.writeable = False
   return out
 
