@@ -20,11 +20,13 @@ from jax_m2n._src.layout import MAX_RANK
 from jax_m2n._src.planner import chunks as chunks_lib
 from jax_m2n._src.planner import DST_SHARD, FULL_TMP, SRC_SHARD, STAGES, Plan
 
-SCHEDULE_VERSION = 2
+SCHEDULE_VERSION = 3
 MAGIC = 0x4D324E5F  # "M2N_"
 HEADER_WIDTH = 8
 TENSOR_WIDTH = 4 + MAX_RANK  # elem_bytes, rank, dims, src_type, dst_type
 OP_FIXED = 11
+# The decoded op table's width (`decode`); an encoded record holds OP_FIXED + 3 * rank
+# of its tensor's elements (version 3: rank-sized records).
 OP_WIDTH = OP_FIXED + 3 * MAX_RANK
 ALIGN = 256
 
@@ -263,12 +265,13 @@ class _Table:
   ws: dict                  # device -> workspace bytes
   n_steps: int
   prefix: np.ndarray        # header (n_ops 0), devices, ws, tensors
+  width: np.ndarray         # (n_tensors,) record width of each tensor's ops
 
-  def rows(self, ops: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """The encoded rows of `ops` (indices in op order), into `out` if given."""
+  def rows(self, ops: np.ndarray, width: int = OP_WIDTH) -> np.ndarray:
+    """The rows (n, width) of `ops` (indices in op order): their first `width` fields."""
     tensor = self.tensor[ops]
-    rows = out if out is not None else np.empty((len(ops), OP_WIDTH), np.int64)
-    np.take(self.base, self.part_start[tensor] + self.index[ops], axis=0, out=rows)
+    rows = np.take(self.base[:, :width], self.part_start[tensor] + self.index[ops],
+                   axis=0)
     rows[:, 0] = self.step[ops]
     rows[:, 2] = tensor
     for dev_col, kind_col, slot_col in ((3, 4, 5), (6, 7, 8)):
@@ -277,6 +280,34 @@ class _Table:
     if self.packs is not None:
       rows[:, 9:11] = self.packs[ops]
     return rows
+
+  def encode(self, ops: np.ndarray) -> np.ndarray:
+    """The encoding of `ops`: the prefix, then each op's rank-sized record, written
+    per block of ops and per record width (no full-width copy of the ops)."""
+    head = len(self.prefix)
+    width = self.width[self.tensor[ops]]
+    end = head + np.cumsum(width)
+    out = np.empty(int(end[-1]) if len(ops) else head, np.int64)
+    out[:head] = self.prefix
+    out[5] = len(ops)
+    for start in range(0, len(ops), _BLOCK_OPS):
+      block = slice(start, start + _BLOCK_OPS)
+      w_block = width[block]
+      first = int(end[block][0] - w_block[0])
+      if (w_block == w_block[0]).all():  # one width: the records are one slab
+        w = int(w_block[0])
+        out[first:first + w * len(w_block)] = self.rows(ops[block], w).reshape(-1)
+        continue
+      for w in np.unique(w_block).tolist():
+        sel = np.flatnonzero(w_block == w)
+        at = (end[block][sel] - w)[:, None] + np.arange(w)
+        out[at] = self.rows(ops[block][sel], w)
+    out.flags.writeable = False
+    return out
+
+
+# Ops written per block by `_Table.encode` (bounds its temporaries: ~100 MiB).
+_BLOCK_OPS = 1 << 18
 
 
 def _group_by_device(src_pos: np.ndarray, dst_pos: np.ndarray, n_devices: int):
@@ -352,25 +383,19 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
       ws[d] = ws.get(d, 0) + int(peak[j])
     packs.flags.writeable = False
   prefix = _prefix(plan, ws, chunks.n_steps, 0, types)
-  for a in (base, part_start, ptr, by_device, prefix):
+  width = np.array([OP_FIXED + 3 * len(tp.src.shape) for tp in plan.tensors], np.int64)
+  for a in (base, part_start, ptr, by_device, prefix, width):
     a.flags.writeable = False
   return _Table(base, part_start, tensor, index, chunks.step, packs, ptr, by_device,
-                devices, _slot_table(plan, bufs, devices), ws, chunks.n_steps, prefix)
+                devices, _slot_table(plan, bufs, devices), ws, chunks.n_steps, prefix,
+                width)
 
 
 @functools.lru_cache(maxsize=16)
 def _spmd(plan: Plan, staging: bool, types: tuple | None = None) -> np.ndarray:
-  """The SPMD encoding (every op), written in place: one large allocation."""
+  """The SPMD encoding (every op)."""
   table = _table(plan, staging, types)
-  n = len(table.step)
-  head = len(table.prefix)
-  out = np.empty(head + n * OP_WIDTH, np.int64)
-  out[:head] = table.prefix
-  out[5] = n
-  if n:
-    table.rows(np.arange(n), out[head:].reshape(n, OP_WIDTH))
-  out.flags.writeable = False
-  return out
+  return table.encode(np.arange(len(table.step)))
 
 
 def _prefix_width(plan: Plan) -> int:
@@ -390,7 +415,7 @@ def _prefix(plan: Plan, ws: dict[int, int], n_steps: int, n_ops: int,
     if types is not None:
       tensors[t, 2 + MAX_RANK:] = types[t]
   header = np.array([MAGIC, SCHEDULE_VERSION, len(plan.tensors), len(devices), n_steps,
-                     n_ops, OP_WIDTH, MAX_RANK], np.int64)
+                     n_ops, OP_FIXED, MAX_RANK], np.int64)
   return np.concatenate([header, np.array(devices, np.int64),
                          np.array([ws.get(d, 0) for d in devices], np.int64),
                          tensors.reshape(-1)])
@@ -431,7 +456,7 @@ def encode(plan: Plan, device: int | None = None, staging: bool = False,
       (`wire_dtype`): elem_bytes, workspace and staging are wire bytes.
 
   Returns:
-    A read-only 1-D int64 array (docs/schedule_format.md, version 2). The SPMD encoding
+    A read-only 1-D int64 array (docs/schedule_format.md, version 3). The SPMD encoding
     is cached with the plan and types: repeated calls return the same array. A device's
     costs O(its ops) once the plan's per-device table is built (once per plan, staging
     and types, by array arithmetic).
@@ -442,22 +467,23 @@ def encode(plan: Plan, device: int | None = None, staging: bool = False,
   table = _table(plan, staging, types)
   j = int(np.searchsorted(table.devices, device))
   if j < len(table.devices) and table.devices[j] == device:
-    ops = table.by_device[table.ptr[j]:table.ptr[j + 1]]
-  else:
-    ops = table.by_device[:0]
-  head = len(table.prefix)
-  out = np.empty(head + len(ops) * OP_WIDTH, np.int64)
-  out[:head] = table.prefix
-  out[5] = len(ops)
-  table.rows(ops, out[head:].reshape(len(ops), OP_WIDTH))
-  out.flags.writeable = False
-  return out
+    return table.encode(table.by_device[table.ptr[j]:table.ptr[j + 1]])
+  return table.encode(table.by_device[:0])
+
+
+def clear_caches() -> None:
+  """Forgets every cached encoding table, SPMD encoding, digest and buffer slots
+  (benchmarks of cold encoding)."""
+  for cache in (_table, _spmd, _plan_digest, buffers):
+    cache.cache_clear()
 
 
 def decode(schedule: np.ndarray) -> dict:
-  """Inverse of `encode`, for tests and debugging (the C++ decoder is the real one)."""
+  """Inverse of `encode`, for tests and debugging (the C++ decoder is the real one):
+  the ops as a full-width table (n_ops, OP_WIDTH), dims beyond a tensor's rank
+  (extent 1, starts 0)."""
   a = np.asarray(schedule, np.int64)
-  magic, version, n_tensors, n_devices, n_steps, n_ops, op_width, max_rank = a[:8]
+  magic, version, n_tensors, n_devices, n_steps, n_ops, op_fixed, max_rank = a[:8]
   if magic != MAGIC or version != SCHEDULE_VERSION:
     raise ValueError(f"decode: bad magic/version {magic:#x}/{version}.")
   at = HEADER_WIDTH
@@ -465,20 +491,56 @@ def decode(schedule: np.ndarray) -> dict:
   ws = a[at:at + n_devices]; at += n_devices
   tensors = a[at:at + n_tensors * TENSOR_WIDTH].reshape(n_tensors, TENSOR_WIDTH)
   at += n_tensors * TENSOR_WIDTH
-  ops = a[at:at + n_ops * op_width].reshape(n_ops, op_width)
-  at += n_ops * op_width
+  ops = np.zeros((n_ops, OP_WIDTH), np.int64)
+  ops[:, OP_FIXED::3] = 1
+  for i in range(n_ops):
+    width = OP_FIXED + 3 * int(tensors[a[at + 2], 1])
+    ops[i, :width] = a[at:at + width]
+    at += width
   if at != len(a):
     raise ValueError(f"decode: {len(a) - at} trailing elements.")
   return {"version": int(version), "n_steps": int(n_steps), "devices": devices.tolist(),
           "ws": dict(zip(devices.tolist(), ws.tolist())), "tensors": tensors, "ops": ops}
 
 
-def site_key(tag: bytes, sched: np.ndarray, salt: int = 0) -> int:
+def digest(sched: np.ndarray) -> bytes:
+  """A 16-byte hash of one encoding (`encode`'s array, per device or SPMD): a cache key
+  for the program that carries it, compared instead of the whole array."""
+  return hashlib.blake2b(np.ascontiguousarray(sched, np.int64).tobytes(),
+                         digest_size=16).digest()
+
+
+def plan_digest(plan: Plan, staging: bool = False, types=None) -> bytes:
+  """A 16-byte hash of everything every device's encoding of `plan` holds (the shared
+  prefix: header, devices, workspace, tensors; and per op its tensor, chunk, step and,
+  with staging, its pack offsets, over each distinct TensorPlan's rows), without
+  writing the SPMD encoding: the same on every process that plans the same call, and
+  different where any device's encoding differs (it covers the slots too). Cached per
+  plan, staging and types."""
+  return _plan_digest(plan, staging, _check_types(plan, types))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_digest(plan: Plan, staging: bool, types: tuple | None) -> bytes:
+  table = _table(plan, staging, types)
+  h = hashlib.blake2b(digest_size=16)
+  h.update(table.prefix.tobytes())
+  h.update(table.slots.tobytes())
+  h.update(table.base.tobytes())
+  for a in (table.part_start, table.tensor, table.index, table.step):
+    h.update(np.ascontiguousarray(a, np.int64).tobytes())
+  if table.packs is not None:
+    h.update(table.packs.tobytes())
+  return h.digest()
+
+
+def site_key(tag: bytes, sched, salt: int = 0) -> int:
   """A call site's rendezvous key (the custom call's `site` attribute,
   docs/schedule_format.md "Sites and generations"): from the SPMD encoding of its
-  schedule, so equal for every participant of one call and stable across processes."""
+  schedule (an array) or its `plan_digest` (bytes), so equal for every participant of
+  one call and stable across processes."""
   h = hashlib.blake2b(digest_size=8)
   h.update(tag)
   h.update(salt.to_bytes(8, "little", signed=False))
-  h.update(np.ascontiguousarray(sched).tobytes())
+  h.update(sched if isinstance(sched, bytes) else np.ascontiguousarray(sched).tobytes())
   return int.from_bytes(h.digest(), "little") >> 1  # a non-negative int64
