@@ -56,39 +56,43 @@ def chunk_box(box: Box, itemsize: int, limit: int) -> list[Box]:
   return out
 
 
-def _tensor_chunks(transfers, itemsize: int, limit: int) -> list[list[tuple[Box, int]]]:
-  """Per transfer of one tensor: (box, step) of its chunks, steps local to the tensor."""
-  out: list[list[tuple[Box, int]]] = []
+def _tensor_chunks(transfers, itemsize: int, limit: int, rank: int):
+  """Per transfer of one tensor, its chunks as arrays (lo (k, rank), hi (k, rank),
+  step (k,)), steps local to the tensor. A transfer inside its one parent follows the
+  parent's chunks (chunk i reads exactly what parent chunk i wrote: their
+  intersections, one step later); any other is cut by `chunk_box` and each chunk runs
+  one step after the latest parent chunk it meets."""
+  out: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
   read = {p for x in transfers for p in x.parents}
+
+  def arrays(boxes, steps):
+    b = np.array(boxes, np.int64).reshape(len(boxes), rank, 2)
+    return b[:, :, 0], b[:, :, 1], np.asarray(steps, np.int64).reshape(len(boxes))
+
   for i, x in enumerate(transfers):
+    xlo = np.array([lo for lo, _ in x.box], np.int64).reshape(1, rank)
+    xhi = np.array([hi for _, hi in x.box], np.int64).reshape(1, rank)
     if not x.parents:
       size = limit if i in read else LEAF_CHUNK_FACTOR * limit
-      out.append([(b, k) for k, b in enumerate(chunk_box(x.box, itemsize, size))])
+      boxes = chunk_box(x.box, itemsize, size)
+      out.append(arrays(boxes, range(len(boxes))))
       continue
     parent = transfers[x.parents[0]]
     if len(x.parents) == 1 and intersect(parent.box, x.box) == x.box:
-      # Follow the parent's chunks: chunk i reads exactly what parent chunk i wrote.
-      pchunks = out[x.parents[0]]
-      if len(pchunks) == 1:
-        # The one chunk is the parent's whole box, which holds this one.
-        out.append([(x.box, pchunks[0][1] + 1)])
-        continue
-      mine = []
-      for pbox, pstep in pchunks:
-        piece = intersect(pbox, x.box)
-        if piece is not None:
-          mine.append((piece, pstep + 1))
-      out.append(mine)
+      plo, phi, pstep = out[x.parents[0]]
+      lo, hi = np.maximum(plo, xlo), np.minimum(phi, xhi)
+      meets = (lo < hi).all(axis=1)
+      out.append((lo[meets], hi[meets], pstep[meets] + 1))
       continue
-    mine = []
-    for b in chunk_box(x.box, itemsize, limit):
-      step = 0
-      for p in x.parents:
-        for pbox, pstep in out[p]:
-          if intersect(pbox, b) is not None:
-            step = max(step, pstep + 1)
-      mine.append((b, step))
-    out.append(mine)
+    boxes = chunk_box(x.box, itemsize, limit)
+    blo, bhi, _ = arrays(boxes, [0] * len(boxes))
+    step = np.zeros(len(boxes), np.int64)
+    for p in x.parents:
+      plo, phi, pstep = out[p]
+      meets = ((np.maximum(blo[:, None], plo[None]) < np.minimum(bhi[:, None], phi[None]))
+               .all(axis=2))
+      step = np.maximum(step, np.where(meets, pstep[None] + 1, 0).max(axis=1, initial=0))
+    out.append((blo, bhi, step))
   return out
 
 
@@ -185,18 +189,16 @@ def _build_tensor_chunks(tp, limit: int) -> TensorChunks:
     transfer = np.arange(n, dtype=np.int64)
   else:
     # Records once (a list indexes faster than the planner's columns).
-    per_transfer = _tensor_chunks(list(xs), tp.itemsize, limit)
-    transfer = [i for i, cs in enumerate(per_transfer) for _ in cs]
-    step = [s for cs in per_transfer for _, s in cs]
-    n = len(transfer)
-    boxes = np.array([b for cs in per_transfer for b, _ in cs],
-                     np.int64).reshape(n, rank, 2)
+    per_transfer = _tensor_chunks(list(xs), tp.itemsize, limit, rank)
+    counts = np.array([len(st) for _, _, st in per_transfer], np.int64)
+    n = int(counts.sum())
+    transfer = np.repeat(np.arange(len(per_transfer), dtype=np.int64), counts)
+    step = _cat([st for _, _, st in per_transfer]).astype(np.int64).reshape(n)
     lo = np.zeros((n, MAX_RANK), np.int64)
     hi = np.ones((n, MAX_RANK), np.int64)
-    lo[:, :rank] = boxes[:, :, 0]
-    hi[:, :rank] = boxes[:, :, 1]
-    transfer = np.array(transfer, np.int64).reshape(n)
-    step = np.array(step, np.int64).reshape(n)
+    if n:
+      lo[:, :rank] = np.concatenate([a for a, _, _ in per_transfer]).reshape(n, rank)
+      hi[:, :rank] = np.concatenate([b for _, b, _ in per_transfer]).reshape(n, rank)
   length = int(step.max()) + 1 if n else 0
   # Bytes per (device, local step) of non-local chunks: the tensor's footprint.
   src = tp.transfers.src.astype(np.int64)[transfer]
