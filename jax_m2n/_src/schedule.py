@@ -270,8 +270,7 @@ class _Table:
   def rows(self, ops: np.ndarray, width: int = OP_WIDTH) -> np.ndarray:
     """The rows (n, width) of `ops` (indices in op order): their first `width` fields."""
     tensor = self.tensor[ops]
-    rows = np.take(self.base[:, :width], self.part_start[tensor] + self.index[ops],
-                   axis=0)
+    rows = self.base[self.part_start[tensor] + self.index[ops], :width]
     rows[:, 0] = self.step[ops]
     rows[:, 2] = tensor
     for dev_col, kind_col, slot_col in ((3, 4, 5), (6, 7, 8)):
