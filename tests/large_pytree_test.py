@@ -1,22 +1,37 @@
-"""A large pytree's first call (issue 26): leaves of one layout are moved in groups of
-at most eager.cache._GROUP_LEAVES, and each group layout's programs are built once,
-not one program per device over every leaf (whose compile grew with the leaf count:
-2,000 leaves took 4.4 s against 0.30 s for jax.device_put). The results, donation and
-the repeated call (fast path) are checked against jax.device_put; the time itself is
-scripts/first_call.py's."""
+"""Large pytrees: one reshard call is one program per participating device over every
+leaf (no groups of leaves, no change at 64/65 leaves), compiled once per (device's
+schedule, buffers) and reused by every later build of the same layouts, also another
+pytree's. Results, donation, a delegated leaf and the repeated call (fast path) are
+checked bitwise against jax.device_put; compiles are counted with jax.monitoring's
+backend-compile events (timings are the scale suite's: jax_m2n/bench/scale.py)."""
 
 import jax
+import jax.monitoring
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
 from jax_m2n._src import eager, fast_path
+from jax_m2n._src.eager import programs
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles: list[str] = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **_: _compiles.append(event) if event == _COMPILE_EVENT
+    else None)
 
 
 @pytest.fixture(scope="module")
 def devs():
   return np.array(jax.devices()[:8])
+
+
+@pytest.fixture
+def compiles():
+  """Counts the XLA compiles from here on (compiles() -> how many)."""
+  start = len(_compiles)
+  return lambda: len(_compiles) - start
 
 
 @pytest.fixture
@@ -32,40 +47,93 @@ def builds(monkeypatch):
   return built
 
 
-def _tree(devs, n, shapes, offset=0):
-  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+def _tree(devs, n, shapes, offset=0, layouts=None):
+  layouts = layouts or [NamedSharding(Mesh(devs[:4], ("x",)), P("x"))]
   return {f"p{i:04d}": jax.device_put(
-      np.full(shapes[i % len(shapes)], i + offset, np.float32), src) for i in range(n)}
+      np.arange(np.prod(shapes[i % len(shapes)]), dtype=np.float32).reshape(
+          shapes[i % len(shapes)]) + i + offset, layouts[i % len(layouts)])
+          for i in range(n)}
 
 
 def _same(out, ref):
   assert jax.tree.structure(out) == jax.tree.structure(ref)
   for y, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
-    assert y.sharding == r.sharding and y.dtype == r.dtype
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(r))
+    assert y.sharding == r.sharding and y.dtype == r.dtype and y.shape == r.shape
+    for a, b in zip(sorted(y.addressable_shards, key=lambda s: s.device.id),
+                    sorted(r.addressable_shards, key=lambda s: s.device.id)):
+      assert a.device == b.device
+      assert np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes()
 
 
-def test_one_layout_builds_its_group_programs_once(devs, builds):
-  group = eager.cache._GROUP_LEAVES
-  n = 4 * group  # four groups of one size: one build
-  tree = _tree(devs, n, [(8, 12)])
+def _participants(out, tree) -> int:
+  return len({d for v in [*jax.tree.leaves(out), *jax.tree.leaves(tree)]
+              for d in v.sharding.device_set})
+
+
+@pytest.mark.parametrize("n", [64, 65])
+def test_the_64_65_boundary_is_one_build_of_one_program_per_device(devs, builds,
+                                                                   compiles, n):
+  tree = _tree(devs, n, [(8, 12), (4, 8)], offset=n)
   dst = NamedSharding(Mesh(devs[4:], ("y",)), P(None, "y"))
-  _same(jax_m2n.reshard(tree, dst), jax.device_put(tree, dst))
-  assert builds == [group]
-  again = jax_m2n.reshard(tree, dst)  # the fast path: no build, same result
-  _same(again, jax.device_put(tree, dst))
-  assert builds == [group]
-  odd = _tree(devs, 3 * group + 5, [(8, 12)], offset=7)  # 4 groups: 50, 50, 50, 47
-  _same(jax_m2n.reshard(odd, dst), jax.device_put(odd, dst))
-  size = -(-(3 * group + 5) // 4)
-  assert builds == [group, size, 3 * group + 5 - 3 * size]
+  ref = jax.device_put(tree, dst)
+  before = compiles()
+  out = jax_m2n.reshard(tree, dst)
+  _same(out, ref)
+  assert builds == [n]
+  assert compiles() - before <= _participants(out, tree)
+  entry = eager.eager_cache[next(reversed(list(eager.eager_cache)))]
+  assert len(entry.programs) == _participants(out, tree)
+
+
+def test_1000_leaves_of_mixed_layouts_then_a_repeat_that_compiles_nothing(
+    devs, builds, compiles):
+  mesh4 = Mesh(devs[:4], ("x",))
+  mesh22 = Mesh(devs.reshape(2, 4), ("a", "b"))
+  layouts = [NamedSharding(mesh4, P("x")), NamedSharding(mesh4, P()),
+             NamedSharding(mesh22, P("a", "b")), NamedSharding(mesh22, P(None, "a"))]
+  tree = _tree(devs, 1000, [(8, 16), (16, 8), (4, 4), (8, 8)], offset=3,
+               layouts=layouts)
+  dsts = {k: [NamedSharding(Mesh(devs[4:], ("y",)), P("y")),
+              NamedSharding(mesh22, P("b", None)),
+              NamedSharding(Mesh(devs[::-1].reshape(4, 2), ("p", "q")), P("q", "p")),
+              NamedSharding(mesh4, P(None, "x"))][i % 4]
+          for i, k in enumerate(tree)}
+  ref = jax.device_put(tree, dsts)
+  before = compiles()
+  out = jax_m2n.reshard(tree, dsts)
+  _same(out, ref)
+  assert builds == [1000]
+  first = compiles()
+  assert 0 < first - before <= 8
+  again = jax_m2n.reshard(tree, dsts)  # the fast path: one program per device
+  _same(again, ref)
+  assert compiles() == first and builds == [1000]
   assert len(fast_path.cache)
 
 
+def test_another_pytree_of_the_same_layouts_reuses_the_programs(devs, builds, compiles):
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[2:6], ("y",)), P(None, "y"))
+  one = _tree(devs, 70, [(8, 8), (4, 12)], offset=11, layouts=[src])
+  ref = jax.device_put(one, dst)
+  before = compiles()
+  _same(jax_m2n.reshard(one, dst), ref)
+  first = compiles()
+  assert first > before
+  # Another structure (a list, other values) of the same leaves' layouts, in the same
+  # order: a new cache entry (its own tree), the same per-device programs.
+  other = [jax.device_put(np.asarray(v) * 2 + 1, src) for v in one.values()]
+  ref = jax.device_put(other, dst)
+  first = compiles()
+  _same(jax_m2n.reshard(other, dst), ref)
+  assert builds == [70, 70]
+  assert compiles() == first
+  assert len(programs.program_cache) >= 6
+
+
 def test_mixed_layouts_donation_and_a_delegated_leaf(devs, builds):
-  group = eager.cache._GROUP_LEAVES
   shapes = [(4, 8), (8, 4), (12, 4)]
-  n = 2 * group + 7
+  n = 2 * 64 + 7
   tree = _tree(devs, n, shapes, offset=1000)
   tree["host"] = np.arange(8.0)  # handed to jax.device_put
   dst = NamedSharding(Mesh(devs[2:6], ("y",)), P("y"))
@@ -73,6 +141,6 @@ def test_mixed_layouts_donation_and_a_delegated_leaf(devs, builds):
   donate = {k: k != "p0003" for k in tree}
   out = jax_m2n.reshard(tree, dst, donate=donate)
   _same(out, ref)
-  assert all(len(builds) <= 2 * len(shapes) and b <= group for b in builds)
+  assert builds == [n]  # every device leaf in one build
   assert not tree["p0003"].is_deleted()
   assert all(v.is_deleted() for k, v in tree.items() if k not in ("p0003", "host"))

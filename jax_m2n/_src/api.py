@@ -52,9 +52,11 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   replicas are filled by fan-out inside a domain.
 
   What runs where (a `logging.getLogger("jax_m2n")` debug line names the path):
-    * Outside jit, committed device arrays: jax_m2n's eager path, one small compiled
-      program per participating device (cached). Source and destination device sets may
-      be disjoint (trainer -> generator), overlapping or identical.
+    * Outside jit, committed device arrays: jax_m2n's eager path, one compiled
+      program per participating device over every leaf of the call, compiled once per
+      (device's schedule, buffers) and reused by later calls and by other pytrees of
+      the same layouts. Source and destination device sets may be disjoint (trainer ->
+      generator), overlapping or identical.
     * Inside `jax.jit`: jax_m2n's `jax_m2n_reshard` custom call on every device of the
       jit (no XLA collective). Where the source layout is known (the type, on meshes
       with `AxisType.Explicit` axes, or `src_sharding=`) it runs in one `shard_map`.
@@ -240,19 +242,29 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
     return quantize.reshard(reshard, x, dst_sharding, dtype, route=route,
                             topology=topology, donate=donate, src_sharding=src_sharding,
                             timeout_s=timeout_s, chunk_bytes=chunk_bytes)
-  fast = fast_path.key(x, dst_sharding, route, topology, donate, src_sharding, timeout_s,
-                       chunk_bytes, dtype)
-  if fast is not None:
-    key, leaves, treedef = fast
-    outs = fast_path.call(key, leaves, donate)
-    if outs is not None:
-      return jax.tree_util.tree_unflatten(treedef, outs)
-  options = checks.options(API, route, topology, timeout_s, chunk_bytes)
   leaves, treedef = jax.tree_util.tree_flatten(x)
+  # A repeated call whose outcome follows from its arguments' types and layouts: one
+  # lookup (fast_path.py); else every check, then the traced or the eager path.
+  fast = fast_path.key(leaves, treedef, dst_sharding, route, topology, donate,
+                       src_sharding, timeout_s, chunk_bytes, dtype)
+  outs = fast_path.call(fast, leaves, donate) if fast is not None else None
+  if outs is None:
+    outs = _reshard_leaves(x, leaves, treedef, dst_sharding, route, topology, donate,
+                           src_sharding, timeout_s, chunk_bytes, dtype, fast)
+  return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+def _reshard_leaves(x, leaves, treedef, dst_sharding, route, topology, donate,
+                    src_sharding, timeout_s, chunk_bytes, dtype, fast) -> list[Any]:
+  """`reshard`'s full path over x's flattened leaves: the argument rules (checks.py,
+  before anything moves), then the traced leaves inside a trace, else the eager path;
+  the outputs in leaf order. `fast`: the call's fast-path key (the eager path's
+  outcome is remembered under it), or None."""
+  options = checks.options(API, route, topology, timeout_s, chunk_bytes)
   n = len(leaves)
   name_cache: list[list[str]] = []
 
-  def names() -> list[str]:
+  def names() -> list[str]:  # formed once, only when a message or plan needs them
     if not name_cache:
       name_cache.append(checks.leaf_names(x))
     return name_cache[0]
@@ -263,21 +275,20 @@ def reshard(x: Any, dst_sharding: Any, *, route: str = "hierarchical",
   flags = checks.donate_flags(API, donate, x, treedef, n)
   out_dtypes = checks.dtypes_per_leaf(API, dtype, x, treedef, n)
   if not n:
-    return jax.tree_util.tree_unflatten(treedef, [])
+    return []
   if dtype is not None:
     out_dtypes, dsts = checks.conversions(API, leaves, dsts, out_dtypes, names)
   dsts = checks.check_call_shardings(API, leaves, dsts, srcs, names)
   if not jax_compat.trace_state_clean() or any(
       isinstance(v, jax.core.Tracer) for v in leaves):
-    outs = traced_leaves.reshard(leaves, dsts, srcs, options, names, out_dtypes)
-  else:
-    record = [] if fast is not None else None
-    outs = eager.reshard(Request(leaves=leaves, treedef=treedef, dsts=dsts, srcs=srcs,
-                                 out_dtypes=out_dtypes, donate=flags, options=options,
-                                 names=names), record)
-    if record:
-      fast_path.remember(fast[0], record)
-  return jax.tree_util.tree_unflatten(treedef, outs)
+    return traced_leaves.reshard(leaves, dsts, srcs, options, names, out_dtypes)
+  record = [] if fast is not None else None
+  outs = eager.reshard(Request(leaves=leaves, treedef=treedef, dsts=dsts, srcs=srcs,
+                               out_dtypes=out_dtypes, donate=flags, options=options,
+                               names=names), record)
+  if record:
+    fast_path.remember(fast, record)
+  return outs
 
 
 def check_errors() -> None:

@@ -39,11 +39,12 @@ cache = eager.LruCache(eager.EAGER_CACHE_SIZE)
 _NUMBER = (type(None), int, float)
 
 
-def key(x, dst_sharding, route, topology, donate, src_sharding, timeout_s, chunk_bytes,
-        dtype) -> tuple[Any, list[Any], Any] | None:
-  """(key, leaves, treedef) of an eager call that may take the fast path; None where
-  it may not (traced, host data, a PartitionSpec destination read from the context
-  mesh, a pytree of dtypes or donate flags, src_sharding, debug logging...)."""
+def key(leaves: list[Any], treedef: Any, dst_sharding, route, topology, donate,
+        src_sharding, timeout_s, chunk_bytes, dtype) -> Any:
+  """The key of an eager call (x flattened to `leaves`, `treedef`) that may take the
+  fast path; None where it may not (traced, host data, a PartitionSpec destination
+  read from the context mesh, a pytree of dtypes or donate flags, src_sharding, debug
+  logging...)."""
   array_type = jax_compat.array_type()
   if (array_type is None or src_sharding is not None or type(donate) is not bool
       or type(route) is not str or type(timeout_s) not in _NUMBER
@@ -52,7 +53,6 @@ def key(x, dst_sharding, route, topology, donate, src_sharding, timeout_s, chunk
       or not (dtype is None or isinstance(dtype, (np.dtype, type, str)))
       or logger.isEnabledFor(logging.DEBUG) or not jax_compat.trace_state_clean()):
     return None
-  leaves, treedef = jax.tree_util.tree_flatten(x)
   parts = []
   for leaf in leaves:
     if type(leaf) is not array_type:  # no tracer, numpy array or scalar
@@ -73,7 +73,7 @@ def key(x, dst_sharding, route, topology, donate, src_sharding, timeout_s, chunk
                     tuple(parts)))
   except TypeError:  # an unhashable destination or topology: the full path says why
     return None
-  return k, leaves, treedef
+  return k
 
 
 def call(k: Any, leaves: list[Any], donate: bool) -> list[Any] | None:

@@ -24,7 +24,9 @@ scales in flight against device_put + qwix.quantize: bench/quantize.py), jobs
 (Publisher.publish + Subscriber.pull between two programs, every data path side by
 side against the transports' raw fetches and one copy in one process; a latency table,
 security rows, emulated hosts, relays: bench/jobs.py), delta (Subscriber.pull(delta=True) against
-full pulls on examples/rl_refit.py's training: bench/delta.py).
+full pulls on examples/rl_refit.py's training: bench/delta.py), scale (the host cost of
+one eager reshard of an 856-leaf DeepSeek-V3-shaped pytree at --devices CPU devices, each
+count in a fresh process, against jax.device_put: bench/scale.py).
 Engines: m2n_{hierarchical,flat,gather_bcast} (eager), m2n_jit_{...} (inside jit),
 jit_identity (XLA), device_put, numpy_copy (CPU), torch_gather_bcast (GPUs, torch).
 
@@ -120,6 +122,17 @@ _LINK_RATE = flags.DEFINE_string(
 _MEMORY_LAYOUTS = flags.DEFINE_list(
     "memory_layouts", ["1000", "8000"], "memory suite: RSS checkpoints, in distinct "
     "layouts (the growth between the first and the last is reported).")
+_SCALE_DEVICES = flags.DEFINE_list(
+    "devices", ["8", "64", "256"], "scale suite: device counts (multiples of 8), one "
+    "fresh process each.")
+_SCALE_LEAVES = flags.DEFINE_list(
+    "leaves", ["16", "58", "72", "114", "856"], "scale suite: the leaves sweep (14 * "
+    "layers + 2 each) at --leaves_devices devices.")
+_SCALE_LEAVES_DEVICES = flags.DEFINE_integer(
+    "leaves_devices", 32, "scale suite: the device count of the leaves sweep.")
+_SCALE_CASE = flags.DEFINE_list(
+    "case", ["model"], "scale suite: model (CPU devices) and/or one_device_bf16 (the "
+    "float32 -> bfloat16 refit on one device, e.g. one GPU).")
 
 
 class _BadFlags(Exception):
@@ -207,6 +220,15 @@ def _main(argv) -> int:
     memory.main(out_dir, [int(v) for v in _MEMORY_LAYOUTS.value],
                 lambda text: console.print(text, highlight=False, markup=False))
     chosen_suites.remove("memory")
+    if not chosen_suites:
+      return mp_rc
+  if "scale" in chosen_suites:  # host cost at 8-256 devices, a process each (bench/scale.py)
+    from jax_m2n.bench import scale
+    mp_rc = scale.run_suite(
+        out_dir, [int(v) for v in _SCALE_DEVICES.value], [int(v) for v in _SCALE_LEAVES.value],
+        _SCALE_LEAVES_DEVICES.value, _SCALE_CASE.value, max(5, _ITERS.value // 2),
+        echo=lambda text: console.print(text, highlight=False, markup=False)) or mp_rc
+    chosen_suites.remove("scale")
     if not chosen_suites:
       return mp_rc
   if "dtype" in chosen_suites:  # fp32 -> bf16 in flight vs cast first (bench/dtype.py)

@@ -3,7 +3,8 @@
 Owns the figures of a run: per data-movement suite, mean time (log scale, min-max as error
 bars) and effective bandwidth (payload / mean) by case, one bar per engine, with the
 planner's data-movement bound drawn as a line over each case; for the planner suite, cold
-and cached planning time against the targets. Reads result records only.
+and cached planning time against the targets; with `--docs`, the figures of
+docs/benchmarks.md (docs_figures.py). Reads result records only.
 """
 
 from __future__ import annotations
@@ -125,9 +126,14 @@ def write_all(rows: Sequence[dict], out_dir: str, subtitle: str = "") -> list[st
 
 def main(argv: list[str]) -> int:
   """`python -m jax_m2n.bench.plots RESULTS.json [OUT_DIR]`: (re)draw a run's plots, e.g.
-  on a machine with matplotlib, from the JSON of a GPU run made without it."""
+  on a machine with matplotlib, from the JSON of a GPU run made without it.
+  `python -m jax_m2n.bench.plots --docs [OUT_DIR]`, in a checkout: the figures of
+  docs/benchmarks.md from docs/bench_results (docs_figures.py) into docs/figures."""
   import json
   import sys
+  if len(argv) > 1 and argv[1] == "--docs":
+    from jax_m2n.bench import docs_figures
+    return docs_figures.main(argv[2:])
   if len(argv) not in (2, 3):
     print(main.__doc__, file=sys.stderr)
     return 2

@@ -24,7 +24,7 @@ MIB = 1 << 20
 # The suites `--suite` accepts, in run order ("multiprocess" runs first, in processes of
 # its own: jax_m2n/bench/multiprocess.py; then fig4 and memory, each with its own report).
 SUITES = ("smoke", "refit", "colocated", "model", "emulated", "planner", "multiprocess",
-          "network", "fig4", "memory", "dtype", "quantize", "jobs", "delta")
+          "network", "fig4", "memory", "dtype", "quantize", "jobs", "delta", "scale")
 
 
 @dataclasses.dataclass(frozen=True)

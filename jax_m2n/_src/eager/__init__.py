@@ -1,4 +1,5 @@
-"""The eager path: one small compiled program per participating device, any device sets.
+"""The eager path: one compiled program per participating device over every leaf of the
+call, any device sets.
 
 Owns building (and caching) the per-device programs of a reshard outside jit,
 dispatching them concurrently (one thread per device), and assembling their outputs
@@ -7,8 +8,9 @@ into global arrays. Argument rules live in checks.py; it never decides what move
 One concern per module, dependencies one way (each imports only those above it):
   dispatch.py   device worker threads and the waits on them
   calls.py      a call's lifecycle: dispatch lock, CPU generations, the failure watcher
-  programs.py   building, compiling and running the per-device programs of one layout
-  cache.py      the programs' cache, its key and the checks before an entry is used
+  programs.py   building, compiling (shared per device schedule) and running the
+                per-device programs of one call's layouts
+  cache.py      the built calls' cache, its key and the checks before an entry is used
   delegate.py   which leaves jax.device_put keeps; the eager reshard of a list of leaves
 
 The names below are the ones the rest of jax_m2n (and its tests) use as `eager.<name>`.

@@ -8,22 +8,23 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable
 
 import jax
 import numpy as np
 from jax.sharding import Sharding
 
 from jax_m2n._src.checks import (check_dtype, check_holds, check_memory_kind,
-                                 check_transfer_guard, dst_sharding_of, platform_of,
-                                 same_layout)
-from jax_m2n._src.eager.programs import build_programs, crossing_text, donate_sources
+                                 dst_sharding_of, platform_of, same_layout)
+from jax_m2n._src.eager.programs import build_programs
 from jax_m2n._src.errors import API, ReshardTypeError, ReshardValueError
 from jax_m2n._src.request import Request
 
 
-# Compiled per-device programs by (tree, shapes, dtypes, shardings, options). A model's refit is one entry; the bound only stops growth when
-# layouts keep changing.
+# A call's built programs (programs.EagerReshard) by (tree, shapes, dtypes, shardings,
+# options): a model's refit is one entry, one program per participating device over
+# every leaf; the bound only stops growth when layouts keep changing. The compiled
+# per-device programs themselves are shared between entries (programs.program_cache).
 class LruCache:
   """A bounded least-recently-used map, safe across threads (functools.lru_cache keys on
   the function's arguments; here the key is formed before building, and tests look in)."""
@@ -105,14 +106,29 @@ def eager_key(request: Request) -> HashedKey | None:
   return key
 
 
+class _LeafName:
+  """Leaf i's name in a message: formed (with the call's other names) only when a
+  message is, not for every leaf a check passes (856 leaves: 0.6 s of names)."""
+
+  __slots__ = ("_names", "_i")
+
+  def __init__(self, names, i: int):
+    self._names, self._i = names, i
+
+  def __str__(self) -> str:
+    return self._names()[self._i]
+
+  def __format__(self, spec: str) -> str:
+    return format(str(self), spec)
+
+
 def check_request(request: Request) -> list[Sharding]:
   """Every rule of the eager path beyond those of every path (checks.py's
   check_call_shardings ran on the call: meshes, unreduced shardings, src_sharding's
   type); returns the destination shardings."""
-  names = request.names
   out = []
   for i, (leaf, dst) in enumerate(zip(request.leaves, request.dsts)):
-    name = names()[i]
+    name = _LeafName(request.names, i)
     if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array):
       hint = (" Hint: put host data on devices first with jax.device_put."
               if isinstance(leaf, (np.ndarray, np.generic, int, float, complex, bool))
@@ -172,82 +188,9 @@ def lookup_or_build(request: Request, record: list | None = None) -> Any:
   with eager_cache.lock:
     fn = eager_cache.get(key) if key is not None else None
     if fn is None:
-      fn = (build_programs(request, dst_shardings) if len(request) <= _GROUP_LEAVES
-            else _build_grouped(request, dst_shardings))
+      fn = build_programs(request, dst_shardings)
       if key is not None:
         eager_cache.put(key, fn)
   if record is not None and key is not None:
     record.append(key)
   return fn
-
-
-# ---------------------------------------------------------------------------------------
-# Large pytrees: groups of leaves of one layout, each group's programs built once
-# ---------------------------------------------------------------------------------------
-
-# A pytree of more leaves than this is moved in groups of at most this many leaves of
-# one layout (shape, dtype, source and destination sharding, output dtype): the
-# programs of a group are built once and reused by every group of that layout, in this
-# call and in later ones. One program per device over all leaves cost a compile whose
-# time grew with its operand count (2,000 leaves: 4.4 s against 0.30 s for
-# jax.device_put's first call); a model repeats a few layouts per layer.
-_GROUP_LEAVES = 64
-
-
-class _Grouped:
-  """One reshard of many leaves as calls of the group entries, one after another, in
-  the order every process derives from the layouts (so the collective contract
-  holds). Called as an EagerReshard: (leaves, donate) -> outputs."""
-
-  def __init__(self, n: int, parts: Sequence[tuple[tuple[int, ...], Any]]):
-    self.n = n
-    self.parts = list(parts)  # (leaf indices, entry of those leaves)
-    first = self.parts[0][1]
-    self.platform = first.platform
-    self.caller_dispatch = all(e.caller_dispatch for _, e in self.parts)
-    self.out_avals: list[Any] = [None] * n
-    for index, entry in self.parts:
-      for i, a in zip(index, entry.out_avals):
-        self.out_avals[i] = a
-    self.crossing = tuple(sorted(index[t] for index, entry in self.parts
-                                 for t in entry.crossing))
-
-  def __call__(self, leaves: Sequence[jax.Array], donate: bool | Sequence[bool]
-               ) -> list[jax.Array]:
-    """Runs every group (each raises as an EagerReshard does: an earlier failure or a
-    failed dispatch), then donates: no source is deleted before every group ran. The
-    transfer guard is asked before the first group runs."""
-    if self.crossing:
-      check_transfer_guard(API, lambda: crossing_text(self.out_avals, self.crossing))
-    outs: list[Any] = [None] * self.n
-    for index, entry in self.parts:
-      for i, y in zip(index, entry([leaves[i] for i in index], False)):
-        outs[i] = y
-    donate_sources(leaves, donate)
-    return outs
-
-
-def _build_grouped(request: Request, dsts: Sequence[Sharding]) -> _Grouped:
-  """The group entries of a checked request (`dsts`: its destination shardings), from
-  the cache or built (under eager_cache.lock)."""
-  by_layout: dict[Any, list[int]] = {}
-  for i, (x, d, o) in enumerate(zip(request.leaves, dsts, request.out_dtypes)):
-    by_layout.setdefault((x.shape, x.dtype, x.sharding, d, o), []).append(i)
-  parts = []
-  for index in by_layout.values():
-    # Groups of one size as far as it goes (200 leaves: 4 x 50, one build, not
-    # 3 x 64 + 8, two).
-    size = -(-len(index) // -(-len(index) // _GROUP_LEAVES))
-    for k in range(0, len(index), size):
-      group = index[k:k + size]
-      sub = request.subset(group).replace(dsts=[dsts[i] for i in group],
-                                          srcs=[None] * len(group),
-                                          donate=[False] * len(group))
-      key = eager_key(sub)
-      entry = eager_cache.get(key) if key is not None else None
-      if entry is None:
-        entry = build_programs(sub, sub.dsts)
-        if key is not None:
-          eager_cache.put(key, entry)
-      parts.append((tuple(group), entry))
-  return _Grouped(len(request), parts)

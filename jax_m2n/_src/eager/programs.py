@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import os
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -65,9 +67,46 @@ def _x64_for(dtypes: Sequence[Any]) -> bool:
   return x64 or any(jax.dtypes.canonicalize_dtype(d) != d for d in dtypes)
 
 
-def _compile(jitted, in_types, x64: bool) -> Callable[..., Any]:
+def _compile(device, in_sig, out_sig, workspace: int, sched: np.ndarray, platform: str,
+             attrs: dict, cpu_async: bool, x64: bool) -> Callable[..., Any]:
+  """One device's program: the jax_m2n custom call over its shards (the CPU generation
+  ticket last), its results and workspace, compiled for `device`."""
+  sharding = _single_device_sharding(device)
+  in_types = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+              for shape, dtype in in_sig]
+  if platform == "cpu":  # the generation ticket, last (see TICKETS)
+    in_types.append(jax.ShapeDtypeStruct((), np.int32, sharding=sharding))
+  out_types = [jax.core.ShapedArray(shape, dtype) for shape, dtype in out_sig]
+  out_types.append(jax.core.ShapedArray((workspace,), np.uint8))
+  # The workspace is a returned output, so XLA keeps the call on every device, even
+  # on a source-only one. has_side_effect=True would do the same but costs 3-8x the
+  # dispatch time (JAX leaves its C++ fast path for programs with effects).
+  call = jax.ffi.ffi_call(m2n_ffi.TARGET_NAME, out_types, has_side_effect=False)
+
+  def body(*shards):
+    outs = tuple(call(*shards, schedule=sched, **attrs))
+    if cpu_async:
+      outs += (_async_token(outs[-1]),)
+    return outs
+
+  # The operands' types carry the device; explicit in/out shardings would put a
+  # sharding annotation on every parameter and result, which doubled the compile of a
+  # program of 857 results (0.22 -> 0.11 s CPU). A program without operands (a
+  # destination-only device without a ticket) is placed by its outputs' sharding.
+  jitted = jax.jit(body) if in_types else jax.jit(body, out_shardings=sharding)
   with jax.enable_x64(x64):
     return jitted.lower(*in_types).compile()
+
+
+def _extent(box) -> tuple[int, ...]:
+  return tuple(hi - lo for lo, hi in box)
+
+
+# Compiled per-device programs by (device, schedule digest, buffers, attributes): shared
+# by every cache entry of the same layouts while one holds them. Weak values: this map
+# keeps nothing alive itself (a compiled program holds its schedule), so what stays
+# resident is bounded by the entries' cache (cache.eager_cache) as before.
+program_cache: "weakref.WeakValueDictionary[Any, Any]" = weakref.WeakValueDictionary()
 
 
 @dataclasses.dataclass
@@ -276,16 +315,20 @@ class EagerReshard:
   def _assemble(self, results: Sequence[Any]) -> list[jax.Array]:
     """The global output arrays from the programs' per-device outputs."""
     out = []
+    checked: dict[Any, Any] = {}  # first call: one checked leaf per (shape, dtype, sharding)
     for t, ((shape, dtype, sharding), slots) in enumerate(zip(self.out_avals,
                                                               self.out_slots)):
       arrays = [results[p][r] for p, r in slots]
-      if self.avals[t] is not None:
+      aval = self.avals[t]
+      if aval is None:
+        aval = self.avals[t] = checked.get((shape, dtype, sharding))
+      if aval is not None:
         y = jax_compat.array_from_single_device_arrays(shape, sharding, arrays, dtype,
-                                                       self.avals[t])
+                                                       aval)
       else:  # checked by JAX, under the x64 value the programs were traced under
         with jax.enable_x64(self.x64):
           y = jax_compat.array_from_single_device_arrays(shape, sharding, arrays, dtype)
-        self.avals[t] = jax_compat.reusable_aval(y)
+        self.avals[t] = checked[(shape, dtype, sharding)] = jax_compat.reusable_aval(y)
       out.append(y)
     return out
 
@@ -346,8 +389,14 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
   local = [d for d in plan.devices if devices[d].process_index == jax.process_index()]
   src_shard_index = [
       {d.id: i for i, d in enumerate(jax_compat.addressable_device_assignment(s))} for s in srcs]
+  x64 = _x64_for(dtypes + out_dtypes)
+  cpu_async = platform == "cpu" and _CPU_ASYNC
+  attrs = dict(site=np.int64(site), timeout_ms=timeout, **extra)
+  attrs_key = tuple((k, v.tobytes() if isinstance(v, np.ndarray) else v)
+                    for k, v in sorted(attrs.items()))
   programs: list[DeviceProgram] = []
-  to_compile = []
+  missing: dict[Any, list[int]] = {}  # program key -> indices into programs
+  specs: dict[Any, tuple] = {}
   result_index: dict[tuple[int, int], tuple[int, int]] = {}  # (leaf, dev) -> (prog, r)
   for dev_id in local:
     device = devices[dev_id]
@@ -355,61 +404,44 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
     res = bufs.results.get(dev_id, {})
     operand_leaves = sorted(ops, key=ops.get)
     result_leaves = sorted(res, key=res.get)
-    sharding = _single_device_sharding(device)
-    in_types = []
-    for t in operand_leaves:
-      box = src_layouts[t].box_of(dev_id)
-      in_types.append(jax.ShapeDtypeStruct(tuple(hi - lo for lo, hi in box), dtypes[t],
-                                           sharding=sharding))
-    out_types = []
-    for t in result_leaves:
-      box = dst_layouts[t].box_of(dev_id)
-      out_types.append(jax.ShapeDtypeStruct(tuple(hi - lo for lo, hi in box),
-                                            out_dtypes[t]))
+    in_sig = tuple((_extent(src_layouts[t].box_of(dev_id)), dtypes[t])
+                   for t in operand_leaves)
+    out_sig = tuple((_extent(dst_layouts[t].box_of(dev_id)), out_dtypes[t])
+                    for t in result_leaves)
     workspace = max(1, schedule.workspace_bytes(plan, dev_id, staging, types))
-    out_types.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
-    if platform == "cpu":  # the generation ticket, last (see TICKETS)
-      in_types.append(jax.ShapeDtypeStruct((), np.int32, sharding=sharding))
     sched = schedule.encode(plan, dev_id, staging, types)
-    # The workspace is a returned output, so XLA keeps the call on every device, even
-    # on a source-only one. has_side_effect=True would do the same but costs 3-8x the
-    # dispatch time (JAX leaves its C++ fast path for programs with effects).
-    call = jax.ffi.ffi_call(m2n_ffi.TARGET_NAME, out_types, has_side_effect=False)
-
-    cpu_async = platform == "cpu" and _CPU_ASYNC
-
-    def body(*shards, call=call, sched=sched, cpu_async=cpu_async):
-      outs = tuple(call(*shards, schedule=sched, site=np.int64(site), timeout_ms=timeout,
-                        **extra))
-      if cpu_async:
-        outs += (_async_token(outs[-1]),)
-      return outs
-
-    n_out = len(out_types) + cpu_async
-    jitted = jax.jit(body, in_shardings=(sharding,) * len(in_types),
-                     out_shardings=(sharding,) * n_out)
+    # A device's program depends on its schedule, its buffers and the call's attributes
+    # only: later builds of the same layouts (another pytree of them, an evicted
+    # entry) reuse it, compiling nothing.
+    key = (platform, dev_id, hashlib.blake2b(sched, digest_size=16).digest(),
+           sched.size, attrs_key, in_sig, out_sig, workspace, x64, cpu_async)
     for r, t in enumerate(result_leaves):
       result_index[(t, dev_id)] = (len(programs), r)
+    call = program_cache.get(key)
     programs.append(DeviceProgram(
-        device, None,
-        tuple((t, src_shard_index[t][dev_id]) for t in operand_leaves),
+        device, call, tuple((t, src_shard_index[t][dev_id]) for t in operand_leaves),
         tuple(result_leaves), sched))
-    to_compile.append((jitted, in_types))
+    if call is None:
+      missing.setdefault(key, []).append(len(programs) - 1)
+      specs[key] = (device, in_sig, out_sig, workspace, sched)
 
-  # Compile the per-device programs concurrently, on the devices' threads (XLA compiles
+  # Compile the missing programs concurrently, on the devices' threads (XLA compiles
   # without the GIL): the first call of a many-device reshard pays about one compile.
   # The caller's `jax.enable_x64` context is thread-local: the workers trace under it,
   # or with x64 on where a leaf's dtype needs it (an int64 array made while x64 was on,
   # moved after it was turned off, as jax.device_put moves it; the key says which).
-  x64 = _x64_for(dtypes + out_dtypes)
-  futures = [executor_of(p.device.id).submit(_compile, jitted, in_types, x64)
-             for p, (jitted, in_types) in zip(programs, to_compile)]
+  keys = list(missing)
+  futures = [executor_of(specs[k][0].id).submit(
+      _compile, *specs[k], platform, attrs, cpu_async, x64) for k in keys]
   compiled, errors = gather_outcomes(futures)
   for e in errors:
     if e is not None:
       raise e
-  for p, c in zip(programs, compiled):
-    p.call = c
+  for k, c in zip(keys, compiled):
+    program_cache[k] = c
+    for i in missing[k]:
+      programs[i].call = c
+  compiled = [p.call for p in programs]
   # A reshard within one device (e.g. a dtype conversion in place) has no peer to wait
   # for: the calling thread dispatches it (no hand-off to the device's worker).
   cpu_async = platform == "cpu" and _CPU_ASYNC and _cpu_async(compiled)
