@@ -7,7 +7,7 @@
 #   PART=main bash .gpu/one_gpu_batch.sh   # the main job on the GPU, the eager fixed
 #                                          # cost, the CPU bench with CUDA visible
 # Wheels the machine lacks (pyzmq; nccl-extensions and nccl4py) travel in .whl/
-# (see the device notes in docs/benchmarks.md); .gpu/setup.sh installs them into
+# (see .gpu/jobs.sh); .gpu/setup.sh installs them into
 # /tmp/site.
 # Output: $OUT (logs, JSON), a short summary on stdout.
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmark run behind docs/benchmarks.md, section "4 x H200": one command.
+# The GPU benchmark run behind docs/benchmarks.md, "In-job reshard": one command.
 #
 #   pip install --no-build-isolation --no-deps . && scripts/gpu_bench.sh [OUT_DIR] [FLAGS...]
 #

@@ -15,6 +15,12 @@ marker=$(mktemp)
 trap 'rm -f "$marker"' EXIT
 rc=0
 bazel_run test "${targets[@]}" || rc=$?  # --nocache_test_results: see bazel_run
+# vLLM's tests, where an interpreter with vLLM is named (requirements/vllm.txt: a venv
+# of its own, vLLM pins its torch); under Bazel they skip saying so.
+if [ -n "${JAX_M2N_VLLM_PYTHON:-}" ] && [ ${#@} -eq 0 ]; then
+  (cd "$ROOT" && PYTHONPATH=$ROOT "$JAX_M2N_VLLM_PYTHON" -m pytest -q -p no:cacheprovider \
+      tests/vllm_engines_test.py) > "$marker.vllm" 2>&1 || rc=1
+fi
 
 # pytest's closing line ("12 passed, 1 skipped in 3.40s") from every log of this run.
 echo "pytest summaries:"
@@ -26,6 +32,11 @@ find -L "$ROOT/bazel-testlogs" -name test.log -newer "$marker" 2>/dev/null | sor
     printf '  //%s:%s  %s\n' "$(dirname "$(dirname "$rel")")" "$(basename "$(dirname "$rel")")" \
       "${line:-(no pytest summary: see $log)}"
   done > "$marker.summary"
+if [ -f "$marker.vllm" ]; then
+  printf '  tests/vllm_engines_test.py (%s)  %s\n' "$JAX_M2N_VLLM_PYTHON" \
+    "$(grep -E " in [0-9.]+s" "$marker.vllm" | tail -n 1)" >> "$marker.summary"
+  rm -f "$marker.vllm"
+fi
 cat "$marker.summary"
 # One closing line over every test target: "total: N passed, N failed, N skipped".
 count() { { grep -oE "[0-9]+ $1" "$marker.summary" || true; } | awk '{s += $1} END {print s + 0}'; }

@@ -5,7 +5,7 @@ Usage (GPU machine, after building jax_m2n/_ffi_cuda.so):
       [--chunks-mib 16,64,256,1024] [--json OUT.json] [--no-device-put]
   python3 tests/gpu_bench.py --convert-probe   # where XLA GPU's convert differs from CPU's
 
-Cases (bf16 [rows, 32768], --mib MiB in all; docs/benchmarks.md, "Method"), with 4 GPUs:
+Cases (bf16 [rows, 32768], --mib MiB in all; docs/bench_reference.md, "Method"), with 4 GPUs:
   A  2 GPUs P('x', None) -> 2 other GPUs replicated           bound 2.75 ms/GiB
   B  1 GPU -> 3 GPUs replicated                               bound 2.75 ms/GiB
   C  2 GPUs P('x', None) -> 2 other GPUs P(None, 'x')         bound 1.37 ms/GiB

@@ -19,7 +19,7 @@ LAYERS = [
     ("layout", "topology"),
     ("planner",),
     ("schedule", "ffi"),
-    ("local_copy", "local_memory"),
+    ("local_copy", "local_memory", "lent_memory"),
     ("checks", "call_plan"),
     ("processes",),
     ("eager",),
@@ -27,6 +27,7 @@ LAYERS = [
     ("transforms",),
     ("traced_leaves", "fast_path", "quantize"),
     ("api", "jobs"),
+    ("torch",),  # jax_m2n.torch: a torch process's side of the jobs (imports torch)
     ("cli",),  # the command line: `plan` and `jobs status` (jobs/status.py)
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}

@@ -157,7 +157,8 @@ def test_the_token_never_travels(published, monkeypatch):
 
 @pytest.mark.parametrize("path,first_calls,steady_calls", [
     ("network", 4, 1),  # versions, manifest, register the plan, pull; then one pull
-    ("local", 3, 1),    # versions, manifest, the export; then versions (memory after)
+    ("local", 4, 1),    # versions, manifest, the export, "pulled" (the word after the
+                        # copy, unanswered); then versions (memory after)
 ])
 def test_a_steady_state_pulls_control_messages_are_counted(published, gen, path,
                                                            first_calls, steady_calls):

@@ -1,11 +1,11 @@
-"""`python -m jax_m2n.bench`: jax_m2n's benchmarks (docs/benchmarks.md, "Method").
+"""`python -m jax_m2n.bench`: jax_m2n's benchmarks (docs/bench_reference.md, "Method").
 
 Usage:
   python -m jax_m2n.bench                                   # refit,colocated,planner
   python -m jax_m2n.bench --suite smoke                     # CI: tiny, < 1 minute
   python -m jax_m2n.bench --suite refit,colocated,model,planner --size_mib 1024 \
       --engines m2n_hierarchical,device_put,torch_gather_bcast --out_dir /tmp/bench
-  scripts/gpu_bench.sh [OUT_DIR]                            # the 4 x H200 run
+  scripts/gpu_bench.sh [OUT_DIR]                            # the multi-GPU run
 
 Suites: smoke, refit (cross-device-set refits: 2 -> 2 replicated, 1 -> 3, dim0 -> dim1, a
 64-leaf pytree), colocated (layout changes on 4 devices, inside jit too), model (Llama- and

@@ -52,7 +52,7 @@ from typing import Any, Callable
 from jax_m2n.bench import jobs_trainer, jobs_trees, report, runner, timing
 
 MIB = 1 << 20
-PARTS = ("throughput", "latency", "security", "hosts", "relay")
+PARTS = ("throughput", "latency", "security", "hosts", "torch", "relay")
 LATENCY_TREES = ("4KiB", "4KiB_1dev", jobs_trees.POLICY, "64x64KiB", "1x4MiB")
 LATENCY_ITERS = 20
 # The throughput rows of one (size, dtype): (what, publisher spec, path asked).
@@ -530,6 +530,15 @@ def main(jax: Any, out_dir: str, size_mib: float | None, iters: int, warmup: int
     else:
       doc = run_hosts(jax, min(sizes), iters, warmup, link_rate, print_fn)
       report.write_suite(doc, markdown(doc), out_dir, "jobs_network", print_fn)
+  if "torch" in parts:  # the torch generator's rows (bench/torch_jobs.py), where torch is
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
+      print_fn("jobs: torch rows skipped (no torch: requirements/torch.txt)")
+    else:
+      from jax_m2n.bench import torch_jobs
+      doc = torch_jobs.run(size_mib=256, warmup=warmup, iters=iters,
+                           print_fn=print_fn)
+      report.write_suite(doc, torch_jobs.markdown(doc), out_dir, "jobs_torch", print_fn)
   if "relay" in parts:
     # Relays among subscriber jobs (issue 34; bench/relay.py): its own programs, on
     # emulated hosts where they can be made (else 127.0.0.1, said in its table); 3

@@ -29,7 +29,7 @@ from jax_m2n.bench import suites
 from jax_m2n.bench import timing
 
 SCHEMA = 1
-# Measured one-way NVLink bandwidth per H200 (PyTorch copy_, 1 GiB; docs/benchmarks.md,
+# Measured one-way NVLink bandwidth per H200 (PyTorch copy_, 1 GiB; docs/bench_reference.md,
 # "Method").
 GPU_LINK_GBPS = 391.0
 

@@ -1,6 +1,6 @@
 """Timing: the measurement loop, statistics, and the host's copy bandwidth.
 
-Owns the method of docs/benchmarks.md ("Method"): warm-ups, then >= 10 timed iterations, each the
+Owns the method of docs/bench_reference.md ("Method"): warm-ups, then >= 10 timed iterations, each the
 wall-clock from the call to `block` returning for every output (on one host: the maximum
 over devices); mean, min and median kept with every raw time. The loop adds only two
 `perf_counter` calls per iteration: outputs are freed and garbage collected outside the

@@ -362,6 +362,18 @@ class Client:
         raise ReshardRuntimeError(f"{self._api}: {self.peer}: {self.broken}.") from None
       return self._open
 
+  def tell(self, body: dict[str, Any], what: str) -> None:
+    """Sends one request whose reply nobody waits for (dropped as a late one when it
+    comes): a word to the server, e.g. a subscriber's "pulled". Allowed while another
+    request is open. Raises as `start` does."""
+    with self._lock:
+      self._usable()
+      try:
+        self._exchange.send(body, what)
+      except self._zmq.ZMQError as e:
+        self.broken = f"sending {what} failed ({e})"
+        raise ReshardRuntimeError(f"{self._api}: {self.peer}: {self.broken}.") from None
+
   def finish(self, seq: int, answer_s: float, what: str) -> dict[str, Any]:
     """The reply to request `seq` (`start`), waiting at most `answer_s`; raises as
     `call` does."""

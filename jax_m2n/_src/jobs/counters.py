@@ -38,6 +38,7 @@ class _Peer:
   calls: int = 0
   op: str = ""
   version: int = 0
+  pulled: int = 0  # the newest version it said it pulled (after its copy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,7 @@ class Counters:
     self._offered_total = 0
     self._serving = 0  # the version whose request is being answered (server thread)
     self._bound: tuple[Any, ...] | None = None
+    self._pulls = threading.Condition(self._lock)  # notified on each `pulled`
 
   def bind(self, pid: int, server: Any, versions: Any, transport: Any,
            spec: str) -> None:
@@ -115,14 +117,37 @@ class Counters:
       peer = self._peers.pop(caller.peer, None) or _Peer(0.0)
       peer.seen, peer.op = time.monotonic(), op
       peer.calls += 1
-      if type(version) is int:
+      if type(version) is int and op != "pulled":  # (pulled: counted once held)
         peer.version = max(peer.version, version)
       self._peers[caller.peer] = peer
       while len(self._peers) > MAX_PEERS:
         self._peers.popitem(last=False)
     return CountedCaller(caller.server, caller.peer, caller.seq, self, op)
 
+  def pulled(self, peer: bytes, number: int) -> None:
+    """A subscriber connection says it pulled version `number` (after its copy)."""
+    with self._lock:
+      got = self._peers.get(peer)
+      if got is not None:
+        got.pulled = max(got.pulled, number)
+        got.version = max(got.version, number)
+      self._pulls.notify_all()
+
+  def wait_pulled(self, number: int, n: int, timeout_s: float) -> int:
+    """Waits until `n` subscriber connections said they pulled `number` or a newer
+    version; returns how many have (fewer where `timeout_s` passed first)."""
+    deadline = time.monotonic() + timeout_s
+    with self._lock:
+      while True:
+        have = sum(1 for p in self._peers.values() if p.pulled >= number)
+        left = deadline - time.monotonic()
+        if have >= n or left <= 0:
+          return have
+        self._pulls.wait(min(left, 0.1))
+
   def replied(self, op: str, body: dict[str, Any]) -> None:
+    if op == "pulled":  # a subscriber's word after its pull (mostly unanswered)
+      return
     with self._lock:
       if "error" in body:
         self._failures[str(body.get("kind", "runtime"))] += 1
@@ -151,6 +176,7 @@ class Counters:
     pid, server, versions, transport, spec = self._bound
     held = [(n, versions.get(n)) for n in versions.numbers()]
     exports = versions.exports()
+    lent = versions.allocations.sizes()
     served = getattr(transport, "counters", {}).get("served_bytes")
     now = time.monotonic()
     with self._lock:
@@ -159,7 +185,7 @@ class Counters:
                     for p, s in reversed(self._peers.items())
                     if now - s.seen <= WINDOW_S)
       held = tuple(records.HeldVersion(n, v.nbytes, self._published.get(n, 0.0),
-                                       self._offered.get(n, 0))
+                                       self._offered.get(n, 0), v.how, v.device_bytes())
                    for n, v in held if v is not None)
       last = max(self._published, default=0)
       failures = dict(self._failures)
@@ -175,4 +201,6 @@ class Counters:
           answered=dict(self._answered), failures=failures,
           offered_bytes=self._offered_total, served_bytes=served,
           exports=len(exports),
-          export_bytes=sum(e.keep * sum(e.slot_bytes.values()) for e in exports))
+          export_bytes=sum(e.memory_bytes() for e in exports),
+          device_bytes=versions.device_bytes(),
+          lent_allocations=len(lent), lent_allocation_bytes=sum(lent))

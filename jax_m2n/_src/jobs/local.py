@@ -1,12 +1,14 @@
 """A pull on the publisher's host: the subscribing side of the local data plane.
 
 Owns mapping a publisher process's export of a layout set (`Import`: its host segment
-through the fd server, its CUDA IPC memory), and a local pull (`run`): per destination
-device one `local_copy` straight from the export's slot into the destination shards
-(the flat plan's boxes; dtype conversion fused where the copies convert), between two
-checks of the slot's header (a version overwritten meanwhile is never returned). No
-round trip per pull: the version notice says which version, the header which slot.
-Plans nothing; reads no sharding.
+through the fd server; on GPUs the trainer's XLA allocations its slot tables name,
+each mapped once by file descriptor and cached until no held version lies in it), and
+a local pull (`run`): per destination device one `local_copy` straight from the
+publisher's memory into the destination shards (the flat plan's boxes; dtype
+conversion fused where the copies convert), between two checks of the slot's header
+(a version overwritten meanwhile is never returned); a lent version (the trainer's own
+arrays) is confirmed with each publisher process after the copy (none donated or
+deleted meanwhile). Plans nothing; reads no sharding.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_m2n._src import local_copy as local_copy_lib
+from jax_m2n._src import lent_memory, local_copy as local_copy_lib
 from jax_m2n._src import local_memory
 from jax_m2n._src import schedule
 from jax_m2n._src.errors import ReshardRuntimeError, ReshardTimeoutError, VersionGone
@@ -33,6 +35,11 @@ from jax_m2n._src.planner import DST_SHARD
 # How long a pull waits for a slot being written (the publisher's copy in flight) to
 # be committed before it gives up on the version.
 COMMIT_WAIT_S = 10.0
+# How long a publisher process may take to answer a lent pull's confirmation (answered
+# on its server thread: a dead or stalled one is named within this), and the tickets
+# of its allocations (its worker thread, which may be cutting for another pull).
+CONFIRM_S = 1.0
+MAP_S = 10.0
 
 
 class Import:
@@ -41,10 +48,12 @@ class Import:
   Args:
     reply: the publisher's `local` answer (`exports.Export.describe`).
     name: how messages name the publisher process.
+    manifest_id: the layout set (its allocations are asked for by it).
   """
 
-  def __init__(self, reply: dict[str, Any], name: str):
+  def __init__(self, reply: dict[str, Any], name: str, manifest_id: str = ""):
     self.name = name
+    self.manifest_id = manifest_id
     try:
       self.keep = messages.field(reply, "keep", int, lo=1, hi=exports.MAX_SLOTS)
       nbytes = messages.field(reply, "fd_bytes", int, lo=exports.HEADER_BYTES,
@@ -54,18 +63,27 @@ class Import:
       self.slots = {k: n for k, n in messages.field(reply, "slots", list)}
       self.offsets = {(t, k): at for t, k, at in messages.field(reply, "shards", list)}
       pid = messages.field(reply, "pid", int, lo=1, hi=1 << 31)
-      handles = {k: bytes.fromhex(h) for k, h in reply.get("handles", [])}
+      rows = {(t, k): i for t, k, i in reply.get("rows", [])}
     except (ValueError, TypeError) as e:
       raise ReshardRuntimeError(f"{API}: {name} answered the local request with a "
                                 f"malformed description: {e}") from None
     self._host = local_memory.Segment.open(local_memory.fetch_fd(server, ticket), nbytes)
     words = self._host.array[:exports.HEADER_BYTES].view(np.int64)
     self.latest, self.header = words[:1], words[1:1 + self.keep]
+    self.flags = words[1 + self.keep:1 + 2 * self.keep]
     self._liveness = _pidfd(pid)
-    self._device: dict[int, local_memory.DeviceSegment] = {}
     self._bases: dict[int, tuple[int, int]] = {}
-    if handles:  # CUDA IPC memory, one segment per publisher device
-      self._handles = handles
+    self.rows = rows
+    self._maps: dict[int, lent_memory.Mapping] = {}  # GPU: allocation id -> mapping
+    self.tables = None
+    if rows:  # GPUs: per slot, each shard's (allocation id, offset)
+      n = len(rows)
+      if nbytes < exports.HEADER_BYTES + self.keep * n * exports.ROW_WORDS * 8:
+        raise ReshardRuntimeError(f"{API}: {name} described slot tables larger than "
+                                  "its segment.")
+      self.tables = self._host.array[exports.HEADER_BYTES:exports.HEADER_BYTES + self.keep
+                                     * n * exports.ROW_WORDS * 8].view(np.int64).reshape(
+                                         self.keep, n, exports.ROW_WORDS)
     else:
       base = self._host.address + exports.HEADER_BYTES
       stride = sum(self.slots.values())
@@ -74,13 +92,66 @@ class Import:
         base += self.slots[k]
 
   def base(self, k: int, device: Any) -> tuple[int, int]:
-    """(address of slot 0, slot stride) of publisher device k's shards, as `device`
-    reaches them (CUDA IPC memory is opened on first need, on that device)."""
-    if k not in self._bases:
-      seg = self._device[k] = local_memory.DeviceSegment.open(
-          device, self._handles[k], self.keep * self.slots[k])
-      self._bases[k] = (seg.address, self.slots[k])
+    """CPU: (address of slot 0, slot stride) of publisher device k's shards."""
     return self._bases[k]
+
+  def lent(self, slot: int) -> bool:
+    """Whether the slot's version is the trainer's own arrays (confirm after a copy)."""
+    return bool(int(self.flags[slot]) & exports.LENT)
+
+  def missing(self, slot: int) -> list[int]:
+    """GPU: the allocations the slot's table names that are not mapped here yet."""
+    ids = np.unique(self.tables[slot][:, 0])
+    return [int(i) for i in ids if i and int(i) not in self._maps]
+
+  def map(self, client: Any, ids: list[int], ordinal: int, answer_s: float) -> None:
+    """Maps allocations `ids` (asked for over the authenticated `client`: one-use
+    tickets for their fds, fetched from the fd server) on device `ordinal`.
+
+    Raises:
+      VersionGone: an allocation no held version lies in any more.
+    """
+    reply = client.call({"op": "allocations", "manifest": self.manifest_id, "ids": ids},
+                        answer_s, "the lent allocations")
+    try:
+      server = messages.field(reply, "fd_server", str, max_len=128)
+      got = {int(i): (int(n), bytes.fromhex(t)) for i, n, t in
+             messages.field(reply, "allocations", list)}
+    except (ValueError, TypeError) as e:
+      raise ReshardRuntimeError(f"{API}: {self.name} answered the allocations request "
+                                f"malformed: {e}") from None
+    for i, (n, ticket) in got.items():
+      if i not in self._maps:
+        self._maps[i] = lent_memory.Mapping.open(local_memory.fetch_fd(server, ticket), n,
+                                                 ordinal)
+    if set(ids) - set(got):
+      raise VersionGone(f"{API}: the memory of the version must still be held by "
+                        f"{self.name}; it was released meanwhile (dropped).")
+
+  def addresses(self, rows: np.ndarray, slot: int, ordinal: int) -> np.ndarray:
+    """GPU: the device addresses, in this process, of the shards at `rows` of the
+    slot's table (their allocations mapped: `missing` first), readable from `ordinal`."""
+    table = self.tables[slot][rows]
+    uniq, inverse = np.unique(table[:, 0], return_inverse=True)
+    bases = np.zeros(len(uniq), np.int64)
+    for j, i in enumerate(uniq.tolist()):
+      if i:
+        m = self._maps.get(i)
+        if m is None:
+          raise VersionGone(f"{API}: the slot's allocations changed while it was read on "
+                            f"{self.name} (a newer version).")
+        m.grant(ordinal)
+        bases[j] = m.address
+    return bases[inverse] + table[:, 1]
+
+  def trim(self) -> None:
+    """GPU: unmaps the allocations no slot's version lies in any more (their versions
+    retired). Copies reading them must have finished."""
+    if self.tables is None or not self._maps:
+      return
+    live = set(np.unique(self.tables[self.header != 0][:, :, 0]).tolist())
+    for i in [i for i in self._maps if i not in live]:
+      self._maps.pop(i).close()
 
   def alive(self) -> bool:
     """Whether the publisher process still runs (its CUDA IPC memory dies with it)."""
@@ -111,11 +182,18 @@ class Import:
       time.sleep(delay)
       delay = min(2 * delay, 1e-3)
 
+  def unmap(self) -> None:
+    """GPU: unmaps every allocation mapped here (copies reading them finished)."""
+    maps, self._maps = self._maps, {}
+    for m in maps.values():
+      try:
+        m.close()
+      except ReshardRuntimeError:
+        pass  # the publisher's memory is gone with it
+
   def close(self) -> None:
-    for seg in self._device.values():
-      seg.close()
-    self._device = {}
-    self.header = self.latest = None
+    self.unmap()
+    self.header = self.latest = self.flags = self.tables = None
     self._host.close()
     if self._liveness is not None:
       os.close(self._liveness)
@@ -201,15 +279,62 @@ def _addresses(pp: PullPlan, d: int, sources, imports: dict[int, Import], device
 
 # (plan id, device) -> (starts, strides, processes, the imports they were made for)
 _ADDRESSES: dict[tuple[int, int], Any] = {}
+# (plan id, device) -> per publisher process, (positions in the sources, table rows)
+_ROWS: dict[tuple[int, int], Any] = {}
 
 
-def run(pull: Pull, imports: dict[int, Import]) -> list[list[jax.Array]]:
-  """A local pull: per destination device one local_copy from the publisher
-  processes' slots of `pull.number`; returns per leaf its local destination shards (in
-  the plan's `local_dst` order).
+def _gpu_addresses(pp: PullPlan, d: int, sources, imports: dict[int, Import],
+                   slots: dict[int, int], ordinal: int) -> np.ndarray:
+  """GPU: per source of device d's copy, its address in this process (the slot's
+  table: allocation mapped here + offset)."""
+  key = (id(pp), d)
+  got = _ROWS.get(key)
+  if got is None:
+    per: dict[int, tuple[list[int], list[int]]] = {}
+    for j, (p, t, k) in enumerate(sources):
+      at, rows = per.setdefault(p, ([], []))
+      at.append(j)
+      rows.append(imports[p].rows[(t, k)])
+    got = _ROWS[key] = {p: (np.array(a, np.int64), np.array(r, np.int64))
+                        for p, (a, r) in per.items()}
+    while len(_ROWS) > 1024:
+      _ROWS.pop(next(iter(_ROWS)))
+  out = np.zeros(len(sources), np.int64)
+  for p, (at, rows) in got.items():
+    out[at] = imports[p].addresses(rows, slots[p], ordinal)
+  return out
+
+
+def confirm(pull: Pull, imports: dict[int, Import], slots: dict[int, int],
+            answer_s: float) -> None:
+  """After the copies of a lent version: each publisher process it read from says the
+  version is still held with its arrays alive (none donated or deleted meanwhile),
+  and counts the pull (`Publisher.wait_pulled`). One round trip, all at once.
 
   Raises:
-    VersionGone: a slot was reused for a newer version before the copies finished.
+    VersionGone: a publisher process no longer holds it as it was.
+  """
+  lent = [k for k, imp in imports.items() if imp.lent(slots[k])]
+  started = [(k, pull.links[k].client, pull.links[k].client.start(
+      {"op": "pulled", "version": pull.number, "check": True}, "the pull's confirmation"))
+      for k in lent]
+  held = [client.finish(seq, answer_s, "the pull's confirmation").get("held") is True
+          for _, client, seq in started]
+  if not all(held):
+    raise VersionGone(f"{API}: version {pull.number} must still be held by every "
+                      "trainer process it was read from; one of its lent arrays was "
+                      "donated or deleted meanwhile (a newer version then).")
+
+
+def run(pull: Pull, imports: dict[int, Import]) -> tuple[list[list[jax.Array]], bool]:
+  """A local pull: per destination device one local_copy from the publisher
+  processes' slots of `pull.number` (GPUs: from the allocations the slots name, mapped
+  on first need); returns per leaf its local destination shards (in the plan's
+  `local_dst` order), and whether the version was lent (then confirmed: `confirm`).
+
+  Raises:
+    VersionGone: a slot was reused for a newer version before the copies finished, or
+      a lent version's array was donated or deleted meanwhile.
     ReshardRuntimeError: a publisher process died (its memory may be gone).
   """
   pp = pull.plan
@@ -220,12 +345,25 @@ def run(pull: Pull, imports: dict[int, Import]) -> list[list[jax.Array]]:
   pending = []
   for k, imp in imports.items():
     if not imp.alive():
+      imp.unmap()  # (a mapping would keep the dead trainer's GPU memory)
       raise ReshardRuntimeError(f"{API}: {imp.name} must be alive to be read from; it "
                                 "exited.")
+  gpu = any(imp.tables is not None for imp in imports.values())
+  if gpu:  # the allocations the slots name, mapped once (then cached)
+    ordinal = int(next(iter(devices.values())).local_hardware_id)
+    for k, imp in imports.items():
+      ids = imp.missing(slots[k])
+      if ids:
+        imp.map(pull.links[k].client, ids, ordinal, min(pull.timeout_s, MAP_S))
   jobs, outputs_of = [], []
   for d, (outputs, sources, copy) in _copies(pp).items():
-    starts, strides, procs = _addresses(pp, d, sources, imports, devices[d])
-    jobs.append((copy, starts + strides * np.array([slots[p] for p in procs], np.int64)))
+    if gpu:
+      jobs.append((copy, _gpu_addresses(pp, d, sources, imports, slots,
+                                        int(devices[d].local_hardware_id))))
+    else:
+      starts, strides, procs = _addresses(pp, d, sources, imports, devices[d])
+      jobs.append((copy, starts + strides * np.array([slots[p] for p in procs],
+                                                     np.int64)))
     outputs_of.append(outputs)
   for outputs, arrays in zip(outputs_of, local_copy_lib.copy_all(jobs)):
     for (t, j), a in zip(outputs, arrays):
@@ -236,6 +374,12 @@ def run(pull: Pull, imports: dict[int, Import]) -> list[list[jax.Array]]:
     if int(imp.header[slots[k]]) != pull.number:
       raise VersionGone(f"{API}: version {pull.number} was overwritten on {imp.name} "
                         "while it was copied (dropped meanwhile).")
+  lent = any(imp.lent(slots[k]) for k, imp in imports.items())
+  if lent:
+    confirm(pull, imports, slots, min(pull.timeout_s, CONFIRM_S))
+  if gpu:
+    for imp in imports.values():
+      imp.trim()
   empty = [(t, j) for t, row in enumerate(shards) for j, a in enumerate(row) if a is None]
   for t, j in empty:  # an empty destination box: nothing to copy
     box = pp.plan.tensors[t].dst.box_of(pp.local_dst[t][j].id)
@@ -244,7 +388,7 @@ def run(pull: Pull, imports: dict[int, Import]) -> list[list[jax.Array]]:
   if time.monotonic() > pull.deadline:
     raise ReshardTimeoutError(f"{API}: version {pull.number} must arrive within "
                               f"timeout_s={pull.timeout_s:g}; the local copy took longer.")
-  return shards
+  return shards, lent
 
 
 

@@ -62,7 +62,7 @@ def of(api: str, registry: Any) -> "Metrics | None":
 
 
 class Metrics:
-  """The metrics of one registry (see the module's comment; docs/jobs.md lists them)."""
+  """The metrics of one registry (see the module's comment; docs/watching.md lists them)."""
 
   def __init__(self, pc: Any, registry: Any):
     def counter(name, what, labels):
@@ -121,6 +121,21 @@ class _PublisherCollector:
                                  value=sum(len(s.versions) for s in stats))
     yield core.GaugeMetricFamily("jax_m2n_held_bytes", "Bytes of the versions held now.",
                                  value=sum(s.held_bytes for s in stats))
+    device = core.GaugeMetricFamily(
+        "jax_m2n_publisher_device_bytes", "Device bytes held for weight sync beside the "
+        "trainer's own arrays (snapshots, wire conversions), by device.",
+        labels=["device"])
+    per: dict[str, int] = {}
+    for s in stats:
+      for d, n in s.device_bytes.items():
+        per[d] = per.get(d, 0) + n
+    for d in sorted(per):
+      device.add_metric([d], per[d])
+    yield device
+    yield core.GaugeMetricFamily(
+        "jax_m2n_lent_allocation_bytes", "Bytes of the XLA allocations lent to local "
+        "readers now (what they may see).",
+        value=sum(s.lent_allocation_bytes for s in stats))
     yield core.GaugeMetricFamily(
         "jax_m2n_subscribers_connected", "Control connections heard from within the "
         "window (PublisherStats.window_s).", value=sum(s.subscribers for s in stats))

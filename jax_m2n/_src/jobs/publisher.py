@@ -17,7 +17,8 @@ from typing import Any
 import jax
 
 from jax_m2n._src import jax_compat
-from jax_m2n._src.errors import ReshardRuntimeError, ReshardTypeError, ReshardValueError
+from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError,
+                                 ReshardTypeError, ReshardValueError)
 from jax_m2n._src import local_memory
 from jax_m2n._src.jobs import auth, channel, exports, lifetime, records
 from jax_m2n._src.jobs import metrics as metrics_lib
@@ -61,12 +62,20 @@ class Publisher(lifetime.Closing):
       "transfer_server" (JAX's transfer server: no authentication of its own, no
       encryption; loopback or a network you trust).
     metrics: a `prometheus_client.CollectorRegistry` to expose this process's counts
-      in (read at every scrape; docs/jobs.md, "Watching it"), or None. No port is
+      in (read at every scrape; docs/watching.md), or None. No port is
       opened; instances passing one registry share its metrics.
+    lend_limit: None (the default: lend any allocation), or a number >= 1: `publish(...,
+      lend=True)` lends an XLA allocation only where it is at most `lend_limit` x the
+      bytes lent from it, else snapshots the version (`stats().versions[i].held_as`
+      says why). A local reader maps whole allocations: with XLA's preallocation one
+      allocation is the whole pool (docs/jobs_security.md).
 
   Memory: each held version is a snapshot of this process's shards in the published
   dtype (`publish(..., dtype=)`), so at most `keep` x the published bytes, plus the
   pieces cut for subscribers in flight (a subscriber's wire dtype, while it pulls).
+  Local subscribers on GPUs map the snapshots' XLA allocations as they are (no second
+  copy). `publish(..., lend=True)` holds no copy at all on GPUs: the caller's arrays are
+  read in place (`stats().device_bytes` says what is held, per device).
 
   Example:
     >>> import jax, numpy as np
@@ -83,7 +92,8 @@ class Publisher(lifetime.Closing):
 
   def __init__(self, address: str | None = None, *, token: Any, keep: int = 2,
                timeout_s: float = 60.0, encrypt: bool = False,
-               transport: str = "net", metrics: Any = None):
+               transport: str = "net", metrics: Any = None,
+               lend_limit: float | None = None):
     key = auth.as_key(_API, token)
     prometheus = metrics_lib.of(_API, metrics)
     if not isinstance(encrypt, bool):
@@ -101,10 +111,14 @@ class Publisher(lifetime.Closing):
                              f"{type(keep).__name__} {keep!r}.")
     if keep < 1:
       raise ReshardValueError(f"{_API}: keep must be an int >= 1; got {keep}.")
+    if lend_limit is not None and (isinstance(lend_limit, bool) or not isinstance(
+        lend_limit, (int, float)) or not lend_limit >= 1):
+      raise ReshardValueError(f"{_API}: lend_limit must be None or a number >= 1; got "
+                              f"{lend_limit!r}.")
     host, port = channel.split_address(_API, address or "127.0.0.1:0")
     self._pid = jax.process_index()
     self._fds = _FdServers()  # made when a local subscriber asks
-    self._versions = Versions(keep, self._fds.get)
+    self._versions = Versions(keep, self._fds.get, lend_limit)
     self._transport = transports.acquire_spec(spec, host, key)
     self._counters = Counters()
     self._service = serving.Service(self._pid, self._versions,
@@ -140,13 +154,23 @@ class Publisher(lifetime.Closing):
     """The last version published (0 before the first)."""
     return self._versions.published
 
-  def publish(self, tree: Any, *, dtype: Any = None) -> int:
+  def publish(self, tree: Any, *, dtype: Any = None, lend: bool = False) -> int:
     """Publishes a new version of `tree` and returns its number (1, 2, ...) at once.
 
-    The version is a snapshot of this process's shards (copied, or converted to
-    `dtype`), so the caller may donate, overwrite or delete its arrays as soon as
-    publish returns. Beyond `keep` versions the oldest is dropped (a subscriber
+    By default the version is a snapshot of this process's shards (copied, or
+    converted to `dtype`), so the caller may donate, overwrite or delete its arrays as
+    soon as publish returns. Beyond `keep` versions the oldest is dropped (a subscriber
     pulling it then gets an error; one pulling the newest moves on to the next).
+
+    With `lend=True` (GPUs) nothing is copied: the version holds the caller's arrays
+    (those already in the published dtype) and subscribers read them in place, local
+    ones straight from the trainer's GPU memory. JAX arrays change only by donation or
+    deletion; once one of the version's arrays is donated or deleted the version is
+    gone (a pull of it fails with VersionGone or moves to a newer one; it never returns
+    other bytes). A trainer that donates its weights each step calls
+    `wait_pulled(version, n)` first. On CPU `lend=True` is accepted and behaves as a
+    snapshot (XLA's CPU buffers cannot be shared; the snapshot is already the memory
+    readers map): `stats().versions[i].held_as` says which it is.
 
     Args:
       tree: a pytree of global `jax.Array`s (any shardings, on this job's devices).
@@ -154,32 +178,71 @@ class Publisher(lifetime.Closing):
         (as reshard's `dtype=`): the published values are `x.astype(dtype)`, held in
         that dtype (e.g. bfloat16 halves the memory of float32 weights). Subscribers
         then get, bitwise, `jax.device_put(x.astype(dtype).astype(theirs), dst)`.
+      lend: whether to lend the arrays instead of snapshotting them (see above;
+        `Publisher(lend_limit=)` may refuse pooled memory).
 
     Returns:
       The version number: every process of the trainer job numbers alike.
 
     Raises:
       ReshardTypeError: a leaf that is no jax.Array, or of a dtype that cannot be
-        published (not numbers or bool).
+        published (not numbers or bool); `lend` not a bool.
       ReshardValueError: a deleted array, a rank above 8, a bad dtype prefix.
       ReshardRuntimeError: the publisher is closed.
     """
     api = "Publisher.publish"
     if self._closed:
       raise ReshardRuntimeError(f"{api}: the publisher must be open; got a closed one.")
+    if not isinstance(lend, bool):
+      raise ReshardTypeError(f"{api}: lend must be a bool; got {type(lend).__name__}.")
     paths, leaves, dtypes = check_published(api, tree, dtype)
-    version = self._versions.add(tree, paths, leaves, dtypes, self._processes)
+    version = self._versions.add(tree, paths, leaves, dtypes, self._processes, lend)
     self._server.wake()  # answers the waiting long polls at once
     self._counters.published(version.number)
-    logger.info("Publisher: version %d published: %d leaves, %s held here",
-                version.number, len(leaves), fmt_bytes(version.nbytes))
+    logger.info("Publisher: version %d published: %d leaves, %s held here%s",
+                version.number, len(leaves), fmt_bytes(version.nbytes),
+                "" if version.how == "snapshot" else f" ({version.how})")
     return version.number
+
+  def wait_pulled(self, version: int, n: int = 1, timeout_s: float = 60.0) -> int:
+    """Waits until `n` subscriber connections pulled `version` (or a newer one) from
+    this process, then stops lending it: the caller may donate or delete its arrays
+    (a pull of it still in flight fails its confirmation and moves to a newer version,
+    never returning other bytes). A subscriber counts once its pull's copy is done (it
+    says so after the copy, on every path; one connection per subscriber process).
+
+    Args:
+      version: a version this process published.
+      n: how many subscriber connections (>= 0; 0: stop lending at once).
+      timeout_s: the longest wait.
+
+    Returns:
+      How many had pulled it (>= n).
+
+    Raises:
+      ReshardValueError: a version not published yet, n < 0.
+      ReshardTimeoutError: fewer than `n` pulled it within `timeout_s` (the version is
+        still lent then: call again, or `wait_pulled(version, 0)` to stop lending).
+    """
+    api = "Publisher.wait_pulled"
+    if isinstance(version, bool) or not isinstance(version, int) or not (
+        1 <= version <= self._versions.published):
+      raise ReshardValueError(f"{api}: version must be one published so far (1.."
+                              f"{self._versions.published}); got {version!r}.")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+      raise ReshardValueError(f"{api}: n must be an int >= 0; got {n!r}.")
+    have = self._counters.wait_pulled(version, n, timeout_s)
+    if have < n:
+      raise ReshardTimeoutError(f"{api}: {n} subscriber(s) must pull version {version} "
+                                f"within timeout_s={timeout_s:g}; {have} did.")
+    self._versions.release(version)
+    self._server.wake()
+    return have
 
   def stats(self) -> records.PublisherStats:
     """This process's state and counts now: the versions held and their bytes, the
     subscribers heard from, the requests answered and failed, the bytes offered per
-    version, the local exports (`records.PublisherStats`; docs/jobs.md, "Watching
-    it"). Any thread; also after close."""
+    version, the local exports (`records.PublisherStats`; docs/watching.md). Any thread; also after close."""
     return self._counters.stats()
 
   def close(self) -> None:

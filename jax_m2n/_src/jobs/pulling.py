@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
 from jax_m2n._src import jax_compat
 from jax_m2n._src import quantize
@@ -75,8 +76,19 @@ class State:
 
 def pull(state: State, dst: Any, dtype: Any, donate: Any, options: PullOptions) -> Any:
   """`Subscriber.pull` after its options were checked (see its contract)."""
-  if jax.process_count() > 1:
-    return _pull_job(state, dst, dtype, donate, options)
+  try:
+    if jax.process_count() > 1:
+      return _pull_job(state, dst, dtype, donate, options)
+    return _pull_one(state, dst, dtype, donate, options)
+  except ReshardRuntimeError:
+    for imp in state.imports.values():  # a dead trainer's GPU memory is not kept mapped
+      if not imp.alive():
+        imp.unmap()
+    raise
+
+
+def _pull_one(state: State, dst: Any, dtype: Any, donate: Any,
+              options: PullOptions) -> Any:
   deadline = time.monotonic() + options.timeout_s  # for a version, where none is yet
   while True:
     got = None
@@ -174,11 +186,15 @@ class Ahead:
   `answer` or `drain` where it did not."""
 
   def __init__(self, root: Any, number: int, mid: str, version: int | None,
-               after: int):
+               after: int, lent: bool = False):
     self.root, self.number, self.mid = root, number, mid
     self._version, self._after = version, after
-    self._seq = root.start({"op": "versions", "after": after, "wait_ms": 0},
-                           "the list of versions")
+    # A lent version is confirmed after its copy instead (local.confirm): no request
+    # now; asked only where that failed.
+    self._lent = lent
+    self._seq = None if lent else root.start(
+        {"op": "versions", "after": after, "wait_ms": 0, "pulling": number},
+        "the list of versions")
     self._done = False
     self._got: tuple[int, str] | None = None
 
@@ -198,8 +214,13 @@ class Ahead:
         or number == exports.CLOSED
         or not all((imp.header == number).any() for imp in imports)):
       return None
+    slots = [int(np.flatnonzero(imp.header == number)[0]) for imp in imports]
+    lent = any(imp.lent(s) for imp, s in zip(imports, slots))
+    if not lent and any(imp.tables is not None and imp.missing(s)
+                        for imp, s in zip(imports, slots)):
+      return None  # (mapping a new allocation is a control call: not while one is open)
     after = state.version if options.version is None else number - 1
-    return cls(root, number, mid, options.version, after)
+    return cls(root, number, mid, options.version, after, lent)
 
   def answer(self) -> tuple[int, str] | None:
     """(version, manifest id) the publisher names: the one asked where it holds it,
@@ -207,18 +228,22 @@ class Ahead:
     (closed, died; the version asked no longer held)."""
     if not self._done:
       self._done = True
-      listing = _listing(self.root, self.root.finish(self._seq, ANSWER_S,
-                                                     "the list of versions"))
+      body = {"op": "versions", "after": self._after, "wait_ms": 0}
+      listing = _listing(self.root, self.root.call(body, ANSWER_S, "the list of versions")
+                         if self._seq is None else self.root.finish(
+                             self._seq, ANSWER_S, "the list of versions"))
       self._got = _answer(self.root, listing, self._version, self._after)
     return self._got
 
   def confirmed(self) -> bool:
+    if self._lent:  # confirmed after the copy by local.confirm (or it raised)
+      return True
     return self.answer() == (self.number, self.mid)
 
   def drain(self) -> None:
     """Reads the answer where a failure left it open (its own failure is dropped: the
     first one is what the caller reports)."""
-    if not self._done:
+    if not self._done and not self._lent:
       try:
         self.answer()
       except ReshardError:
@@ -233,8 +258,10 @@ def _listing(root: Any, reply: dict[str, Any]) -> dict[str, Any]:
       and isinstance(v[1], str) for v in held):
     raise ReshardRuntimeError(f"{API}: {root.peer} answered with a malformed list "
                               "of versions.")
+  published = reply.get("published")
   return {"numbers": {n: mid for n, mid in held}, "closed": bool(reply.get("closed")),
-          "keep": reply.get("keep")}
+          "keep": reply.get("keep"),
+          "published": published if type(published) is int else 0}
 
 
 def _answer(root: Any, listing: dict[str, Any], version: int | None,
@@ -250,8 +277,8 @@ def _answer(root: Any, listing: dict[str, Any], version: int | None,
     return (max(newer), numbers[max(newer)]) if newer else None
   if version in numbers:
     return version, numbers[version]
-  if numbers and version < max(numbers):
-    raise VersionGone(
+  if (numbers and version < max(numbers)) or version <= listing["published"]:
+    raise VersionGone(  # (dropped, or a lent version whose arrays went)
         f"{API}: version must be one the publisher holds; got {version}, and "
         f"{root.peer} holds {sorted(numbers)} (keep={listing['keep']}).")
   return None
@@ -326,8 +353,9 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int | 
              waits, salt, _peers(state, waits, transport.address) if waits else {},
              after=state.version if options.version is None else options.version - 1)
     imports = _imports(state, p, m) if local_path else None
+    confirmed = False  # whether the publisher processes heard the pull after its copy
     if imports is not None:  # the publisher's memory, read in place (local.py)
-      shards = local.run(p, imports)
+      shards, confirmed = local.run(p, imports)
       state.path = state.trace.path = "local"
       state.local_mid, state.net_mid = m.id, None
     elif choice.base is not None:  # a delta (delta.py): pulled directly, never relayed
@@ -359,9 +387,23 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int | 
     state.trace.lap("wait")  # what the answer took beyond the copy
   if number is None:
     state.trace.version = p.number  # named by the pull's answer (its wait is in move)
+  if local_path and not confirmed and ahead is None:
+    _tell_pulled(p)  # (a steady pull says so in its one request: Ahead)
   if full_s is not None:
     delta_lib.after_full(p, choice, full_s, _answer_s(p))  # what delta="auto" learns
   return _finish(state, request, pp, p.number, shards)
+
+
+def _tell_pulled(p: Pull) -> None:
+  """Each publisher process read from hears that a local pull not confirmed otherwise
+  (a first one) is done: its status shows the version, `Publisher.wait_pulled` counts
+  it; no answer awaited. (A steady local pull names its version in its one request,
+  a lent one confirms after its copy, a network pull is counted where it is served.)"""
+  for link in p.links.values():
+    try:
+      link.client.tell({"op": "pulled", "version": p.number}, "the pull's end")
+    except ReshardError:
+      pass  # a broken connection: the next pull reconnects and says so
 
 
 def prepare(state: State, dst: Any, dtype: Any, options: PullOptions) -> int:
@@ -449,6 +491,9 @@ def _imports(state: State, p: Pull, m: manifest_lib.Manifest
   out = {}
   for k, link in p.links.items():
     imp = state.imports.get((k, m.id))
+    if imp is not None and int(imp.latest[0]) == exports.CLOSED:
+      state.imports.pop((k, m.id)).close()  # freed meanwhile (its layout set dropped)
+      imp = None
     if imp is None:
       reply = link.client.call(local.describe_request(m.id), _answer_s(p),
                                "the local export")
@@ -461,7 +506,7 @@ def _imports(state: State, p: Pull, m: manifest_lib.Manifest
         return None
       if len(state.imports) >= MAX_MANIFESTS:
         state.imports.pop(next(iter(state.imports))).close()
-      imp = state.imports[(k, m.id)] = local.Import(reply, link.name)
+      imp = state.imports[(k, m.id)] = local.Import(reply, link.name, m.id)
     out[k] = imp
   return out
 

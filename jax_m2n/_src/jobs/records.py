@@ -110,12 +110,19 @@ class HeldVersion:
     published_at: when `publish` returned it (seconds since the epoch).
     offered_bytes: the bytes this process offered subscribers of it through its
       transport (pieces, chunks, deltas), fetched or not.
+    held_as: "lent" (the caller's own arrays, read in place: no copy held) or
+      "snapshot", with why where lending was asked for and not done ("snapshot (CPU:
+      ...)", "snapshot (pooled memory: ...)").
+    device_bytes: per device (its name), the bytes this version holds there beside the
+      caller's arrays (its snapshot, its wire conversions; 0 where lent).
   """
 
   version: int
   bytes: int
   published_at: float
   offered_bytes: int
+  held_as: str = "snapshot"
+  device_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +135,8 @@ class PeerSeen:
     seen_s_ago: seconds since its last request.
     calls: its requests so far.
     last_op: its last request's operation ("versions", "pull", "relay_join"...).
-    version: the newest version it pulled or asked for (0: none yet).
+    version: the newest version it pulled (its word after the pull, on every path)
+      or asked for (0: none yet).
   """
 
   peer: str
@@ -163,7 +171,15 @@ class PublisherStats:
     served_bytes: bytes the transport sent (the "net" transport counts them; it is
       shared by this process's Publishers and Subscribers); None where it cannot tell.
     exports: the local data plane's exports (one per layout set a local subscriber
-      reads, or every held set's on CPU) and `export_bytes`, their memory.
+      reads, or every held set's on CPU) and `export_bytes`, their memory (CPU: the
+      slots, which are the snapshots; GPUs: headers and slot tables only, the versions
+      being XLA's own buffers, mapped by readers).
+    device_bytes: per device (its name), the device bytes this process holds for weight
+      sync beside the caller's own arrays: the held versions' snapshots and wire
+      conversions (lent versions hold none).
+    lent_allocations: GPUs: the XLA allocations lent to local readers now, and
+      `lent_allocation_bytes` their size (what a reader may see: a whole allocation;
+      with XLA's preallocation, its pool).
   """
 
   process: int
@@ -183,6 +199,9 @@ class PublisherStats:
   served_bytes: int | None
   exports: int
   export_bytes: int
+  device_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+  lent_allocations: int = 0
+  lent_allocation_bytes: int = 0
 
   def to_json(self) -> dict[str, Any]:
     """The record as JSON values: dicts, lists, numbers, strings, None (what the

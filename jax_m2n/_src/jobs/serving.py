@@ -3,7 +3,9 @@
 Owns the calls a Publisher serves and where each runs: on the server thread
 `versions` (a long poll), `manifest`, `status` and the relay calls (handed to the
 Coordinator on process 0); on one worker thread, in order, what cuts, encodes or offers
-(`register`, `pull`, `pieces`, `digests`, `delta`, `local`: offering.py); the requests
+(`register`, `pull`, `pieces`, `digests`, `delta`, `local`: offering.py; the tickets
+of lent allocations, `allocations`); a subscriber's `pulled` (after its copy: for a
+lent version, whether its arrays are still alive); the requests
 deferred until this process has published the version asked for, and the tick that
 answers them. Every field of a request is checked before use. Plans nothing; holds no
 version itself (versions.py does).
@@ -28,6 +30,8 @@ logger = logging.getLogger("jax_m2n")
 # The longest a subscriber may ask the publisher to hold a long poll or an offer.
 MAX_WAIT_MS = 60_000
 MAX_OFFER_MS = 1 << 31
+# The most allocations one request may ask tickets for.
+MAX_ALLOCATIONS = 4096
 
 
 class Service:
@@ -67,6 +71,11 @@ class Service:
     if op == "versions":
       after = messages.field(body, "after", int, lo=0, hi=1 << 62)
       wait_ms = messages.field(body, "wait_ms", int, lo=0, hi=MAX_WAIT_MS)
+      if "pulling" in body:  # a steady local pull of a snapshot, copying as it asks
+        pulling = messages.field(body, "pulling", int, lo=1, hi=1 << 62)
+        held = self._versions.get(pulling)
+        if held is not None and not held.lent:
+          self.counters.pulled(caller.peer, pulling)
       self._polls.append((caller, after, time.monotonic() + wait_ms / 1000))
     elif op == "manifest":
       want = messages.field(body, "id", str, max_len=64)
@@ -100,13 +109,27 @@ class Service:
           timeout_ms, MAX_WAIT_MS) / 1000))
     elif op == "local":
       self._submit(caller, lambda: self._offers.local(body))
+    elif op == "allocations":  # a local reader maps the allocations a slot names
+      want = messages.field(body, "manifest", str, max_len=64)
+      ids = messages.field(body, "ids", list)
+      if len(ids) > MAX_ALLOCATIONS or not all(type(i) is int for i in ids):
+        raise ProtocolError(f"allocations: ids must be at most {MAX_ALLOCATIONS} ints; "
+                            f"got {len(ids)} items.")
+      self._submit(caller, lambda: self._allocations(want, ids))
+    elif op == "pulled":  # a subscriber's word after its copy (lent: checked alive)
+      number = messages.field(body, "version", int, lo=1, hi=1 << 62)
+      held = self._versions.alive(number) if body.get("check") else True
+      if held:
+        self.counters.pulled(caller.peer, number)
+      caller.reply({"held": held})
     elif op in membership.OPS and self._pid == 0:
       self._relay.handle(caller, body)
     elif op == "status":
       caller.reply(status.answer(self.counters, self._relay if self._pid == 0 else None))
     else:
       raise ProtocolError(f"call: op must be versions, manifest, register, pull, "
-                          f"pieces, digests, delta, local, status or relay_*; got "
+                          f"pieces, digests, delta, local, allocations, pulled, status "
+                          f"or relay_*; got "
                           f"{messages._short(op)}.")
     self.tick()
 
@@ -119,7 +142,7 @@ class Service:
     for caller, after, deadline in self._polls:
       if self.closed or any(n > after for n, _ in held) or now >= deadline:
         caller.reply({"versions": held, "closed": self.closed,
-                      "keep": self._versions.keep})
+                      "keep": self._versions.keep, "published": published})
       else:
         keep.append((caller, after, deadline))
     self._polls = keep
@@ -133,13 +156,16 @@ class Service:
           answer, offer = self._offers.newest(caller, body)
           caller.reply(answer)
           if offer is not None:
-            self._submit(None, offer)
+            self._submit(None, functools.partial(self._served, caller, answer["version"],
+                                                 offer))
         elif now >= deadline:
           caller.reply({"newer": None})  # none within its wait: it asks the usual way
         else:
           keep.append((caller, body, deadline))
       elif version <= published:  # cut, encode, offer: on the worker thread
-        self._submit(caller, functools.partial(self._offers.answer, caller, body))
+        self._submit(caller, functools.partial(
+            self._served, caller, version, functools.partial(self._offers.answer, caller,
+                                                             body)))
       elif now >= deadline:
         caller.reply({"error": f"version {version} must be published by trainer process "
                       f"{self._pid} in time; it has published {published} so far.",
@@ -152,6 +178,23 @@ class Service:
     gone = [v for v in self._offers.offered() if v not in held_numbers]
     if gone:  # a dropped version's offers not fetched yet: withdrawn
       self._submit(None, lambda: self._offers.withdraw(gone))
+
+  def _served(self, caller: channel.Caller, number: int, work: Callable[[], Any]) -> Any:
+    """Runs a network pull's cut and offer; once done without error the subscriber no
+    longer reads the version's arrays: counted as pulled (`Publisher.wait_pulled`)."""
+    got = work()
+    if not (isinstance(got, dict) and "error" in got):
+      self.counters.pulled(caller.peer, number)
+    return got
+
+  def _allocations(self, manifest_id: str, ids: list[int]) -> dict[str, Any]:
+    """Tickets for the allocations (of the held versions) a local reader maps."""
+    export = self._versions.export_for(manifest_id)
+    if export is None or export.allocations is None or export.tables is None:
+      return {"error": f"manifest {messages._short(manifest_id)} must belong to a held "
+              "version exported on GPUs; got another (dropped: pull again).",
+              "kind": "runtime"}
+    return export.allocation_tickets(ids)
 
   def _submit(self, caller: channel.Caller | None,
               work: Callable[[], dict[str, Any] | None]) -> None:

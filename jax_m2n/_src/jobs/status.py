@@ -72,7 +72,13 @@ def summary(reply: dict[str, Any]) -> str:
   for v in s["versions"]:
     lines.append(f"  version {v['version']}: {fmt_bytes(v['bytes'])}, published "
                  f"{_ago(now, v['published_at'])}, {fmt_bytes(v['offered_bytes'])} "
-                 "offered")
+                 f"offered; {v.get('held_as', 'snapshot')}")
+  held = s.get("device_bytes") or {}
+  lines.append("device memory held for weight sync: " + (", ".join(
+      f"{d} {fmt_bytes(n)}" for d, n in sorted(held.items())) or "none") + (
+      f"; {s.get('lent_allocations', 0)} allocation(s) lent to local readers "
+      f"({fmt_bytes(s.get('lent_allocation_bytes', 0))})"
+      if s.get("lent_allocations") else ""))
   lines.append(f"subscribers: {s['subscribers']} connections heard from within "
                f"{s['window_s']:g} s (a relaying subscriber holds two)")
   for p in s["peers"]:

@@ -41,7 +41,7 @@ class Subscriber(lifetime.Closing):
       (forwarded) until the group starts the next version. A job of several processes
       pulls directly whatever this says.
     metrics: a `prometheus_client.CollectorRegistry` to count this subscriber's pulls
-      into (docs/jobs.md, "Watching it", lists the metrics), or None. No port is
+      into (docs/watching.md, lists the metrics), or None. No port is
       opened; instances passing one registry share its metrics.
 
   Raises:
