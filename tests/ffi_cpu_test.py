@@ -56,9 +56,9 @@ for _name, _target in _ffi.registrations().items():
 # The schedule format, written out again from docs/schedule_format.md.
 # --------------------------------------------------------------------------------------
 MAGIC = 0x4D324E5F
-VERSION = 2
+VERSION = 3
 MAX_RANK = 8
-OP_WIDTH = 11 + 3 * MAX_RANK
+OP_FIXED = 11  # an op record: these, then (extent, src start, dst start) per dim of its rank
 STAGES = ("local", "inject", "forward", "fanout", "gather", "bcast")
 OPERAND, RESULT, WORKSPACE = 0, 1, 2
 
@@ -91,7 +91,7 @@ def _encode(tensors, devices, ops, *, ws=None, n_steps=None, device=None):
   ops = sorted(ops, key=lambda o: o.step)  # stable: "sorted by step, then as listed"
   if device is not None:
     ops = [o for o in ops if device in (o.src[0], o.dst[0])]
-  out = [MAGIC, VERSION, len(tensors), len(devices), n_steps, len(ops), OP_WIDTH, MAX_RANK]
+  out = [MAGIC, VERSION, len(tensors), len(devices), n_steps, len(ops), OP_FIXED, MAX_RANK]
   out += sorted(devices)
   out += [ws.get(d, 0) for d in sorted(devices)]
   for t in tensors:
@@ -99,8 +99,8 @@ def _encode(tensors, devices, ops, *, ws=None, n_steps=None, device=None):
     out += list(t.shape) + [0] * (MAX_RANK - len(t.shape)) + list(t.types)
   for o in ops:
     out += [o.step, STAGES.index(o.stage), o.tensor, *o.src, *o.dst, o.src_pack, o.dst_pack]
-    for d in range(MAX_RANK):
-      out += [o.extent[d], o.src_start[d], o.dst_start[d]] if d < len(o.extent) else [1, 0, 0]
+    for d in range(len(tensors[o.tensor].shape)):
+      out += [o.extent[d], o.src_start[d], o.dst_start[d]]
   return np.array(out, np.int64)
 
 
@@ -506,10 +506,11 @@ _OPS_AT = 8 + 2 * 8 + 12  # first op row of _simple()'s encoding
 
 @pytest.mark.parametrize("index,value,match", [
     (0, 0x12345678, "MAGIC must be 0x4d324e5f"),
-    (1, 1, "VERSION must be 2"),
-    (2, 2, "sizes must add up"),
+    (1, 2, "VERSION must be 3"),
+    (5, 20, "sizes must add up"),
+    (5, 7, "sizes must add up: 17 elements after the last of n_ops = 7"),
     (3, 0, "n_devices must be in"),
-    (6, 36, "OP_WIDTH must be 35"),
+    (6, 35, "OP_FIXED must be 11"),
     (7, 4, "MAX_RANK must be 8"),
     (8 + 1, 0, "devices must be sorted ascending"),
     (8 + 8, -1, r"ws\[0\] \(device 0\) must be >= 0"),
@@ -530,7 +531,6 @@ _OPS_AT = 8 + 2 * 8 + 12  # first op row of _simple()'s encoding
     (_OPS_AT + 9, 0, "src_pack = 0 must be -1 or a staging area"),
     (_OPS_AT + 11 + 3 * 1 + 0, 5, r"extent\[1\] must be in \[0, 4\]"),
     (_OPS_AT + 11 + 3 * 0 + 1, 8, r"src.start\[0\] = 8 with extent 1 must lie in"),
-    (_OPS_AT + 11 + 3 * 2 + 0, 2, "beyond the tensor's rank 2"),
 ])
 def test_decoder_rejects(index, value, match):
   with pytest.raises(ValueError, match=match):
@@ -543,7 +543,7 @@ def test_decoder_rejects_unsorted_steps_and_slot_conflicts():
          Op(0, "inject", 0, (1, OPERAND, 0), (2, RESULT, 0), (1, 4), (0, 0), (0, 0))]
   a = _encode([t], DEVICES, ops)
   # _encode sorts by step; swap the two op rows back.
-  rows = a[_OPS_AT:].reshape(2, OP_WIDTH)[::-1].copy()
+  rows = a[_OPS_AT:].reshape(2, OP_FIXED + 3 * 2)[::-1].copy()
   a = np.concatenate([a[:_OPS_AT], rows.reshape(-1)])
   with pytest.raises(ValueError, match="ops must be sorted by step; got step 0 after step 1"):
     _ffi.decode_schedule(a)
@@ -564,7 +564,7 @@ def _assert_site_works(site):
 
 @pytest.mark.parametrize("index,value,match", [
     (0, 0x12345678, "MAGIC must be 0x4d324e5f"),
-    (1, 7, "VERSION must be 2.*got 7"),
+    (1, 7, "VERSION must be 3.*got 7"),
 ])
 def test_bad_header_fails_at_instantiate(index, value, match):
   site = _new_site()

@@ -11,6 +11,7 @@ import hypothesis
 import numpy as np
 from hypothesis import strategies as st
 
+from jax_m2n._src import planner
 from jax_m2n._src.planner import chunks as chunks_lib
 from jax_m2n._src import schedule as schedule_lib
 from jax_m2n._src.layout import MAX_RANK, box_size, intersect, parse_layout
@@ -172,10 +173,13 @@ def _encode_reference(plan, device, staging):
     tensors[t, :2] = (tp.itemsize, len(shape))
     tensors[t, 2:2 + len(shape)] = shape
   header = [schedule_lib.MAGIC, schedule_lib.SCHEDULE_VERSION, len(plan.tensors),
-            len(plan.devices), n_steps, len(rows), schedule_lib.OP_WIDTH, MAX_RANK]
+            len(plan.devices), n_steps, len(rows), schedule_lib.OP_FIXED, MAX_RANK]
+  # Version 3: each op's record holds the dims of its tensor's rank only.
+  records = [row[:schedule_lib.OP_FIXED + 3 * len(plan.tensors[row[2]].src.shape)]
+             for row in rows]
   return np.concatenate([np.array(header, np.int64), np.array(plan.devices, np.int64),
                          np.array([ws.get(d, 0) for d in plan.devices], np.int64),
-                         tensors.reshape(-1), rows.reshape(-1)]).astype(np.int64)
+                         tensors.reshape(-1), *records]).astype(np.int64)
 
 
 # --------------------------------------------------------------------------------------
@@ -197,6 +201,11 @@ def _check_against_reference(plan):
       have = schedule_lib.encode(plan, device, staging)
       assert have.dtype == np.int64 and not have.flags.writeable
       np.testing.assert_array_equal(have, want, err_msg=f"device={device}, {staging=}")
+      decoded = schedule_lib.decode(have)["ops"]
+      full, _, _, _, _ = _ops_reference(plan, staging)
+      if device is not None:
+        full = full[(full[:, 3] == device) | (full[:, 6] == device)]
+      np.testing.assert_array_equal(decoded, full)
       if device is not None:
         assert schedule_lib.workspace_bytes(plan, device, staging) == ws.get(device, 0)
     assert schedule_lib.workspace_bytes(plan, None, staging) == max(ws.values(), default=0)
@@ -242,3 +251,80 @@ def test_empty_plan():
   plan = plan_reshard([], [], [])
   assert len(plan.chunks) == 0
   _check_against_reference(plan)
+
+
+# --------------------------------------------------------------------------------------
+# Digests and the size of a 256-device plan's encodings
+# --------------------------------------------------------------------------------------
+
+
+def _pytree_plan(chunk=64):
+  cases = [((8, 8), "mesh(a=2, b=2) P(a, b) @0", "mesh(c=4) P(None, c) @2", 4),
+           ((16,), "mesh(a=4) P(a) @0", "mesh(b=4) P(None) @4", 2)]
+  return _plan_of(cases, "hierarchical", chunk, 2)
+
+
+def test_digests():
+  plan = _pytree_plan()
+  by_device = {d: schedule_lib.encode(plan, d, True) for d in plan.devices}
+  digests = {d: schedule_lib.digest(e) for d, e in by_device.items()}
+  assert all(len(h) == 16 for h in digests.values())
+  assert schedule_lib.digest(by_device[0].copy()) == digests[0]
+  # Equal digests exactly where the encodings are equal.
+  for d in plan.devices:
+    for e in plan.devices:
+      assert (digests[d] == digests[e]) == np.array_equal(by_device[d], by_device[e])
+  # A plan's digest: the same when everything is planned again (other objects), another
+  # for another chunking, staging or plan; a site key from it like from the encoding.
+  want = schedule_lib.plan_digest(plan, True)
+  schedule_lib.clear_caches()
+  planner.clear_caches()
+  again = _pytree_plan()
+  assert again is not plan
+  assert schedule_lib.plan_digest(again, True) == want
+  assert schedule_lib.plan_digest(again, False) != want
+  assert schedule_lib.plan_digest(_pytree_plan(chunk=32), True) != want
+  key = schedule_lib.site_key(b"eager", want)
+  assert key == schedule_lib.site_key(b"eager", schedule_lib.plan_digest(again, True))
+  assert 0 <= key < 1 << 63
+  assert key != schedule_lib.site_key(b"eager", want, salt=1)
+
+
+def test_256_device_plan_encodings_are_sized_by_each_device():
+  """A DeepSeek-V3-shaped refit on 256 devices (8 PP stages of EP16 -> TP16 x DP8, one
+  layer per stage, four NVLink domains): each device's encoding holds the prefix and
+  the rank-sized records of its own ops, and nothing builds the all-ops table.
+
+  Budget: an op is on at most two devices (its source and destination), at
+  8 * (11 + 3 * rank) bytes each (version 3); this plan's 582,656 chunks are 1-, 2- and
+  3-D. Its encodings take 144.5 MiB over all devices and 1.15 MiB on the busiest
+  (version 2's 35-element records took 2.3x that); the budgets leave ~5% for changes
+  that do not add ops or widen records.
+  """
+  from jax_m2n.bench import suites
+  model = suites.PlannerModel(name="deepseek_v3_256_small", layers=8, hidden=112,
+                              experts=16, moe_ffn=128, vocab=2032)
+  layouts = suites._parse_stages(model, model.descriptors())  # noqa: SLF001
+  src = [s for stage, _ in layouts for s in stage]
+  dst = [d for _, stage in layouts for d in stage]
+  plan = plan_reshard(src, dst, [2] * len(src), model.topology())
+  assert len(plan.devices) == 256 and len(plan.chunks) == 582_656
+  schedule_lib._spmd.cache_clear()  # noqa: SLF001
+  # Ops per device and their record widths, from the chunks and the transfers' columns.
+  chunks = plan.chunks
+  src_dev = np.concatenate([tp.transfers.src for tp in plan.tensors])[chunks.transfer]
+  dst_dev = np.concatenate([tp.transfers.dst for tp in plan.tensors])[chunks.transfer]
+  width = np.array([schedule_lib.OP_FIXED + 3 * len(tp.src.shape)
+                    for tp in plan.tensors])[chunks.tensor]
+  head = schedule_lib._prefix_width(plan)  # noqa: SLF001
+  sizes = {}
+  for d in plan.devices:
+    enc = schedule_lib.encode(plan, d)
+    mine = (src_dev == d) | (dst_dev == d)
+    assert enc.nbytes == 8 * (head + int(width[mine].sum())), d
+    sizes[d] = enc.nbytes
+  assert schedule_lib._spmd.cache_info().currsize == 0  # noqa: SLF001
+  assert sum(sizes.values()) <= 152 << 20
+  assert max(sizes.values()) <= 1.21 * (1 << 20)
+  # Trainer devices send their own shards only: a small part of a generator device's.
+  assert max(sizes[d] for d in range(128)) * 4 < max(sizes.values())

@@ -187,9 +187,9 @@ ffi::Error DecodeHeader(const int64_t* a, int64_t size, Header* h) {
         std::to_string(version) +
         ": the Python package and the extension are out of step, rebuild");
   }
-  if (op_width != kOpWidth) {
-    return JAX_M2N_SCHEDULE_ERROR("header OP_WIDTH must be " +
-                                  std::to_string(kOpWidth) + "; got " +
+  if (op_width != kOpFixedWidth) {
+    return JAX_M2N_SCHEDULE_ERROR("header OP_FIXED must be " +
+                                  std::to_string(kOpFixedWidth) + "; got " +
                                   std::to_string(op_width));
   }
   if (max_rank != kMaxRank) {
@@ -216,17 +216,19 @@ ffi::Error DecodeHeader(const int64_t* a, int64_t size, Header* h) {
                                   std::to_string(std::min<int64_t>(size, INT32_MAX)) +
                                   "]; got " + std::to_string(n_ops));
   }
-  // Each count is <= size (< 2^60 for any real attribute): no overflow here.
-  const int64_t expected = kHeaderWidth + 2 * n_devices +
-                           kTensorWidth * n_tensors + kOpWidth * n_ops;
-  if (expected != size) {
+  // Each count is <= size (< 2^60 for any real attribute): no overflow here. The
+  // ops' records are rank-sized: at least OP_FIXED each; the exact sum is checked
+  // once they are read (DecodeSchedule).
+  const int64_t prefix = kHeaderWidth + 2 * n_devices + kTensorWidth * n_tensors;
+  if (prefix + kOpFixedWidth * n_ops > size) {
     return JAX_M2N_SCHEDULE_ERROR("sizes must add up: 8 + 2 * n_devices (" +
                                   std::to_string(n_devices) + ") + " +
                                   std::to_string(kTensorWidth) + " * n_tensors (" +
-                                  std::to_string(n_tensors) + ") + 35 * n_ops (" +
-                                  std::to_string(n_ops) +
-                                  ") = " + std::to_string(expected) +
-                                  " elements; got " + std::to_string(size));
+                                  std::to_string(n_tensors) + ") + at least " +
+                                  std::to_string(kOpFixedWidth) + " * n_ops (" +
+                                  std::to_string(n_ops) + ") = " +
+                                  std::to_string(prefix + kOpFixedWidth * n_ops) +
+                                  " elements at least; got " + std::to_string(size));
   }
   h->n_tensors = n_tensors;
   h->n_devices = n_devices;
@@ -349,7 +351,12 @@ ffi::Error DecodeTensor(const int64_t* row, int64_t t, TensorSpec* spec) {
 ffi::Error DecodeBox(const int64_t* row, const TensorSpec& spec,
                      const std::string& full_name, Op* op) {
   op->bytes = spec.elem_bytes;
-  for (int64_t d = 0; d < kMaxRank; ++d) {
+  for (int64_t d = spec.rank; d < kMaxRank; ++d) {  // not encoded (version 3)
+    op->extent[d] = 1;
+    op->src.start[d] = 0;
+    op->dst.start[d] = 0;
+  }
+  for (int64_t d = 0; d < spec.rank; ++d) {
     const int64_t extent = row[kOpFixedWidth + 3 * d];
     const int64_t src_start = row[kOpFixedWidth + 3 * d + 1];
     const int64_t dst_start = row[kOpFixedWidth + 3 * d + 2];
@@ -357,17 +364,6 @@ ffi::Error DecodeBox(const int64_t* row, const TensorSpec& spec,
     op->src.start[d] = src_start;
     op->dst.start[d] = dst_start;
     const std::string dim = "[" + std::to_string(d) + "]";
-    if (d >= spec.rank) {
-      if (extent != 1 || src_start != 0 || dst_start != 0) {
-        return JAX_M2N_SCHEDULE_ERROR(
-            full_name + ": dim " + std::to_string(d) +
-            " is beyond the tensor's rank " + std::to_string(spec.rank) +
-            " and must be (extent 1, start 0, start 0); got (" +
-            std::to_string(extent) + ", " + std::to_string(src_start) + ", " +
-            std::to_string(dst_start) + ")");
-      }
-      continue;
-    }
     if (extent < 0 || extent > spec.dims[d]) {
       return JAX_M2N_SCHEDULE_ERROR(
           full_name + ": extent" + dim + " must be in [0, " +
@@ -461,10 +457,19 @@ ffi::Error DecodeEnd(const int64_t* row, int side, const Schedule& s,
 }
 
 // Op i: its step (ops sorted by step), stage, tensor, box and both ends.
-ffi::Error DecodeOp(const int64_t* row, int64_t i, const Header& h, Schedule* s,
-                    int64_t* prev_step, SlotTensors* slot_tensor) {
+// `remaining`: elements of the attribute from `row` on; sets `*width` to the
+// record's (OP_FIXED + 3 * rank of its tensor).
+ffi::Error DecodeOp(const int64_t* row, int64_t remaining, int64_t i, const Header& h,
+                    Schedule* s, int64_t* prev_step, SlotTensors* slot_tensor,
+                    int64_t* width) {
   Op& op = s->ops[i];
   const std::string name = "op " + std::to_string(i);
+  if (remaining < kOpFixedWidth) {
+    return JAX_M2N_SCHEDULE_ERROR(name + ": sizes must add up: the record needs " +
+                                  std::to_string(kOpFixedWidth) +
+                                  " elements at least; " + std::to_string(remaining) +
+                                  " left in the attribute");
+  }
   op.step = row[0];
   if (op.step < 0 || op.step >= h.n_steps) {
     return JAX_M2N_SCHEDULE_ERROR(
@@ -491,6 +496,13 @@ ffi::Error DecodeOp(const int64_t* row, int64_t i, const Header& h, Schedule* s,
                                   std::to_string(op.tensor));
   }
   const TensorSpec& spec = s->tensors[op.tensor];
+  *width = OpWidth(spec.rank);
+  if (remaining < *width) {
+    return JAX_M2N_SCHEDULE_ERROR(
+        name + ": sizes must add up: the record of a rank-" + std::to_string(spec.rank) +
+        " tensor needs " + std::to_string(*width) + " elements; " +
+        std::to_string(remaining) + " left in the attribute");
+  }
   const std::string full_name = OpName(i, op);
   if (ffi::Error e = DecodeBox(row, spec, full_name, &op); e.failure()) return e;
   for (int side = 0; side < 2; ++side) {
@@ -550,9 +562,19 @@ ffi::ErrorOr<Schedule> DecodeSchedule(ffi::Span<const int64_t> encoded) {
   s.ops_by_device.resize(h.n_devices);
   SlotTensors slot_tensor;
   int64_t prev_step = 0;
+  const int64_t* end = a + size;
   for (int64_t i = 0; i < h.n_ops; ++i) {
-    ffi::Error e = DecodeOp(ops + i * kOpWidth, i, h, &s, &prev_step, &slot_tensor);
+    int64_t width = 0;
+    ffi::Error e = DecodeOp(ops, end - ops, i, h, &s, &prev_step, &slot_tensor, &width);
     if (e.failure()) return fail(std::move(e));
+    ops += width;
+  }
+  if (ops != end) {
+    return fail(JAX_M2N_ERROR(
+        kInvalidArgument,
+        "schedule: sizes must add up: " + std::to_string(end - ops) +
+        " elements after the last of n_ops = " + std::to_string(h.n_ops) +
+        " op records"));
   }
   return s;
 }

@@ -24,13 +24,15 @@ namespace jax_m2n {
 // ---------------------------------------------------------------------------
 
 inline constexpr int64_t kScheduleMagic = 0x4D324E5F;  // "M2N_"
-inline constexpr int64_t kScheduleVersion = 2;
+inline constexpr int64_t kScheduleVersion = 3;
 inline constexpr int64_t kHeaderWidth = 8;
 inline constexpr int64_t kMaxRank = 8;
 // elem_bytes, rank, dims, src_type, dst_type
 inline constexpr int64_t kTensorWidth = 4 + kMaxRank;
 inline constexpr int64_t kOpFixedWidth = 11;           // fields 0..10
-inline constexpr int64_t kOpWidth = kOpFixedWidth + 3 * kMaxRank;  // 35
+// An op record: the fixed fields, then (extent, src start, dst start) per dim of
+// its tensor's rank (version 3; at most 35 elements).
+inline constexpr int64_t OpWidth(int64_t rank) { return kOpFixedWidth + 3 * rank; }
 
 // What an op does in the route. Transports copy every stage the same way; the
 // stage says why the op exists (and lets a transport pick an engine).

@@ -20,11 +20,13 @@ from jax_m2n._src.layout import MAX_RANK
 from jax_m2n._src.planner import chunks as chunks_lib
 from jax_m2n._src.planner import DST_SHARD, FULL_TMP, SRC_SHARD, STAGES, Plan
 
-SCHEDULE_VERSION = 2
+SCHEDULE_VERSION = 3
 MAGIC = 0x4D324E5F  # "M2N_"
 HEADER_WIDTH = 8
 TENSOR_WIDTH = 4 + MAX_RANK  # elem_bytes, rank, dims, src_type, dst_type
 OP_FIXED = 11
+# The decoded op table's width (`decode`); an encoded record holds OP_FIXED + 3 * rank
+# of its tensor's elements (version 3: rank-sized records).
 OP_WIDTH = OP_FIXED + 3 * MAX_RANK
 ALIGN = 256
 
@@ -99,9 +101,11 @@ def wire_itemsizes(dtypes, out_dtypes=None) -> tuple[list[int], tuple | None]:
 
 def _tmp_devices(tp) -> frozenset:
   """Devices that hold a full-tensor workspace buffer of `tp` (cached on `tp`)."""
-  return chunks_lib.derived(tp, "tmp_devices", lambda tp: frozenset(
-      dev for x in tp.transfers
-      for dev, kind in ((x.src, x.src_kind), (x.dst, x.dst_kind)) if kind == FULL_TMP))
+  def build(tp):
+    xs = tp.transfers
+    return frozenset(np.concatenate([xs.src[xs.src_kind == FULL_TMP],
+                                     xs.dst[xs.dst_kind == FULL_TMP]]).tolist())
+  return chunks_lib.derived(tp, "tmp_devices", build)
 
 
 @functools.lru_cache(maxsize=256)
@@ -164,36 +168,38 @@ def _contiguous_rows(extent: np.ndarray, dims: np.ndarray) -> np.ndarray:
   return ~((extent != dims) & later).any(axis=1)
 
 
+def _geometry_columns(tp, dev: np.ndarray, kind: np.ndarray):
+  """(origin, dims) rows of the buffers (`dev`, `kind`) of `tp`: one geometry per
+  distinct pair (a route repeats few buffers over many transfers)."""
+  pairs, inverse = np.unique(dev.astype(np.int64) * 3 + kind, return_inverse=True)
+  geo = [_buffer_geometry(tp, int(p) // 3, int(p) % 3) for p in pairs.tolist()]
+  origin = np.array([g[0] for g in geo], np.int64).reshape(len(geo), MAX_RANK)
+  dims = np.array([g[1] for g in geo], np.int64).reshape(len(geo), MAX_RANK)
+  inverse = inverse.reshape(-1)
+  return origin[inverse], dims[inverse]
+
+
 def _build_tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
   tc = chunks_lib.tensor_chunks(tp, chunk_bytes)
   xs = tp.transfers
-  geometry = {}
-  def geo(dev, kind):
-    key = (dev, kind)
-    if key not in geometry:
-      geometry[key] = _buffer_geometry(tp, dev, kind)
-    return geometry[key]
-  src_geo = [geo(x.src, x.src_kind) for x in xs]
-  dst_geo = [geo(x.dst, x.dst_kind) for x in xs]
-  shape = (len(xs), MAX_RANK)
-  s_origin = np.array([g[0] for g in src_geo], np.int64).reshape(shape)[tc.transfer]
-  s_dims = np.array([g[1] for g in src_geo], np.int64).reshape(shape)[tc.transfer]
-  d_origin = np.array([g[0] for g in dst_geo], np.int64).reshape(shape)[tc.transfer]
-  d_dims = np.array([g[1] for g in dst_geo], np.int64).reshape(shape)[tc.transfer]
-  fixed = np.array([(STAGE_CODES[x.stage], x.src, x.src_kind, x.dst, x.dst_kind)
-                    for x in xs], np.int64).reshape(len(xs), 5)[tc.transfer]
+  src = xs.src.astype(np.int64)[tc.transfer]
+  dst = xs.dst.astype(np.int64)[tc.transfer]
+  src_kind = xs.src_kind.astype(np.int64)[tc.transfer]
+  dst_kind = xs.dst_kind.astype(np.int64)[tc.transfer]
+  s_origin, s_dims = _geometry_columns(tp, src, src_kind)
+  d_origin, d_dims = _geometry_columns(tp, dst, dst_kind)
   n = len(tc.step)
   rows = np.full((n, OP_WIDTH), -1, np.int64)
   rows[:, 0] = tc.step
-  rows[:, 1] = fixed[:, 0]
+  rows[:, 1] = xs.stage[tc.transfer]  # STAGES order: the format's stage codes
   rows[:, 2] = 0
-  rows[:, 3:5] = fixed[:, 1:3]
-  rows[:, 6:8] = fixed[:, 3:5]
+  rows[:, 3], rows[:, 4] = src, src_kind
+  rows[:, 6], rows[:, 7] = dst, dst_kind
   extent = tc.hi - tc.lo
   rows[:, OP_FIXED::3] = extent
   rows[:, OP_FIXED + 1::3] = tc.lo - s_origin
   rows[:, OP_FIXED + 2::3] = tc.lo - d_origin
-  cross = fixed[:, 1] != fixed[:, 3]
+  cross = src != dst
   src_pack = cross & ~_contiguous_rows(extent, s_dims)
   dst_pack = cross & ~_contiguous_rows(extent, d_dims)
   nbytes = -(-(np.prod(extent, axis=1) * tp.itemsize) // ALIGN) * ALIGN
@@ -230,76 +236,165 @@ def _repack_for_types(types, tensor, src_kind, dst_kind, cross, src_pack, dst_pa
           dst_pack | (cross & converting & (type_of(dst_kind) != wire)))
 
 
-@functools.lru_cache(maxsize=256)
-def _ops(plan: Plan, staging: bool, types: tuple | None = None
-         ) -> tuple[np.ndarray, dict[int, int], int, np.ndarray]:
-  """All ops of a plan (n_ops x OP_WIDTH), workspace bytes per device, step count, and
-  the SPMD encoding, whose tail the ops are (built in place: one large allocation).
-  `types`: per tensor (src_type, dst_type) codes, None when nothing converts; the plan's
-  itemsizes are then the wire itemsizes."""
+def _index_dtype(n: int):
+  return np.int32 if n < (1 << 31) else np.int64
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Table:
+  """A plan's ops for one (staging, types), kept per device: what `encode` needs to
+  write any device's rows in O(its rows), built once by array arithmetic.
+
+  `base` holds the rows of each distinct TensorPlan once (tensor-local steps, slots and
+  packs unset); the op `i` of the plan (step order) is row `part_start[tensor[i]] +
+  index[i]` of it, with its plan step, tensor, slots and packs filled in by `_rows`.
+  `by_device[ptr[j]:ptr[j + 1]]` are the ops that touch the device at position `j` (its
+  source or destination side), in op order.
+  """
+
+  base: np.ndarray          # (rows of the distinct TensorPlans, OP_WIDTH)
+  part_start: np.ndarray    # (n_tensors,) first row of each tensor's part in `base`
+  tensor: np.ndarray        # (n_ops,) per op
+  index: np.ndarray         # (n_ops,) chunk index in the tensor's part
+  step: np.ndarray          # (n_ops,)
+  packs: np.ndarray | None  # (n_ops, 2) src_pack, dst_pack offsets; None: no staging
+  ptr: np.ndarray           # (n_devices + 1,)
+  by_device: np.ndarray     # ops, grouped by device
+  devices: np.ndarray       # (n_devices,) global ids, ascending
+  slots: np.ndarray         # `_slot_table`
+  ws: dict                  # device -> workspace bytes
+  n_steps: int
+  prefix: np.ndarray        # header (n_ops 0), devices, ws, tensors
+  width: np.ndarray         # (n_tensors,) record width of each tensor's ops
+
+  def rows(self, ops: np.ndarray, width: int = OP_WIDTH) -> np.ndarray:
+    """The rows (n, width) of `ops` (indices in op order): their first `width` fields."""
+    tensor = self.tensor[ops]
+    rows = self.base[self.part_start[tensor] + self.index[ops], :width]
+    rows[:, 0] = self.step[ops]
+    rows[:, 2] = tensor
+    for dev_col, kind_col, slot_col in ((3, 4, 5), (6, 7, 8)):
+      position = np.searchsorted(self.devices, rows[:, dev_col])
+      rows[:, slot_col] = self.slots[rows[:, kind_col], tensor, position]
+    if self.packs is not None:
+      rows[:, 9:11] = self.packs[ops]
+    return rows
+
+  def encode(self, ops: np.ndarray) -> np.ndarray:
+    """The encoding of `ops`: the prefix, then each op's rank-sized record, written
+    per block of ops and per record width (no full-width copy of the ops)."""
+    head = len(self.prefix)
+    width = self.width[self.tensor[ops]]
+    end = head + np.cumsum(width)
+    out = np.empty(int(end[-1]) if len(ops) else head, np.int64)
+    out[:head] = self.prefix
+    out[5] = len(ops)
+    for start in range(0, len(ops), _BLOCK_OPS):
+      block = slice(start, start + _BLOCK_OPS)
+      w_block = width[block]
+      first = int(end[block][0] - w_block[0])
+      if (w_block == w_block[0]).all():  # one width: the records are one slab
+        w = int(w_block[0])
+        out[first:first + w * len(w_block)] = self.rows(ops[block], w).reshape(-1)
+        continue
+      for w in np.unique(w_block).tolist():
+        sel = np.flatnonzero(w_block == w)
+        at = (end[block][sel] - w)[:, None] + np.arange(w)
+        out[at] = self.rows(ops[block][sel], w)
+    out.flags.writeable = False
+    return out
+
+
+# Ops written per block by `_Table.encode` (bounds its temporaries: ~100 MiB).
+_BLOCK_OPS = 1 << 18
+
+
+def _group_by_device(src_pos: np.ndarray, dst_pos: np.ndarray, n_devices: int):
+  """(ptr, op, side): every op once per device it touches (the source side, and the
+  destination side where that is another device), grouped by device position, in op
+  order within a device: one stable sort."""
+  n = len(src_pos)
+  key = np.stack([src_pos, dst_pos], axis=1).reshape(-1)
+  keep = np.ones(2 * n, bool)
+  keep[1::2] = dst_pos != src_pos
+  entries = np.flatnonzero(keep)
+  key = key[entries]
+  if n_devices < (1 << 16):
+    key = key.astype(np.uint16)  # numpy sorts 16-bit keys stably by radix
+  order = np.argsort(key, kind="stable")
+  entries = entries[order]
+  ptr = np.zeros(n_devices + 1, np.int64)
+  ptr[1:] = np.cumsum(np.bincount(key, minlength=n_devices))
+  index = _index_dtype(n)
+  return ptr, (entries >> 1).astype(index), (entries & 1).astype(np.int8)
+
+
+@functools.lru_cache(maxsize=64)
+def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
+  """The ops of `plan` per device. `types`: per tensor (src_type, dst_type) codes, None
+  when nothing converts; the plan's itemsizes are then the wire itemsizes."""
   bufs = buffers(plan)
   chunks = plan.chunks
-  parts = [_tensor_ops(tp, plan.chunk_bytes) for tp in plan.tensors]
-  ws = dict(bufs.tmp_bytes)
-  head = _prefix_width(plan)
-  out = np.empty(head + len(chunks) * OP_WIDTH, np.int64)
-  rows = out[head:].reshape(len(chunks), OP_WIDTH)
-  if not len(chunks):
-    out[:head] = _prefix(plan, ws, 0, 0, types)
-    out.flags.writeable = False
-    return rows, ws, 0, out
-  # One scatter per tensor into the sorted position of its chunks (no concatenated copy).
-  position = np.empty_like(chunks.order)
-  position[chunks.order] = np.arange(len(chunks.order))
-  start = 0
-  for p in parts:
-    rows[position[start:start + len(p.rows)]] = p.rows
-    start += len(p.rows)
-  order = chunks.order
-  tensor = chunks.tensor
-  rows[:, 0] = chunks.step
-  rows[:, 2] = tensor
   devices = np.array(plan.devices, np.int64)
-  table = _slot_table(plan, bufs, devices)
-  src_dev = np.concatenate([p.rows[:, 3] for p in parts])[order]
-  dst_dev = np.concatenate([p.rows[:, 6] for p in parts])[order]
-  kinds = []
-  for dev, kind_col, slot_col in ((src_dev, 4, 5), (dst_dev, 7, 8)):
-    kind = np.concatenate([p.rows[:, kind_col] for p in parts])[order]
-    rows[:, slot_col] = table[kind, tensor, np.searchsorted(devices, dev)]
-    kinds.append(kind)
-  if staging:
-    # Pack areas: per (device, step), the op's aligned bytes in op order, the source side
-    # of an op before its destination side (the two sides are on different devices).
-    src_pack = np.concatenate([p.src_pack for p in parts])[order]
-    dst_pack = np.concatenate([p.dst_pack for p in parts])[order]
+  ws = dict(bufs.tmp_bytes)
+  # The distinct TensorPlans' parts, once each.
+  first: dict[int, int] = {}
+  distinct = []
+  for tp in plan.tensors:
+    if id(tp) not in first:
+      first[id(tp)] = sum(len(p.rows) for p in distinct)
+      distinct.append(_tensor_ops(tp, plan.chunk_bytes))
+  part_start = np.array([first[id(tp)] for tp in plan.tensors], np.int64)
+  base = (np.concatenate([p.rows for p in distinct]) if distinct
+          else np.zeros((0, OP_WIDTH), np.int64))
+  tensor, index = chunks.tensor, chunks.index
+  row = part_start[tensor] + index
+  src_pos = np.searchsorted(devices, base[row, 3])
+  dst_pos = np.searchsorted(devices, base[row, 6])
+  ptr, by_device, side = _group_by_device(src_pos, dst_pos, len(devices))
+  packs = None
+  if staging and len(row):
+    packs = np.full((len(row), 2), -1, np.int64)
+    src_pack = np.concatenate([p.src_pack for p in distinct])[row]
+    dst_pack = np.concatenate([p.dst_pack for p in distinct])[row]
     if types is not None:
-      src_pack, dst_pack = _repack_for_types(types, tensor, kinds[0], kinds[1],
-                                             src_dev != dst_dev, src_pack, dst_pack)
-    nbytes = np.concatenate([p.nbytes for p in parts])[order]
-    op = np.concatenate([np.flatnonzero(src_pack), np.flatnonzero(dst_pack)])
-    side = np.repeat([0, 1], [int(src_pack.sum()), int(dst_pack.sum())])
-    dev = np.where(side == 0, src_dev[op], dst_dev[op])
+      src_pack, dst_pack = _repack_for_types(types, tensor, base[row, 4], base[row, 7],
+                                             src_pos != dst_pos, src_pack, dst_pack)
+    # Pack areas: per (device, step), the ops' aligned bytes in op order (an op packs on
+    # at most one side per device: packing ops cross devices).
+    flag = np.where(side == 0, src_pack[by_device], dst_pack[by_device])
+    entries = np.flatnonzero(flag)
+    op, op_side = by_device[entries], side[entries]
+    dev = np.searchsorted(ptr, entries, side="right") - 1
     step = chunks.step[op]
-    sort = np.lexsort((side, op, dev, step))
-    op, side, dev, step = op[sort], side[sort], dev[sort], step[sort]
-    size = nbytes[op]
+    size = np.concatenate([p.nbytes for p in distinct])[row[op]]
     end = np.cumsum(size)
     new_group = np.ones(len(op), bool)
     new_group[1:] = (dev[1:] != dev[:-1]) | (step[1:] != step[:-1])
     group_start = np.maximum.accumulate(np.where(new_group, np.arange(len(op)), 0))
     used = end - size - (end - size)[group_start]
     tmp_bytes = np.array([bufs.tmp_bytes.get(int(d), 0) for d in devices], np.int64)
-    dev_pos = np.searchsorted(devices, dev)
-    rows[op, 9 + side] = used + tmp_bytes[dev_pos]
+    packs[op, op_side] = used + tmp_bytes[dev]
     peak = np.zeros(len(devices), np.int64)
-    np.maximum.at(peak, dev_pos, used + size)
+    np.maximum.at(peak, dev, used + size)
     for j in np.flatnonzero(peak):
       d = int(devices[j])
       ws[d] = ws.get(d, 0) + int(peak[j])
-  out[:head] = _prefix(plan, ws, chunks.n_steps, len(rows), types)
-  out.flags.writeable = False
-  return rows, ws, chunks.n_steps, out
+    packs.flags.writeable = False
+  prefix = _prefix(plan, ws, chunks.n_steps, 0, types)
+  width = np.array([OP_FIXED + 3 * len(tp.src.shape) for tp in plan.tensors], np.int64)
+  for a in (base, part_start, ptr, by_device, prefix, width):
+    a.flags.writeable = False
+  return _Table(base, part_start, tensor, index, chunks.step, packs, ptr, by_device,
+                devices, _slot_table(plan, bufs, devices), ws, chunks.n_steps, prefix,
+                width)
+
+
+@functools.lru_cache(maxsize=16)
+def _spmd(plan: Plan, staging: bool, types: tuple | None = None) -> np.ndarray:
+  """The SPMD encoding (every op)."""
+  table = _table(plan, staging, types)
+  return table.encode(np.arange(len(table.step)))
 
 
 def _prefix_width(plan: Plan) -> int:
@@ -319,7 +414,7 @@ def _prefix(plan: Plan, ws: dict[int, int], n_steps: int, n_ops: int,
     if types is not None:
       tensors[t, 2 + MAX_RANK:] = types[t]
   header = np.array([MAGIC, SCHEDULE_VERSION, len(plan.tensors), len(devices), n_steps,
-                     n_ops, OP_WIDTH, MAX_RANK], np.int64)
+                     n_ops, OP_FIXED, MAX_RANK], np.int64)
   return np.concatenate([header, np.array(devices, np.int64),
                          np.array([ws.get(d, 0) for d in devices], np.int64),
                          tensors.reshape(-1)])
@@ -339,7 +434,7 @@ def _check_types(plan: Plan, types):
 def workspace_bytes(plan: Plan, device: int | None = None, staging: bool = False,
                     types=None) -> int:
   """Workspace a device needs (device=None: the largest over devices, for SPMD)."""
-  _, ws, _, _ = _ops(plan, staging, _check_types(plan, types))
+  ws = _table(plan, staging, _check_types(plan, types)).ws
   if device is None:
     return max(ws.values(), default=0)
   return ws.get(device, 0)
@@ -360,23 +455,34 @@ def encode(plan: Plan, device: int | None = None, staging: bool = False,
       (`wire_dtype`): elem_bytes, workspace and staging are wire bytes.
 
   Returns:
-    A read-only 1-D int64 array (docs/schedule_format.md, version 2). The SPMD encoding
-    is cached with the plan and types: repeated calls return the same array.
+    A read-only 1-D int64 array (docs/schedule_format.md, version 3). The SPMD encoding
+    is cached with the plan and types: repeated calls return the same array. A device's
+    costs O(its ops) once the plan's per-device table is built (once per plan, staging
+    and types, by array arithmetic).
   """
   types = _check_types(plan, types)
-  rows, ws, n_steps, spmd = _ops(plan, staging, types)
   if device is None:
-    return spmd  # cached and read-only: shared by every caller
-  rows = rows[(rows[:, 3] == device) | (rows[:, 6] == device)]
-  out = np.concatenate([_prefix(plan, ws, n_steps, len(rows), types), rows.reshape(-1)])
-  out.flags.writeable = False
-  return out
+    return _spmd(plan, staging, types)  # cached and read-only: shared by every caller
+  table = _table(plan, staging, types)
+  j = int(np.searchsorted(table.devices, device))
+  if j < len(table.devices) and table.devices[j] == device:
+    return table.encode(table.by_device[table.ptr[j]:table.ptr[j + 1]])
+  return table.encode(table.by_device[:0])
+
+
+def clear_caches() -> None:
+  """Forgets every cached encoding table, SPMD encoding, digest and buffer slots
+  (benchmarks of cold encoding)."""
+  for cache in (_table, _spmd, _plan_digest, buffers):
+    cache.cache_clear()
 
 
 def decode(schedule: np.ndarray) -> dict:
-  """Inverse of `encode`, for tests and debugging (the C++ decoder is the real one)."""
+  """Inverse of `encode`, for tests and debugging (the C++ decoder is the real one):
+  the ops as a full-width table (n_ops, OP_WIDTH), dims beyond a tensor's rank
+  (extent 1, starts 0)."""
   a = np.asarray(schedule, np.int64)
-  magic, version, n_tensors, n_devices, n_steps, n_ops, op_width, max_rank = a[:8]
+  magic, version, n_tensors, n_devices, n_steps, n_ops, op_fixed, max_rank = a[:8]
   if magic != MAGIC or version != SCHEDULE_VERSION:
     raise ValueError(f"decode: bad magic/version {magic:#x}/{version}.")
   at = HEADER_WIDTH
@@ -384,20 +490,56 @@ def decode(schedule: np.ndarray) -> dict:
   ws = a[at:at + n_devices]; at += n_devices
   tensors = a[at:at + n_tensors * TENSOR_WIDTH].reshape(n_tensors, TENSOR_WIDTH)
   at += n_tensors * TENSOR_WIDTH
-  ops = a[at:at + n_ops * op_width].reshape(n_ops, op_width)
-  at += n_ops * op_width
+  ops = np.zeros((n_ops, OP_WIDTH), np.int64)
+  ops[:, OP_FIXED::3] = 1
+  for i in range(n_ops):
+    width = OP_FIXED + 3 * int(tensors[a[at + 2], 1])
+    ops[i, :width] = a[at:at + width]
+    at += width
   if at != len(a):
     raise ValueError(f"decode: {len(a) - at} trailing elements.")
   return {"version": int(version), "n_steps": int(n_steps), "devices": devices.tolist(),
           "ws": dict(zip(devices.tolist(), ws.tolist())), "tensors": tensors, "ops": ops}
 
 
-def site_key(tag: bytes, sched: np.ndarray, salt: int = 0) -> int:
+def digest(sched: np.ndarray) -> bytes:
+  """A 16-byte hash of one encoding (`encode`'s array, per device or SPMD): a cache key
+  for the program that carries it, compared instead of the whole array."""
+  return hashlib.blake2b(np.ascontiguousarray(sched, np.int64).tobytes(),
+                         digest_size=16).digest()
+
+
+def plan_digest(plan: Plan, staging: bool = False, types=None) -> bytes:
+  """A 16-byte hash of everything every device's encoding of `plan` holds (the shared
+  prefix: header, devices, workspace, tensors; and per op its tensor, chunk, step and,
+  with staging, its pack offsets, over each distinct TensorPlan's rows), without
+  writing the SPMD encoding: the same on every process that plans the same call, and
+  different where any device's encoding differs (it covers the slots too). Cached per
+  plan, staging and types."""
+  return _plan_digest(plan, staging, _check_types(plan, types))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_digest(plan: Plan, staging: bool, types: tuple | None) -> bytes:
+  table = _table(plan, staging, types)
+  h = hashlib.blake2b(digest_size=16)
+  h.update(table.prefix.tobytes())
+  h.update(table.slots.tobytes())
+  h.update(table.base.tobytes())
+  for a in (table.part_start, table.tensor, table.index, table.step):
+    h.update(np.ascontiguousarray(a, np.int64).tobytes())
+  if table.packs is not None:
+    h.update(table.packs.tobytes())
+  return h.digest()
+
+
+def site_key(tag: bytes, sched, salt: int = 0) -> int:
   """A call site's rendezvous key (the custom call's `site` attribute,
   docs/schedule_format.md "Sites and generations"): from the SPMD encoding of its
-  schedule, so equal for every participant of one call and stable across processes."""
+  schedule (an array) or its `plan_digest` (bytes), so equal for every participant of
+  one call and stable across processes."""
   h = hashlib.blake2b(digest_size=8)
   h.update(tag)
   h.update(salt.to_bytes(8, "little", signed=False))
-  h.update(np.ascontiguousarray(sched).tobytes())
+  h.update(sched if isinstance(sched, bytes) else np.ascontiguousarray(sched).tobytes())
   return int.from_bytes(h.digest(), "little") >> 1  # a non-negative int64

@@ -379,7 +379,7 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
   timeout_ms = options.timeout_ms
   staging = platform != "cpu"
   m2n_ffi.ensure_registered(platform, timeout_ms)
-  site = schedule.site_key(b"eager", schedule.encode(plan, None, staging, types))
+  site = schedule.site_key(b"eager", schedule.plan_digest(plan, staging, types))
   bufs = schedule.buffers(plan)
   timeout = np.int64(timeout_ms)
   extra = m2n_ffi.transport_attrs(platform, planned.topology, plan.devices)

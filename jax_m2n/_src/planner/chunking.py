@@ -119,18 +119,25 @@ def _pipeline(plan) -> tuple[float, int, int, int]:
           worst, busiest = ms, loads[link]
   hops = 0
   largest = 0
-  for tp in plan.tensors:
-    xs = tp.transfers
-    if not len(xs):
-      continue
-    hops = max(hops, int(xs.depth.max()))
-    read = xs.parent[xs.parent >= 0]
-    if xs.extra_parents:
-      read = np.concatenate([read, np.array([p for ps in xs.extra_parents.values()
-                                             for p in ps], read.dtype)])
-    if len(read):
-      largest = max(largest, int(xs.nbytes(tp.itemsize)[np.unique(read)].max()))
+  distinct = {id(tp): tp for tp in plan.tensors}  # shared TensorPlans once each
+  for tp in distinct.values():
+    tp_hops, tp_largest = _hops_and_largest(tp)
+    hops, largest = max(hops, tp_hops), max(largest, tp_largest)
   return t_ms, hops, largest, busiest
+
+
+def _hops_and_largest(tp) -> tuple[int, int]:
+  """(longest chain of parents, bytes of the largest transfer another reads) of one
+  TensorPlan."""
+  xs = tp.transfers
+  if not len(xs):
+    return 0, 0
+  read = xs.parent[xs.parent >= 0]
+  if xs.extra_parents:
+    read = np.concatenate([read, np.array([p for ps in xs.extra_parents.values()
+                                           for p in ps], read.dtype)])
+  largest = int(xs.nbytes(tp.itemsize)[np.unique(read)].max()) if len(read) else 0
+  return int(xs.depth.max()), largest
 
 
 def model_ms(t_ms: float, hops: int, n: int, transport: Transport) -> float:

@@ -56,39 +56,43 @@ def chunk_box(box: Box, itemsize: int, limit: int) -> list[Box]:
   return out
 
 
-def _tensor_chunks(transfers, itemsize: int, limit: int) -> list[list[tuple[Box, int]]]:
-  """Per transfer of one tensor: (box, step) of its chunks, steps local to the tensor."""
-  out: list[list[tuple[Box, int]]] = []
+def _tensor_chunks(transfers, itemsize: int, limit: int, rank: int):
+  """Per transfer of one tensor, its chunks as arrays (lo (k, rank), hi (k, rank),
+  step (k,)), steps local to the tensor. A transfer inside its one parent follows the
+  parent's chunks (chunk i reads exactly what parent chunk i wrote: their
+  intersections, one step later); any other is cut by `chunk_box` and each chunk runs
+  one step after the latest parent chunk it meets."""
+  out: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
   read = {p for x in transfers for p in x.parents}
+
+  def arrays(boxes, steps):
+    b = np.array(boxes, np.int64).reshape(len(boxes), rank, 2)
+    return b[:, :, 0], b[:, :, 1], np.asarray(steps, np.int64).reshape(len(boxes))
+
   for i, x in enumerate(transfers):
+    xlo = np.array([lo for lo, _ in x.box], np.int64).reshape(1, rank)
+    xhi = np.array([hi for _, hi in x.box], np.int64).reshape(1, rank)
     if not x.parents:
       size = limit if i in read else LEAF_CHUNK_FACTOR * limit
-      out.append([(b, k) for k, b in enumerate(chunk_box(x.box, itemsize, size))])
+      boxes = chunk_box(x.box, itemsize, size)
+      out.append(arrays(boxes, range(len(boxes))))
       continue
     parent = transfers[x.parents[0]]
     if len(x.parents) == 1 and intersect(parent.box, x.box) == x.box:
-      # Follow the parent's chunks: chunk i reads exactly what parent chunk i wrote.
-      pchunks = out[x.parents[0]]
-      if len(pchunks) == 1:
-        # The one chunk is the parent's whole box, which holds this one.
-        out.append([(x.box, pchunks[0][1] + 1)])
-        continue
-      mine = []
-      for pbox, pstep in pchunks:
-        piece = intersect(pbox, x.box)
-        if piece is not None:
-          mine.append((piece, pstep + 1))
-      out.append(mine)
+      plo, phi, pstep = out[x.parents[0]]
+      lo, hi = np.maximum(plo, xlo), np.minimum(phi, xhi)
+      meets = (lo < hi).all(axis=1)
+      out.append((lo[meets], hi[meets], pstep[meets] + 1))
       continue
-    mine = []
-    for b in chunk_box(x.box, itemsize, limit):
-      step = 0
-      for p in x.parents:
-        for pbox, pstep in out[p]:
-          if intersect(pbox, b) is not None:
-            step = max(step, pstep + 1)
-      mine.append((b, step))
-    out.append(mine)
+    boxes = chunk_box(x.box, itemsize, limit)
+    blo, bhi, _ = arrays(boxes, [0] * len(boxes))
+    step = np.zeros(len(boxes), np.int64)
+    for p in x.parents:
+      plo, phi, pstep = out[p]
+      meets = ((np.maximum(blo[:, None], plo[None]) < np.minimum(bhi[:, None], phi[None]))
+               .all(axis=2))
+      step = np.maximum(step, np.where(meets, pstep[None] + 1, 0).max(axis=1, initial=0))
+    out.append((blo, bhi, step))
   return out
 
 
@@ -127,19 +131,74 @@ def tensor_chunks(tp, chunk_bytes: int) -> TensorChunks:
   return derived(tp, ("chunks", chunk_bytes), lambda tp: _build_tensor_chunks(tp, chunk_bytes))
 
 
-def _build_tensor_chunks(tp, limit: int) -> TensorChunks:
-  # Records once (a list indexes faster than the planner's columns).
-  per_transfer = _tensor_chunks(list(tp.transfers), tp.itemsize, limit)
-  transfer = [i for i, cs in enumerate(per_transfer) for _ in cs]
-  step = [s for cs in per_transfer for _, s in cs]
-  n, rank = len(transfer), len(tp.src.shape)
-  boxes = np.array([b for cs in per_transfer for b, _ in cs], np.int64).reshape(n, rank, 2)
+def _single_chunk_steps(xs, itemsize: int, limit: int, lo, hi):
+  """The steps `_tensor_chunks` gives when every transfer of `xs` is one chunk and has
+  at most one parent, by array arithmetic (one pass per depth); None otherwise.
+
+  Then a transfer's only chunk is its box, at step 0 without a parent, else one step
+  after its parent's when the two boxes intersect and at step 0 when they do not (both
+  of `_tensor_chunks`' branches for a one-chunk parent). The planner's common case:
+  fan-out of small replicated leaves, millions of transfers at 256 devices.
+  """
+  if xs.extra_parents:
+    return None
+  n = len(xs)
+  parent = xs.parent.astype(np.int64)
+  read = np.zeros(n, bool)
+  read[parent[parent >= 0]] = True
+  size = np.where(read, limit, LEAF_CHUNK_FACTOR * limit)
+  elems = xs.box_elements
+  if elems.dtype == object:
+    return None
+  elems = elems[xs.box]
+  if not ((elems * itemsize <= size) | (elems <= 1)).all():
+    return None
+  child = np.flatnonzero(parent >= 0)
+  p = parent[child]
+  meets = (np.maximum(lo[child], lo[p]) < np.minimum(hi[child], hi[p])).all(axis=1)
+  step = np.zeros(n, np.int64)
+  done = parent < 0
+  while not done.all():
+    ready = child[done[p] & ~done[child]]
+    if not len(ready):
+      return None  # a cycle: not a route's parents
+    step[ready] = np.where(meets[np.searchsorted(child, ready)],
+                           step[parent[ready]] + 1, 0)
+    done[ready] = True
+  return step
+
+
+def _box_columns(xs, rank: int):
+  """(lo, hi) of every transfer's box, padded to MAX_RANK with (0, 1)."""
+  n = len(xs)
+  boxes = np.array(xs.boxes, np.int64).reshape(len(xs.boxes), rank, 2)
   lo = np.zeros((n, MAX_RANK), np.int64)
   hi = np.ones((n, MAX_RANK), np.int64)
-  lo[:, :rank] = boxes[:, :, 0]
-  hi[:, :rank] = boxes[:, :, 1]
-  transfer = np.array(transfer, np.int64).reshape(n)
-  step = np.array(step, np.int64).reshape(n)
+  lo[:, :rank] = boxes[:, :, 0][xs.box]
+  hi[:, :rank] = boxes[:, :, 1][xs.box]
+  return lo, hi
+
+
+def _build_tensor_chunks(tp, limit: int) -> TensorChunks:
+  rank = len(tp.src.shape)
+  xs = tp.transfers
+  lo, hi = _box_columns(xs, rank)
+  step = _single_chunk_steps(xs, tp.itemsize, limit, lo, hi)
+  if step is not None:
+    n = len(xs)
+    transfer = np.arange(n, dtype=np.int64)
+  else:
+    # Records once (a list indexes faster than the planner's columns).
+    per_transfer = _tensor_chunks(list(xs), tp.itemsize, limit, rank)
+    counts = np.array([len(st) for _, _, st in per_transfer], np.int64)
+    n = int(counts.sum())
+    transfer = np.repeat(np.arange(len(per_transfer), dtype=np.int64), counts)
+    step = _cat([st for _, _, st in per_transfer]).astype(np.int64).reshape(n)
+    lo = np.zeros((n, MAX_RANK), np.int64)
+    hi = np.ones((n, MAX_RANK), np.int64)
+    if n:
+      lo[:, :rank] = np.concatenate([a for a, _, _ in per_transfer]).reshape(n, rank)
+      hi[:, :rank] = np.concatenate([b for _, b, _ in per_transfer]).reshape(n, rank)
   length = int(step.max()) + 1 if n else 0
   # Bytes per (device, local step) of non-local chunks: the tensor's footprint.
   src = tp.transfers.src.astype(np.int64)[transfer]
