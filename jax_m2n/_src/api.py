@@ -262,13 +262,7 @@ def _reshard_leaves(x, leaves, treedef, dst_sharding, route, topology, donate,
   outcome is remembered under it), or None."""
   options = checks.options(API, route, topology, timeout_s, chunk_bytes)
   n = len(leaves)
-  name_cache: list[list[str]] = []
-
-  def names() -> list[str]:  # formed once, only when a message or plan needs them
-    if not name_cache:
-      name_cache.append(checks.leaf_names(x))
-    return name_cache[0]
-
+  names = checks.names_once(x)  # formed once, only when a message or plan needs them
   dsts = checks.broadcast_prefix(API, "dst_sharding", dst_sharding, x, treedef, n)
   srcs = ([None] * n if src_sharding is None else
           checks.broadcast_prefix(API, "src_sharding", src_sharding, x, treedef, n))
