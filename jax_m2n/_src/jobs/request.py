@@ -123,9 +123,13 @@ def _published(api: str, m: Manifest, dst: Any) -> tuple[Any, Any, Callable]:
   structure where dst is the whole tree with the published key paths (how custom
   nodes such as flax's State come back), else the published skeleton's."""
   made: dict[tuple, jax.ShapeDtypeStruct] = {}  # one per (shape, dtype), shared
-  structs = [made.get((l.shape, l.dtype)) or made.setdefault(
-      (l.shape, l.dtype), jax.ShapeDtypeStruct(l.shape, manifest_lib.dtype_of(l.dtype)))
-             for l in m.leaves]
+  structs = []
+  for l in m.leaves:
+    struct = made.get((l.shape, l.dtype))  # not `or`: a struct's truth is its length
+    if struct is None:
+      struct = made[(l.shape, l.dtype)] = jax.ShapeDtypeStruct(
+          l.shape, manifest_lib.dtype_of(l.dtype))
+    structs.append(struct)
   flat, treedef = jax.tree_util.tree_flatten_with_path(dst, is_leaf=_is_dst_leaf)
   if len(flat) == len(m.leaves) and all(
       manifest_lib.key_path(p) == l.path for (p, _), l in zip(flat, m.leaves)):
