@@ -46,7 +46,8 @@ _PUBLISHER = textwrap.dedent("""
 
 def test_a_gpu_publisher_into_torch_cuda_tensors_bitwise():
   d = tempfile.mkdtemp()
-  env = dict(os.environ, PYTHONPATH=ROOT, XLA_PYTHON_CLIENT_MEM_FRACTION="0.3")
+  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.3",
+             PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
   env.pop("JAX_PLATFORMS", None)
   env.pop("XLA_FLAGS", None)
   p = subprocess.Popen([sys.executable, "-c", _PUBLISHER, d, TOKEN], env=env)
