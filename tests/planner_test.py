@@ -1,5 +1,6 @@
 """Planner invariants, the paper's examples and its section VI-B model numbers."""
 
+import contextlib
 import math
 
 import hypothesis
@@ -9,13 +10,41 @@ from hypothesis import strategies as st
 
 from jax_m2n._src.layout import Layout, box_size, parse_layout
 from jax_m2n._src.errors import ReshardValueError
+from jax_m2n._src import planner
 from jax_m2n._src.planner import ROUTES, plan_reshard, plan_size, plan_tensor
+from jax_m2n._src.planner import routes
 from jax_m2n._src.topology import Topology
 from jax_m2n._src import schedule as schedule_lib
 import plan_sim
 from plan_strategies import reshard_cases
 
 B_SHAPE = (256, 2048, 7168)  # the paper's FFN-MoE gate projection, bf16
+
+
+@contextlib.contextmanager
+def _balanced_leaders():
+  """The paper's leader rule, with no minimum led share (routes.MIN_LEAD_BYTES = 0).
+
+  The paper's examples (Table III, Figure 3, one source to three replicas) and the
+  random layouts stand tiny tensors (tens of bytes) in for the paper's large ones: with
+  the product's minimum one replica would lead each whole, and these tests would no
+  longer test the paper's balanced rule. Plans are cached, so the caches are cleared
+  on the way in and out.
+  """
+  saved = routes.MIN_LEAD_BYTES
+  planner.clear_caches()
+  routes.MIN_LEAD_BYTES = 0
+  try:
+    yield
+  finally:
+    routes.MIN_LEAD_BYTES = saved
+    planner.clear_caches()
+
+
+@pytest.fixture
+def balanced_leaders():
+  with _balanced_leaders():
+    yield
 
 
 def _check_delivery(plan, arrays, staging=False):
@@ -34,7 +63,7 @@ def _check_delivery(plan, arrays, staging=False):
       assert all(hl <= lo and hi <= hh for (lo, hi), (hl, hh) in zip(x.box, held)), x
 
 
-def test_example_a_table_iii():
+def test_example_a_table_iii(balanced_leaders):
   src = parse_layout("mesh(dp=1, tp=4) P(tp, None) @0", (4, 8))
   dst = parse_layout("mesh(dp=2, tp=2) P(tp, None) @4", (4, 8))
   assert src.boxes == tuple(((r, r + 1), (0, 8)) for r in range(4))
@@ -66,7 +95,7 @@ def test_example_b_one_call_per_pp_stage():
     _check_delivery(plan, [stage_arrays[stage]])
 
 
-def test_figure_3_balanced_leaders_two_domains():
+def test_figure_3_balanced_leaders_two_domains(balanced_leaders):
   # Example A with DP=4 across two destination domains: rho = 2 replicas per domain.
   src = parse_layout("mesh(tp=4) P(tp, None) @0", (4, 8))
   dst = parse_layout("mesh(dp=4, tp=2) P(tp, None) @4", (4, 8))
@@ -107,7 +136,7 @@ def test_section_vi_b_model(r_d):
   assert hier.bytes_by_link["network"] == B
 
 
-def test_one_to_three_replicas_balances_bytes():
+def test_one_to_three_replicas_balances_bytes(balanced_leaders):
   src = parse_layout("mesh(x=1) P(None, None) @0", (300, 64))
   dst = parse_layout("mesh(dp=3) P(None, None) @1", (300, 64))
   plan = plan_reshard([src], [dst], [4], Topology(), "hierarchical")
@@ -170,8 +199,37 @@ def test_random_layouts_deliver_exactly(case):
     assert plan.bytes_by_link["network"] <= flat.bytes_by_link["network"]
     assert plan.sol_ms <= plan.route_estimate_ms() + 1e-12
     assert plan.route_estimate_ms() <= plan.estimate_ms["hierarchical"]
-    # Leader loads within one row: per (shard, domain), bytes led by each replica.
-    _check_leader_balance(plan, topo, itemsize)
+    # The product's rule: at least MIN_LEAD_BYTES a leader, so (tiny tensors) few.
+    _check_leader_count(plan, topo, itemsize)
+    # The paper's rule, leader loads within one row: per (shard, domain), bytes led by
+    # each replica (tiny tensors: with no minimum led share, see _balanced_leaders).
+    with _balanced_leaders():
+      balanced = plan_reshard([src], [dst], [itemsize], topo, route, chunk)
+    _check_delivery(balanced, arrays, staging=(chunk == 64))
+    assert balanced.bytes_by_link == plan.bytes_by_link
+    _check_leader_balance(balanced, topo, itemsize)
+
+
+def _leaders(plan, reps):
+  """Per leader among `reps`, the bytes that arrive at it by inject or forward."""
+  loads = {}
+  for x in plan.transfers:
+    if x.stage in ("inject", "forward") and x.dst in reps:
+      loads[x.dst] = loads.get(x.dst, 0) + box_size(x.box)
+  return loads
+
+
+def _check_leader_count(plan, topo, itemsize):
+  tp = plan.tensors[0]
+  for dbox, replicas in tp.dst.shards():
+    by_dom = {}
+    for t in replicas:
+      by_dom.setdefault(topo.domain_of(t), []).append(t)
+    for dom, reps in by_dom.items():
+      if any(tp.src.box_of(t) is not None for t in reps):
+        continue  # colocated: local copies lead
+      n = max(1, min(len(reps), box_size(dbox) * itemsize // routes.MIN_LEAD_BYTES))
+      assert len(_leaders(plan, set(reps))) <= n, (reps, _leaders(plan, set(reps)))
 
 
 def _check_leader_balance(plan, topo, itemsize):
@@ -354,3 +412,90 @@ def test_transfers_columns_match_records():
         egress.setdefault(x.src, {"nvlink": 0, "network": 0})[link] += n
     p = plan_reshard([src], [dst], [4], topo, route)
     assert p.traffic.by_link == by_link and p.traffic.egress == egress
+
+
+# --------------------------------------------------------------------------------------
+# The minimum led share (routes.MIN_LEAD_BYTES)
+# --------------------------------------------------------------------------------------
+
+def _wide(n_elems: int, dp: int = 128):
+  """One replicated f32 vector on device 0 -> `dp` replicas over domains of 64."""
+  src = parse_layout("mesh(x=1) P(None) @0", (n_elems,))
+  dst = parse_layout(f"mesh(dp={dp}) P(None) @64", (n_elems,))
+  return src, dst, Topology(domain_size=64)
+
+
+def test_small_leaf_over_64_replicas_is_led_whole():
+  src, dst, topo = _wide(1024)  # a 4 KiB norm, two destination domains of 64 replicas
+  plan = plan_reshard([src], [dst], [4], topo, "hierarchical")
+  stages = [x.stage for x in plan.transfers]
+  # One leader per domain: one inject, one forward, 63 copies in each domain.
+  assert (stages.count("inject"), stages.count("forward"), stages.count("fanout")) == (
+      1, 1, 2 * 63)
+  assert {x.box for x in plan.transfers} == {((0, 1024),)}
+  arrays = [np.arange(1024, dtype=np.float32)]
+  _check_delivery(plan, arrays)
+  with _balanced_leaders():  # the paper's rule: 64 slivers a domain, each fanned out
+    balanced = plan_reshard([src], [dst], [4], topo, "hierarchical")
+  assert len(balanced.transfers) == 2 * 64 + 2 * 64 * 63
+  assert len(plan.transfers) == 128
+  # The same bytes on every link; only who leads them changed.
+  assert plan.bytes_by_link == balanced.bytes_by_link
+  assert len(plan.chunks) < len(balanced.chunks) // 30
+
+
+def test_large_tensors_still_split_evenly():
+  # 64 rows of 64 KiB and more: every replica of a domain leads, as in the paper.
+  for rows in (64, 200):
+    src = parse_layout("mesh(x=1) P(None, None) @0", (rows, 16384))
+    dst = parse_layout("mesh(dp=128) P(None, None) @64", (rows, 16384))
+    topo = Topology(domain_size=64)
+    plan = plan_reshard([src], [dst], [4], topo, "hierarchical")
+    with _balanced_leaders():
+      balanced = plan_reshard([src], [dst], [4], topo, "hierarchical")
+    assert plan.transfers == balanced.transfers
+    for dom in (1, 2):
+      loads = _leaders(plan, set(range(64 * dom, 64 * dom + 64)))
+      assert len(loads) == 64
+      assert max(loads.values()) - min(loads.values()) <= 16384
+
+
+def test_mid_sized_region_sets_use_fewer_leaders_evenly():
+  # 10 rows of 64 KiB over 64 replicas a domain: 10 leaders of one row each.
+  src = parse_layout("mesh(x=1) P(None, None) @0", (10, 16384))
+  dst = parse_layout("mesh(dp=128) P(None, None) @64", (10, 16384))
+  topo = Topology(domain_size=64)
+  plan = plan_reshard([src], [dst], [4], topo, "hierarchical")
+  for dom in (1, 2):
+    loads = _leaders(plan, set(range(64 * dom, 64 * dom + 64)))
+    got = {t - 64 * dom for t in loads}  # 10 consecutive replicas (mod 64)
+    assert any(got == {(p + k) % 64 for k in range(10)} for p in range(64)), got
+    assert set(loads.values()) == {16384}
+  arrays = [np.arange(10 * 16384, dtype=np.float32).reshape(10, 16384)]
+  _check_delivery(plan, arrays)
+
+
+def test_small_shards_rotate_their_leader():
+  # A small tensor sharded 4 ways, each shard replicated 32 ways in each of two domains:
+  # shard k is led by the replica after shard k - 1's, not every shard by its first.
+  src = parse_layout("mesh(x=1) P(None) @0", (4096,))
+  dst = parse_layout("mesh(dp=64, tp=4) P(tp) @64", (4096,))
+  topo = Topology(domain_size=128)
+  plan = plan_reshard([src], [dst], [4], topo, "hierarchical")
+  positions = {}
+  for k, (dbox, replicas) in enumerate(dst.shards()):
+    by_dom = {}
+    for t in replicas:
+      by_dom.setdefault(topo.domain_of(t), []).append(t)
+    for dom, reps in by_dom.items():
+      (leader,) = _leaders(plan, set(reps))  # one leader: 4 KiB a shard
+      positions.setdefault(dom, []).append(reps.index(leader))
+  for dom, got in positions.items():
+    assert got == [(got[0] + k) % 32 for k in range(4)], (dom, got)
+  _check_delivery(plan, [np.arange(4096, dtype=np.float32)])
+  # Another tensor of the same layouts on other devices starts elsewhere (most do):
+  # a model's small tensors do not all load one replica.
+  other = plan_reshard([parse_layout("mesh(x=1) P(None) @1", (4096,))], [dst], [4], topo,
+                       "hierarchical")
+  firsts = {x.dst for x in other.transfers if x.stage in ("inject", "forward")}
+  assert firsts != {x.dst for x in plan.transfers if x.stage in ("inject", "forward")}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import zlib
 from typing import Callable, Sequence
 
 import numpy as np
@@ -62,30 +63,50 @@ def _split_dim(box: Box) -> int | None:
   return None
 
 
-def _split_for_leaders(regions: Sequence[Box], itemsize: int,
-                       rho: int) -> list[tuple[Box, int, int]]:
-  """Spreads regions over `rho` leaders so that led bytes are (nearly) equal.
+# The least a leader leads when a region set is split over a domain's replicas: below
+# it a split buys nothing. 64 KiB crosses NVLink in ~0.15 us (450 GB/s a direction),
+# while every extra leader costs its slab's network transfer plus a fan-out to each of
+# the domain's other replicas, each op a fixed ~1-3 us of handler and launch work: a
+# 4 KiB norm over a 64-replica domain split evenly is 64 slivers x 63 copies = 4,032
+# ops, led whole it is 63. 0 restores the paper's rule (every replica leads an equal
+# share, whatever the size); read at call time, so planner.clear_caches() after a change.
+MIN_LEAD_BYTES = 64 << 10
 
-  Returns (sub-region, leader position in [0, rho), index of the region it came from). Regions are cut into
+
+def _split_for_leaders(regions: Sequence[Box], itemsize: int, rho: int,
+                       min_lead_bytes: int = 0,
+                       shard: int = 0) -> list[tuple[Box, int, int]]:
+  """Spreads regions over leaders of a domain of `rho` replicas so that led bytes are
+  (nearly) equal, each leader leading at least `min_lead_bytes` (0: no minimum).
+
+  Returns (sub-region, leader position in [0, rho), index of the region it came from).
+  The leaders are n = max(1, min(rho, total // min_lead_bytes)) consecutive positions
+  (all rho with no minimum), starting at (shard * n) % rho so that the shards of one
+  tensor (`shard`: the destination shard's index, offset per tensor) spread over the
+  replicas: only the tensor's own layouts decide, as a plan cached per tensor must. Regions are cut into
   slabs along their outermost dim of extent > 1, at row granularity, only where a
   leader's share ends inside a region. With equal regions and q a multiple of the leader
   count this is exactly the paper's a_j / b_j rule; with fewer regions than leaders (one
-  source feeding three replicas) every replica still leads an equal share.
+  source feeding three replicas) every leader still leads an equal share.
   """
-  if rho == 1:
-    return [(r, 0, i) for i, r in enumerate(regions)]
   sizes = [box_size(r) * itemsize for r in regions]
   total = sum(sizes)
-  ends = [((k + 1) * total + rho // 2) // rho for k in range(rho)]  # leader k's share ends
+  n = rho
+  if min_lead_bytes > 0:
+    n = max(1, min(rho, total // min_lead_bytes))
+  start = (shard * n) % rho
+  if n == 1:
+    return [(r, start, i) for i, r in enumerate(regions)]
+  ends = [((k + 1) * total + n // 2) // n for k in range(n)]  # leader k's share ends
 
-  def leader_at(position: float) -> int:  # the first leader whose share ends after it
-    return min(bisect.bisect_right(ends, position), rho - 1)
+  def leader_at(position: float) -> int:  # the position of the leader of a byte
+    return (start + min(bisect.bisect_right(ends, position), n - 1)) % rho
 
   out = []
   pos = 0
   for i, (region, size) in enumerate(zip(regions, sizes)):
-    k = bisect.bisect_right(ends, pos, 0, rho - 1)  # first share end after pos
-    if k == rho - 1 or ends[k] >= pos + size or size == 0:
+    k = bisect.bisect_right(ends, pos, 0, n - 1)  # first share end after pos
+    if k == n - 1 or ends[k] >= pos + size or size == 0:
       # No share ends inside the region: one leader takes it whole (the common case).
       out.append((region, leader_at(pos + size / 2), i))
       pos += size
@@ -260,7 +281,8 @@ def route_hierarchical(src: Layout, dst: Layout, itemsize: int,
     1. lead (`_lead`): per domain of the shard's replicas, the regions a replica holds
        itself are local copies led by that replica; the regions a source in the domain
        holds are injected over NVLink; the rest must cross the network, spread over the
-       domain's replicas as leaders (`_split_for_leaders`: equal led bytes);
+       domain's replicas as leaders (`_split_for_leaders`: equal led bytes, at least
+       MIN_LEAD_BYTES a leader);
     2. forward (`_forward_ring`): each network-bound piece is injected once, into the
        first domain of a ring (the domain after its owner's), then forwarded leader to
        leader;
@@ -275,13 +297,15 @@ def route_hierarchical(src: Layout, dst: Layout, itemsize: int,
   domain_of = _domain_lookup(topo)
   sources = _Sources(src_shards, domain_of)
   arrivals = _Arrivals()
-  for dbox, replicas in dst_shards:
+  turn = _turn(src, dst)
+  for shard, (dbox, replicas) in enumerate(dst_shards):
     contributions, cshard = _contributions(src_shards, dbox)
     by_domain: dict[int, list[int]] = {}
     for t in replicas:
       by_domain.setdefault(domain_of(t), []).append(t)
     led, own_group, network_regions = _lead(out, owners, sources, arrivals.groups,
-                                            contributions, by_domain, itemsize)
+                                            contributions, by_domain, itemsize,
+                                            turn + shard)
     several = _forward_ring(out, owners, domain_of, contributions, led, network_regions,
                             itemsize)
     arrivals.add_segment(led, by_domain, cshard, own_group, several, len(out.rows))
@@ -291,6 +315,14 @@ def route_hierarchical(src: Layout, dst: Layout, itemsize: int,
   return _with_fanout(cols, out.boxes, out.extra_parents, arrivals.x, arrivals.shard,
                       arrivals.group, arrivals.groups, sources.shard_index,
                       arrivals.seg_rows, arrivals.seg_arrivals)
+
+
+def _turn(src: Layout, dst: Layout) -> int:
+  """Where a tensor starts counting its leaders: a checksum of its shape and devices,
+  the same on every rank (no process-salted hash), so that the small tensors of a model,
+  each led by few replicas, are led by different ones rather than all by the first."""
+  key = np.array(src.shape + src.devices + dst.devices, np.int64)
+  return zlib.crc32(key.tobytes())
 
 
 class _Sources:
@@ -313,10 +345,12 @@ class _Sources:
 
 
 def _lead(out: "_Rows", owners: "_Balance", sources: _Sources, groups: list,
-          contributions, by_domain: dict[int, list[int]], itemsize: int):
+          contributions, by_domain: dict[int, list[int]], itemsize: int, shard: int):
   """Part 1 of the hierarchical route for one destination shard: who leads what in each
   domain. Adds the local copies and the NVLink injects to `out` (and, for a region that
-  several replicas hold, a fan-out group per holder to `groups`).
+  several replicas hold, a fan-out group per holder to `groups`). `shard`, the
+  destination shard's index plus the tensor's `_turn`, picks the first leader of a split
+  with fewer leaders than replicas (`_split_for_leaders`).
 
   Returns (led, own_group, network_regions): `led[domain]`, the domain's entries (box,
   leader, transfer(s) or -1 - contribution until the ring fills it in, contribution
@@ -368,7 +402,8 @@ def _lead(out: "_Rows", owners: "_Balance", sources: _Sources, groups: list,
     split = splits.get(key)
     if split is None:
       split = splits[key] = _split_for_leaders(
-          [contributions[ci][0] for ci in remote], itemsize, len(reps))
+          [contributions[ci][0] for ci in remote], itemsize, len(reps), MIN_LEAD_BYTES,
+          shard)
     if not has_sources:
       # Every slab comes over the network (remote is every contribution): the domain's
       # entries, and per contribution the positions of its slabs (shared by the domains
