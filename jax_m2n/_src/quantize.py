@@ -26,7 +26,7 @@ from jax_m2n._src import jax_compat
 from jax_m2n._src import quantize_numerics as numerics
 from jax_m2n._src.checks import (LazyName, as_dtype, broadcast_prefix, donate_flags,
                                  dst_sharding_of, dtypes_per_leaf, is_dtype_leaf,
-                                 leaf_aval, leaf_names, normalize_dst)
+                                 leaf_aval, names_once, normalize_dst)
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 
 QTYPES = ("float8_e4m3fn", "float8_e5m2", "mxfp8")
@@ -366,17 +366,6 @@ def spec_leaves(api: str, dtype: Any, x: Any, treedef, n: int,
                      what="one dtype or Quantize", x_name=x_name)
 
 
-def _names_of(x: Any) -> Callable[[], list[str]]:
-  """x's leaf names, formed on first use only (error messages)."""
-  cache: list[list[str]] = []
-
-  def names() -> list[str]:
-    if not cache:
-      cache.append(leaf_names(x))
-    return cache[0]
-  return names
-
-
 def _leaf_info(api: str, name: str, leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
   aval = leaf_aval(api, name, leaf)
   if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
@@ -391,7 +380,7 @@ def _per_leaf(api: str, x: Any, dst_sharding: Any, src_sharding: Any, dtype: Any
   destination and src_sharding (prefixes broadcast as reshard does)."""
   leaves, treedef = jax.tree_util.tree_flatten(x)
   n = len(leaves)
-  names = _names_of(x)
+  names = names_once(x)
   specs = spec_leaves(api, dtype, x, treedef, n)
   dsts = broadcast_prefix(api, "dst_sharding", dst_sharding, x, treedef, n)
   srcs = ([None] * n if src_sharding is None else
