@@ -44,8 +44,13 @@ def test_json_contract(capsys):
 
 @pytest.mark.parametrize("route", ["hierarchical", "flat", "gather_bcast"])
 def test_routes_and_bandwidth_flags(route, capsys):
-  rc, out, _ = _run(EXAMPLE_A + ["--json", "--route", route, "--nic-gbps", "25",
-                                 "--nvlink-gbps", "900", "--domain-size", "4"], capsys)
+  # Example A at a size where each leader's share is above the planner's minimum led
+  # share (routes.MIN_LEAD_BYTES): a 128-byte tensor is led whole by one replica, and
+  # then the hierarchical route's network time is the flat one's.
+  args = list(EXAMPLE_A)
+  args[args.index("--shape") + 1] = "1024,8192"
+  rc, out, _ = _run(args + ["--json", "--route", route, "--nic-gbps", "25",
+                            "--nvlink-gbps", "900", "--domain-size", "4"], capsys)
   doc = json.loads(out)
   assert rc == 0 and doc["route"] == route
   stages = {x["stage"] for x in doc["transfers"]}
