@@ -327,7 +327,7 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int | 
   m = _manifest(state, mid)
   request = pull_request(API, m, dst, dtype, donate, options)
   planning.check_devices(API, request.dsts)
-  local_path = _local_path(options, m)
+  local_path = local_path_of(API, options, m)
   # delta or full (in a multi-process job agreed by every process)
   choice = delta_lib.choose(state.last, state.auto, request, local_path, waits)
   pp = planning.plan_pull(m, request.dsts, request.outs, "flat" if
@@ -419,7 +419,7 @@ def prepare(state: State, dst: Any, dtype: Any, options: PullOptions) -> int:
   m = _manifest(state, mid)
   request = pull_request("Subscriber.prepare", m, dst, dtype, None, options)
   planning.check_devices("Subscriber.prepare", request.dsts)
-  local_path = _local_path(options, m)
+  local_path = local_path_of(API, options, m)
   pp = planning.plan_pull(m, request.dsts, request.outs,
                           "flat" if local_path else options.route)
   conn = state.connections
@@ -467,10 +467,10 @@ def _full(p: Pull, pulled: Any, trace: records.Trace) -> list[list[jax.Array]]:
   raise AssertionError("unreachable")
 
 
-def _local_path(options: PullOptions, m: manifest_lib.Manifest) -> bool:
+def local_path_of(api: str, options: PullOptions, m: manifest_lib.Manifest) -> bool:
   """Whether this pull reads the publisher's memory in place: every publisher process
   shares this host (`path="auto"`), or the caller asked (`path="local"`: refused where
-  it cannot be, before any byte moves)."""
+  it cannot be, before any byte moves). Also the torch subscriber's rule."""
   if options.path == "network":
     return False
   here = exports.host_identity()
@@ -478,7 +478,7 @@ def _local_path(options: PullOptions, m: manifest_lib.Manifest) -> bool:
                if not here or host != here]
   if options.path == "local" and elsewhere:
     raise ReshardValueError(
-        f"{API}: path='local' needs every publisher process on this host (same kernel, "
+        f"{api}: path='local' needs every publisher process on this host (same kernel, "
         f"network namespace and user); got trainer process(es) {elsewhere[:8]} "
         "elsewhere. Hint: path='auto' takes the network there.")
   return not elsewhere

@@ -24,7 +24,7 @@ import torch
 from jax_m2n._src.errors import (PlanUnknown, ReshardError, ReshardRuntimeError,
                                  ReshardTypeError, ReshardValueError, Unconfirmed,
                                  VersionGone)
-from jax_m2n._src.jobs import engine, exports, local
+from jax_m2n._src.jobs import engine, local
 from jax_m2n._src.jobs import manifest as manifest_lib, pulling
 from jax_m2n._src.jobs.pull import Pull, wait_arrived
 from jax_m2n._src.torch import copies, planning, targets as targets_lib
@@ -134,7 +134,7 @@ def attempt(held, api, options, names, placements, dtypes, shapes, tensors_of,
   moved = time.monotonic()
   try:
     p = "network"
-    if number is not None and local_path(api, options, m):
+    if number is not None and pulling.local_path_of(api, options, m):
       cuda = {t.device.index if t.device.index is not None else
               torch.cuda.current_device() for t in tensors if t.is_cuda}
       on_cpu = all(not t.is_cuda for t in tensors)
@@ -186,19 +186,6 @@ def manifest(held, mid: str) -> manifest_lib.Manifest:
       held.state.manifests.pop(next(iter(held.state.manifests)))
     held.state.manifests[mid] = m
   return m
-
-
-def local_path(api: str, options, m: manifest_lib.Manifest) -> bool:
-  if options.path == "network":
-    return False
-  here = exports.host_identity()
-  elsewhere = [k for k, (_, _, host, _) in enumerate(m.processes)
-               if not here or host != here]
-  if options.path == "local" and elsewhere:
-    raise ReshardValueError(f"{api}: path='local' needs every publisher process on "
-                            f"this host; got trainer process(es) {elsewhere[:8]} "
-                            "elsewhere.")
-  return not elsewhere
 
 
 def imports(held, api, options, m, rp, ahead: bool = False, ordinal: int | None = None
