@@ -8,6 +8,7 @@ lifecycle in calls.py.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -67,10 +68,11 @@ def _x64_for(dtypes: Sequence[Any]) -> bool:
   return x64 or any(jax.dtypes.canonicalize_dtype(d) != d for d in dtypes)
 
 
-def _compile(device, in_sig, out_sig, workspace: int, sched: np.ndarray, platform: str,
-             attrs: dict, cpu_async: bool, x64: bool) -> Callable[..., Any]:
-  """One device's program: the jax_m2n custom call over its shards (the CPU generation
-  ticket last), its results and workspace, compiled for `device`."""
+def _lower(device, in_sig, out_sig, workspace: int, sched: np.ndarray, platform: str,
+           attrs: dict, cpu_async: bool, x64: bool) -> Any:
+  """One device's program, lowered (jax.stages.Lowered): the jax_m2n custom call over
+  its shards (the CPU generation ticket last), its results and workspace, for
+  `device`."""
   sharding = _single_device_sharding(device)
   in_types = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
               for shape, dtype in in_sig]
@@ -95,7 +97,7 @@ def _compile(device, in_sig, out_sig, workspace: int, sched: np.ndarray, platfor
   # destination-only device without a ticket) is placed by its outputs' sharding.
   jitted = jax.jit(body) if in_types else jax.jit(body, out_shardings=sharding)
   with jax.enable_x64(x64):
-    return jitted.lower(*in_types).compile()
+    return jitted.lower(*in_types)
 
 
 def _extent(box) -> tuple[int, ...]:
@@ -353,6 +355,14 @@ def donate_sources(leaves: Sequence[jax.Array], donate: bool | Sequence[bool]) -
       x.delete()
 
 
+@functools.lru_cache(maxsize=1)
+def _compile_pool() -> concurrent.futures.ThreadPoolExecutor:
+  """The threads XLA compiles the per-device programs on: one per core (a compile is
+  CPU-bound and releases the GIL; more threads than cores only contend)."""
+  return concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
+                                               thread_name_prefix="jax_m2n-compile")
+
+
 @functools.lru_cache(maxsize=None)  # one per device: bounded by the device count
 def _single_device_sharding(device) -> SingleDeviceSharding:
   """One SingleDeviceSharding per device, shared by every build: JAX's compile caches
@@ -425,14 +435,15 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
       missing.setdefault(key, []).append(len(programs) - 1)
       specs[key] = (device, in_sig, out_sig, workspace, sched)
 
-  # Compile the missing programs concurrently, on the devices' threads (XLA compiles
-  # without the GIL): the first call of a many-device reshard pays about one compile.
-  # The caller's `jax.enable_x64` context is thread-local: the workers trace under it,
-  # or with x64 on where a leaf's dtype needs it (an int64 array made while x64 was on,
-  # moved after it was turned off, as jax.device_put moves it; the key says which).
+  # Lower each missing program here, one after another (tracing and lowering hold the
+  # GIL), and compile them on the compile pool as they come (XLA compiles without the
+  # GIL): lowering program i overlaps compiling the ones before it. The caller's
+  # `jax.enable_x64` context is thread-local and lowering runs on this thread, under
+  # it, or with x64 on where a leaf's dtype needs it (an int64 array made while x64 was
+  # on, moved after it was turned off, as jax.device_put moves it; the key says which).
   keys = list(missing)
-  futures = [executor_of(specs[k][0].id).submit(
-      _compile, *specs[k], platform, attrs, cpu_async, x64) for k in keys]
+  futures = [_compile_pool().submit(_lower(*specs[k], platform, attrs, cpu_async,
+                                           x64).compile) for k in keys]
   compiled, errors = gather_outcomes(futures)
   for e in errors:
     if e is not None:
