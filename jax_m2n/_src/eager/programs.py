@@ -52,7 +52,6 @@ class DeviceProgram:
   call: Callable[..., Any]                     # the compiled per-device program
   operands: tuple[tuple[int, int], ...]        # (leaf, index into leaf's shards)
   results: tuple[int, ...]                     # leaves this device holds a dst shard of
-  schedule: np.ndarray
 
   @functools.cached_property
   def tickets(self) -> Any:
@@ -356,6 +355,13 @@ def donate_sources(leaves: Sequence[jax.Array], donate: bool | Sequence[bool]) -
 
 
 @functools.lru_cache(maxsize=1)
+def _lowering_thread() -> concurrent.futures.ThreadPoolExecutor:
+  """The one thread the per-device programs are traced and lowered on."""
+  return concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                               thread_name_prefix="jax_m2n-lower")
+
+
+@functools.lru_cache(maxsize=1)
 def _compile_pool() -> concurrent.futures.ThreadPoolExecutor:
   """The threads XLA compiles the per-device programs on: one per core (a compile is
   CPU-bound and releases the GIL; more threads than cores only contend)."""
@@ -430,20 +436,31 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
     call = program_cache.get(key)
     programs.append(DeviceProgram(
         device, call, tuple((t, src_shard_index[t][dev_id]) for t in operand_leaves),
-        tuple(result_leaves), sched))
+        tuple(result_leaves)))
     if call is None:
       missing.setdefault(key, []).append(len(programs) - 1)
       specs[key] = (device, in_sig, out_sig, workspace, sched)
 
-  # Lower each missing program here, one after another (tracing and lowering hold the
-  # GIL), and compile them on the compile pool as they come (XLA compiles without the
-  # GIL): lowering program i overlaps compiling the ones before it. The caller's
-  # `jax.enable_x64` context is thread-local and lowering runs on this thread, under
-  # it, or with x64 on where a leaf's dtype needs it (an int64 array made while x64 was
-  # on, moved after it was turned off, as jax.device_put moves it; the key says which).
+  # Lower the missing programs one after another on the lowering thread (tracing and
+  # lowering hold the GIL), each compiled on the compile pool as soon as it is lowered
+  # (XLA compiles without the GIL): lowering program i overlaps compiling the ones
+  # before it. Not on the calling thread: its thread-local contexts (a `jax.set_mesh`
+  # mesh above all) are the caller's, not these programs'. The caller's
+  # `jax.enable_x64` is one of them: the programs are traced under its value, or with
+  # x64 on where a leaf's dtype needs it (an int64 array made while x64 was on, moved
+  # after it was turned off, as jax.device_put moves it; the key says which).
   keys = list(missing)
-  futures = [_compile_pool().submit(_lower(*specs[k], platform, attrs, cpu_async,
-                                           x64).compile) for k in keys]
+
+  def lower_then_compile(spec) -> concurrent.futures.Future:
+    return _compile_pool().submit(_lower(*spec, platform, attrs, cpu_async, x64).compile)
+
+  lowered, errors = gather_outcomes([_lowering_thread().submit(lower_then_compile, specs[k])
+                                     for k in keys])
+  for e in errors:
+    if e is not None:
+      concurrent.futures.wait([f for f in lowered if f is not None])
+      raise e
+  futures = lowered
   compiled, errors = gather_outcomes(futures)
   for e in errors:
     if e is not None:
