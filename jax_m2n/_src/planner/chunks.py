@@ -132,39 +132,49 @@ def tensor_chunks(tp, chunk_bytes: int) -> TensorChunks:
 
 
 def _single_chunk_steps(xs, itemsize: int, limit: int, lo, hi):
-  """The steps `_tensor_chunks` gives when every transfer of `xs` is one chunk and has
-  at most one parent, by array arithmetic (one pass per depth); None otherwise.
+  """The steps `_tensor_chunks` gives when every transfer of `xs` is one chunk, by
+  array arithmetic (one pass per depth); None otherwise.
 
   Then a transfer's only chunk is its box, at step 0 without a parent, else one step
-  after its parent's when the two boxes intersect and at step 0 when they do not (both
-  of `_tensor_chunks`' branches for a one-chunk parent). The planner's common case:
-  fan-out of small replicated leaves, millions of transfers at 256 devices.
+  after the latest parent it meets (their boxes intersect), and at step 0 when it meets
+  none (`_tensor_chunks`' branches for one-chunk parents). The planner's common case:
+  fan-out of small replicated leaves, millions of transfers at 256 devices; a merged
+  fan-out (routes._whole_fanout) has several parents.
   """
-  if xs.extra_parents:
-    return None
   n = len(xs)
   parent = xs.parent.astype(np.int64)
+  child = np.flatnonzero(parent >= 0)
+  p = parent[child]
+  if xs.extra_parents:  # (child, parent) pairs: every parent of a multi-parent one
+    multi = np.fromiter(xs.extra_parents, np.int64, len(xs.extra_parents))
+    lists = [xs.extra_parents[int(c)] for c in multi]
+    sizes = np.array([len(ps) for ps in lists], np.int64)
+    single = ~np.isin(child, multi)
+    child = np.concatenate([child[single], np.repeat(multi, sizes)])
+    p = np.concatenate([p[single], np.concatenate(lists).astype(np.int64)])
   read = np.zeros(n, bool)
-  read[parent[parent >= 0]] = True
+  read[p] = True
   size = np.where(read, limit, LEAF_CHUNK_FACTOR * limit)
+  if xs.extra_parents:  # cut like any box inside no single parent (`_tensor_chunks`)
+    size[multi] = limit
   elems = xs.box_elements
   if elems.dtype == object:
     return None
   elems = elems[xs.box]
   if not ((elems * itemsize <= size) | (elems <= 1)).all():
     return None
-  child = np.flatnonzero(parent >= 0)
-  p = parent[child]
   meets = (np.maximum(lo[child], lo[p]) < np.minimum(hi[child], hi[p])).all(axis=1)
   step = np.zeros(n, np.int64)
-  done = parent < 0
+  done = np.ones(n, bool)
+  done[child] = False
   while not done.all():
-    ready = child[done[p] & ~done[child]]
-    if not len(ready):
+    waiting = np.bincount(child[~done[p]], minlength=n)  # parents not placed yet
+    ready = ~done & (waiting == 0)
+    if not ready.any():
       return None  # a cycle: not a route's parents
-    step[ready] = np.where(meets[np.searchsorted(child, ready)],
-                           step[parent[ready]] + 1, 0)
-    done[ready] = True
+    pairs = ready[child]
+    np.maximum.at(step, child[pairs], np.where(meets[pairs], step[p[pairs]] + 1, 0))
+    done |= ready
   return step
 
 

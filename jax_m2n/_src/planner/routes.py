@@ -287,7 +287,9 @@ def route_hierarchical(src: Layout, dst: Layout, itemsize: int,
        first domain of a ring (the domain after its owner's), then forwarded leader to
        leader;
     3. fan out (`_Arrivals`, `_with_fanout`): every leader copies what it leads to the
-       other replicas of the shard in its domain, skipping those that hold it.
+       other replicas of the shard in its domain, skipping those that hold it; a small
+       shard (at most MIN_LEAD_BYTES) led whole by one leader is copied whole, once
+       per receiver, after all of its pieces have arrived (`_whole_fanout`).
   """
   src_shards, dst_shards = shards(src), shards(dst)
   if not dst_shards:
@@ -298,6 +300,7 @@ def route_hierarchical(src: Layout, dst: Layout, itemsize: int,
   sources = _Sources(src_shards, domain_of)
   arrivals = _Arrivals()
   turn = _turn(src, dst)
+  whole: list[Box | None] = []  # per destination shard: its box if its fan-out may merge
   for shard, (dbox, replicas) in enumerate(dst_shards):
     contributions, cshard = _contributions(src_shards, dbox)
     by_domain: dict[int, list[int]] = {}
@@ -309,12 +312,13 @@ def route_hierarchical(src: Layout, dst: Layout, itemsize: int,
     several = _forward_ring(out, owners, domain_of, contributions, led, network_regions,
                             itemsize)
     arrivals.add_segment(led, by_domain, cshard, own_group, several, len(out.rows))
+    whole.append(dbox if box_size(dbox) * itemsize <= MIN_LEAD_BYTES else None)
   cols = out.columns()
   if not arrivals.x:
     return _transfers(cols, out.boxes, out.extra_parents)
   return _with_fanout(cols, out.boxes, out.extra_parents, arrivals.x, arrivals.shard,
                       arrivals.group, arrivals.groups, sources.shard_index,
-                      arrivals.seg_rows, arrivals.seg_arrivals)
+                      arrivals.seg_rows, arrivals.seg_arrivals, whole)
 
 
 def _turn(src: Layout, dst: Layout) -> int:
@@ -553,7 +557,8 @@ class _Arrivals:
 
 
 def _with_fanout(cols, boxes, extra_parents, arr_x, arr_shard, arr_group, groups,
-                 shard_index, seg_rows, seg_arrivals) -> Transfers:
+                 shard_index, seg_rows, seg_arrivals,
+                 whole: Sequence[Box | None] = ()) -> Transfers:
   """The routed transfers `cols` with the fan-out of every arrival placed after its
   destination shard's transfers, as the route orders them.
 
@@ -562,7 +567,9 @@ def _with_fanout(cols, boxes, extra_parents, arr_x, arr_shard, arr_group, groups
   arr_shard[a] themselves. A copy reads the leader's destination shard one step after
   the arrival, or its source shard at once when the arrival is the leader's own local
   copy from its source shard. Arrays throughout: this is most of a wide replication's
-  transfers (4,032 of the 4,096 per region of a 64-device domain).
+  transfers (4,032 of the 4,096 per region of a 64-device domain). `whole`, per
+  segment: the destination shard's box where its fan-out may be merged
+  (`_whole_fanout`), else None.
   """
   ax = np.array(arr_x, np.int64)
   ashard = np.array(arr_shard, np.int32)
@@ -625,11 +632,88 @@ def _with_fanout(cols, boxes, extra_parents, arr_x, arr_shard, arr_group, groups
       col[fan_pos] = DST_SHARD
     else:
       col[fan_pos] = per_arrival[name][fa]
-  return Transfers(0, out["src"], out["dst"], out["stage"], out["src_kind"],
-                   out["dst_kind"], out["box"], tuple(boxes), out["parent"], extra_parents,
-                   out["depth"])
+  xs = Transfers(0, out["src"], out["dst"], out["stage"], out["src_kind"],
+                 out["dst_kind"], out["box"], tuple(boxes), out["parent"], extra_parents,
+                 out["depth"])
+  if MIN_LEAD_BYTES <= 0 or extra_parents or not any(b is not None for b in whole):
+    return xs
+  return _whole_fanout(xs, whole, arr_seg, agroup, leader.astype(np.int64),
+                       row_pos[ax], fa, fdst.astype(np.int64), fan_pos)
 
 
+
+
+def _whole_fanout(xs: Transfers, whole: Sequence[Box | None], arr_seg: np.ndarray,
+                  agroup: np.ndarray, leader: np.ndarray, arr_pos: np.ndarray,
+                  fa: np.ndarray, fdst: np.ndarray, fan_pos: np.ndarray) -> Transfers:
+  """`xs` (the hierarchical route's transfers, fan-out included) with the fan-out of
+  small destination shards merged.
+
+  Where one device leads every piece of a destination shard in its domain (every
+  arrival of a fan-out group reaches that leader) and a receiver gets every one of those
+  pieces from it, the receiver's copies become one copy of the whole shard from the
+  leader's destination shard, after all of the pieces (their transfers are its
+  parents). Only for shards of at most MIN_LEAD_BYTES (`whole[segment]`, the shard's
+  box, not None): the merged copy waits for the last piece, which costs nothing at that
+  size and saves a copy per piece (a 1-D norm sharded four ways over the source and
+  replicated over 64 devices: 4 fan-out copies per receiver become 1). Same bytes, same
+  receivers, same buffers.
+
+  Per arrival: its segment, fan-out group, leader and position in `xs`; per fan-out
+  row (arrival-major): its arrival `fa`, receiver `fdst` and position `fan_pos`.
+  """
+  n_groups = int(agroup.max()) + 1
+  g_count = np.bincount(agroup, minlength=n_groups)
+  g_min = np.full(n_groups, np.iinfo(np.int64).max, np.int64)
+  g_max = np.full(n_groups, -1, np.int64)
+  np.minimum.at(g_min, agroup, leader)
+  np.maximum.at(g_max, agroup, leader)
+  small = np.array([b is not None for b in whole], bool)
+  g_small = np.zeros(n_groups, bool)
+  g_small[agroup] = small[arr_seg]
+  g_ok = (g_min == g_max) & (g_count > 1) & g_small
+  f_group = agroup[fa]
+  candidate = np.flatnonzero(g_ok[f_group])
+  if not len(candidate):
+    return xs
+  # A (group, receiver) merges when the receiver gets every arrival of the group.
+  key = f_group[candidate] * (int(fdst.max()) + 1) + fdst[candidate]
+  _, first, inverse, counts = np.unique(key, return_index=True, return_inverse=True,
+                                        return_counts=True)
+  full = counts == g_count[f_group[candidate[first]]]
+  if not full.any():
+    return xs
+  merged = candidate[full[inverse]]               # fan-out rows that merge
+  reps = candidate[first[full]]                   # one per (group, receiver): its first
+  drop = np.zeros(len(xs), bool)
+  drop[fan_pos[merged]] = True
+  drop[fan_pos[reps]] = False
+  new_pos = np.cumsum(~drop) - 1
+  keep = np.flatnonzero(~drop)
+  boxes = list(xs.boxes)
+  box_ids = {b: i for i, b in enumerate(boxes)}
+  box, src_kind = xs.box.copy(), xs.src_kind.copy()
+  parent, depth = xs.parent.astype(np.int64), xs.depth.copy()
+  order = np.argsort(agroup, kind="stable")       # arrivals by group, in order
+  starts = np.searchsorted(agroup[order], np.arange(n_groups))
+  extra: dict[int, tuple[int, ...]] = {}
+  for f in reps.tolist():
+    g = int(f_group[f])
+    arrs = order[starts[g]:starts[g] + g_count[g]]
+    b = whole[int(arr_seg[arrs[0]])]
+    bid = box_ids.get(b)
+    if bid is None:
+      bid = box_ids[b] = len(boxes)
+      boxes.append(b)
+    row = int(fan_pos[f])
+    ps = arr_pos[arrs]
+    box[row], src_kind[row] = bid, DST_SHARD
+    parent[row], depth[row] = ps[0], int(xs.depth[ps].max()) + 1
+    extra[int(new_pos[row])] = tuple(new_pos[ps].tolist())
+  parent = np.where(parent >= 0, new_pos[np.maximum(parent, 0)], -1)
+  return Transfers(0, xs.src[keep], xs.dst[keep], xs.stage[keep], src_kind[keep],
+                   xs.dst_kind[keep], box[keep], tuple(boxes),
+                   parent[keep].astype(_index(len(keep))), extra, depth[keep])
 
 
 _ROUTES = {"hierarchical": route_hierarchical, "flat": route_flat,

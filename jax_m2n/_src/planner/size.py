@@ -17,6 +17,7 @@ from jax_m2n._src.errors import ReshardValueError
 from jax_m2n._src.layout import Layout, box_size
 from jax_m2n._src.planner.chunking import CPU_MAX_CHUNK_BYTES
 from jax_m2n._src.planner.chunks import LEAF_CHUNK_FACTOR
+from jax_m2n._src.planner import routes
 from jax_m2n._src.planner.routes import shards
 
 # Bounds on one plan, checked from the layouts alone before any route is built
@@ -61,7 +62,10 @@ def tensor_size(src: Layout, dst: Layout, itemsize: int, route: str) -> tuple[in
   least. Every destination replica receives each source piece of its box by at least
   one transfer (a local copy if it holds it), so transfers >= sum over destination
   shards of replicas x intersecting source shards; on a grid the latter is the product
-  over dims of overlapping source intervals (two binary searches per dim)."""
+  over dims of overlapping source intervals (two binary searches per dim). A small
+  shard's hierarchical fan-out may be merged (routes._whole_fanout: one copy of the
+  whole shard per receiver once a leader holds it): then at least one replica receives
+  every piece and each other replica at least one copy."""
   src_shards = shards(src)
   dst_shards = shards(dst)
   if route == "gather_bcast":
@@ -71,6 +75,7 @@ def tensor_size(src: Layout, dst: Layout, itemsize: int, route: str) -> tuple[in
     return (len(src_shards) + chain + len(devices),
             chain * nbytes + sum(len(ts) * box_size(b) for b, ts in dst_shards) * itemsize)
   counters = _overlap_counter(src_shards, src.ndim)
+  merged = route == "hierarchical" and routes.MIN_LEAD_BYTES > 0
   transfers = received = 0
   for dbox, replicas in dst_shards:
     pieces = 1
@@ -78,7 +83,11 @@ def tensor_size(src: Layout, dst: Layout, itemsize: int, route: str) -> tuple[in
       if counter is not None:
         starts, ends = counter
         pieces *= bisect.bisect_left(starts, hi) - bisect.bisect_right(ends, lo)
-    transfers += len(replicas) * max(pieces, 1)
+    pieces = max(pieces, 1)
+    if merged and box_size(dbox) * itemsize <= routes.MIN_LEAD_BYTES:
+      transfers += pieces + len(replicas) - 1
+    else:
+      transfers += len(replicas) * pieces
     received += len(replicas) * box_size(dbox) * itemsize
   return transfers, received
 
