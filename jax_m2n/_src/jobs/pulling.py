@@ -183,7 +183,8 @@ class Ahead:
   and layout set (as `choose` would take it), so the round trip overlaps the copy and
   the publisher still hears every pull (its stats, `jobs status`). Use: `begin` (None:
   ask first), then `_pull(..., ahead)`, which calls `confirmed` before it finishes;
-  `answer` or `drain` where it did not."""
+  `answer` or `drain` where it did not. `lent`: the version was taken as lent (no
+  request now: confirmed after its copy, local.confirm)."""
 
   def __init__(self, root: Any, number: int, mid: str, version: int | None,
                after: int, lent: bool = False):
@@ -191,7 +192,7 @@ class Ahead:
     self._version, self._after = version, after
     # A lent version is confirmed after its copy instead (local.confirm): no request
     # now; asked only where that failed.
-    self._lent = lent
+    self.lent = lent
     self._seq = None if lent else root.start(
         {"op": "versions", "after": after, "wait_ms": 0, "pulling": number},
         "the list of versions")
@@ -210,14 +211,17 @@ class Ahead:
     if len(latest) != 1:  # none mapped, or the publisher processes disagree for now
       return None
     number = options.version if options.version is not None else latest.pop()
+    # Its slot committed, or still being written (-number: a snapshot's copy in
+    # flight; local.run waits for it, and raises Unconfirmed where what the slot
+    # turns out to hold needs another path: a mapping, or other flags).
+    held = [np.flatnonzero(np.abs(imp.header) == number) for imp in imports]
     if ((options.version is None and number <= state.version)
-        or number == exports.CLOSED
-        or not all((imp.header == number).any() for imp in imports)):
+        or number == exports.CLOSED or not all(h.size for h in held)):
       return None
-    slots = [int(np.flatnonzero(imp.header == number)[0]) for imp in imports]
+    slots = [int(h[0]) for h in held]
     lent = any(imp.lent(s) for imp, s in zip(imports, slots))
-    if not lent and any(imp.tables is not None and imp.missing(s)
-                        for imp, s in zip(imports, slots)):
+    if not lent and any(imp.tables is not None and imp.header[s] == number
+                        and imp.missing(s) for imp, s in zip(imports, slots)):
       return None  # (mapping a new allocation is a control call: not while one is open)
     after = state.version if options.version is None else number - 1
     return cls(root, number, mid, options.version, after, lent)
@@ -236,14 +240,14 @@ class Ahead:
     return self._got
 
   def confirmed(self) -> bool:
-    if self._lent:  # confirmed after the copy by local.confirm (or it raised)
+    if self.lent:  # confirmed after the copy by local.confirm (or it raised)
       return True
     return self.answer() == (self.number, self.mid)
 
   def drain(self) -> None:
     """Reads the answer where a failure left it open (its own failure is dropped: the
     first one is what the caller reports)."""
-    if not self._done and not self._lent:
+    if not self._done and not self.lent:
       try:
         self.answer()
       except ReshardError:
@@ -355,7 +359,10 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int | 
     imports = _imports(state, p, m) if local_path else None
     confirmed = False  # whether the publisher processes heard the pull after its copy
     if imports is not None:  # the publisher's memory, read in place (local.py)
-      shards, confirmed = local.run(p, imports)
+      try:
+        shards, confirmed = local.run(p, imports, None if ahead is None else ahead.lent)
+      finally:
+        state.trace.steps = p.steps
       state.path = state.trace.path = "local"
       state.local_mid, state.net_mid = m.id, None
     elif choice.base is not None:  # a delta (delta.py): pulled directly, never relayed

@@ -111,4 +111,5 @@ class _Counts:
         relay_parent=state.relay.upstream if path == "relay" else None,
         delta_ratio=ratio, retries=tuple(retries), control_calls=control["calls"],
         control_bytes_sent=control["sent_bytes"],
-        control_bytes_received=control["received_bytes"], started_at=trace.started_at)
+        control_bytes_received=control["received_bytes"], started_at=trace.started_at,
+        steps=dict(trace.steps))
