@@ -8,12 +8,14 @@ publisher's memory into the destination shards (the flat plan's boxes; dtype
 conversion fused where the copies convert), between two checks of the slot's header
 (a version overwritten meanwhile is never returned); a lent version (the trainer's own
 arrays) is confirmed with each publisher process after the copy (none donated or
-deleted meanwhile). Plans nothing; reads no sharding.
+deleted meanwhile), on the local line where the publisher offers one (line.py), else
+over the control channel. Plans nothing; reads no sharding.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import select
 import time
@@ -27,11 +29,14 @@ from jax_m2n._src import local_memory
 from jax_m2n._src import schedule
 from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError, Unconfirmed,
                                  VersionGone)
-from jax_m2n._src.jobs import exports, manifest as manifest_lib, messages, pieces
+from jax_m2n._src.jobs import exports, line as line_lib, manifest as manifest_lib
+from jax_m2n._src.jobs import messages, pieces
 from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE
 from jax_m2n._src.jobs.planning import PUBLISHER_PROCESS_BASE, PullPlan
 from jax_m2n._src.jobs.pull import API, Pull
 from jax_m2n._src.planner import DST_SHARD
+
+logger = logging.getLogger("jax_m2n")
 
 # How long a pull waits for a slot being written (the publisher's copy in flight) to
 # be committed before it gives up on the version.
@@ -70,6 +75,10 @@ class Import:
       self.offsets = {(t, k): at for t, k, at in messages.field(reply, "shards", list)}
       pid = messages.field(reply, "pid", int, lo=1, hi=1 << 31)
       rows = {(t, k): i for t, k, i in reply.get("rows", [])}
+      line = None
+      if "line" in reply:  # the local line (line.py): a lent pull's confirmation
+        line = (messages.field(reply, "line", str, max_len=128),
+                bytes.fromhex(messages.field(reply, "line_ticket", str, max_len=128)))
     except (ValueError, TypeError) as e:
       raise ReshardRuntimeError(f"{API}: {name} answered the local request with a "
                                 f"malformed description: {e}") from None
@@ -78,6 +87,7 @@ class Import:
     self.latest, self.header = words[:1], words[1:1 + self.keep]
     self.flags = words[1 + self.keep:1 + 2 * self.keep]
     self._liveness = _pidfd(pid)
+    self.line: line_lib.Client | None = None
     self._bases: dict[int, tuple[int, int]] = {}
     self.rows = rows
     self._maps: dict[int, lent_memory.Mapping] = {}  # GPU: allocation id -> mapping
@@ -97,6 +107,14 @@ class Import:
       for k in sorted(self.slots):
         self._bases[k] = (base, stride)
         base += self.slots[k]
+    # The local line to the publisher process (None: confirmations take the control
+    # channel; also once the line failed).
+    if line is not None:
+      try:
+        self.line = line_lib.Client(*line)
+      except (ReshardRuntimeError, ValueError) as e:
+        logger.info("Subscriber.pull: the local line to %s failed (%s); confirmations "
+                    "take the control channel", name, e)
 
   def base(self, k: int, device: Any) -> tuple[int, int]:
     """CPU: (address of slot 0, slot stride) of publisher device k's shards."""
@@ -205,6 +223,9 @@ class Import:
 
   def close(self) -> None:
     self.unmap()
+    if self.line is not None:
+      self.line.close()
+      self.line = None
     self.header = self.latest = self.flags = self.tables = None
     self._host.close()
     if self._liveness is not None:
@@ -321,17 +342,44 @@ def confirm(pull: Pull, imports: dict[int, Import], slots: dict[int, int],
             answer_s: float) -> None:
   """After the copies of a lent version: each publisher process it read from says the
   version is still held with its arrays alive (none donated or deleted meanwhile),
-  and counts the pull (`Publisher.wait_pulled`). One round trip, all at once.
+  and counts the pull (`Publisher.wait_pulled`). One round trip, all at once: on the
+  local line where there is one (line.py), else the control channel (also where the
+  line closed under a publisher process that still runs).
 
   Raises:
     VersionGone: a publisher process no longer holds it as it was.
+    ReshardRuntimeError: a publisher process died, closed or stalled.
   """
-  lent = [k for k, imp in imports.items() if imp.lent(slots[k])]
-  started = [(k, pull.links[k].client, pull.links[k].client.start(
-      {"op": "pulled", "version": pull.number, "check": True}, "the pull's confirmation"))
-      for k in lent]
-  held = [client.finish(seq, answer_s, "the pull's confirmation").get("held") is True
-          for _, client, seq in started]
+  body = {"op": "pulled", "version": pull.number, "check": True}
+  what = "the pull's confirmation"
+  started = []  # (import, its control request, or None: asked on its line)
+  for k, imp in imports.items():
+    if not imp.lent(slots[k]):
+      continue
+    if imp.line is not None:
+      try:
+        imp.line.start(pull.number)
+        started.append((k, None))
+        continue
+      except ReshardRuntimeError:
+        imp.line = None  # (closed by the failure)
+    started.append((k, pull.links[k].client.start(body, what)))
+  held = []
+  for k, seq in started:
+    imp = imports[k]
+    if seq is None:
+      try:
+        held.append(imp.line.finish(answer_s))
+        continue
+      except ReshardTimeoutError:
+        imp.line = None
+        raise
+      except ReshardRuntimeError:
+        imp.line = None
+        if not imp.alive():
+          raise
+        seq = pull.links[k].client.start(body, what)  # the line alone failed
+    held.append(pull.links[k].client.finish(seq, answer_s, what).get("held") is True)
   if not all(held):
     raise VersionGone(f"{API}: version {pull.number} must still be held by every "
                       "trainer process it was read from; one of its lent arrays was "
