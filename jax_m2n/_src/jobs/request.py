@@ -223,7 +223,8 @@ def pull_request(api: str, m: Manifest, dst: Any, dtype: Any, donate: Any,
           "(a pull has no layout to keep).")
     if isinstance(d, jax.ShapeDtypeStruct) and d.dtype != out:  # an array's dtype:
       d = jax.ShapeDtypeStruct(d.shape, out, sharding=d.sharding)  # its shape counts
-    rule = (d, leaf.shape, out) if isinstance(d, (Sharding, jax.ShapeDtypeStruct)) else None
+    rule = ((d, leaf.shape, out) if isinstance(d, (Sharding, jax.ShapeDtypeStruct))
+            else None)
     got = checked.get(rule) if rule is not None else None
     if got is None:  # the rules are pure in (d, shape, dtype): once per distinct
       got = checks.check_destination(api, checks.LazyName(names, t), d, leaf.shape, out,
