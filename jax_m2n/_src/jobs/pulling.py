@@ -11,6 +11,7 @@ donating. Every wait is bounded; a multi-process job fails together.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -518,6 +519,14 @@ def _imports(state: State, p: Pull, m: manifest_lib.Manifest
   return out
 
 
+@functools.lru_cache(maxsize=64)
+def _result_bytes(pp: planning.PullPlan) -> int:
+  """The bytes of a pull's result where nothing is quantized: every leaf's global size
+  in its delivered dtype (per plan; plans hash by identity)."""
+  return sum(int(np.prod(t.src.shape, dtype=object)) * out.itemsize
+             for t, out in zip(pp.plan.tensors, pp.out))
+
+
 def _finish(state: State, request, pp: planning.PullPlan, number: int, shards) -> Any:
   """The global arrays from this process's shards; quantized leaves as QArrays; the
   donated arrays deleted; the record a later delta pull applies to."""
@@ -530,6 +539,8 @@ def _finish(state: State, request, pp: planning.PullPlan, number: int, shards) -
   state.last = (delta_lib.record(number, m.id, request.dsts, request.outs, arrays)
                 if request.options.delta else None)
   quantized = [t for t, s in enumerate(request.specs) if s is not None]
+  if not quantized:
+    state.trace.result_bytes = _result_bytes(pp)
   if quantized:
     for t, q in zip(quantized, quantize.quantize_where_they_live(
         [arrays[t] for t in quantized], [request.specs[t] for t in quantized])):

@@ -236,6 +236,7 @@ class Trace:
   plan: Any = None  # planning.PullPlan
   path: str = ""
   steps: dict[str, float] = dataclasses.field(default_factory=dict)  # the data path's
+  result_bytes: int | None = None  # where the pull knows them without the result's leaves
 
   def __post_init__(self):
     self.last = self.started
