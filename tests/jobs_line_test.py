@@ -42,8 +42,8 @@ def test_bad_reused_and_late_tickets_are_refused():
     assert first.ask(1)
     for bad in (ticket, b"x" * line.TICKET_BYTES):  # used once; unknown
       client = line.Client(server.name, bad)
-      with pytest.raises(ReshardRuntimeError, match="closed the line"):
-        client.ask(1)
+      with pytest.raises(ReshardRuntimeError, match="closed the line|sending"):
+        client.ask(1)  # (its request may meet the closed connection, or its answer)
       assert client.closed
     with pytest.raises(ReshardValueError, match="ticket must be 32 bytes"):
       line.Client(server.name, b"short")
