@@ -93,7 +93,7 @@ def _pull_one(state: State, dst: Any, dtype: Any, donate: Any,
   deadline = time.monotonic() + options.timeout_s  # for a version, where none is yet
   while True:
     got = None
-    ahead = Ahead.begin(state, options)
+    ahead = Ahead.begin(state, options, writing=True)
     if ahead is not None:  # the copy runs while the publisher confirms the version
       state.trace.chose(ahead.number)
       try:
@@ -201,7 +201,11 @@ class Ahead:
     self._got: tuple[int, str] | None = None
 
   @classmethod
-  def begin(cls, state: State, options: PullOptions) -> "Ahead | None":
+  def begin(cls, state: State, options: PullOptions, writing: bool = False
+            ) -> "Ahead | None":
+    """`writing`: the caller's copy also takes a slot still being written (it waits
+    for the commit and raises Unconfirmed where the committed slot needs a mapping or
+    other flags: local.run's `ahead`); else only a committed one."""
     mid = state.local_mid
     root = state.connections.live_root()
     if (options.path == "network" or mid is None or root is None
@@ -212,10 +216,10 @@ class Ahead:
     if len(latest) != 1:  # none mapped, or the publisher processes disagree for now
       return None
     number = options.version if options.version is not None else latest.pop()
-    # Its slot committed, or still being written (-number: a snapshot's copy in
-    # flight; local.run waits for it, and raises Unconfirmed where what the slot
-    # turns out to hold needs another path: a mapping, or other flags).
-    held = [np.flatnonzero(np.abs(imp.header) == number) for imp in imports]
+    # Its slot committed, or (`writing`) still being written (-number: a snapshot's
+    # copy in flight).
+    held = [np.flatnonzero((np.abs(imp.header) if writing else imp.header) == number)
+            for imp in imports]
     if ((options.version is None and number <= state.version)
         or number == exports.CLOSED or not all(h.size for h in held)):
       return None
