@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import jax
@@ -21,7 +22,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_m2n
-from jax_m2n._src.jobs import engine, exports, pulling
+from jax_m2n._src.jobs import engine, exports, pulling, records
 
 TOKEN = "local-test-token-0123456789"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,6 +182,39 @@ def test_a_steady_local_pull_copies_while_the_publisher_confirms(meshes, monkeyp
     assert seen[-1] is True and (np.asarray(out["x"]) == 6).all()
     with pytest.raises(jax_m2n.ReshardValueError, match="holds"):
       sub.pull(dst, version=5)  # dropped (keep=2): refused before anything is read
+
+
+def test_a_steady_pull_copies_once_its_slot_commits_and_records_its_steps(meshes,
+                                                                        monkeypatch):
+  """A steady local pull whose version's slot is still being written (-v: a GPU
+  snapshot's copy in flight) is begun ahead all the same: it waits for the commit, then
+  copies while the publisher confirms; `last_pull.steps` says where its time went."""
+  trainer, gen = meshes
+  seen = []
+  confirmed = pulling.Ahead.confirmed
+  monkeypatch.setattr(pulling.Ahead, "confirmed",
+                      lambda self: seen.append(confirmed(self)) or seen[-1])
+  mk = lambda v: {"x": jax.device_put(np.full((8, 8), v, np.float32),  # noqa: E731
+                                      NamedSharding(trainer, P("a")))}
+  dst = NamedSharding(gen, P("x"))
+  with jax_m2n.Publisher(token=TOKEN, keep=2) as pub, jax_m2n.Subscriber(
+      pub.address, token=TOKEN) as sub:
+    pub.publish(mk(1))
+    sub.pull(dst)
+    pub.publish(mk(2))
+    export, = pub._versions.exports()
+    slot = export.slot_of(2)
+    export.header[slot] = -2  # as while its copy is in flight
+    commit = threading.Timer(0.05, lambda: export.header.__setitem__(slot, 2))
+    commit.start()
+    out = sub.pull(dst)
+    commit.join()
+    assert seen == [True] and sub.version == 2 and (np.asarray(out["x"]) == 2).all()
+    steps = sub.last_pull.steps
+    assert set(steps) <= set(records.LOCAL_STEPS)
+    assert {"slot", "addresses", "dispatch", "ready", "check"} <= set(steps)
+    assert steps["slot"] >= 0.03  # it waited for the commit (begun 50 ms before)
+    assert sum(steps.values()) <= sub.last_pull.move_s
 
 
 def test_a_closed_export_reads_as_gone_to_a_reader_that_mapped_it(meshes):

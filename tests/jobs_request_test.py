@@ -155,3 +155,18 @@ def test_a_version_too_large_for_this_host_fails_before_any_byte_moves(published
   out = sub.pull({"w": dst, "b": NamedSharding(_gen(), P())}, version=1,
                  path="network", timeout_s=30)
   np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(tree["w"]))
+
+
+def test_a_recurring_pull_reuses_its_checked_request(published, monkeypatch):
+  """The checks are pure in (manifest, dst, dtype): a second pull with the same
+  arguments takes the first one's request (its checks, e.g. the memory fit, not
+  redone)."""
+  from jax_m2n._src.jobs import request  # noqa: PLC0415
+  _, sub = published
+  dst = {"w": NamedSharding(_gen(), P(None, "y")), "b": NamedSharding(_gen(), P())}
+  request._cache.clear()
+  sub.pull(dst, version=1, path="network", timeout_s=30)
+  fits = []
+  monkeypatch.setattr(request, "check_fits", lambda *a: fits.append(a))
+  sub.pull(dst, version=1, path="network", timeout_s=30)
+  assert fits == []

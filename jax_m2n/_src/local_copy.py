@@ -13,6 +13,7 @@ until the returned arrays are ready.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 from typing import Any, NamedTuple, Sequence
@@ -38,6 +39,10 @@ CUDA_POINTER_ALIGN = 32
 PROGRAM_OUTPUTS = 256
 # Element sizes of the dtypes copied as opaque bytes (bool .. complex128).
 _ELEM_BYTES = (1, 2, 4, 8, 16)
+# A Copier keeps the pointer tables of this many recent address sets on its device: a
+# pull that recurs at the same addresses (a lent version: the trainer's own buffers;
+# a snapshot: one of `keep` slots) sends none (no host-to-device transfer per call).
+DEVICE_TABLES = 8
 
 
 class Out(NamedTuple):
@@ -235,6 +240,9 @@ class Copier:
   def __init__(self, device: jax.Device, programs: list, n_slots: int, n_outs: int):
     self.device, self.programs = device, programs
     self.n_slots, self.n_outs = n_slots, n_outs
+    # The tables' bytes -> their arrays on the device (DEVICE_TABLES most recent).
+    self.on_device: collections.OrderedDict[bytes, list[jax.Array]] = (
+        collections.OrderedDict())
 
   def __call__(self, pointers: Sequence[int]) -> list[jax.Array]:
     return copy_all([(self, pointers)])[0]
@@ -262,20 +270,27 @@ class Copier:
 
 
 def copy_all(jobs: Sequence[tuple[Copier, Sequence[int]]]) -> list[list[jax.Array]]:
-  """Runs each (copier, pointers): every pointer table crosses to its device in one
+  """Runs each (copier, pointers): the pointer tables a copier does not hold on its
+  device yet (`Copier.on_device`: the same addresses as a recent call) cross in one
   `jax.device_put` (one dispatch, not one per device and program); per job its
   outputs."""
-  tables, devices = [], []
-  for c, pointers in jobs:
+  held: list[Any] = []  # per job, its tables on its device (None: sent below)
+  tables, devices, sent = [], [], []
+  for j, (c, pointers) in enumerate(jobs):
     mine = c.tables(pointers)
-    tables += mine
-    devices += [c.device] * len(mine)
-  on_device = jax.device_put(tables, devices) if tables else []
-  out, at = [], 0
-  for c, _ in jobs:
-    out.append(c.run(on_device[at:at + len(c.programs)]))
-    at += len(c.programs)
-  return out
+    key = b"".join(t.tobytes() for t in mine)
+    held.append(c.on_device.get(key))
+    if held[-1] is None:
+      sent.append((j, c, key, len(tables), len(mine)))
+      tables += mine
+      devices += [c.device] * len(mine)
+  if tables:
+    arrays = jax.device_put(tables, devices)
+    for j, c, key, at, n in sent:
+      held[j] = c.on_device[key] = arrays[at:at + n]
+      while len(c.on_device) > DEVICE_TABLES:
+        c.on_device.popitem(last=False)
+  return [c.run(on_device) for (c, _), on_device in zip(jobs, held)]
 
 
 def _programs(boxes: tuple[Box, ...], outs: tuple[Out, ...], device: jax.Device) -> list:

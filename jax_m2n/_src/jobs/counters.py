@@ -124,6 +124,22 @@ class Counters:
         self._peers.popitem(last=False)
     return CountedCaller(caller.server, caller.peer, caller.seq, self, op)
 
+  def confirmed(self, peer: bytes, number: int, held: bool) -> None:
+    """A subscriber connection's confirmation of a lent pull on the local line
+    (line.py): noted as its `pulled` call would be, and counted as pulled where the
+    version is still `held`."""
+    with self._lock:
+      got = self._peers.pop(peer, None) or _Peer(0.0)
+      got.seen, got.op = time.monotonic(), "pulled"
+      got.calls += 1
+      if held:
+        got.pulled = max(got.pulled, number)
+        got.version = max(got.version, number)
+      self._peers[peer] = got
+      while len(self._peers) > MAX_PEERS:
+        self._peers.popitem(last=False)
+      self._pulls.notify_all()
+
   def pulled(self, peer: bytes, number: int) -> None:
     """A subscriber connection says it pulled version `number` (after its copy)."""
     with self._lock:

@@ -8,12 +8,14 @@ publisher's memory into the destination shards (the flat plan's boxes; dtype
 conversion fused where the copies convert), between two checks of the slot's header
 (a version overwritten meanwhile is never returned); a lent version (the trainer's own
 arrays) is confirmed with each publisher process after the copy (none donated or
-deleted meanwhile). Plans nothing; reads no sharding.
+deleted meanwhile), on the local line where the publisher offers one (line.py), else
+over the control channel. Plans nothing; reads no sharding.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import select
 import time
@@ -25,12 +27,16 @@ import numpy as np
 from jax_m2n._src import lent_memory, local_copy as local_copy_lib
 from jax_m2n._src import local_memory
 from jax_m2n._src import schedule
-from jax_m2n._src.errors import ReshardRuntimeError, ReshardTimeoutError, VersionGone
-from jax_m2n._src.jobs import exports, manifest as manifest_lib, messages, pieces
+from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError, Unconfirmed,
+                                 VersionGone)
+from jax_m2n._src.jobs import exports, line as line_lib, manifest as manifest_lib
+from jax_m2n._src.jobs import messages, pieces
 from jax_m2n._src.jobs.manifest import PUBLISHER_DEVICE_BASE
 from jax_m2n._src.jobs.planning import PUBLISHER_PROCESS_BASE, PullPlan
 from jax_m2n._src.jobs.pull import API, Pull
 from jax_m2n._src.planner import DST_SHARD
+
+logger = logging.getLogger("jax_m2n")
 
 # How long a pull waits for a slot being written (the publisher's copy in flight) to
 # be committed before it gives up on the version.
@@ -40,6 +46,11 @@ COMMIT_WAIT_S = 10.0
 # of its allocations (its worker thread, which may be cutting for another pull).
 CONFIRM_S = 1.0
 MAP_S = 10.0
+# A pull waiting for its slot to be committed looks again after this long, doubling up
+# to SLOT_POLL_MAX_S (a GPU snapshot's copy commits within a millisecond or so: a
+# coarser poll would add most of a poll to the pull).
+SLOT_POLL_S = 5e-5
+SLOT_POLL_MAX_S = 2.5e-4
 
 
 class Import:
@@ -64,6 +75,10 @@ class Import:
       self.offsets = {(t, k): at for t, k, at in messages.field(reply, "shards", list)}
       pid = messages.field(reply, "pid", int, lo=1, hi=1 << 31)
       rows = {(t, k): i for t, k, i in reply.get("rows", [])}
+      line = None
+      if "line" in reply:  # the local line (line.py): a lent pull's confirmation
+        line = (messages.field(reply, "line", str, max_len=128),
+                bytes.fromhex(messages.field(reply, "line_ticket", str, max_len=128)))
     except (ValueError, TypeError) as e:
       raise ReshardRuntimeError(f"{API}: {name} answered the local request with a "
                                 f"malformed description: {e}") from None
@@ -72,9 +87,11 @@ class Import:
     self.latest, self.header = words[:1], words[1:1 + self.keep]
     self.flags = words[1 + self.keep:1 + 2 * self.keep]
     self._liveness = _pidfd(pid)
+    self.line: line_lib.Client | None = None
     self._bases: dict[int, tuple[int, int]] = {}
     self.rows = rows
     self._maps: dict[int, lent_memory.Mapping] = {}  # GPU: allocation id -> mapping
+    self._trimmed: bytes | None = None  # the header as the last `trim` saw it
     self.tables = None
     if rows:  # GPUs: per slot, each shard's (allocation id, offset)
       n = len(rows)
@@ -90,6 +107,14 @@ class Import:
       for k in sorted(self.slots):
         self._bases[k] = (base, stride)
         base += self.slots[k]
+    # The local line to the publisher process (None: confirmations take the control
+    # channel; also once the line failed).
+    if line is not None:
+      try:
+        self.line = line_lib.Client(*line)
+      except (ReshardRuntimeError, ValueError) as e:
+        logger.info("Subscriber.pull: the local line to %s failed (%s); confirmations "
+                    "take the control channel", name, e)
 
   def base(self, k: int, device: Any) -> tuple[int, int]:
     """CPU: (address of slot 0, slot stride) of publisher device k's shards."""
@@ -149,6 +174,10 @@ class Import:
     retired). Copies reading them must have finished."""
     if self.tables is None or not self._maps:
       return
+    header = self.header.tobytes()  # (a slot's table changes only with its header)
+    if header == self._trimmed:
+      return
+    self._trimmed = header
     live = set(np.unique(self.tables[self.header != 0][:, :, 0]).tolist())
     for i in [i for i in self._maps if i not in live]:
       self._maps.pop(i).close()
@@ -167,7 +196,7 @@ class Import:
     Raises:
       VersionGone: no slot holds it (dropped, or overwritten by a newer one).
     """
-    delay = 1e-4
+    delay = SLOT_POLL_S
     while True:
       hits = np.flatnonzero(self.header == version)
       if hits.size:
@@ -180,11 +209,12 @@ class Import:
         raise ReshardTimeoutError(f"{API}: version {version} must be written by "
                                   f"{self.name} in time; it was not (it lags, or stalled).")
       time.sleep(delay)
-      delay = min(2 * delay, 1e-3)
+      delay = min(2 * delay, SLOT_POLL_MAX_S)
 
   def unmap(self) -> None:
     """GPU: unmaps every allocation mapped here (copies reading them finished)."""
     maps, self._maps = self._maps, {}
+    self._trimmed = None
     for m in maps.values():
       try:
         m.close()
@@ -193,6 +223,9 @@ class Import:
 
   def close(self) -> None:
     self.unmap()
+    if self.line is not None:
+      self.line.close()
+      self.line = None
     self.header = self.latest = self.flags = self.tables = None
     self._host.close()
     if self._liveness is not None:
@@ -309,35 +342,80 @@ def confirm(pull: Pull, imports: dict[int, Import], slots: dict[int, int],
             answer_s: float) -> None:
   """After the copies of a lent version: each publisher process it read from says the
   version is still held with its arrays alive (none donated or deleted meanwhile),
-  and counts the pull (`Publisher.wait_pulled`). One round trip, all at once.
+  and counts the pull (`Publisher.wait_pulled`). One round trip, all at once: on the
+  local line where there is one (line.py), else the control channel (also where the
+  line closed under a publisher process that still runs).
 
   Raises:
     VersionGone: a publisher process no longer holds it as it was.
+    ReshardRuntimeError: a publisher process died, closed or stalled.
   """
-  lent = [k for k, imp in imports.items() if imp.lent(slots[k])]
-  started = [(k, pull.links[k].client, pull.links[k].client.start(
-      {"op": "pulled", "version": pull.number, "check": True}, "the pull's confirmation"))
-      for k in lent]
-  held = [client.finish(seq, answer_s, "the pull's confirmation").get("held") is True
-          for _, client, seq in started]
+  body = {"op": "pulled", "version": pull.number, "check": True}
+  what = "the pull's confirmation"
+  started = []  # (import, its control request, or None: asked on its line)
+  for k, imp in imports.items():
+    if not imp.lent(slots[k]):
+      continue
+    if imp.line is not None:
+      try:
+        imp.line.start(pull.number)
+        started.append((k, None))
+        continue
+      except ReshardRuntimeError:
+        imp.line = None  # (closed by the failure)
+    started.append((k, pull.links[k].client.start(body, what)))
+  held = []
+  for k, seq in started:
+    imp = imports[k]
+    if seq is None:
+      try:
+        held.append(imp.line.finish(answer_s))
+        continue
+      except ReshardTimeoutError:
+        imp.line = None
+        raise
+      except ReshardRuntimeError:
+        imp.line = None
+        if not imp.alive():
+          raise
+        seq = pull.links[k].client.start(body, what)  # the line alone failed
+    held.append(pull.links[k].client.finish(seq, answer_s, what).get("held") is True)
   if not all(held):
     raise VersionGone(f"{API}: version {pull.number} must still be held by every "
                       "trainer process it was read from; one of its lent arrays was "
                       "donated or deleted meanwhile (a newer version then).")
 
 
-def run(pull: Pull, imports: dict[int, Import]) -> tuple[list[list[jax.Array]], bool]:
+def run(pull: Pull, imports: dict[int, Import], ahead: bool | None = None
+        ) -> tuple[list[list[jax.Array]], bool]:
   """A local pull: per destination device one local_copy from the publisher
   processes' slots of `pull.number` (GPUs: from the allocations the slots name, mapped
   on first need); returns per leaf its local destination shards (in the plan's
   `local_dst` order), and whether the version was lent (then confirmed: `confirm`).
+  Records its steps in `pull.steps` (records.LOCAL_STEPS).
+
+  `ahead`: None where no versions request is open (pulling.Ahead); else whether the
+  Ahead took the version as lent (True: no request open; False: one is, on the
+  control clients this would use). A version that turns out otherwise once its slot
+  is committed, or (a request open) needs an allocation mapped, raises Unconfirmed:
+  the caller reads the answer and pulls again.
 
   Raises:
     VersionGone: a slot was reused for a newer version before the copies finished, or
       a lent version's array was donated or deleted meanwhile.
     ReshardRuntimeError: a publisher process died (its memory may be gone).
+    Unconfirmed: see `ahead`.
   """
   pp = pull.plan
+  steps = pull.steps
+  mark = time.perf_counter()
+
+  def step(name: str) -> None:
+    nonlocal mark
+    now = time.perf_counter()
+    steps[name] = steps.get(name, 0.0) + now - mark
+    mark = now
+
   devices = {d.id: d for d in jax.local_devices()}
   deadline = time.monotonic() + min(COMMIT_WAIT_S, pull.timeout_s)
   slots = {k: imp.slot_of(pull.number, deadline) for k, imp in imports.items()}
@@ -348,13 +426,20 @@ def run(pull: Pull, imports: dict[int, Import]) -> tuple[list[list[jax.Array]], 
       imp.unmap()  # (a mapping would keep the dead trainer's GPU memory)
       raise ReshardRuntimeError(f"{API}: {imp.name} must be alive to be read from; it "
                                 "exited.")
+  lent = any(imp.lent(slots[k]) for k, imp in imports.items())
+  if ahead is not None and ahead != lent:
+    raise Unconfirmed  # (the Ahead read the slot's flags while it was being written)
+  step("slot")
   gpu = any(imp.tables is not None for imp in imports.values())
   if gpu:  # the allocations the slots name, mapped once (then cached)
     ordinal = int(next(iter(devices.values())).local_hardware_id)
     for k, imp in imports.items():
       ids = imp.missing(slots[k])
       if ids:
+        if ahead is False:
+          raise Unconfirmed  # (mapping is a control call: not while one is open)
         imp.map(pull.links[k].client, ids, ordinal, min(pull.timeout_s, MAP_S))
+    step("map")
   jobs, outputs_of = [], []
   for d, (outputs, sources, copy) in _copies(pp).items():
     if gpu:
@@ -365,21 +450,26 @@ def run(pull: Pull, imports: dict[int, Import]) -> tuple[list[list[jax.Array]], 
       jobs.append((copy, starts + strides * np.array([slots[p] for p in procs],
                                                      np.int64)))
     outputs_of.append(outputs)
+  step("addresses")
   for outputs, arrays in zip(outputs_of, local_copy_lib.copy_all(jobs)):
     for (t, j), a in zip(outputs, arrays):
       shards[t][j] = a if a.dtype == pp.out[t] else pieces.converter(pp.out[t])(a)
     pending += arrays
+  step("dispatch")
   jax.block_until_ready(pending)
+  step("ready")
   for k, imp in imports.items():  # the seqlock's second read: the slot still holds it
     if int(imp.header[slots[k]]) != pull.number:
       raise VersionGone(f"{API}: version {pull.number} was overwritten on {imp.name} "
                         "while it was copied (dropped meanwhile).")
-  lent = any(imp.lent(slots[k]) for k, imp in imports.items())
+  step("check")
   if lent:
     confirm(pull, imports, slots, min(pull.timeout_s, CONFIRM_S))
+    step("confirm")
   if gpu:
     for imp in imports.values():
       imp.trim()
+    step("trim")
   empty = [(t, j) for t, row in enumerate(shards) for j, a in enumerate(row) if a is None]
   for t, j in empty:  # an empty destination box: nothing to copy
     box = pp.plan.tensors[t].dst.box_of(pp.local_dst[t][j].id)
@@ -389,7 +479,6 @@ def run(pull: Pull, imports: dict[int, Import]) -> tuple[list[list[jax.Array]], 
     raise ReshardTimeoutError(f"{API}: version {pull.number} must arrive within "
                               f"timeout_s={pull.timeout_s:g}; the local copy took longer.")
   return shards, lent
-
 
 
 def describe_request(manifest_id: str) -> dict[str, Any]:

@@ -38,6 +38,7 @@ class Pull:
     salt: the pull's random salt (the tickets of forwards inside the job).
     peers: per process of the subscriber job, its transport's address.
     after: with `number` None, the subscriber's last version.
+    steps: what the data path measured of itself (a local pull: records.LOCAL_STEPS).
   """
 
   request: PullRequest
@@ -50,6 +51,7 @@ class Pull:
   peers: dict[int, str] = dataclasses.field(default_factory=dict)
   after: int = 0
   started: float = dataclasses.field(default_factory=time.monotonic)
+  steps: dict[str, float] = dataclasses.field(default_factory=dict)
 
   @property
   def options(self) -> PullOptions:

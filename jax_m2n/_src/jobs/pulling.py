@@ -11,6 +11,7 @@ donating. Every wait is bounded; a multi-process job fails together.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -92,7 +93,7 @@ def _pull_one(state: State, dst: Any, dtype: Any, donate: Any,
   deadline = time.monotonic() + options.timeout_s  # for a version, where none is yet
   while True:
     got = None
-    ahead = Ahead.begin(state, options)
+    ahead = Ahead.begin(state, options, writing=True)
     if ahead is not None:  # the copy runs while the publisher confirms the version
       state.trace.chose(ahead.number)
       try:
@@ -183,7 +184,8 @@ class Ahead:
   and layout set (as `choose` would take it), so the round trip overlaps the copy and
   the publisher still hears every pull (its stats, `jobs status`). Use: `begin` (None:
   ask first), then `_pull(..., ahead)`, which calls `confirmed` before it finishes;
-  `answer` or `drain` where it did not."""
+  `answer` or `drain` where it did not. `lent`: the version was taken as lent (no
+  request now: confirmed after its copy, local.confirm)."""
 
   def __init__(self, root: Any, number: int, mid: str, version: int | None,
                after: int, lent: bool = False):
@@ -191,7 +193,7 @@ class Ahead:
     self._version, self._after = version, after
     # A lent version is confirmed after its copy instead (local.confirm): no request
     # now; asked only where that failed.
-    self._lent = lent
+    self.lent = lent
     self._seq = None if lent else root.start(
         {"op": "versions", "after": after, "wait_ms": 0, "pulling": number},
         "the list of versions")
@@ -199,7 +201,11 @@ class Ahead:
     self._got: tuple[int, str] | None = None
 
   @classmethod
-  def begin(cls, state: State, options: PullOptions) -> "Ahead | None":
+  def begin(cls, state: State, options: PullOptions, writing: bool = False
+            ) -> "Ahead | None":
+    """`writing`: the caller's copy also takes a slot still being written (it waits
+    for the commit and raises Unconfirmed where the committed slot needs a mapping or
+    other flags: local.run's `ahead`); else only a committed one."""
     mid = state.local_mid
     root = state.connections.live_root()
     if (options.path == "network" or mid is None or root is None
@@ -210,14 +216,17 @@ class Ahead:
     if len(latest) != 1:  # none mapped, or the publisher processes disagree for now
       return None
     number = options.version if options.version is not None else latest.pop()
+    # Its slot committed, or (`writing`) still being written (-number: a snapshot's
+    # copy in flight).
+    held = [np.flatnonzero((np.abs(imp.header) if writing else imp.header) == number)
+            for imp in imports]
     if ((options.version is None and number <= state.version)
-        or number == exports.CLOSED
-        or not all((imp.header == number).any() for imp in imports)):
+        or number == exports.CLOSED or not all(h.size for h in held)):
       return None
-    slots = [int(np.flatnonzero(imp.header == number)[0]) for imp in imports]
+    slots = [int(h[0]) for h in held]
     lent = any(imp.lent(s) for imp, s in zip(imports, slots))
-    if not lent and any(imp.tables is not None and imp.missing(s)
-                        for imp, s in zip(imports, slots)):
+    if not lent and any(imp.tables is not None and imp.header[s] == number
+                        and imp.missing(s) for imp, s in zip(imports, slots)):
       return None  # (mapping a new allocation is a control call: not while one is open)
     after = state.version if options.version is None else number - 1
     return cls(root, number, mid, options.version, after, lent)
@@ -236,14 +245,14 @@ class Ahead:
     return self._got
 
   def confirmed(self) -> bool:
-    if self._lent:  # confirmed after the copy by local.confirm (or it raised)
+    if self.lent:  # confirmed after the copy by local.confirm (or it raised)
       return True
     return self.answer() == (self.number, self.mid)
 
   def drain(self) -> None:
     """Reads the answer where a failure left it open (its own failure is dropped: the
     first one is what the caller reports)."""
-    if not self._done and not self._lent:
+    if not self._done and not self.lent:
       try:
         self.answer()
       except ReshardError:
@@ -355,7 +364,10 @@ def _pull(state: State, dst, dtype, donate, options: PullOptions, number: int | 
     imports = _imports(state, p, m) if local_path else None
     confirmed = False  # whether the publisher processes heard the pull after its copy
     if imports is not None:  # the publisher's memory, read in place (local.py)
-      shards, confirmed = local.run(p, imports)
+      try:
+        shards, confirmed = local.run(p, imports, None if ahead is None else ahead.lent)
+      finally:
+        state.trace.steps = p.steps
       state.path = state.trace.path = "local"
       state.local_mid, state.net_mid = m.id, None
     elif choice.base is not None:  # a delta (delta.py): pulled directly, never relayed
@@ -511,6 +523,14 @@ def _imports(state: State, p: Pull, m: manifest_lib.Manifest
   return out
 
 
+@functools.lru_cache(maxsize=64)
+def _result_bytes(pp: planning.PullPlan) -> int:
+  """The bytes of a pull's result where nothing is quantized: every leaf's global size
+  in its delivered dtype (per plan; plans hash by identity)."""
+  return sum(int(np.prod(t.src.shape, dtype=object)) * out.itemsize
+             for t, out in zip(pp.plan.tensors, pp.out))
+
+
 def _finish(state: State, request, pp: planning.PullPlan, number: int, shards) -> Any:
   """The global arrays from this process's shards; quantized leaves as QArrays; the
   donated arrays deleted; the record a later delta pull applies to."""
@@ -523,6 +543,8 @@ def _finish(state: State, request, pp: planning.PullPlan, number: int, shards) -
   state.last = (delta_lib.record(number, m.id, request.dsts, request.outs, arrays)
                 if request.options.delta else None)
   quantized = [t for t, s in enumerate(request.specs) if s is not None]
+  if not quantized:
+    state.trace.result_bytes = _result_bytes(pp)
   if quantized:
     for t, q in zip(quantized, quantize.quantize_where_they_live(
         [arrays[t] for t in quantized], [request.specs[t] for t in quantized])):

@@ -20,6 +20,12 @@ from jax_m2n._src.errors import (PeerFailed, ReshardRuntimeError, ReshardTimeout
 PHASES = ("wait", "plan", "move", "compose")
 # The data paths a pull can take.
 PATHS = ("local", "network", "relay", "delta")
+# The steps of a local pull (`PullRecord.steps`): waiting for its slot to be committed,
+# mapping allocations not mapped yet (GPUs), the copies' addresses, dispatching the
+# copies, waiting until they are done, the seqlock's second check, a lent version's
+# confirmation round trip, unmapping what retired.
+LOCAL_STEPS = ("slot", "map", "addresses", "dispatch", "ready", "check", "confirm",
+               "trim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +63,9 @@ class PullRecord:
     control_calls: control requests this pull sent (all the Subscriber's connections).
     control_bytes_sent, control_bytes_received: their bytes, each way.
     started_at: when the call began (seconds since the epoch, `time.time()`).
+    steps: a local pull's data path step by step (seconds; LOCAL_STEPS, in order, each
+      inside move_s): where a pull's time goes beyond its copy, for benchmarks and
+      tuning. Empty for the other paths.
   """
 
   version: int
@@ -76,6 +85,7 @@ class PullRecord:
   control_bytes_sent: int
   control_bytes_received: int
   started_at: float
+  steps: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +235,8 @@ class Trace:
   version: int = 0
   plan: Any = None  # planning.PullPlan
   path: str = ""
+  steps: dict[str, float] = dataclasses.field(default_factory=dict)  # the data path's
+  result_bytes: int | None = None  # where the pull knows them without the result's leaves
 
   def __post_init__(self):
     self.last = self.started

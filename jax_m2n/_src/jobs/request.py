@@ -223,13 +223,14 @@ def pull_request(api: str, m: Manifest, dst: Any, dtype: Any, donate: Any,
           "(a pull has no layout to keep).")
     if isinstance(d, jax.ShapeDtypeStruct) and d.dtype != out:  # an array's dtype:
       d = jax.ShapeDtypeStruct(d.shape, out, sharding=d.sharding)  # its shape counts
-    key = (d, leaf.shape, out) if isinstance(d, (Sharding, jax.ShapeDtypeStruct)) else None
-    got = checked.get(key) if key is not None else None
+    rule = ((d, leaf.shape, out) if isinstance(d, (Sharding, jax.ShapeDtypeStruct))
+            else None)
+    got = checked.get(rule) if rule is not None else None
     if got is None:  # the rules are pure in (d, shape, dtype): once per distinct
       got = checks.check_destination(api, checks.LazyName(names, t), d, leaf.shape, out,
                                      device_memory=True)
-      if key is not None:
-        checked[key] = got
+      if rule is not None:
+        checked[rule] = got
     shardings.append(got)
     outs.append(out)
   check_fits(api, m, shardings, outs)

@@ -5,7 +5,8 @@ Owns the calls a Publisher serves and where each runs: on the server thread
 Coordinator on process 0); on one worker thread, in order, what cuts, encodes or offers
 (`register`, `pull`, `pieces`, `digests`, `delta`, `local`: offering.py; the tickets
 of lent allocations, `allocations`); a subscriber's `pulled` (after its copy: for a
-lent version, whether its arrays are still alive); the requests
+lent version, whether its arrays are still alive; the same on the local line, line.py,
+whose ticket the `local` answer carries, bound to the asking connection); the requests
 deferred until this process has published the version asked for, and the tick that
 answers them. Every field of a request is checked before use. Plans nothing; holds no
 version itself (versions.py does).
@@ -16,11 +17,12 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import threading
 import time
 from typing import Any, Callable
 
 from jax_m2n._src.errors import ProtocolError, ReshardError
-from jax_m2n._src.jobs import channel, membership, messages, status
+from jax_m2n._src.jobs import channel, line, membership, messages, status
 from jax_m2n._src.jobs.counters import Counters
 from jax_m2n._src.jobs.offering import Offers
 from jax_m2n._src.jobs.versions import Versions
@@ -59,6 +61,8 @@ class Service:
     # local exports): one worker, so requests keep their order.
     self._work = concurrent.futures.ThreadPoolExecutor(
         1, thread_name_prefix="jax_m2n-publisher-work")
+    self._line: line.Server | None = None  # made on the first local subscriber
+    self._line_lock = threading.Lock()
 
   @property
   def waiting(self) -> bool:
@@ -108,7 +112,7 @@ class Service:
       self._deferred.append((caller, body, time.monotonic() + min(
           timeout_ms, MAX_WAIT_MS) / 1000))
     elif op == "local":
-      self._submit(caller, lambda: self._offers.local(body))
+      self._submit(caller, lambda: self._local(caller.peer, body))
     elif op == "allocations":  # a local reader maps the allocations a slot names
       want = messages.field(body, "manifest", str, max_len=64)
       ids = messages.field(body, "ids", list)
@@ -187,6 +191,26 @@ class Service:
       self.counters.pulled(caller.peer, number)
     return got
 
+  def _local(self, peer: bytes, body: dict[str, Any]) -> dict[str, Any]:
+    """The `local` answer (offering.py), with the local line's name and a ticket bound
+    to the asking connection (its confirmations count as its own `pulled`)."""
+    got = self._offers.local(body)
+    if got.get("local") is True:
+      with self._line_lock:
+        if self.closed:
+          return got
+        if self._line is None:
+          self._line = line.Server(self._confirmed)
+        got["line"], got["line_ticket"] = self._line.name, self._line.offer(peer).hex()
+    return got
+
+  def _confirmed(self, peer: bytes, number: int) -> bool:
+    """A local line request (line.py's thread): `pulled` with its check, as the
+    control call does it."""
+    held = number >= 1 and self._versions.alive(number)
+    self.counters.confirmed(peer, number, held)
+    return held
+
   def _allocations(self, manifest_id: str, ids: list[int]) -> dict[str, Any]:
     """Tickets for the allocations (of the held versions) a local reader maps."""
     export = self._versions.export_for(manifest_id)
@@ -228,6 +252,11 @@ class Service:
     """Stops the worker thread (after what it is doing) and withdraws every offer."""
     self._work.shutdown(wait=True, cancel_futures=True)
     self._offers.withdraw(self._offers.offered())
+    with self._line_lock:
+      self.closed = True
+      got, self._line = self._line, None
+    if got is not None:
+      got.close()
 
 
 def _logged(work: Callable[[], Any]) -> None:

@@ -8,6 +8,7 @@ logger "jax_m2n", and their metrics (metrics.py). Moves nothing, decides nothing
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable
@@ -85,8 +86,7 @@ class _Counts:
              ) -> records.PullRecord:
     pp, path = trace.plan, trace.path
     if path == "local":  # copied from the publisher's memory, in the published dtype
-      wire = sum(box_size(op.box) * pp.published[op.tensor].itemsize
-                 for groups in pp.requests.values() for ops in groups for op in ops)
+      wire = _local_wire_bytes(pp)
     else:
       wire = self._grown(path)
     ratio = None
@@ -105,10 +105,20 @@ class _Counts:
     phases = trace.phases
     return records.PullRecord(
         version=trace.version, path=path, route=pp.plan.route,
-        result_bytes=sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(out)),
+        result_bytes=(trace.result_bytes if trace.result_bytes is not None else
+                      sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(out))),
         wire_bytes=int(wire), wait_s=phases["wait"], plan_s=phases["plan"],
         move_s=phases["move"], compose_s=phases["compose"], total_s=end - trace.started,
         relay_parent=state.relay.upstream if path == "relay" else None,
         delta_ratio=ratio, retries=tuple(retries), control_calls=control["calls"],
         control_bytes_sent=control["sent_bytes"],
-        control_bytes_received=control["received_bytes"], started_at=trace.started_at)
+        control_bytes_received=control["received_bytes"], started_at=trace.started_at,
+        steps=dict(trace.steps))
+
+
+@functools.lru_cache(maxsize=64)
+def _local_wire_bytes(pp: Any) -> int:
+  """The bytes a local pull of plan `pp` copies (per plan: its ops' boxes in the
+  published dtype; plans hash by identity)."""
+  return sum(box_size(op.box) * pp.published[op.tensor].itemsize
+             for groups in pp.requests.values() for ops in groups for op in ops)
