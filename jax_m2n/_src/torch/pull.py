@@ -138,14 +138,17 @@ def attempt(held, api, options, names, placements, dtypes, shapes, tensors_of,
       cuda = {t.device.index if t.device.index is not None else
               torch.cuda.current_device() for t in tensors if t.is_cuda}
       on_cpu = all(not t.is_cuda for t in tensors)
-      mapped = (imports(held, api, options, m, rp, ahead is not None,
+      # A request is open while a snapshot's Ahead waits for its answer; a lent one's
+      # Ahead has none (it is confirmed after the copy).
+      open_request = ahead is not None and not ahead.lent
+      mapped = (imports(held, api, options, m, rp, open_request,
                         None if on_cpu else next(iter(cuda)))
                 if on_cpu or len(cuda) == 1 and all(t.is_cuda for t in tensors)
                 else None)
       if mapped is not None:
         p = "local"
         run_local(held, api, options, m, rp, mapped, number, tensors, written,
-                  ahead is not None)
+                  open_request)
         if ahead is not None and not ahead.confirmed():
           raise Unconfirmed  # (a valid version, but not the one to return)
       elif ahead is not None:
