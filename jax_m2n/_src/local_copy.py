@@ -271,7 +271,7 @@ class Copier:
 
 def copy_all(jobs: Sequence[tuple[Copier, Sequence[int]]]) -> list[list[jax.Array]]:
   """Runs each (copier, pointers): the pointer tables a copier does not hold on its
-  device yet (`Copier.on_device`: the same addresses as a recent call) cross in one
+  device yet (its `on_device` map: the same addresses as a recent call) cross in one
   `jax.device_put` (one dispatch, not one per device and program); per job its
   outputs."""
   held: list[Any] = []  # per job, its tables on its device (None: sent below)
