@@ -157,9 +157,17 @@ def stop_threads_at_exit() -> None:
   threads = [*_watcher_instance, *executors.values()]
   for t in threads:
     t.stop()
+  with executors_lock:  # the build pools: idle unless a build is running
+    pools = list(dispatch.build_pools.values())
+    dispatch.build_pools.clear()
+  for pool in pools:
+    pool.shutdown(wait=False, cancel_futures=True)
   deadline = time.monotonic() + 2.0  # a thread stuck in a transfer does not hold exit
   for t in threads:
     t._thread.join(max(0.0, deadline - time.monotonic()))  # noqa: SLF001 - this module's
+  for pool in pools:
+    for t in list(pool._threads):  # noqa: SLF001 - the pool's own threads
+      t.join(max(0.0, deadline - time.monotonic()))
 
 
 def _watcher() -> _Watcher:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 from typing import Any, Callable, Protocol, Sequence
@@ -97,6 +98,24 @@ def executor_of(device_id: int) -> _Worker:
 
 executors: dict[int, _Worker] = {}
 executors_lock = threading.Lock()
+
+
+def build_pool(role: str) -> concurrent.futures.ThreadPoolExecutor:
+  """The threads the per-device programs are built on, made on first use: "lower",
+  one thread (tracing and lowering hold the GIL), and "compile", one per core (XLA
+  compiles without it; more threads than cores only contend)."""
+  pool = build_pools.get(role)
+  if pool is None:
+    with executors_lock:
+      pool = build_pools.get(role)
+      if pool is None:
+        workers = 1 if role == "lower" else max(1, os.cpu_count() or 1)
+        pool = build_pools[role] = concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix=f"jax_m2n-{role}")
+  return pool
+
+
+build_pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 
 
 def gather_outcomes(futures: Sequence[concurrent.futures.Future]

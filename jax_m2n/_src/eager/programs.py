@@ -354,21 +354,6 @@ def donate_sources(leaves: Sequence[jax.Array], donate: bool | Sequence[bool]) -
       x.delete()
 
 
-@functools.lru_cache(maxsize=1)
-def _lowering_thread() -> concurrent.futures.ThreadPoolExecutor:
-  """The one thread the per-device programs are traced and lowered on."""
-  return concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                               thread_name_prefix="jax_m2n-lower")
-
-
-@functools.lru_cache(maxsize=1)
-def _compile_pool() -> concurrent.futures.ThreadPoolExecutor:
-  """The threads XLA compiles the per-device programs on: one per core (a compile is
-  CPU-bound and releases the GIL; more threads than cores only contend)."""
-  return concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
-                                               thread_name_prefix="jax_m2n-compile")
-
-
 @functools.lru_cache(maxsize=None)  # one per device: bounded by the device count
 def _single_device_sharding(device) -> SingleDeviceSharding:
   """One SingleDeviceSharding per device, shared by every build: JAX's compile caches
@@ -452,9 +437,11 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
   keys = list(missing)
 
   def lower_then_compile(spec) -> concurrent.futures.Future:
-    return _compile_pool().submit(_lower(*spec, platform, attrs, cpu_async, x64).compile)
+    lowered = _lower(*spec, platform, attrs, cpu_async, x64)
+    return dispatch.build_pool("compile").submit(lowered.compile)
 
-  lowered, errors = gather_outcomes([_lowering_thread().submit(lower_then_compile, specs[k])
+  lowering = dispatch.build_pool("lower")
+  lowered, errors = gather_outcomes([lowering.submit(lower_then_compile, specs[k])
                                      for k in keys])
   for e in errors:
     if e is not None:
