@@ -434,22 +434,25 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
   # `jax.enable_x64` is one of them: the programs are traced under its value, or with
   # x64 on where a leaf's dtype needs it (an int64 array made while x64 was on, moved
   # after it was turned off, as jax.device_put moves it; the key says which).
+  # The lowered modules are freed here, once every compile is done: freed on a pool
+  # thread (whenever it dropped its work item) they were MLIR objects destroyed while
+  # this thread went on to other JAX work, which aborted the process now and then.
   keys = list(missing)
+  held: list[list[Any]] = [[] for _ in keys]  # per program: its lowered module
 
-  def lower_then_compile(spec) -> concurrent.futures.Future:
-    lowered = _lower(*spec, platform, attrs, cpu_async, x64)
-    return dispatch.build_pool("compile").submit(lowered.compile)
+  def lower_then_compile(i: int) -> concurrent.futures.Future:
+    held[i].append(_lower(*specs[keys[i]], platform, attrs, cpu_async, x64))
+    return dispatch.build_pool("compile").submit(lambda: held[i][0].compile())
 
   lowering = dispatch.build_pool("lower")
-  lowered, errors = gather_outcomes([lowering.submit(lower_then_compile, specs[k])
-                                     for k in keys])
-  for e in errors:
-    if e is not None:
-      concurrent.futures.wait([f for f in lowered if f is not None])
-      raise e
-  futures = lowered
-  compiled, errors = gather_outcomes(futures)
-  for e in errors:
+  try:
+    futures, errors = gather_outcomes([lowering.submit(lower_then_compile, i)
+                                       for i in range(len(keys))])
+    concurrent.futures.wait([f for f in futures if f is not None])
+    compiled, compile_errors = gather_outcomes([f for f in futures if f is not None])
+  finally:
+    held.clear()
+  for e in errors + compile_errors:
     if e is not None:
       raise e
   for k, c in zip(keys, compiled):

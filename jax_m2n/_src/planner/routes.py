@@ -650,8 +650,8 @@ def _whole_fanout(xs: Transfers, whole: Sequence[Box | None], arr_seg: np.ndarra
   small destination shards merged.
 
   Where one device leads every piece of a destination shard in its domain (every
-  arrival of a fan-out group reaches that leader) and a receiver gets every one of those
-  pieces from it, the receiver's copies become one copy of the whole shard from the
+  arrival of a fan-out group reaches that leader, and the group's pieces make up the
+  whole shard) and a receiver gets every one of those pieces from it, the receiver's copies become one copy of the whole shard from the
   leader's destination shard, after all of the pieces (their transfers are its
   parents). Only for shards of at most MIN_LEAD_BYTES (`whole[segment]`, the shard's
   box, not None): the merged copy waits for the last piece, which costs nothing at that
@@ -671,7 +671,19 @@ def _whole_fanout(xs: Transfers, whole: Sequence[Box | None], arr_seg: np.ndarra
   small = np.array([b is not None for b in whole], bool)
   g_small = np.zeros(n_groups, bool)
   g_small[agroup] = small[arr_seg]
-  g_ok = (g_min == g_max) & (g_count > 1) & g_small
+  # The group's pieces must make up the whole shard: where a receiver (or the leader)
+  # also holds a piece itself (a local copy of its own, in a group of its own), the
+  # group is only part of the shard, and a whole copy would overwrite that piece
+  # without waiting for it.
+  elems = xs.box_elements
+  if elems.dtype == object:
+    return xs
+  whole_elems = np.array([box_size(b) if b is not None else -1 for b in whole], np.int64)
+  g_elems = np.zeros(n_groups, np.int64)
+  np.add.at(g_elems, agroup, elems[xs.box[arr_pos]])
+  g_whole = np.full(n_groups, -2, np.int64)
+  g_whole[agroup] = whole_elems[arr_seg]
+  g_ok = (g_min == g_max) & (g_count > 1) & g_small & (g_elems == g_whole)
   f_group = agroup[fa]
   candidate = np.flatnonzero(g_ok[f_group])
   if not len(candidate):
