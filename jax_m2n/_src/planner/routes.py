@@ -641,8 +641,6 @@ def _with_fanout(cols, boxes, extra_parents, arr_x, arr_shard, arr_group, groups
                        row_pos[ax], fa, fdst.astype(np.int64), fan_pos)
 
 
-
-
 def _whole_fanout(xs: Transfers, whole: Sequence[Box | None], arr_seg: np.ndarray,
                   agroup: np.ndarray, leader: np.ndarray, arr_pos: np.ndarray,
                   fa: np.ndarray, fdst: np.ndarray, fan_pos: np.ndarray) -> Transfers:
@@ -651,9 +649,9 @@ def _whole_fanout(xs: Transfers, whole: Sequence[Box | None], arr_seg: np.ndarra
 
   Where one device leads every piece of a destination shard in its domain (every
   arrival of a fan-out group reaches that leader, and the group's pieces make up the
-  whole shard) and a receiver gets every one of those pieces from it, the receiver's copies become one copy of the whole shard from the
-  leader's destination shard, after all of the pieces (their transfers are its
-  parents). Only for shards of at most MIN_LEAD_BYTES (`whole[segment]`, the shard's
+  whole shard) and a receiver gets every one of those pieces from it, the receiver's
+  copies become one copy of the whole shard from the leader's destination shard, after
+  all of the pieces (their transfers are its parents). Only for shards of at most MIN_LEAD_BYTES (`whole[segment]`, the shard's
   box, not None): the merged copy waits for the last piece, which costs nothing at that
   size and saves a copy per piece (a 1-D norm sharded four ways over the source and
   replicated over 64 devices: 4 fan-out copies per receiver become 1). Same bytes, same
