@@ -3,7 +3,8 @@
 Owns: host segments (`Segment`: an anonymous memfd, so nothing is left in /dev/shm or
 the file system when either side dies), handing a segment's file descriptor to another
 process of the same user that shows a ticket (`FdServer`, `fetch_fd`: an abstract Unix
-socket, SO_PEERCRED, SCM_RIGHTS), and device segments (`DeviceSegment`: CUDA IPC
+socket, SO_PEERCRED, SCM_RIGHTS; `TicketServer`, the ticketed socket it and the jobs
+layer's local line share), and device segments (`DeviceSegment`: CUDA IPC
 memory through jax_m2n._ffi_cuda). Knows nothing of versions, layouts or control
 messages: tickets are issued here but travel over the caller's authenticated channel.
 Never copies array data (local_copy.py does).
@@ -11,6 +12,7 @@ Never copies array data (local_copy.py does).
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import mmap
 import os
@@ -141,59 +143,56 @@ class Segment:
     self.close()
 
 
-def _peer_uid(sock: socket.socket) -> int:
+def peer_uid(sock: socket.socket) -> int:
+  """The uid of the process at the other end of a Unix socket (SO_PEERCRED)."""
   return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                        _UCRED.size))[1]
 
 
-class FdServer:
-  """Hands file descriptors to processes of this user that show a ticket.
+class TicketServer:
+  """A same-user Unix socket on this host whose connections first show a one-use ticket:
+  the mechanics `FdServer` and the jobs layer's local line (jobs/line.py) share.
 
-  An abstract-namespace Unix socket (nothing in the file system) with a random name,
-  served by one daemon thread with a selector: it never waits on one client; it reads
-  at most MAX_REQUEST_BYTES per connection, drops a connection that has not sent a
-  whole ticket within `client_timeout_s`, refuses peers of another uid (SO_PEERCRED)
-  and anything but a live ticket, and keeps serving. A ticket is good once, until it
-  expires. The tickets themselves travel over the caller's authenticated channel.
-
-  Example:
-    >>> seg = Segment.create(4096)
-    >>> with FdServer() as server:
-    ...   ticket = server.offer(seg.read_only_fd())
-    ...   fd = fetch_fd(server.name, ticket, timeout_s=5)
-    >>> Segment.open(fd, 4096).close(); seg.close()
+  An abstract-namespace socket (nothing in the file system) with a random name, served
+  by one daemon thread with a selector: it never waits on one client, refuses peers of
+  another uid (SO_PEERCRED) and connections beyond `max_clients`, drops a connection
+  that has not shown a live ticket within `client_timeout_s`, and keeps serving. A
+  ticket (`offer(value)`) is good once, until it expires; the tickets themselves travel
+  over the caller's authenticated channel. A subclass says what a connection does
+  (`_read`, with `_take` for its ticket) and how a value it no longer holds is let go
+  (`_release`: an fd closed, by default nothing).
   """
 
-  def __init__(self, client_timeout_s: float = 1.0, max_clients: int = 64):
-    self.name = f"jax_m2n.{secrets.token_hex(16)}"
+  def __init__(self, name: str, thread_name: str, client_timeout_s: float,
+               max_clients: int, backlog: int):
+    self.name = f"{name}.{secrets.token_hex(16)}"
     self._client_timeout_s = client_timeout_s
     self._max_clients = max_clients
     self._lock = threading.Lock()
-    self._tickets: dict[bytes, tuple[int, float]] = {}  # ticket -> (fd, expiry)
+    self._tickets: dict[bytes, tuple[Any, float]] = {}  # ticket -> (value, expiry)
     self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     self._listener.bind("\0" + self.name)
-    self._listener.listen(max_clients)
+    self._listener.listen(backlog)
     self._listener.setblocking(False)
     self._wake_r, self._wake_w = socket.socketpair()
     self._selector = selectors.DefaultSelector()
     self._selector.register(self._listener, selectors.EVENT_READ, None)
     self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-    self._clients: dict[socket.socket, tuple[bytearray, float]] = {}
+    self._clients: dict[socket.socket, Conn] = {}
     self._closed = False
-    self.refused = 0  # connections refused so far (for tests and logs)
-    self._thread = threading.Thread(target=self._serve, name="jax_m2n-fd-server",
-                                    daemon=True)
+    self.refused = 0  # connections refused or dropped for a rule (tests and logs)
+    self._thread = threading.Thread(target=self._serve, name=thread_name, daemon=True)
     self._thread.start()
 
-  def offer(self, fd: int, ttl_s: float = 30.0) -> bytes:
-    """Issues a one-use ticket for `fd`, valid `ttl_s` seconds. The server takes
-    ownership of `fd` (closed once handed out, expired or at close())."""
+  def offer(self, value: Any, ttl_s: float = 30.0) -> bytes:
+    """A one-use ticket for `value`, valid `ttl_s` seconds."""
     ticket = secrets.token_bytes(TICKET_BYTES)
     with self._lock:
       if self._closed:
-        os.close(fd)
-        raise ReshardValueError("FdServer.offer: the server must be open; got closed.")
-      self._tickets[ticket] = (fd, time.monotonic() + ttl_s)
+        self._release(value)
+        raise ReshardValueError(f"{type(self).__name__}.offer: the server must be open; "
+                                "got closed.")
+      self._tickets[ticket] = (value, time.monotonic() + ttl_s)
     return ticket
 
   def revoke(self, ticket: bytes) -> None:
@@ -201,12 +200,33 @@ class FdServer:
     with self._lock:
       entry = self._tickets.pop(ticket, None)
     if entry is not None:
-      os.close(entry[0])
+      self._release(entry[0])
 
   def pending(self) -> int:
     """Tickets issued and not yet used, expired or revoked."""
     with self._lock:
       return len(self._tickets)
+
+  def clients(self) -> int:
+    """Connections open now."""
+    return len(self._clients)
+
+  def _release(self, value: Any) -> None:
+    """Lets go of an offered value nobody will be handed (expired, revoked, closed)."""
+
+  def _read(self, conn: socket.socket) -> None:
+    raise NotImplementedError
+
+  def _take(self, ticket: bytes) -> tuple[bool, Any]:
+    """(True, its value) for a live ticket, spent now; (False, None) otherwise."""
+    with self._lock:
+      entry = self._tickets.pop(ticket, None)
+    if entry is None:
+      return False, None
+    if entry[1] < time.monotonic():
+      self._release(entry[0])
+      return False, None
+    return True, entry[0]
 
   def _drop(self, conn: socket.socket, refused: bool) -> None:
     self.refused += int(refused)  # before the close the client sees
@@ -220,7 +240,7 @@ class FdServer:
     except (BlockingIOError, InterruptedError):
       return
     try:
-      same_user = _peer_uid(conn) == os.getuid()
+      same_user = peer_uid(conn) == os.getuid()
     except OSError:
       same_user = False
     if not same_user or len(self._clients) >= self._max_clients:
@@ -228,48 +248,19 @@ class FdServer:
       conn.close()
       return
     conn.setblocking(False)
-    self._clients[conn] = (bytearray(), time.monotonic() + self._client_timeout_s)
+    self._clients[conn] = Conn(bytearray(), time.monotonic() + self._client_timeout_s)
     self._selector.register(conn, selectors.EVENT_READ, None)
-
-  def _read(self, conn: socket.socket) -> None:
-    buf, _ = self._clients[conn]
-    try:
-      data = conn.recv(MAX_REQUEST_BYTES - len(buf))
-    except (BlockingIOError, InterruptedError):
-      return
-    except OSError:
-      data = b""
-    buf += data
-    if not data or len(buf) > TICKET_BYTES:
-      self._drop(conn, refused=True)  # closed early, or more than a ticket
-      return
-    if len(buf) < TICKET_BYTES:
-      return
-    with self._lock:
-      entry = self._tickets.pop(bytes(buf), None)
-    if entry is None or entry[1] < time.monotonic():
-      if entry is not None:
-        os.close(entry[0])
-      self._drop(conn, refused=True)
-      return
-    try:
-      socket.send_fds(conn, [b"ok"], [entry[0]])
-    except OSError:
-      pass  # the client left: the ticket is spent all the same
-    finally:
-      os.close(entry[0])
-    self._drop(conn, refused=False)
 
   def _sweep(self) -> None:
     now = time.monotonic()
-    for conn, (_, deadline) in list(self._clients.items()):
-      if deadline < now:
+    for conn, c in list(self._clients.items()):
+      if c.deadline is not None and c.deadline < now:
         self._drop(conn, refused=True)
     with self._lock:
       expired = [t for t, (_, expiry) in self._tickets.items() if expiry < now]
-      fds = [self._tickets.pop(t)[0] for t in expired]
-    for fd in fds:
-      os.close(fd)
+      values = [self._tickets.pop(t)[0] for t in expired]
+    for v in values:
+      self._release(v)
 
   def _serve(self) -> None:
     while not self._closed:
@@ -284,7 +275,8 @@ class FdServer:
       self._sweep()
 
   def close(self, timeout_s: float = 5.0) -> None:
-    """Stops the thread, closes every connection and every fd still offered."""
+    """Stops the thread, closes every connection (their clients see it closed) and
+    lets go of every value still offered."""
     with self._lock:
       if self._closed:
         return
@@ -297,16 +289,78 @@ class FdServer:
       sock.close()
     self._selector.close()
     with self._lock:
-      fds = [fd for fd, _ in self._tickets.values()]
+      values = [v for v, _ in self._tickets.values()]
       self._tickets.clear()
-    for fd in fds:
-      os.close(fd)
+    for v in values:
+      self._release(v)
 
-  def __enter__(self) -> "FdServer":
+  def __enter__(self) -> "TicketServer":
     return self
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
+
+
+@dataclasses.dataclass
+class Conn:
+  """One connection of a TicketServer: what it sent not yet read, the time by which it
+  must show its ticket (None once it has), and what its ticket was offered for."""
+
+  buf: bytearray
+  deadline: float | None
+  bound: Any = None
+
+
+class FdServer(TicketServer):
+  """Hands file descriptors to processes of this user that show a ticket (a
+  TicketServer). It reads at most MAX_REQUEST_BYTES per connection and refuses anything
+  but one live ticket; a connection ends once its fd is sent.
+
+  Example:
+    >>> seg = Segment.create(4096)
+    >>> with FdServer() as server:
+    ...   ticket = server.offer(seg.read_only_fd())
+    ...   fd = fetch_fd(server.name, ticket, timeout_s=5)
+    >>> Segment.open(fd, 4096).close(); seg.close()
+  """
+
+  def __init__(self, client_timeout_s: float = 1.0, max_clients: int = 64):
+    super().__init__("jax_m2n", "jax_m2n-fd-server", client_timeout_s, max_clients,
+                     backlog=max_clients)
+
+  def offer(self, fd: int, ttl_s: float = 30.0) -> bytes:
+    """Issues a one-use ticket for `fd`, valid `ttl_s` seconds. The server takes
+    ownership of `fd` (closed once handed out, expired or at close())."""
+    return super().offer(fd, ttl_s)
+
+  def _release(self, fd: int) -> None:
+    os.close(fd)
+
+  def _read(self, conn: socket.socket) -> None:
+    buf = self._clients[conn].buf
+    try:
+      data = conn.recv(MAX_REQUEST_BYTES - len(buf))
+    except (BlockingIOError, InterruptedError):
+      return
+    except OSError:
+      data = b""
+    buf += data
+    if not data or len(buf) > TICKET_BYTES:
+      self._drop(conn, refused=True)  # closed early, or more than a ticket
+      return
+    if len(buf) < TICKET_BYTES:
+      return
+    good, fd = self._take(bytes(buf))
+    if not good:
+      self._drop(conn, refused=True)
+      return
+    try:
+      socket.send_fds(conn, [b"ok"], [fd])
+    except OSError:
+      pass  # the client left: the ticket is spent all the same
+    finally:
+      os.close(fd)
+    self._drop(conn, refused=False)
 
 
 def fetch_fd(name: str, ticket: bytes, timeout_s: float = 5.0) -> int:
@@ -327,7 +381,7 @@ def fetch_fd(name: str, ticket: bytes, timeout_s: float = 5.0) -> int:
     sock.settimeout(timeout_s)
     try:
       sock.connect("\0" + name)
-      if _peer_uid(sock) != os.getuid():
+      if peer_uid(sock) != os.getuid():
         raise ReshardRuntimeError(f"fetch_fd: the server {name!r} must run as this "
                                   f"user; got another uid.")
       sock.sendall(ticket)

@@ -6,34 +6,29 @@ meanwhile), so that round trip adds to every lent pull; over the control channel
 (CurveZMQ over TCP, a server thread) it took 0.21 ms, over a Unix socket 0.011 ms
 (median, one 2-core CPU host, two processes).
 
-Owns `Server` (the publisher's side: an abstract-namespace Unix socket with a random
-name, served by one daemon thread with a selector; peers of another uid are refused
-(SO_PEERCRED); a connection must first show a one-use ticket within CLIENT_S, issued
-over the authenticated control channel and bound there to that subscriber's control
-connection; then each request, a version as a little-endian int64, gets one byte: the
+Owns `Server` (the publisher's side: a local_memory.TicketServer, an abstract-namespace
+Unix socket served by one thread; peers of another uid are refused; a connection must
+first show a one-use ticket within CLIENT_S, issued over the authenticated control
+channel and bound there to that subscriber's control connection; then each request, a version as a little-endian int64, gets one byte: the
 handler's answer, 1 or 0) and `Client` (the subscriber's side). What a request means
 is the handler's (serving.py); nothing here knows versions or arrays.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import secrets
-import selectors
 import socket
 import struct
-import threading
-import time
 from typing import Any, Callable
 
+from jax_m2n._src import local_memory
 from jax_m2n._src.errors import (ReshardRuntimeError, ReshardTimeoutError,
                                  ReshardValueError)
 
 logger = logging.getLogger("jax_m2n")
 
-TICKET_BYTES = 32
+TICKET_BYTES = local_memory.TICKET_BYTES
 REQUEST = struct.Struct("<q")
 # An unauthenticated connection must show its ticket within this long.
 CLIENT_S = 1.0
@@ -42,22 +37,9 @@ CLIENT_S = 1.0
 TICKET_S = 30.0
 MAX_CLIENTS = 256
 MAX_READ = 4096
-_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-def _peer_uid(sock: socket.socket) -> int:
-  return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                       _UCRED.size))[1]
-
-
-@dataclasses.dataclass
-class _Conn:
-  buf: bytearray
-  deadline: float | None  # None once its ticket was shown
-  bound: Any = None        # what its ticket was issued for
-
-
-class Server:
+class Server(local_memory.TicketServer):
   """Answers local requests: `handler(bound, number) -> bool` runs on the line's
   thread for each request of a connection whose ticket (`offer(bound)`) was good.
 
@@ -70,60 +52,12 @@ class Server:
   """
 
   def __init__(self, handler: Callable[[Any, int], bool], max_clients: int = MAX_CLIENTS):
-    self.name = f"jax_m2n.line.{secrets.token_hex(16)}"
     self._handler = handler
-    self._max_clients = max_clients
-    self._lock = threading.Lock()
-    self._tickets: dict[bytes, tuple[Any, float]] = {}  # ticket -> (bound, expiry)
-    self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    self._listener.bind("\0" + self.name)
-    self._listener.listen(64)
-    self._listener.setblocking(False)
-    self._wake_r, self._wake_w = socket.socketpair()
-    self._selector = selectors.DefaultSelector()
-    self._selector.register(self._listener, selectors.EVENT_READ, None)
-    self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-    self._clients: dict[socket.socket, _Conn] = {}
-    self._closed = False
-    self.refused = 0  # connections refused or dropped for a rule (tests read it)
-    self._thread = threading.Thread(target=self._serve, name="jax_m2n-line", daemon=True)
-    self._thread.start()
+    super().__init__("jax_m2n.line", "jax_m2n-line", CLIENT_S, max_clients, backlog=64)
 
   def offer(self, bound: Any, ttl_s: float = TICKET_S) -> bytes:
     """A one-use ticket that binds the connection showing it to `bound`."""
-    ticket = secrets.token_bytes(TICKET_BYTES)
-    with self._lock:
-      if self._closed:
-        raise ReshardValueError("line.Server.offer: the server must be open; got closed.")
-      self._tickets[ticket] = (bound, time.monotonic() + ttl_s)
-    return ticket
-
-  def clients(self) -> int:
-    """Connections open now (tests)."""
-    return len(self._clients)
-
-  def _drop(self, conn: socket.socket, refused: bool) -> None:
-    self.refused += int(refused)
-    self._selector.unregister(conn)
-    del self._clients[conn]
-    conn.close()
-
-  def _accept(self) -> None:
-    try:
-      conn, _ = self._listener.accept()
-    except (BlockingIOError, InterruptedError):
-      return
-    try:
-      same_user = _peer_uid(conn) == os.getuid()
-    except OSError:
-      same_user = False
-    if not same_user or len(self._clients) >= self._max_clients:
-      self.refused += 1
-      conn.close()
-      return
-    conn.setblocking(False)
-    self._clients[conn] = _Conn(bytearray(), time.monotonic() + CLIENT_S)
-    self._selector.register(conn, selectors.EVENT_READ, None)
+    return super().offer(bound, ttl_s)
 
   def _read(self, conn: socket.socket) -> None:
     c = self._clients[conn]
@@ -140,14 +74,12 @@ class Server:
     if c.deadline is not None:  # its ticket first
       if len(c.buf) < TICKET_BYTES:
         return
-      ticket = bytes(c.buf[:TICKET_BYTES])
+      good, bound = self._take(bytes(c.buf[:TICKET_BYTES]))
       del c.buf[:TICKET_BYTES]
-      with self._lock:
-        entry = self._tickets.pop(ticket, None)
-      if entry is None or entry[1] < time.monotonic():
+      if not good:
         self._drop(conn, refused=True)
         return
-      c.bound, c.deadline = entry[0], None
+      c.bound, c.deadline = bound, None
     n = len(c.buf) // REQUEST.size
     if not n:
       return
@@ -163,42 +95,6 @@ class Server:
       conn.sendall(answer)
     except OSError:  # gone, or not reading what it asked (its buffer full)
       self._drop(conn, refused=False)
-
-  def _sweep(self) -> None:
-    now = time.monotonic()
-    for conn, c in list(self._clients.items()):
-      if c.deadline is not None and c.deadline < now:
-        self._drop(conn, refused=True)
-    with self._lock:
-      for t in [t for t, (_, expiry) in self._tickets.items() if expiry < now]:
-        del self._tickets[t]
-
-  def _serve(self) -> None:
-    while not self._closed:
-      for key, _ in self._selector.select(timeout=0.1):
-        sock = key.fileobj
-        if sock is self._listener:
-          self._accept()
-        elif sock is self._wake_r:
-          sock.recv(64)
-        elif sock in self._clients:
-          self._read(sock)
-      self._sweep()
-
-  def close(self, timeout_s: float = 5.0) -> None:
-    """Stops the thread and closes every connection (their clients see it closed)."""
-    with self._lock:
-      if self._closed:
-        return
-      self._closed = True
-      self._tickets.clear()
-    self._wake_w.send(b"x")
-    self._thread.join(timeout_s)
-    for conn in list(self._clients):
-      self._drop(conn, refused=False)
-    for sock in (self._listener, self._wake_r, self._wake_w):
-      sock.close()
-    self._selector.close()
 
 
 class Client:
@@ -221,7 +117,7 @@ class Client:
     try:
       self._sock.settimeout(connect_s)
       self._sock.connect("\0" + name)
-      if _peer_uid(self._sock) != os.getuid():
+      if local_memory.peer_uid(self._sock) != os.getuid():
         raise ReshardRuntimeError(f"line.Client: the server {name!r} must run as this "
                                   "user; got another uid.")
       self._sock.sendall(ticket)
