@@ -65,6 +65,17 @@ def _same(out, ref):
       assert np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes()
 
 
+def _reference(tree, dsts):
+  """jax.device_put(tree, dsts) from the leaves' host copies: the same arrays (values,
+  shardings, dtypes). Not jax.device_put of the device arrays themselves: that runs one
+  XLA program with a collective-permute per leaf, dispatched asynchronously, and with
+  hundreds in flight XLA's CPU client deadlocks now and then under load (jax 0.10.2:
+  "Termination timeout for `collective permute` ... only 7 of 8 arrived", then abort;
+  reproduced without jax_m2n)."""
+  return jax.tree.map(lambda x, d: jax.device_put(np.asarray(x), d), tree,
+                      jax.tree.broadcast(dsts, tree))
+
+
 def _participants(out, tree) -> int:
   return len({d for v in [*jax.tree.leaves(out), *jax.tree.leaves(tree)]
               for d in v.sharding.device_set})
@@ -75,7 +86,7 @@ def test_the_64_65_boundary_is_one_build_of_one_program_per_device(devs, builds,
                                                                    compiles, n):
   tree = _tree(devs, n, [(8, 12), (4, 8)], offset=n)
   dst = NamedSharding(Mesh(devs[4:], ("y",)), P(None, "y"))
-  ref = jax.device_put(tree, dst)
+  ref = _reference(tree, dst)
   before = compiles()
   out = jax_m2n.reshard(tree, dst)
   _same(out, ref)
@@ -98,7 +109,7 @@ def test_1000_leaves_of_mixed_layouts_then_a_repeat_that_compiles_nothing(
               NamedSharding(Mesh(devs[::-1].reshape(4, 2), ("p", "q")), P("q", "p")),
               NamedSharding(mesh4, P(None, "x"))][i % 4]
           for i, k in enumerate(tree)}
-  ref = jax.device_put(tree, dsts)
+  ref = _reference(tree, dsts)
   before = compiles()
   out = jax_m2n.reshard(tree, dsts)
   _same(out, ref)
@@ -115,7 +126,7 @@ def test_another_pytree_of_the_same_layouts_reuses_the_programs(devs, builds, co
   src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
   dst = NamedSharding(Mesh(devs[2:6], ("y",)), P(None, "y"))
   one = _tree(devs, 70, [(8, 8), (4, 12)], offset=11, layouts=[src])
-  ref = jax.device_put(one, dst)
+  ref = _reference(one, dst)
   before = compiles()
   _same(jax_m2n.reshard(one, dst), ref)
   first = compiles()
@@ -123,7 +134,7 @@ def test_another_pytree_of_the_same_layouts_reuses_the_programs(devs, builds, co
   # Another structure (a list, other values) of the same leaves' layouts, in the same
   # order: a new cache entry (its own tree), the same per-device programs.
   other = [jax.device_put(np.asarray(v) * 2 + 1, src) for v in one.values()]
-  ref = jax.device_put(other, dst)
+  ref = _reference(other, dst)
   first = compiles()
   _same(jax_m2n.reshard(other, dst), ref)
   assert builds == [70, 70]
@@ -137,7 +148,7 @@ def test_mixed_layouts_donation_and_a_delegated_leaf(devs, builds):
   tree = _tree(devs, n, shapes, offset=1000)
   tree["host"] = np.arange(8.0)  # handed to jax.device_put
   dst = NamedSharding(Mesh(devs[2:6], ("y",)), P("y"))
-  ref = jax.device_put(tree, dst)
+  ref = _reference(tree, dst)
   donate = {k: k != "p0003" for k in tree}
   out = jax_m2n.reshard(tree, dst, donate=donate)
   _same(out, ref)
