@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
+from jax_m2n._src import collector
 from jax_m2n._src.checks import (check_dtype, check_holds, check_memory_kind,
                                  dst_sharding_of, platform_of, same_layout)
 from jax_m2n._src.eager.programs import build_programs
@@ -188,7 +189,8 @@ def lookup_or_build(request: Request, record: list | None = None) -> Any:
   with eager_cache.lock:
     fn = eager_cache.get(key) if key is not None else None
     if fn is None:
-      fn = build_programs(request, dst_shardings)
+      with collector.paused():  # plans, schedules and programs of every leaf
+        fn = build_programs(request, dst_shardings)
       if key is not None:
         eager_cache.put(key, fn)
   if record is not None and key is not None:

@@ -10,15 +10,14 @@ lazily (`Plan.chunks`) by planner/chunks.py, only when a schedule is needed.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
-import gc
 import itertools
 import logging
 import math
 from typing import Sequence
 
+from jax_m2n._src import collector
 from jax_m2n._src.errors import ReshardValueError
 from jax_m2n._src.layout import Layout
 from jax_m2n._src.planner import chunking as chunking_lib
@@ -71,32 +70,9 @@ def plan_tensor(src: Layout, dst: Layout, itemsize: int, topology: Topology,
   _check_pair(src, dst, "plan")
   if route not in ROUTES:
     raise ReshardValueError(f"plan: route must be one of {ROUTES}; got {route!r}.")
-  with _no_young_collections():
+  with collector.paused():
     transfers = route_tensor(src, dst, itemsize, topology, route)
   return TensorPlan(src, dst, itemsize, topology, transfers)
-
-
-@contextlib.contextmanager
-def _no_young_collections():
-  """Plans with the cyclic GC off and hands what it allocated to the oldest generation.
-
-  A route allocates millions of small tuples and no cycles. Left in the young generation
-  they are rescanned by the collections that follow (a third of the planning time of a
-  DeepSeek-V3-sized model even with the GC off while routing). `gc.freeze` then
-  `gc.unfreeze` moves every tracked object to the oldest generation in O(1), so only the
-  next full collection visits them, once. Skipped (plain disable) when the application
-  froze objects itself: unfreezing would undo its freeze.
-  """
-  enabled = gc.isenabled()
-  gc.disable()
-  try:
-    yield
-  finally:
-    if gc.get_freeze_count() == 0:
-      gc.freeze()
-      gc.unfreeze()
-    if enabled:
-      gc.enable()
 
 
 # ---------------------------------------------------------------------------------------

@@ -11,10 +11,8 @@ bytes that cross processes. It never plans and makes no key-value call itself.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
-import gc
 import hashlib
 import threading
 import weakref
@@ -24,7 +22,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from jax_m2n._src import transfer_server
+from jax_m2n._src import collector, transfer_server
 from jax_m2n._src.errors import ReshardRuntimeError
 from jax_m2n._src.layout import Box, box_size, intersect
 from jax_m2n._src.planner import SRC_SHARD, STAGES, Plan
@@ -91,22 +89,8 @@ def waves_of(plan: Plan, me: int, process_of: dict[int, int]) -> list[Wave]:
     keep = ~whole
     keep[at[first]] = True
     sel, whole = sel[keep], whole[keep]
-  with _gc_paused():
+  with collector.paused():
     return _own_waves(plan, chunks, rows, transfer, sel, whole, ps, pd, me)
-
-
-@contextlib.contextmanager
-def _gc_paused():
-  """The cyclic collector off while a loop makes objects by the hundred thousand (a
-  process's ops of a 256-device plan): each of its passes walks every object alive,
-  and they took 3x the loop's own time there."""
-  was = gc.isenabled()
-  gc.disable()
-  try:
-    yield
-  finally:
-    if was:
-      gc.enable()
 
 
 def _own_waves(plan, chunks, rows, transfer, sel, whole, ps, pd, me) -> list[Wave]:
