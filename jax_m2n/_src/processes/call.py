@@ -22,7 +22,7 @@ from jax_m2n._src.errors import API as _API
 from jax_m2n._src.errors import (PeerFailed, ReshardError, ReshardRuntimeError,
                                  ReshardValueError)
 from jax_m2n._src.layout import Layout
-from jax_m2n._src.processes import bootstrap, sequence, transfer_engine
+from jax_m2n._src.processes import bootstrap, programs, sequence, transfer_engine
 
 logger = logging.getLogger("jax_m2n")
 
@@ -85,6 +85,10 @@ class CrossProcessReshard:
     self.local_dst = [list(jax_compat.addressable_device_assignment(d)) for d in self.dsts]
     self.src_index = [{d.id: i for i, d in enumerate(
         jax_compat.addressable_device_assignment(s))} for s in self.srcs]
+    # This process's programs, once per plan (compiled by the first call).
+    self.schedule = programs.build(
+        self.waves, len(self.shapes), call.dtypes, self.out_dtypes, self.wire,
+        self.src_layouts, self.dst_layouts, self.src_index, self.local_dst, devices)
     bootstrap.engine().server  # every process of the job serves (peers pull from it)
     if logger.isEnabledFor(logging.DEBUG):
       logger.debug("reshard: %d of the planned bytes cross processes %s (transfer "
@@ -114,15 +118,14 @@ class CrossProcessReshard:
     names = lambda: f"{len(leaves)} leaves"  # noqa: E731
     try:
       waits.post("fp", self.fingerprint)
-      run = transfer_engine.Run(self.waves, self._buffers(leaves), waits,
+      run = transfer_engine.Run(self.schedule, self._slots(leaves), waits,
                                 self.fingerprint)
       run.request()  # waits at the senders until they offer: no byte moves yet
       waits.agree(self.fingerprint, names)
       run.offer()
-      arrays = [[run.buffers.compose(t, d.id, 1, self.dst_layouts[t].box_of(d.id),
-                                     self.out_dtypes[t]) for d in self.local_dst[t]]
-                for t in range(len(self.shapes))]
-      run.wait([a for per_leaf in arrays for a in per_leaf])
+      run.wait(run.copy_inputs())  # the pulls, and what the local copies read
+      arrays = run.assemble()
+      run.settle([a for per_leaf in arrays for a in per_leaf])
       waits.end()  # every participant done (a call succeeds or fails everywhere)
       waits.finish()
     except BaseException as e:
@@ -150,13 +153,16 @@ class CrossProcessReshard:
     waits.finish(failed=True)
     bootstrap.engine().drop_connections()
 
-  def _buffers(self, leaves) -> transfer_engine.Buffers:
-    shards = {}
-    for t, leaf in enumerate(leaves):
-      arrays = jax_compat.single_device_arrays(leaf)
-      for dev_id, i in self.src_index[t].items():
-        shards[(t, dev_id)] = (self.src_layouts[t].box_of(dev_id), arrays[i])
-    return transfer_engine.Buffers(shards, self.wire, self.devices)
+  def _slots(self, leaves) -> list:
+    """The call's slots (programs.Schedule), its source shards filled in."""
+    slots: list = [None] * self.schedule.slots
+    held: dict[int, list] = {}
+    for s, t, i in self.schedule.sources:
+      arrays = held.get(t)
+      if arrays is None:
+        arrays = held[t] = jax_compat.single_device_arrays(leaves[t])
+      slots[s] = arrays[i]
+    return slots
 
   def _assemble(self, arrays) -> list[jax.Array]:
     return [jax.make_array_from_single_device_arrays(shape, dst, arrs, dtype=dt)

@@ -1,18 +1,17 @@
 """The CPU engine of cross-process reshards: JAX's transfer server between processes,
 in-process copies inside one, driven by the plan's transfers in dependency order.
 
-Owns executing one process's part of a plan: reading boxes from source shards and from
-what earlier transfers delivered, one `await_pull`/`pull` per (wave, sending process,
-receiving process), all issued at once and ordered by their data, the in-process
-copies (local pieces, fan-out), assembling each destination shard, and counting the
-bytes that cross processes. It never plans and makes no key-value call itself.
+Owns executing one process's part of a plan: this process's waves of the plan, one
+`await_pull`/`pull` per (wave, sending process, receiving process), all issued at once
+and ordered by their data, the programs that read, move and assemble (programs.py,
+built once per plan), and counting the bytes that cross processes. It never plans and
+makes no key-value call itself.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import hashlib
 import threading
 import weakref
@@ -20,12 +19,12 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax import lax
 
-from jax_m2n._src import collector, transfer_server
+from jax_m2n._src import collector, local_copy, transfer_server
 from jax_m2n._src.errors import ReshardRuntimeError
-from jax_m2n._src.layout import Box, box_size, intersect
-from jax_m2n._src.planner import SRC_SHARD, STAGES, Plan
+from jax_m2n._src.layout import Box
+from jax_m2n._src.planner import STAGES, Plan
+from jax_m2n._src.processes import programs
 
 from jax_m2n._src.errors import API as _API
 
@@ -237,108 +236,6 @@ def network_bytes(plan: Plan, process_of: dict[int, int]) -> int:
   return int(rows.nbytes[ps != pd].sum())
 
 
-@functools.lru_cache(maxsize=1024)
-def _slicer(sizes: tuple[int, ...], dtype: Any):
-  """A compiled slice of `sizes` at run-time offsets (cast to `dtype`): a new buffer,
-  never the operand's. One program per size, not per chunk: the chunks of a transfer
-  share their size, and a first call of hundreds of chunks compiles a few programs."""
-  def f(a, starts):
-    return lax.dynamic_slice(a, [starts[i] for i in range(len(sizes))],
-                             sizes).astype(dtype)
-  return jax.jit(f)
-
-
-def _slice(a: jax.Array, starts: Sequence[int], limits: Sequence[int], dtype: Any
-           ) -> jax.Array:
-  sizes = tuple(hi - lo for lo, hi in zip(starts, limits))
-  # The offsets are jax_m2n's own host data, not the caller's: they pass under any
-  # transfer guard (tunix syncs weights under transfer_guard("disallow")).
-  with jax.transfer_guard("allow"):
-    return _slicer(sizes, np.dtype(dtype))(a, np.asarray(starts, np.int32))
-
-
-@functools.lru_cache(maxsize=1024)
-def _composer(shape: tuple[int, ...], dtype: Any, out_dtype: Any, pieces: int):
-  """A compiled assembly of `pieces` pieces at run-time offsets into one `shape`
-  buffer (cast last)."""
-  def f(offsets, *parts):
-    out = jax.numpy.zeros(shape, dtype)
-    for k, p in enumerate(parts):
-      out = lax.dynamic_update_slice(out, p, [offsets[k, i] for i in range(len(shape))])
-    return out.astype(out_dtype)
-  return jax.jit(f)
-
-
-def _compose(shape, dtype, out_dtype, offsets, parts) -> jax.Array:
-  fn = _composer(tuple(shape), np.dtype(dtype), np.dtype(out_dtype), len(parts))
-  with jax.transfer_guard("allow"):  # the offsets: as in _slice
-    return fn(np.asarray(offsets, np.int32).reshape(len(parts), len(shape)), *parts)
-
-
-def _rel(box: Box, origin: Box) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  return (tuple(lo - o for (lo, _), (o, _) in zip(box, origin)),
-          tuple(hi - o for (_, hi), (o, _) in zip(box, origin)))
-
-
-def _shape(box: Box) -> tuple[int, ...]:
-  return tuple(hi - lo for lo, hi in box)
-
-
-class Buffers:
-  """What one call's devices hold: source shards (with their boxes) and the pieces
-  delivered so far into each (tensor, device, buffer kind)."""
-
-  def __init__(self, shards: dict[tuple[int, int], tuple[Box, jax.Array]],
-               wire_dtypes: Sequence[Any], devices: dict[int, Any]):
-    self.shards = shards
-    self.wire = wire_dtypes
-    self.devices = devices
-    self.pieces: dict[tuple[int, int, int], list[tuple[Box, jax.Array]]] = {}
-
-  def read(self, op: Op, copy: bool) -> jax.Array:
-    """The box `op` reads, on op.src, in the tensor's wire dtype. `copy`: never the
-    source shard's own buffer (it becomes an output on the same device)."""
-    wire = self.wire[op.tensor]
-    if op.src_kind == SRC_SHARD:
-      held, shard = self.shards[(op.tensor, op.src)]
-      if not copy and held == op.box and shard.dtype == wire:
-        return shard
-      starts, limits = _rel(op.box, held)
-      return _slice(shard, starts, limits, wire)
-    return self.compose(op.tensor, op.src, op.src_kind, op.box, wire)
-
-  def compose(self, t: int, device: int, kind: int, box: Box, out_dtype: Any
-              ) -> jax.Array:
-    """Box `box` of buffer (t, device, kind) from the pieces delivered into it."""
-    pieces = self.pieces.get((t, device, kind), [])
-    if box_size(box) == 0:
-      return _compose(_shape(box), self.wire[t], out_dtype, [], [])
-    for pbox, arr in pieces:  # the common case: one piece holds the whole box
-      if pbox == box:
-        return arr if arr.dtype == out_dtype else _slice(
-            arr, (0,) * len(box), _shape(box), out_dtype)
-      if intersect(pbox, box) == box:
-        starts, limits = _rel(box, pbox)
-        return _slice(arr, starts, limits, out_dtype)
-    parts, offsets, covered = [], [], 0
-    for pbox, arr in pieces:
-      part = intersect(pbox, box)
-      if part is None:
-        continue
-      starts, limits = _rel(part, pbox)
-      parts.append(arr if part == pbox else _slice(arr, starts, limits, arr.dtype))
-      offsets.append(_rel(part, box)[0])
-      covered += box_size(part)
-    if covered != box_size(box):
-      raise ReshardRuntimeError(
-          f"{_API}: internal error: device {device} holds {covered} of the "
-          f"{box_size(box)} elements of box {box} of leaf {t} it must read.")
-    return _compose(_shape(box), self.wire[t], out_dtype, offsets, parts)
-
-  def deliver(self, op: Op, arr: jax.Array) -> None:
-    self.pieces.setdefault((op.tensor, op.dst, op.dst_kind), []).append((op.box, arr))
-
-
 def uuid(tag: str, call: int, wave: int, sender: int, receiver: int) -> int:
   """The transfer server's request id of one (call, wave, sender, receiver). `tag` is
   the call's plan fingerprint: a process that called with other arguments requests
@@ -348,16 +245,20 @@ def uuid(tag: str, call: int, wave: int, sender: int, receiver: int) -> int:
 
 
 class Run:
-  """This process's part of one call, in three steps that never wait: `request` (every
+  """This process's part of one call, in steps that never wait: `request` (every
   pull, of every wave, at once: a pull waits at the sender's server until the sender
-  offers its id), `offer` (after the agreement: every send and in-process copy, each
-  read from pieces that may still be arriving: JAX orders them by their data, so a
-  leader forwards chunk c while chunk c + 1 arrives), then `wait` for the outputs and
-  what was pulled. No key-value round per wave or chunk."""
+  offers its id), `offer` (after the agreement: every wave's programs, in-process
+  moves and sends, each reading arrays that may still be arriving: JAX orders them by
+  their data, so a leader forwards chunk c while chunk c + 1 arrives), `assemble`
+  (the destination shards), then `wait` for the outputs and what was pulled. No
+  key-value round per wave or chunk, and no Python step per transfer: the
+  schedule's programs (programs.build, once per plan) hold every box."""
 
-  def __init__(self, waves: Sequence[Wave], buffers: Buffers, waits: Any, tag: str):
-    self.waves = waves
-    self.buffers = buffers
+  def __init__(self, schedule: programs.Schedule, arrays: list[Any], waits: Any,
+               tag: str):
+    """`arrays`: the call's slots (schedule.slots), its source shards filled in."""
+    self.schedule = schedule
+    self.arrays = arrays
     self.waits = waits
     self.tag = tag
     self.eng = waits.engine
@@ -367,39 +268,100 @@ class Run:
     self._expiry = waits.deadline + _EXPIRY_MARGIN_S
 
   def request(self) -> None:
-    """Every pull of this process's waves; the arrays are delivered as they are."""
-    me, n, buffers = self.waits.pid, self.waits.n, self.buffers
-    for wave in self.waves:
-      for peer, ops in sorted(wave.recvs.items()):
-        specs = [jax.ShapeDtypeStruct(
-            _shape(op.box), buffers.wire[op.tensor],
-            sharding=jax.sharding.SingleDeviceSharding(buffers.devices[op.dst]))
-                 for op in ops]
-        arrays = transfer_server.pull(self.eng.connection(peer),
-                                      uuid(self.tag, n, wave.depth, peer, me), specs,
-                                      deadline=self._expiry)
-        for op, arr in zip(ops, arrays):
-          buffers.deliver(op, arr)
-        self.pulled.setdefault(peer, []).extend(arrays)
+    """Every pull of this process's waves, one per (wave, sending process)."""
+    me, n, arrays = self.waits.pid, self.waits.n, self.arrays
+    for wave in self.schedule.waves:
+      for peer, specs, slots in wave.recvs:
+        got = transfer_server.pull(self.eng.connection(peer),
+                                   uuid(self.tag, n, wave.depth, peer, me), specs,
+                                   deadline=self._expiry)
+        for s, a in zip(slots, got):
+          arrays[s] = a
+        self.pulled.setdefault(peer, []).extend(got)
 
   def offer(self) -> None:
-    """Every send (one await_pull per wave and receiving process) and in-process copy,
-    in wave order (a wave reads only what earlier waves delivered)."""
-    me, n, buffers = self.waits.pid, self.waits.n, self.buffers
-    for wave in self.waves:
-      for op in wave.local:
-        arr = buffers.read(op, copy=op.src == op.dst)
-        if op.src != op.dst:
-          arr = jax.device_put(arr, buffers.devices[op.dst])
-        buffers.deliver(op, arr)
-      for peer, ops in sorted(wave.sends.items()):
-        arrays = [buffers.read(op, copy=False) for op in ops]
-        transfer_server.await_pull(self.eng.server,
-                                   uuid(self.tag, n, wave.depth, me, peer), arrays,
-                                   self._expiry)
-        stats["sent_bytes"] += sum(a.nbytes for a in arrays)
+    """Every wave's reads (one program per device), in-process moves (one batched
+    device_put) and sends (one await_pull per receiving process), in wave order (a
+    wave reads only what earlier waves delivered)."""
+    me, n, arrays = self.waits.pid, self.waits.n, self.arrays
+    for wave in self.schedule.waves:
+      if wave.copies:
+        self._ready([arrays[s] for s in wave.copy_inputs])
+        for (_, _, _, slots), got in zip(wave.copies, self._copy(wave.copies)):
+          for s, a in zip(slots, got):
+            arrays[s] = a
+      for prog in wave.programs:
+        for s, a in zip(prog.outputs, prog.fn(*[arrays[s] for s in prog.inputs])):
+          arrays[s] = a
+      src, to, into = wave.moves
+      if src:
+        moved = jax.device_put([arrays[s] for s in src], list(to))
+        for s, a in zip(into, moved):
+          arrays[s] = a
+      for peer, slots in wave.sends:
+        out = [arrays[s] for s in slots]
+        transfer_server.await_pull(self.eng.server, uuid(self.tag, n, wave.depth, me, peer),
+                                   out, self._expiry)
+        stats["sent_bytes"] += sum(a.nbytes for a in out)
     if _fault_hook is not None:
       _fault_hook("offered")
+
+  def copy_inputs(self) -> list[jax.Array]:
+    """The arrays the assembly's local copies read (they must be ready first: a local
+    copy reads raw pointers)."""
+    return [self.arrays[s] for s in self.schedule.copy_inputs]
+
+  def assemble(self) -> list[list[jax.Array]]:
+    """Per leaf, this process's destination shards (addressable device order): one
+    local copy per destination device (after `wait`), a program for what a local copy
+    does not express, and the arrays delivered whole."""
+    sched, arrays = self.schedule, self.arrays
+    flat: list[Any] = [None] * sched.out_offsets[-1]
+    if sched.copies:
+      for (_, _, _, at), got in zip(sched.copies, self._copy(sched.copies)):
+        for p, a in zip(at, got):
+          flat[p] = a
+    for prog in sched.assemble:
+      for p, a in zip(prog.outputs, prog.fn(*[arrays[s] for s in prog.inputs])):
+        flat[p] = a
+    for p, s in sched.passthrough:
+      flat[p] = arrays[s]
+    offsets = sched.out_offsets
+    return [flat[offsets[t]:offsets[t + 1]] for t in range(len(offsets) - 1)]
+
+  def _copy(self, copies) -> list[list[jax.Array]]:
+    """Runs local copies ((copier, pointer slots, byte offsets, where the outputs
+    go)) on the arrays of their slots, which are ready; per copy its outputs."""
+    arrays = self.arrays
+    jobs = [(copier, np.fromiter((arrays[s].unsafe_buffer_pointer() for s in slots),
+                                 np.int64, len(slots)) + offsets)
+            for copier, slots, offsets, _ in copies]
+    return local_copy.copy_all(jobs)
+
+  def _ready(self, arrays: Sequence[jax.Array]) -> None:
+    """Waits (bounded, liveness-aware) until `arrays` are ready (a wave's local copies
+    read them), watching the senders pulled from."""
+    left = [a for a in arrays if not a.is_ready()]
+    if not left:
+      return
+
+    def ready() -> bool:
+      nonlocal left
+      left = [a for a in left if not a.is_ready()]
+      return not left
+    senders = {p: (lambda arrs=arrs: sum(a.is_ready() for a in arrs))
+               for p, arrs in sorted(self.pulled.items())}
+    self.waits.wait_ready(ready, senders, "the data this process forwards")
+
+  def settle(self, outputs: Sequence[jax.Array]) -> None:
+    """Waits (bounded) until `outputs` (this process's own copies) are ready."""
+    left = list(outputs)
+
+    def ready() -> bool:
+      nonlocal left
+      left = [a for a in left if not a.is_ready()]
+      return not left
+    self.waits.wait_ready(ready, {}, "this process's copies")
 
   def wait(self, outputs: Sequence[jax.Array]) -> None:
     """Waits (bounded, liveness-aware) until `outputs` and every pulled array are
