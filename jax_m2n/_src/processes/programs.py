@@ -96,9 +96,20 @@ class Program:
   fn: Callable
   inputs: tuple[int, ...]
   outputs: tuple[int, ...]
+  device: Any
+  foreign: tuple[int, ...]  # positions of inputs on another device (moved first)
+
+  def __call__(self, arrays: Sequence[Any]) -> list[Any]:
+    args = [arrays[s] for s in self.inputs]
+    for i in self.foreign:
+      args[i] = jax.device_put(args[i], self.device)
+    return self.fn(*args)
 
 
-def _program(device: Any, exprs: Sequence[Expr], outputs: Sequence[int]) -> Program:
+def _program(device: Any, exprs: Sequence[Expr], outputs: Sequence[int],
+             where: Sequence[int]) -> Program:
+  """The jitted program of `exprs` on `device` (`where`: per slot, its device id;
+  an input on another device, a direct piece a program reads, moves first)."""
   inputs: list[int] = []
   seen: set[Expr] = set()
 
@@ -125,8 +136,9 @@ def _program(device: Any, exprs: Sequence[Expr], outputs: Sequence[int]) -> Prog
     env = dict(zip(inputs, args))
     memo: dict[Expr, Any] = {}
     return [_eval(e, env, memo) for e in exprs]
+  foreign = tuple(i for i, s in enumerate(inputs) if where[s] != device.id)
   return Program(jax.jit(fn, out_shardings=_sharding(device)), tuple(inputs),
-                 tuple(outputs))
+                 tuple(outputs), device, foreign)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +192,16 @@ class _Builder:
   """The static state of one call while its schedule is built: which slot holds each
   source shard and which expressions the pieces delivered to each buffer are."""
 
-  def __init__(self, src_dtypes: Sequence[Any], wire: Sequence[Any]):
+  def __init__(self, src_dtypes: Sequence[Any], wire: Sequence[Any],
+               out_dtypes: Sequence[Any]):
     self.src_dtypes = [np.dtype(d) for d in src_dtypes]
     self.wire = [np.dtype(d) for d in wire]
+    floats = lambda a, c: a == c or bool(TYPE_CODES.get(a) and TYPE_CODES.get(c))  # noqa: E731
+    # Per leaf: whether one local copy converts its source to its result as the
+    # source -> wire -> result conversions do (at most one of them converts).
+    self.copyable = [floats(a, w) and floats(w, np.dtype(o)) and (a == w or w == o)
+                     for a, w, o in zip(self.src_dtypes, self.wire, out_dtypes)]
+    self.where: list[int] = []  # per slot, the id of the device its array is on
     self.n = 0
     self.shapes: list[tuple[int, ...]] = []  # per slot, its array's shape and dtype
     self.dtypes: list[np.dtype] = []
@@ -190,11 +209,20 @@ class _Builder:
     self.source_slots: set[int] = set()
     self.pieces: dict[tuple[int, int, int], list[tuple[Box, Expr]]] = {}
 
-  def slot(self, shape: Sequence[int], dtype: Any) -> int:
+  def slot(self, shape: Sequence[int], dtype: Any, device: int) -> int:
     self.n += 1
     self.shapes.append(tuple(shape))
     self.dtypes.append(np.dtype(dtype))
+    self.where.append(device)
     return self.n - 1
+
+  def direct(self, op: Any) -> bool:
+    """Whether op's piece is read by raw pointer where it lies: a small or local
+    piece of a source shard into a destination shard whose conversions one local copy
+    makes (a local piece is not moved at all; a sent one shares one flat buffer
+    per (wave, receiving process, dtype)). Every process derives it alike."""
+    return (op.src_kind == SRC_SHARD and op.dst_kind == _DST
+            and self.copyable[op.tensor])
 
   def source(self, e: Expr):
     """(slot, element offset, shape, starts, extent) where `e` is a box of one
@@ -220,11 +248,18 @@ class _Builder:
     out 0 and slot 0) per part, else None: what local_copy cannot express."""
     if not math.prod(shape):
       return None
-    if e[0] == "cast":  # the assembly's conversion, wire -> out: floats only
+    converted = e[0] == "cast"
+    if converted:  # the assembly's conversion, wire -> out: floats only
       e = e[1]
-    parts = e[3] if e[0] == "compose" else (((0,) * len(shape), e),)
+    parts = list(e[3] if e[0] == "compose" else (((0,) * len(shape), e),))
     out = []
-    for dst_start, p in parts:
+    while parts:
+      dst_start, p = parts.pop()
+      if p[0] == "compose":  # a piece assembled where it is read
+        parts += [(tuple(a + c for a, c in zip(dst_start, at)), q) for at, q in p[3]]
+        continue
+      if p[0] == "cast" and not converted and p[2] == dtype:
+        p = p[1]  # a source shard read in the result's dtype: one conversion
       src = self.source(p)
       if src is None:
         return None
@@ -295,11 +330,15 @@ def _own(op: Any, wire: np.dtype) -> bool:
 
 class _Items:
   """The arrays one (wave, peer) or one wave's in-process moves carry, in op order:
-  a piece of its own is one item, the small pieces of one (sending device,
-  receiving device, dtype) one flat item (made at its first piece). Both sides of a
-  transfer derive the same items from the same ops."""
+  a piece of its own is one item; the small direct pieces (_Builder.direct) of one
+  dtype one flat item, on the sending device and landing on the receiving device of
+  its first piece (what reads it reads raw pointers, on any device of the process);
+  the other small pieces of one (sending device, receiving device, dtype) one flat
+  item (made at its first piece). Both sides of a transfer derive the same items
+  from the same ops."""
 
-  def __init__(self):
+  def __init__(self, b: _Builder):
+    self.b = b
     self.items: list[list] = []   # [src, dst, dtype, [(op, payload)], own]
     self._flat: dict[tuple, list] = {}
 
@@ -307,7 +346,7 @@ class _Items:
     if _own(op, wire):
       self.items.append([op.src, op.dst, wire, [(op, payload)], True])
       return
-    key = (op.src, op.dst, wire)
+    key = (-1, -1, wire) if self.b.direct(op) else (op.src, op.dst, wire)
     item = self._flat.get(key)
     if item is None:
       item = self._flat[key] = [op.src, op.dst, wire, [], False]
@@ -337,12 +376,12 @@ def build(waves: Sequence[Any], leaves: int, src_dtypes: Sequence[Any],
 
 def _build(waves, leaves, out_dtypes, src_dtypes, wire, src_layouts, dst_layouts,
            src_index, local_dst, devices) -> Schedule:
-  b = _Builder(src_dtypes, wire)
+  b = _Builder(src_dtypes, wire, out_dtypes)
   sources = []
   for t in range(leaves):
     for dev, i in src_index[t].items():
       box = src_layouts[t].box_of(dev)
-      s = b.slot(_shape(box), src_dtypes[t])
+      s = b.slot(_shape(box), src_dtypes[t], dev)
       b.shards[(t, dev)] = (box, s)
       b.source_slots.add(s)
       sources.append((s, t, i))
@@ -374,7 +413,7 @@ def _build(waves, leaves, out_dtypes, src_dtypes, wire, src_layouts, dst_layouts
       outs.append(local_copy.Out(_shape(box), out_dtype))
       at.append(pos)
     out_offsets.append(out_offsets[-1] + len(local_dst[t]))
-  assemble = tuple(_program(devices[d], exprs, outs)
+  assemble = tuple(_program(devices[d], exprs, outs, b.where)
                    for d, (exprs, outs) in sorted(by_device.items()))
   copies, copy_inputs = _copiers(copy_of, devices)
   return Schedule(b.n, tuple(sources), tuple(steps), copies, copy_inputs, assemble,
@@ -396,7 +435,7 @@ def _wave(b: _Builder, wave: Any, devices: dict[int, Any]) -> WaveSteps:
     if e[0] == "in":
       return e[1]  # a whole source shard (or delivered array) as it is
     shape = _item_shape(item)
-    s = b.slot(shape, w)
+    s = b.slot(shape, w, src)
     parts = (b.copy_boxes(e, shape, w) if own else _pack_boxes(b, pieces, w))
     if parts is None:
       exprs, slots = reads.setdefault(src, ([], []))
@@ -422,26 +461,26 @@ def _wave(b: _Builder, wave: Any, devices: dict[int, Any]) -> WaveSteps:
       delivered.append((op, ("flat", slot, offset, _shape(op.box))))
       offset += box_size(op.box)
 
-  moves = _Items()
+  moves = _Items(b)
   for op in wave.local:
     if box_size(op.box) == 0:
       continue
     w = b.wire[op.tensor]
     e = b.read(op.tensor, op.src, op.src_kind, op.box, w)
-    if op.src == op.dst:
-      delivered.append((op, e))  # read where it is, by whichever program reads it
+    if op.src == op.dst or b.direct(op):
+      delivered.append((op, e))  # read where it is, by whichever copy reads it
     else:
       moves.add(op, w, e)
   move_from, move_to, move_into = [], [], []
   for item in moves.items:
     move_from.append(materialize(item))
     move_to.append(devices[item[1]])
-    s = b.slot(_item_shape(item), item[2])
+    s = b.slot(_item_shape(item), item[2], item[1])
     move_into.append(s)
     unpack(item, s)
   sends = []
   for peer, ops in sorted(wave.sends.items()):
-    items = _Items()
+    items = _Items(b)
     for op in ops:
       if box_size(op.box):
         w = b.wire[op.tensor]
@@ -450,7 +489,7 @@ def _wave(b: _Builder, wave: Any, devices: dict[int, Any]) -> WaveSteps:
       sends.append((peer, tuple(materialize(item) for item in items.items)))
   recvs = []
   for peer, ops in sorted(wave.recvs.items()):
-    items = _Items()
+    items = _Items(b)
     for op in ops:
       if box_size(op.box):
         items.add(op, b.wire[op.tensor], None)
@@ -458,12 +497,12 @@ def _wave(b: _Builder, wave: Any, devices: dict[int, Any]) -> WaveSteps:
     for item in items.items:
       shape, w = _item_shape(item), item[2]
       specs.append(jax.ShapeDtypeStruct(shape, w, sharding=_sharding(devices[item[1]])))
-      s = b.slot(shape, w)
+      s = b.slot(shape, w, item[1])
       slots.append(s)
       unpack(item, s)
     if slots:
       recvs.append((peer, tuple(specs), tuple(slots)))
-  programs = tuple(_program(devices[d], exprs, slots)
+  programs = tuple(_program(devices[d], exprs, slots, b.where)
                    for d, (exprs, slots) in sorted(reads.items()))
   copied, inputs = _copiers(copies, devices)
   for op, e in delivered:

@@ -263,6 +263,7 @@ class Run:
     self.tag = tag
     self.eng = waits.engine
     self.pulled: dict[int, list[jax.Array]] = {}  # by sending process
+    self._pointers = np.zeros(schedule.slots, np.int64)  # of the slots copies read
     # The server drops an offer (or a paused request) not taken by then: a failed
     # call's leftovers do not stay in its table.
     self._expiry = waits.deadline + _EXPIRY_MARGIN_S
@@ -286,12 +287,12 @@ class Run:
     me, n, arrays = self.waits.pid, self.waits.n, self.arrays
     for wave in self.schedule.waves:
       if wave.copies:
-        self._ready([arrays[s] for s in wave.copy_inputs])
+        self._ready(wave.copy_inputs)
         for (_, _, _, slots), got in zip(wave.copies, self._copy(wave.copies)):
           for s, a in zip(slots, got):
             arrays[s] = a
       for prog in wave.programs:
-        for s, a in zip(prog.outputs, prog.fn(*[arrays[s] for s in prog.inputs])):
+        for s, a in zip(prog.outputs, prog(arrays)):
           arrays[s] = a
       src, to, into = wave.moves
       if src:
@@ -318,11 +319,12 @@ class Run:
     sched, arrays = self.schedule, self.arrays
     flat: list[Any] = [None] * sched.out_offsets[-1]
     if sched.copies:
+      self._note_pointers(sched.copy_inputs)
       for (_, _, _, at), got in zip(sched.copies, self._copy(sched.copies)):
         for p, a in zip(at, got):
           flat[p] = a
     for prog in sched.assemble:
-      for p, a in zip(prog.outputs, prog.fn(*[arrays[s] for s in prog.inputs])):
+      for p, a in zip(prog.outputs, prog(arrays)):
         flat[p] = a
     for p, s in sched.passthrough:
       flat[p] = arrays[s]
@@ -332,17 +334,22 @@ class Run:
   def _copy(self, copies) -> list[list[jax.Array]]:
     """Runs local copies ((copier, pointer slots, byte offsets, where the outputs
     go)) on the arrays of their slots, which are ready; per copy its outputs."""
-    arrays = self.arrays
-    jobs = [(copier, np.fromiter((arrays[s].unsafe_buffer_pointer() for s in slots),
-                                 np.int64, len(slots)) + offsets)
-            for copier, slots, offsets, _ in copies]
-    return local_copy.copy_all(jobs)
+    return local_copy.copy_all([(copier, self._pointers[slots] + offsets)
+                                for copier, slots, offsets, _ in copies])
 
-  def _ready(self, arrays: Sequence[jax.Array]) -> None:
-    """Waits (bounded, liveness-aware) until `arrays` are ready (a wave's local copies
-    read them), watching the senders pulled from."""
-    left = [a for a in arrays if not a.is_ready()]
+  def _note_pointers(self, slots: Sequence[int]) -> None:
+    """The raw addresses of the (ready) arrays of `slots`, once per array (a local
+    copy's pointers are these plus each piece's byte offset)."""
+    arrays, pointers = self.arrays, self._pointers
+    pointers[list(slots)] = [arrays[s].unsafe_buffer_pointer() for s in slots]
+
+  def _ready(self, slots: Sequence[int]) -> None:
+    """Waits (bounded, liveness-aware) until the arrays of `slots` are ready (a wave's
+    local copies read them), watching the senders pulled from; notes their pointers."""
+    left = [self.arrays[s] for s in slots]
+    left = [a for a in left if not a.is_ready()]
     if not left:
+      self._note_pointers(slots)
       return
 
     def ready() -> bool:
@@ -352,6 +359,7 @@ class Run:
     senders = {p: (lambda arrs=arrs: sum(a.is_ready() for a in arrs))
                for p, arrs in sorted(self.pulled.items())}
     self.waits.wait_ready(ready, senders, "the data this process forwards")
+    self._note_pointers(slots)
 
   def settle(self, outputs: Sequence[jax.Array]) -> None:
     """Waits (bounded) until `outputs` (this process's own copies) are ready."""
