@@ -232,6 +232,22 @@ def _plan_of(cases, route, chunk, domain):
   return plan_reshard(srcs, dsts, sizes, Topology(domain_size=domain), route, chunk)
 
 
+def test_an_encoding_with_a_value_past_int32_stays_version_3():
+  """A 1-D tensor of 2^32 one-byte elements, split over 2 devices -> 4: its dim (in every
+  encoding's tensor table) and its starts pass 2^31, so no device's encoding (nor the
+  SPMD one) is narrow, and the decoder reads the ops back; a small tensor's is narrow."""
+  big = _plan_of([((1 << 32,), "mesh(a0=2) P('a0') @0", "mesh(a0=4) P('a0') @2", 1)],
+                 "hierarchical", 1 << 30, None)
+  for device in (None, *big.devices):
+    enc = schedule_lib.encode(big, device)
+    assert enc[1] == schedule_lib.SCHEDULE_VERSION, device
+    assert enc[schedule_lib.HEADER_WIDTH:].max() >= 1 << 31
+    assert len(schedule_lib.decode(enc)["ops"]) == enc[5]
+  small = _plan_of([((64,), "mesh(a0=2) P('a0') @0", "mesh(a0=4) P('a0') @2", 4)],
+                   "hierarchical", 1 << 30, None)
+  assert schedule_lib.encode(small, 2)[1] == schedule_lib.NARROW_VERSION
+
+
 @hypothesis.settings(max_examples=150, deadline=None)
 @hypothesis.given(reshard_cases())
 def test_random_plans_encode_as_reference(case):
