@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from jax_m2n._src import collector
 from jax_m2n._src.layout import MAX_DIM, MAX_RANK, Box, Layout
 from jax_m2n._src.jobs import messages
 from jax_m2n._src.jobs.messages import ProtocolError
@@ -237,6 +238,12 @@ def from_json(body: Any) -> Manifest:
     ProtocolError: a field missing, of the wrong type or out of range, a box outside
       its leaf's shape, a layout naming an unknown device.
   """
+  with collector.paused():  # a leaf, its path and shape per published leaf: no cycles
+    return _from_json(body)
+
+
+def _from_json(body: Any) -> Manifest:
+  """from_json's work."""
   if not isinstance(body, dict):
     raise ProtocolError("manifest: must be an object.")
   devices = messages.int_list(body.get("devices"), "manifest devices", 0, 1 << 20,

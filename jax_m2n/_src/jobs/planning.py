@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from jax_m2n._src import call_plan
+from jax_m2n._src import collector
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
 from jax_m2n._src.errors import ReshardValueError
@@ -98,6 +99,13 @@ def plan_pull(manifest: Manifest, dsts: tuple[Sharding, ...], outs: tuple[np.dty
   Every process of the subscriber job derives the same plan (pure, from the manifest
   and the global dst shardings).
   """
+  with collector.paused():  # layouts, routes, chunks and ops per leaf: no cycles
+    return _plan_pull(manifest, dsts, outs, route)
+
+
+def _plan_pull(manifest: Manifest, dsts: tuple[Sharding, ...], outs: tuple[np.dtype, ...],
+               route: str) -> PullPlan:
+  """plan_pull's work."""
   me = jax.process_index()
   published = [manifest_lib.dtype_of(l.dtype) for l in manifest.leaves]
   # What leaves the publisher: the published dtype where the copies convert in flight,

@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from jax_m2n._src import checks
+from jax_m2n._src import collector
 from jax_m2n._src import quantize
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 from jax_m2n._src.jobs import manifest as manifest_lib
@@ -185,6 +186,13 @@ def pull_request(api: str, m: Manifest, dst: Any, dtype: Any, donate: Any,
       published pytree, a destination or dtype that breaks a rule; before any byte
       moves.
   """
+  with collector.paused():  # key paths, structs and checks per leaf: no cycles
+    return _pull_request(api, m, dst, dtype, donate, options)
+
+
+def _pull_request(api: str, m: Manifest, dst: Any, dtype: Any, donate: Any,
+                  options: PullOptions) -> PullRequest:
+  """pull_request's work."""
   donated = tuple(_donated(api, donate))
   key = _cache_key(m, dst, dtype)
   got = _cache.get(key) if key is not None else None
