@@ -479,7 +479,8 @@ def _encoded(a=F32, b=BF16):
   x = jax.ShapeDtypeStruct((8, 8), a, sharding=src)
   p = jax_m2n.plan(x, ns(range(4, 8), (4,), ("x",), None, "x"), dtype=b)
   _, types = schedule_lib.wire_itemsizes([a], [b])
-  return np.array(schedule_lib.encode(p, types=types))
+  # Version 3 (the encoding is narrow): the fields below are at their version-3 offsets.
+  return np.array(schedule_lib.widen(schedule_lib.encode(p, types=types)))
 
 
 TENSOR_AT = 8 + 2 * 8  # the first tensor record (8 devices)

@@ -556,6 +556,48 @@ def test_decoder_rejects_unsorted_steps_and_slot_conflicts():
     _ffi.decode_schedule(np.array([MAGIC, 1], np.int64))
 
 
+def _narrow(a):
+  """`a` (version 3) in the narrow form, packed here (not by jax_m2n's encoder): version
+  4, each element after the header an int32, two to a little-endian word, an odd count
+  padded with -2^31."""
+  body = np.asarray(a[8:], np.int64)
+  assert body.min(initial=0) > -(1 << 31) and body.max(initial=0) < (1 << 31)
+  if len(body) % 2:
+    body = np.append(body, -(1 << 31))
+  head = np.array(a[:8], np.int64)
+  head[1] = 4
+  return np.concatenate([head, body.astype("<i4").view("<i8")])
+
+
+def test_a_narrow_schedule_decodes_and_runs_as_its_wide_form():
+  """Version 4 is version 3 with int32 elements: the same decoded schedule (fingerprint
+  included, so peers may hold either form), the same bytes moved, the same errors
+  naming the same fields; an odd count's pad is dropped, a rank-0 op (whose last
+  element is its dst_pack, -1) keeps its -1."""
+  tensors, ops = _simple()
+  wide = _encode(tensors, DEVICES, ops)
+  narrow = _narrow(wide)
+  assert len(narrow) < len(wide)
+  assert _ffi.decode_schedule(narrow) == _ffi.decode_schedule(wide)
+  x, out = _run_simple(narrow, _new_site())
+  _bytes_equal(out, np.roll(x, 1, axis=0))
+  scalar = [Tensor(np.float32, ())]
+  for n in (1, 2):  # an odd and an even element count after the header
+    ops0 = [Op(0, "inject", 0, (0, OPERAND, 0), (j + 1, RESULT, 0), (), (), ())
+            for j in range(n)]
+    wide0 = _encode(scalar, DEVICES, ops0)
+    assert wide0[-1] == -1
+    assert _ffi.decode_schedule(_narrow(wide0)) == _ffi.decode_schedule(wide0)
+  bad = wide.copy()
+  bad[_OPS_AT + 2] = 5  # op 0's tensor
+  with pytest.raises(ValueError) as wide_error:
+    _ffi.decode_schedule(bad)
+  with pytest.raises(ValueError) as narrow_error:
+    _ffi.decode_schedule(_narrow(bad))
+  assert str(narrow_error.value) == str(wide_error.value)
+  assert "tensor" in str(wide_error.value)
+
+
 def _assert_site_works(site):
   tensors, ops = _simple()
   x, out = _run_simple(_encode(tensors, DEVICES, ops), site)

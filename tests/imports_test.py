@@ -15,7 +15,8 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # Lowest first. A module may import modules of its own layer or below, never above.
 # A package (planner/, processes/, eager/) is one entry: its modules share its layer.
 LAYERS = [
-    ("errors", "request", "jax_compat", "transfer_server", "quantize_numerics"),
+    ("errors", "request", "jax_compat", "transfer_server", "quantize_numerics",
+     "collector"),
     ("layout", "topology"),
     ("planner",),
     ("schedule", "ffi"),

@@ -109,7 +109,9 @@ def _hash_plan(h, plan) -> None:
     h.update(np.ascontiguousarray(part.lo, np.int64).tobytes())
     h.update(np.ascontiguousarray(part.hi, np.int64).tobytes())
   for staging in (False, True):
-    h.update(np.ascontiguousarray(schedule_lib.encode(plan, staging=staging)).tobytes())
+    # Its version-3 form: what the schedule says, whichever form encode wrote.
+    h.update(np.ascontiguousarray(schedule_lib.widen(
+        schedule_lib.encode(plan, staging=staging))).tobytes())
   h.update(json.dumps(plan.bytes_by_link, sort_keys=True).encode())
   h.update(repr((round(plan.route_estimate_ms(), 9), round(plan.sol_ms, 9))).encode())
 

@@ -183,7 +183,8 @@ ffi::Error DecodeHeader(const int64_t* a, int64_t size, Header* h) {
   if (version != kScheduleVersion) {
     return JAX_M2N_SCHEDULE_ERROR(
         "header VERSION must be " + std::to_string(kScheduleVersion) +
-        " (the version this extension decodes); got " +
+        " (or " + std::to_string(kScheduleNarrowVersion) +
+        ", the same narrow: the versions this extension decodes); got " +
         std::to_string(version) +
         ": the Python package and the extension are out of step, rebuild");
   }
@@ -522,9 +523,28 @@ ffi::Error DecodeOp(const int64_t* row, int64_t remaining, int64_t i, const Head
 
 }  // namespace
 
+namespace {
+
+// A narrow schedule (kScheduleNarrowVersion) as the version-3 array it stands for:
+// the header with VERSION 3, each int32 after it widened, a kNarrowPad dropped. Its
+// fingerprint is then the wide encoding's (peers may hold either).
+std::vector<int64_t> Widen(ffi::Span<const int64_t> encoded) {
+  const int64_t words = static_cast<int64_t>(encoded.size()) - kHeaderWidth;
+  std::vector<int64_t> wide(encoded.begin(), encoded.begin() + kHeaderWidth);
+  wide[1] = kScheduleVersion;
+  wide.reserve(kHeaderWidth + 2 * words);
+  for (int64_t w = 0; w < words; ++w) {
+    const uint64_t word = static_cast<uint64_t>(encoded[kHeaderWidth + w]);
+    wide.push_back(static_cast<int32_t>(static_cast<uint32_t>(word)));
+    wide.push_back(static_cast<int32_t>(static_cast<uint32_t>(word >> 32)));
+  }
+  if (words > 0 && wide.back() == kNarrowPad) wide.pop_back();
+  return wide;
+}
+
 // The attribute in its order (docs/schedule_format.md): header, devices and their
 // workspace bytes, tensor records, op records; each section checked as it is read.
-ffi::ErrorOr<Schedule> DecodeSchedule(ffi::Span<const int64_t> encoded) {
+ffi::ErrorOr<Schedule> DecodeWide(ffi::Span<const int64_t> encoded) {
   const int64_t size = static_cast<int64_t>(encoded.size());
   const int64_t* a = encoded.begin();
   auto fail = [](ffi::Error error) -> ffi::ErrorOr<Schedule> {
@@ -578,6 +598,19 @@ ffi::ErrorOr<Schedule> DecodeSchedule(ffi::Span<const int64_t> encoded) {
   }
   return s;
 }
+
+}  // namespace
+
+// Version 3 as it is; a narrow schedule widened first (its temporary freed on return).
+ffi::ErrorOr<Schedule> DecodeSchedule(ffi::Span<const int64_t> encoded) {
+  if (encoded.size() >= static_cast<size_t>(kHeaderWidth) &&
+      encoded[0] == kScheduleMagic && encoded[1] == kScheduleNarrowVersion) {
+    const std::vector<int64_t> wide = Widen(encoded);
+    return DecodeWide(ffi::Span<const int64_t>(wide.data(), wide.size()));
+  }
+  return DecodeWide(encoded);
+}
+
 
 ffi::Error CheckOpEnd(const Schedule& schedule, int32_t op_index, bool src_side,
                       const BufferShape& buffer) {

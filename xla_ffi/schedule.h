@@ -25,6 +25,12 @@ namespace jax_m2n {
 
 inline constexpr int64_t kScheduleMagic = 0x4D324E5F;  // "M2N_"
 inline constexpr int64_t kScheduleVersion = 3;
+// The same records with every element after the header an int32, two to an int64 word
+// (element 2k in the low half of word k, little-endian), an odd count padded with
+// kNarrowPad (never a value: narrow values lie in (-2^31, 2^31)): what encoders write
+// when every value fits (docs/schedule_format.md, "Narrow schedules").
+inline constexpr int64_t kScheduleNarrowVersion = 4;
+inline constexpr int64_t kNarrowPad = -(int64_t{1} << 31);
 inline constexpr int64_t kHeaderWidth = 8;
 inline constexpr int64_t kMaxRank = 8;
 // elem_bytes, rank, dims, src_type, dst_type

@@ -21,6 +21,12 @@ from jax_m2n._src.planner import chunks as chunks_lib
 from jax_m2n._src.planner import DST_SHARD, FULL_TMP, SRC_SHARD, STAGES, Plan
 
 SCHEDULE_VERSION = 3
+# The same array narrow: every element after the header an int32, two to an int64 word
+# (little-endian, element 2k in the low half of word k), an odd count padded with PAD
+# (never a value: narrow values lie in (-2^31, 2^31)). `encode` writes it wherever every
+# value fits, half the bytes (docs/schedule_format.md).
+NARROW_VERSION = 4
+PAD = -(1 << 31)
 MAGIC = 0x4D324E5F  # "M2N_"
 HEADER_WIDTH = 8
 TENSOR_WIDTH = 4 + MAX_RANK  # elem_bytes, rank, dims, src_type, dst_type
@@ -301,8 +307,38 @@ class _Table:
         sel = np.flatnonzero(w_block == w)
         at = (end[block][sel] - w)[:, None] + np.arange(w)
         out[at] = self.rows(ops[block][sel], w)
+    out = _narrow(out)
     out.flags.writeable = False
     return out
+
+
+def _narrow(wide: np.ndarray) -> np.ndarray:
+  """`wide` (version 3) as NARROW_VERSION where every element after the header lies in
+  (PAD, 2^31), else `wide` itself."""
+  body = wide[HEADER_WIDTH:]
+  if len(body) and (int(body.min()) <= PAD or int(body.max()) >= 1 << 31):
+    return wide
+  if len(body) % 2:
+    body = np.append(body, PAD)
+  out = np.empty(HEADER_WIDTH + len(body) // 2, np.int64)
+  out[:HEADER_WIDTH] = wide[:HEADER_WIDTH]
+  out[1] = NARROW_VERSION
+  out[HEADER_WIDTH:] = body.astype("<i4").view("<i8")
+  return out
+
+
+def widen(schedule: np.ndarray) -> np.ndarray:
+  """A schedule as version 3: a narrow one widened (a PAD dropped), a wide one as it is
+  (xla_ffi/schedule.cc does the same before decoding)."""
+  a = np.asarray(schedule, np.int64)
+  if len(a) < HEADER_WIDTH or a[0] != MAGIC or a[1] != NARROW_VERSION:
+    return a
+  body = np.ascontiguousarray(a[HEADER_WIDTH:]).astype("<i8").view("<i4").astype(np.int64)
+  if len(body) and body[-1] == PAD:
+    body = body[:-1]
+  head = a[:HEADER_WIDTH].copy()
+  head[1] = SCHEDULE_VERSION
+  return np.concatenate([head, body])
 
 
 # Ops written per block by `_Table.encode` (bounds its temporaries: ~100 MiB).
@@ -455,7 +491,8 @@ def encode(plan: Plan, device: int | None = None, staging: bool = False,
       (`wire_dtype`): elem_bytes, workspace and staging are wire bytes.
 
   Returns:
-    A read-only 1-D int64 array (docs/schedule_format.md, version 3). The SPMD encoding
+    A read-only 1-D int64 array (docs/schedule_format.md): version 3, or its narrow
+    form (NARROW_VERSION, half the bytes) wherever every value fits int32. The SPMD encoding
     is cached with the plan and types: repeated calls return the same array. A device's
     costs O(its ops) once the plan's per-device table is built (once per plan, staging
     and types, by array arithmetic).
@@ -480,8 +517,9 @@ def clear_caches() -> None:
 def decode(schedule: np.ndarray) -> dict:
   """Inverse of `encode`, for tests and debugging (the C++ decoder is the real one):
   the ops as a full-width table (n_ops, OP_WIDTH), dims beyond a tensor's rank
-  (extent 1, starts 0)."""
-  a = np.asarray(schedule, np.int64)
+  (extent 1, starts 0). A narrow schedule is widened first ("version" is 3 either
+  way)."""
+  a = widen(schedule)
   magic, version, n_tensors, n_devices, n_steps, n_ops, op_fixed, max_rank = a[:8]
   if magic != MAGIC or version != SCHEDULE_VERSION:
     raise ValueError(f"decode: bad magic/version {magic:#x}/{version}.")

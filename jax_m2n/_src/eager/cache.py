@@ -189,7 +189,7 @@ def lookup_or_build(request: Request, record: list | None = None) -> Any:
   with eager_cache.lock:
     fn = eager_cache.get(key) if key is not None else None
     if fn is None:
-      with collector.paused():  # plans, schedules and programs of every leaf
+      with collector.paused(promote=True):  # plans, schedules and programs of every leaf
         fn = build_programs(request, dst_shardings)
       if key is not None:
         eager_cache.put(key, fn)

@@ -70,7 +70,7 @@ def plan_tensor(src: Layout, dst: Layout, itemsize: int, topology: Topology,
   _check_pair(src, dst, "plan")
   if route not in ROUTES:
     raise ReshardValueError(f"plan: route must be one of {ROUTES}; got {route!r}.")
-  with collector.paused():
+  with collector.paused(promote=True):
     transfers = route_tensor(src, dst, itemsize, topology, route)
   return TensorPlan(src, dst, itemsize, topology, transfers)
 
