@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from jax_m2n._src import collector
 from jax_m2n._src.layout import MAX_DIM, MAX_RANK, Box, Layout
 from jax_m2n._src.jobs import messages
 from jax_m2n._src.jobs.messages import ProtocolError
@@ -237,6 +238,12 @@ def from_json(body: Any) -> Manifest:
     ProtocolError: a field missing, of the wrong type or out of range, a box outside
       its leaf's shape, a layout naming an unknown device.
   """
+  with collector.paused():  # a leaf, its path and shape per published leaf: no cycles
+    return _from_json(body)
+
+
+def _from_json(body: Any) -> Manifest:
+  """from_json's work."""
   if not isinstance(body, dict):
     raise ProtocolError("manifest: must be an object.")
   devices = messages.int_list(body.get("devices"), "manifest devices", 0, 1 << 20,
@@ -266,16 +273,18 @@ def from_json(body: Any) -> Manifest:
     layouts.append((tuple(ds), tuple(parsed)))
   leaves = []
   inside: set[tuple[int, tuple[int, ...]]] = set()
-  for entry in _entries(body, "leaves", "a leaf", "[path, shape, dtype, layout]"):
+  shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # equal shapes as one tuple
+  raw = _entries(body, "leaves", "a leaf", "[path, shape, dtype, layout]")
+  for entry in raw:
     path, shape, dtype, k = entry
     if not isinstance(path, list) or len(path) > 64 or not all(
         isinstance(p, str) and len(p) <= 1000 for p in path):
       raise ProtocolError("manifest: a leaf's path must be a list of key strings.")
-    shape = messages.int_list(shape, "manifest shape", 0, MAX_DIM - 1, MAX_RANK)
+    shape = tuple(messages.int_list(shape, "manifest shape", 0, MAX_DIM - 1, MAX_RANK))
+    shape = shapes.setdefault(shape, shape)
     dtype_of(dtype)
     if type(k) is not int or not 0 <= k < len(layouts):
       raise ProtocolError("manifest: a leaf must name a listed layout.")
-    shape = tuple(shape)
     if (k, shape) not in inside:  # leaves of one layout and shape: checked once
       for box in layouts[k][1]:
         if len(box) != len(shape) or any(not 0 <= lo <= hi <= s
@@ -284,9 +293,13 @@ def from_json(body: Any) -> Manifest:
                               f"{shape}; got {box}.")
       inside.add((k, shape))
     leaves.append(Leaf(tuple(path), shape, dtype, k))
-  m = Manifest(tuple(leaves), tuple(layouts), tuple(devices),
-               tuple(tuple(p) for p in processes), body.get("skeleton"))
-  return dataclasses.replace(m, id=digest(m.to_json()))
+  # The id is the digest of the manifest's JSON (`to_json`), and the checked fields
+  # as received are that JSON: lists of the same ints and strings, in the same order.
+  checked = {"leaves": raw, "layouts": body["layouts"], "devices": devices,
+             "processes": processes, "skeleton": body.get("skeleton")}
+  return Manifest(tuple(leaves), tuple(layouts), tuple(devices),
+                  tuple(tuple(p) for p in processes), body.get("skeleton"),
+                  digest(checked))
 
 
 # ---------------------------------------------------------------------------------------
@@ -363,4 +376,4 @@ def rebuild(skeleton: Any, leaves: Sequence[Any]) -> Any:
 def key_path(path: Sequence[Any]) -> tuple[str, ...]:
   """A jax.tree_util key path as strings (`['w']`, `[0]`, `.x`): equal on both sides
   for equal pytrees."""
-  return tuple(str(k) for k in path)
+  return tuple(map(str, path))

@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from jax_m2n._src import call_plan
+from jax_m2n._src import collector
 from jax_m2n._src import jax_compat
 from jax_m2n._src import schedule
 from jax_m2n._src.errors import ReshardValueError
@@ -98,11 +99,23 @@ def plan_pull(manifest: Manifest, dsts: tuple[Sharding, ...], outs: tuple[np.dty
   Every process of the subscriber job derives the same plan (pure, from the manifest
   and the global dst shardings).
   """
+  with collector.paused():  # layouts, routes, chunks and ops per leaf: no cycles
+    return _plan_pull(manifest, dsts, outs, route)
+
+
+def _plan_pull(manifest: Manifest, dsts: tuple[Sharding, ...], outs: tuple[np.dtype, ...],
+               route: str) -> PullPlan:
+  """plan_pull's work."""
   me = jax.process_index()
-  published = [manifest_lib.dtype_of(l.dtype) for l in manifest.leaves]
+  # Per leaf, but once per distinct value: a model's leaves share a few dtypes.
+  names = [l.dtype for l in manifest.leaves]
+  by_name = {n: manifest_lib.dtype_of(n) for n in dict.fromkeys(names)}
+  published = [by_name[n] for n in names]
   # What leaves the publisher: the published dtype where the copies convert in flight,
   # else the delivered one (the publisher converts first), as reshard's sources.
-  sources = [schedule.source_dtype(p, o) for p, o in zip(published, outs)]
+  pairs = list(zip(published, outs))
+  by_pair = {p: schedule.source_dtype(*p) for p in dict.fromkeys(pairs)}
+  sources = [by_pair[p] for p in pairs]
   process_of = {d.id: d.process_index for d in jax.devices()}
   for k, p in enumerate(manifest.devices):
     process_of[PUBLISHER_DEVICE_BASE + k] = PUBLISHER_PROCESS_BASE + p
@@ -115,8 +128,8 @@ def plan_pull(manifest: Manifest, dsts: tuple[Sharding, ...], outs: tuple[np.dty
       outs, path="jobs pull", src_layouts=manifest.plan_layouts, topology=topology,
       chunking_for="cpu")
   plan, wire = call.plan, tuple(call.wire_dtypes)
-  participants = tuple(sorted({process_of[d] for l in call.dst_layouts
-                               for d in l.devices}))
+  distinct = {id(l): l for l in call.dst_layouts}.values()  # (leaves share layouts)
+  participants = tuple(sorted({process_of[d] for l in distinct for d in l.devices}))
   waves = tuple(transfer_engine.waves_of(plan, me, process_of)) if me in participants else ()
   requests: dict[int, list[list[transfer_engine.Op]]] = {}
   for wave in waves:
@@ -132,7 +145,8 @@ def plan_pull(manifest: Manifest, dsts: tuple[Sharding, ...], outs: tuple[np.dty
       "destination shardings": sequence.distinct(call.dst_layouts,
                                                  lambda l: tuple(l.shards())),
       "route": route, "topology": repr(topology), "chunk_bytes": None})
-  return PullPlan(plan, tuple(published), wire, tuple(np.dtype(o) for o in outs), dsts,
+  delivered = {o: np.dtype(o) for o in dict.fromkeys(outs)}
+  return PullPlan(plan, tuple(published), wire, tuple(delivered[o] for o in outs), dsts,
                   process_of, participants, waves, requests, fingerprint)
 
 

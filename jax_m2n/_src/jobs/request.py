@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from jax_m2n._src import checks
+from jax_m2n._src import collector
 from jax_m2n._src import quantize
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 from jax_m2n._src.jobs import manifest as manifest_lib
@@ -117,11 +118,13 @@ def _as_struct(v: Any) -> Any:
   return v
 
 
-def _published(api: str, m: Manifest, dst: Any) -> tuple[Any, Any, Callable]:
+def _published(api: str, m: Manifest, dst: Any, dst_leaves: int
+               ) -> tuple[Any, Any, Callable]:
   """The published pytree (ShapeDtypeStruct leaves) that dst and dtype are prefixes
   of, its treedef, and how to build the result from the delivered leaves: dst's own
   structure where dst is the whole tree with the published key paths (how custom
-  nodes such as flax's State come back), else the published skeleton's."""
+  nodes such as flax's State come back), else the published skeleton's. `dst_leaves`:
+  how many leaves dst has (flattened with `_is_dst_leaf`)."""
   made: dict[tuple, jax.ShapeDtypeStruct] = {}  # one per (shape, dtype), shared
   structs = []
   for l in m.leaves:
@@ -130,11 +133,11 @@ def _published(api: str, m: Manifest, dst: Any) -> tuple[Any, Any, Callable]:
       struct = made[(l.shape, l.dtype)] = jax.ShapeDtypeStruct(
           l.shape, manifest_lib.dtype_of(l.dtype))
     structs.append(struct)
-  flat, treedef = jax.tree_util.tree_flatten_with_path(dst, is_leaf=_is_dst_leaf)
-  if len(flat) == len(m.leaves) and all(
-      manifest_lib.key_path(p) == l.path for (p, _), l in zip(flat, m.leaves)):
-    return (jax.tree_util.tree_unflatten(treedef, structs), treedef,
-            lambda arrays: jax.tree_util.tree_unflatten(treedef, arrays))
+  if dst_leaves == len(m.leaves):  # (a prefix has fewer: no key paths to compare)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(dst, is_leaf=_is_dst_leaf)
+    if [manifest_lib.key_path(p) for p, _ in flat] == [l.path for l in m.leaves]:
+      return (jax.tree_util.tree_unflatten(treedef, structs), treedef,
+              lambda arrays: jax.tree_util.tree_unflatten(treedef, arrays))
   if m.skeleton is None:
     raise ReshardValueError(
         f"{api}: dst must be the whole pytree (not a prefix) when the published pytree "
@@ -152,10 +155,10 @@ _CACHE_SIZE = 64
 _cache: collections.OrderedDict[Any, PullRequest] = collections.OrderedDict()
 
 
-def _cache_key(m: Manifest, dst: Any, dtype: Any) -> Any:
-  """A hashable key for (m, dst, dtype), or None where one cannot be formed safely (a
-  PartitionSpec depends on the context mesh; unhashable leaves)."""
-  leaves, treedef = jax.tree_util.tree_flatten(dst, is_leaf=_is_dst_leaf)
+def _cache_key(m: Manifest, leaves: list[Any], treedef: Any, dtype: Any) -> Any:
+  """A hashable key for (m, dst, dtype) (dst as its `leaves` and `treedef`, flattened
+  with `_is_dst_leaf`), or None where one cannot be formed safely (a PartitionSpec
+  depends on the context mesh; unhashable leaves)."""
   parts = []
   for v in leaves:
     if isinstance(v, jax.Array):
@@ -185,27 +188,50 @@ def pull_request(api: str, m: Manifest, dst: Any, dtype: Any, donate: Any,
       published pytree, a destination or dtype that breaks a rule; before any byte
       moves.
   """
+  with collector.paused():  # key paths, structs and checks per leaf: no cycles
+    return _pull_request(api, m, dst, dtype, donate, options)
+
+
+def _pull_request(api: str, m: Manifest, dst: Any, dtype: Any, donate: Any,
+                  options: PullOptions) -> PullRequest:
+  """pull_request's work."""
   donated = tuple(_donated(api, donate))
-  key = _cache_key(m, dst, dtype)
+  leaves, dst_tree = jax.tree_util.tree_flatten(dst, is_leaf=_is_dst_leaf)
+  key = _cache_key(m, leaves, dst_tree, dtype)
   got = _cache.get(key) if key is not None else None
   if got is not None:
     _cache.move_to_end(key)
     return dataclasses.replace(got, donated=donated, options=options)
   n = len(m.leaves)
   names = m.names
-  tree, treedef, build = _published(api, m, dst)
+  tree, treedef, build = _published(api, m, dst, len(leaves))
   specs = (quantize.spec_leaves(api, dtype, tree, treedef, n, PUBLISHED)
            if quantize.has_spec(dtype) else  # as reshard: its messages name Quantize
            checks.dtypes_per_leaf(api, dtype, tree, treedef, n, x_name=PUBLISHED))
-  dsts = checks.broadcast_prefix(
-      api, "dst", jax.tree.map(_as_struct, dst, is_leaf=_is_dst_leaf), tree, treedef, n,
-      PUBLISHED)
+  if any(isinstance(v, jax.Array) for v in leaves):
+    leaves = [_as_struct(v) for v in leaves]  # (jax.tree.map's leaves, without a pass)
+  dsts = (leaves if dst_tree == treedef else  # what broadcast_prefix returns for it
+          checks.broadcast_prefix(api, "dst", dst_tree.unflatten(leaves), tree, treedef,
+                                  n, PUBLISHED))
   outs, resolved, shardings = [], [], []
   checked: dict[tuple, Sharding] = {}
   named: set[np.dtype] = set()
+  # Per (shape, dtype, spec object, destination object) without a Quantize spec, the
+  # (delivered dtype, checked sharding) of its first leaf: the rules below are pure in
+  # these, and 20,000 leaves mostly share a few.
+  done: dict[tuple, tuple[np.dtype, Sharding]] = {}
   for t, (leaf, spec, d) in enumerate(zip(m.leaves, specs, dsts)):
+    plain = not isinstance(spec, quantize.Quantize)
+    if plain:
+      same = (leaf.shape, leaf.dtype, id(spec), id(d))  # (both held by specs, dsts)
+      got = done.get(same)
+      if got is not None:
+        resolved.append(None)
+        outs.append(got[0])
+        shardings.append(got[1])
+        continue
     published = manifest_lib.dtype_of(leaf.dtype)
-    if isinstance(spec, quantize.Quantize):
+    if not plain:
       resolved.append(quantize.resolve(api, names, t, spec, leaf.shape, published))
       out = published
     else:
@@ -233,6 +259,8 @@ def pull_request(api: str, m: Manifest, dst: Any, dtype: Any, donate: Any,
         checked[rule] = got
     shardings.append(got)
     outs.append(out)
+    if plain:
+      done[same] = (out, got)
   check_fits(api, m, shardings, outs)
   request = PullRequest(m, tuple(shardings), tuple(outs), tuple(resolved), donated,
                         options, build)

@@ -271,25 +271,31 @@ def schedule_chunks(plan) -> Chunks:
   same either way.
   """
   limit = plan.chunk_bytes
-  parts = [tensor_chunks(tp, limit) for tp in plan.tensors]
-  if plan.transport.matched_steps:
-    steps = _matched_steps(plan, parts)
-  else:
-    steps = _wave_steps(parts, limit)
+  made: dict[int, TensorChunks] = {}  # per TensorPlan object (leaves share a few)
+  parts = []
+  for tp in plan.tensors:
+    tc = made.get(id(tp))
+    if tc is None:
+      tc = made[id(tp)] = tensor_chunks(tp, limit)
+    parts.append(tc)
   counts = np.array([len(tc.step) for tc in parts], np.int64)
+  if plan.transport.matched_steps:
+    step = _cat(_matched_steps(plan, parts))
+  else:  # each tensor's local steps plus its wave's offset, in one pass
+    local = _cat([tc.step for tc in parts])
+    step = local + np.repeat(np.array(_wave_offsets(parts, limit), local.dtype), counts)
   n_transfers = np.array([len(tp.transfers) for tp in plan.tensors], np.int64)
   tensor = np.repeat(np.arange(len(parts), dtype=np.int64), counts)
   first_transfer = np.cumsum(n_transfers) - n_transfers
   index = np.arange(len(tensor), dtype=np.int64) - (np.cumsum(counts) - counts)[tensor]
   transfer = _cat([tc.transfer for tc in parts]) + first_transfer[tensor]
-  step = _cat(steps)
   order = np.argsort(step, kind="stable")
   return Chunks(tensor[order], index[order], transfer[order], step[order], order,
                 tuple(parts))
 
 
-def _wave_steps(parts, limit: int) -> list[np.ndarray]:
-  """Global steps: each tensor's local steps, offset by waves."""
+def _wave_offsets(parts, limit: int) -> list[int]:
+  """Per tensor, the offset of its local steps in the global steps (waves)."""
   cap = STEP_CHUNKS * limit
   usage: dict[int, int] = {}
   offsets = []
@@ -305,7 +311,7 @@ def _wave_steps(parts, limit: int) -> list[np.ndarray]:
       for s in range(offset, offset + length):
         usage[s] = usage.get(s, 0) + peak
     offsets.append(offset)
-  return [tc.step + offset for tc, offset in zip(parts, offsets)]
+  return offsets
 
 
 def _matched_steps(plan, parts) -> list[np.ndarray]:

@@ -8,6 +8,7 @@ Reads transfers and chunks; builds neither.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Sequence
 
@@ -67,17 +68,22 @@ class Traffic:
 
   @staticmethod
   def merge(parts: "Sequence[Traffic]") -> "Traffic":
+    """The sum of `parts`, devices in order of first appearance. The tensors of one
+    route share one Traffic object: each distinct object is added once, times how often
+    it appears (exact integer sums; the order of first appearance is the same)."""
     by_link = {k: 0 for k in LINKS}
     egress: dict[int, dict[str, int]] = {}
     ingress: dict[int, dict[str, int]] = {}
-    for part in parts:
+    counts = collections.Counter(map(id, parts))
+    for part in {id(p): p for p in parts}.values():
+      n = counts[id(part)]
       for k, v in part.by_link.items():
-        by_link[k] += v
+        by_link[k] += n * v
       for mine, theirs in ((egress, part.egress), (ingress, part.ingress)):
         for d, loads in theirs.items():
           m = mine.setdefault(d, {"nvlink": 0, "network": 0})
-          m["nvlink"] += loads["nvlink"]
-          m["network"] += loads["network"]
+          m["nvlink"] += n * loads["nvlink"]
+          m["network"] += n * loads["network"]
     return Traffic(by_link, egress, ingress)
 
   def time_ms(self, topo: Topology) -> float:

@@ -185,8 +185,11 @@ class Plan:
 
     Raises ReshardValueError, before building anything, over MAX_PLAN_CHUNKS chunks.
     """
-    check_plan_size([tp.src for tp in self.tensors], [tp.dst for tp in self.tensors],
-                    self.itemsizes, self.route, self.chunk_bytes)
+    counts = collections.Counter(map(id, self.tensors))  # tensors share TensorPlans
+    distinct = {id(tp): tp for tp in self.tensors}.values()
+    check_plan_size([tp.src for tp in distinct], [tp.dst for tp in distinct],
+                    [tp.itemsize for tp in distinct], self.route, self.chunk_bytes,
+                    [counts[id(tp)] for tp in distinct])
     return chunks_lib.schedule_chunks(self)
 
   def describe(self, size: PlanSize | None = None) -> str:
@@ -248,9 +251,16 @@ def plan_cached(src: tuple[Layout, ...], dst: tuple[Layout, ...],
                  itemsizes: tuple[int, ...], topology: Topology, route: str,
                  chunking: Chunking) -> Plan:
   size = check_plan_size(src, dst, itemsizes, route)
-  tensors = tuple(plan_tensor(s, d, i, topology, route)
-                  for s, d, i in zip(src, dst, itemsizes))
-  plan = Plan(route, topology, tensors, chunking)
+  # plan_tensor once per distinct object triple (a model's leaves share a few layouts;
+  # each lookup hashes two Layouts and the topology in Python).
+  planned: dict[tuple[int, int, int], TensorPlan] = {}
+  tensors = []
+  for s, d, i in zip(src, dst, itemsizes):
+    tp = planned.get((id(s), id(d), i))  # (s and d held by the arguments)
+    if tp is None:
+      tp = planned[(id(s), id(d), i)] = plan_tensor(s, d, i, topology, route)
+    tensors.append(tp)
+  plan = Plan(route, topology, tuple(tensors), chunking)
   if logger.isEnabledFor(logging.DEBUG):
     logger.debug("planned %s", plan.describe(size))
   return plan
