@@ -183,6 +183,17 @@ def test_many_like_outputs_share_programs_and_keep_their_order():
     np.testing.assert_array_equal(np.asarray(g), w)
 
 
+def test_a_callers_transfer_guard_does_not_refuse_the_copys_own_tables():
+  """The pointer tables a copy sends to its device are jax_m2n's, not the caller's data:
+  a caller that disallows explicit host -> device transfers (tunix syncs weights so)
+  still copies."""
+  src = np.arange(64, dtype=np.float32) + 0.5  # new addresses: the tables are sent
+  box = [Box(0, 0, (64,), F32, (8,), (0,), (16,))]
+  with jax.transfer_guard_host_to_device("disallow_explicit"):
+    got = local_copy(jax.devices()[2], [src.ctypes.data], box, [Out((16,), F32)])[0]
+  np.testing.assert_array_equal(np.asarray(got), src[8:24])
+
+
 def test_local_store_into_a_segment():
   device = jax.devices()[3]
   arrays = [jax.device_put(np.arange(n, dtype=np.int32) * (i + 1), device)

@@ -285,7 +285,8 @@ def copy_all(jobs: Sequence[tuple[Copier, Sequence[int]]]) -> list[list[jax.Arra
       tables += mine
       devices += [c.device] * len(mine)
   if tables:
-    arrays = jax.device_put(tables, devices)
+    with jax.transfer_guard("allow"):  # jax_m2n's own tables, not the caller's data
+      arrays = jax.device_put(tables, devices)
     for j, c, key, at, n in sent:
       held[j] = c.on_device[key] = arrays[at:at + n]
       while len(c.on_device) > DEVICE_TABLES:
@@ -419,8 +420,9 @@ def local_store(arrays: Sequence[jax.Array], address: int,
       src = np.asarray(x).reshape(-1).view(np.uint8)  # the buffer itself: no copy
       np.copyto(_host_bytes(int(at), src.size), src)
     return Stored()
-  return _store_program(device.platform)(jax.device_put(table.view(np.uint32), device),
-                                         *arrays)
+  with jax.transfer_guard("allow"):  # jax_m2n's own table, not the caller's data
+    table = jax.device_put(table.view(np.uint32), device)
+  return _store_program(device.platform)(table, *arrays)
 
 
 def _host_bytes(address: int, nbytes: int) -> np.ndarray:
