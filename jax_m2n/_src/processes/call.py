@@ -112,7 +112,8 @@ class CrossProcessReshard:
   def _call(self, leaves, donate) -> list[jax.Array]:
     if len(self.participants) == 1:  # all in another process: that one runs it alone
       return self._assemble([[] for _ in self.shapes])
-    n = sequence.next_call()  # every process numbers the calls that span processes
+    # Every process numbers the calls that span processes.
+    n = sequence.next_call(takes_part=self.me in self.participants)
     if self.me not in self.participants:
       return self._assemble([[] for _ in self.shapes])
     waits = sequence.CallWaits(n, self.participants, self.timeout_ms)
