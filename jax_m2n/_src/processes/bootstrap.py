@@ -72,6 +72,9 @@ class _Engine:
     self._lock = threading.RLock()
     self._stop = threading.Event()
     self._beats = 0
+    # The call number up to which this process has finished its calls (sequence.py
+    # sets it; every beat carries it).
+    self.finished = 0
     self._cleanups: list[Callable[[], None]] = []
     self._beat()
     self._thread = threading.Thread(target=self._beat_loop, name="jax_m2n-beat",
@@ -105,7 +108,7 @@ class _Engine:
   def _beat(self) -> None:
     self._beats += 1
     c = "kv_background_ops"
-    self.kv.set(f"{PREFIX}/beat/{self.pid}", str(self._beats), counter=c)
+    self.kv.set(f"{PREFIX}/beat/{self.pid}", f"{self._beats} {self.finished}", counter=c)
     self.liveness.update(self.kv.dir_get(f"{PREFIX}/beat/", counter=c),
                          self.kv.dir_get(f"{PREFIX}/gone/", counter=c))
 

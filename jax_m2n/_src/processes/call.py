@@ -67,6 +67,7 @@ class CrossProcessReshard:
     self.process_of = process_of
     self.me = jax.process_index()
     self.participants = sorted({process_of[d] for d in devices})
+    self.avals: list[Any] = [None] * len(self.shapes)  # per leaf, after a checked call
     self.src_layouts = list(call.src_layouts)
     self.dst_layouts = list(call.dst_layouts)
     self.wire = call.wire_dtypes
@@ -111,7 +112,8 @@ class CrossProcessReshard:
   def _call(self, leaves, donate) -> list[jax.Array]:
     if len(self.participants) == 1:  # all in another process: that one runs it alone
       return self._assemble([[] for _ in self.shapes])
-    n = sequence.next_call()  # every process numbers the calls that span processes
+    # Every process numbers the calls that span processes.
+    n = sequence.next_call(takes_part=self.me in self.participants)
     if self.me not in self.participants:
       return self._assemble([[] for _ in self.shapes])
     waits = sequence.CallWaits(n, self.participants, self.timeout_ms)
@@ -165,6 +167,14 @@ class CrossProcessReshard:
     return slots
 
   def _assemble(self, arrays) -> list[jax.Array]:
-    return [jax.make_array_from_single_device_arrays(shape, dst, arrs, dtype=dt)
-            for shape, dst, arrs, dt in zip(self.shapes, self.dsts, arrays,
-                                            self.out_dtypes)]
+    """The global outputs from this process's shards of them: checked by JAX the
+    first time, then built from that abstract value (the checks cost most of the
+    host time of a call's thousand shards)."""
+    out = []
+    for t, (shape, dst, arrs, dt) in enumerate(zip(self.shapes, self.dsts, arrays,
+                                                   self.out_dtypes)):
+      y = jax_compat.array_from_single_device_arrays(shape, dst, arrs, dt, self.avals[t])
+      if self.avals[t] is None:
+        self.avals[t] = jax_compat.reusable_aval(y)
+      out.append(y)
+    return out

@@ -2,7 +2,10 @@
 verdict on a peer that one call waits for (gone, unreachable, or not proven otherwise).
 
 Every process that took part in a cross-process reshard overwrites its beat key every
-BEAT_S and reads every peer's (bootstrap's beat thread). A peer is *suspected* once its
+BEAT_S and reads every peer's (bootstrap's beat thread); a beat is "<count> <finished>":
+a counter and the call number up to which the process has finished its calls
+(sequence.py deletes a call's keys once every participant's beat has passed it, with
+no key-value operation of its own). A peer is *suspected* once its
 beat has not changed for store.SUSPECT_S (or, for a sender, its data stalls) and then
 probed (store.probe), which its kernel answers even while the process is busy: refused
 means gone; two failed probes in a row mean unreachable. Owns no thread and reads no
@@ -32,6 +35,7 @@ class Liveness:
   def __init__(self):
     self._lock = threading.Lock()
     self._seen: dict[int, tuple[str, float]] = {}
+    self._finished: dict[int, int] = {}
     self._gone: dict[int, str] = {}
     self.read_at = time.monotonic()
 
@@ -43,9 +47,16 @@ class Liveness:
         last = self._seen.get(pid)
         if last is None or last[0] != value:
           self._seen[pid] = (value, now)
+        self._finished[pid] = int(value.split(" ")[1])
       for key, value in gone:
         self._gone[int(key.rsplit("/", 1)[1])] = value
       self.read_at = now
+
+  def finished(self, peer: int) -> int:
+    """The call number up to which `peer` has finished its calls, as of this process's
+    last read of the beats (0 for a peer never seen beating)."""
+    with self._lock:
+      return self._finished.get(peer, 0)
 
   def gone(self, peer: int) -> str | None:
     """Why `peer` left the job (its exit marker), or None."""

@@ -29,12 +29,25 @@ from jax_m2n._src.processes import bootstrap, liveness, store
 
 _counter = itertools.count(1)
 _counter_lock = threading.Lock()
+_taken = [0]  # the last call number taken here
+_open: set[int] = set()  # the numbers taken for calls this process has not finished
 
 
-def next_call() -> int:
-  """This process's next cross-process call number (1, 2, ...)."""
+def next_call(takes_part: bool = True) -> int:
+  """This process's next cross-process call number (1, 2, ...); one it `takes_part`
+  in is open until its CallWaits.finish (the keys of a call stay until every
+  participant has finished it)."""
   with _counter_lock:
-    return next(_counter)
+    n = _taken[0] = next(_counter)
+    if takes_part:
+      _open.add(n)
+    return n
+
+
+def _finished() -> int:
+  """The call number up to which this process has finished (or skipped) every call
+  (under _counter_lock)."""
+  return min(_open) - 1 if _open else _taken[0]
 
 
 FIELDS = ("pytree structure", "shapes", "dtypes", "destination dtypes",
@@ -284,13 +297,15 @@ class CallWaits:
       self._check("the end of the call (every process done)", self.peers, "")
 
   def finish(self, failed: bool = False) -> None:
-    """After the call's last wait (or its failure): marks it finished here; its lowest
-    participant deletes its keys (on the beat thread) once every participant has
-    finished it, or KEYS_KEPT_S after this, whichever is first."""
-    self.post("fin", "failed" if failed else "1")
-    if self.pid == min(self.participants):
-      with _counter_lock:
-        _to_delete.append((self.n, len(self.participants), time.monotonic()))
+    """After the call's last wait (or its failure, `failed`: the keys go alike): marks
+    it finished here (this process's next beat says so: no key-value operation); its
+    lowest participant deletes its keys (on the beat thread) once every participant's
+    beat has passed it, or KEYS_KEPT_S after this, whichever is first."""
+    with _counter_lock:
+      _open.discard(self.n)
+      self.engine.finished = _finished()
+      if self.pid == min(self.participants):
+        _to_delete.append((self.n, tuple(self.participants), time.monotonic()))
         if not _cleanup_installed:
           _cleanup_installed.append(True)
           self.engine.on_beat(_cleanup)
@@ -298,26 +313,25 @@ class CallWaits:
 
 # Calls this process is the lowest participant of, whose keys are not deleted yet:
 # (call number, participants, when it finished here). A failed call's keys go after
-# KEYS_KEPT_S at the latest (a participant that died never posts its fin).
-_to_delete: list[tuple[int, int, float]] = []
+# KEYS_KEPT_S at the latest (a participant that died never beats past it).
+_to_delete: list[tuple[int, tuple[int, ...], float]] = []
 _cleanup_installed: list[bool] = []
 KEYS_KEPT_S = 600.0
 
 
 def _cleanup() -> None:
-  """Deletes the keys of earlier calls that every participant has finished (a
-  participant may still read a call's keys until it has passed its last wait); runs
-  on the beat thread, off every call's path."""
-  kv = bootstrap.engine().kv
+  """Deletes the keys of earlier calls that every participant has finished, as the
+  beats just read say (a participant may still read a call's keys until it has passed
+  its last wait); runs on the beat thread, after the beat, off every call's path."""
+  engine = bootstrap.engine()
   with _counter_lock:
     pending, _to_delete[:] = list(_to_delete), []
   keep = []
   for n, participants, at in pending:
-    key = f"{bootstrap.PREFIX}/call/{n}"
+    done = all(engine.liveness.finished(p) >= n for p in participants)
     try:
-      fin = kv.dir_get(f"{key}/fin/", counter="kv_background_ops")
-      if len(fin) >= participants or time.monotonic() - at > KEYS_KEPT_S:
-        kv.delete(key)
+      if done or time.monotonic() - at > KEYS_KEPT_S:
+        engine.kv.delete(f"{bootstrap.PREFIX}/call/{n}")
       else:
         keep.append((n, participants, at))
     except Exception:  # noqa: BLE001 - best effort: stale keys are never read again

@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -244,6 +244,20 @@ def uuid(tag: str, call: int, wave: int, sender: int, receiver: int) -> int:
   return int.from_bytes(h.digest(), "little")
 
 
+def _all_ready(arrays: Sequence[jax.Array]) -> Callable[[], bool]:
+  """A `ready()` for CallWaits.wait_ready: whether every one of `arrays` is ready. A
+  poll stops at the first one not ready and the next starts there: each array is
+  found ready once (a rescan of a thousand outputs per poll cost about 1 ms a call)."""
+  at = 0
+
+  def ready() -> bool:
+    nonlocal at
+    while at < len(arrays) and arrays[at].is_ready():
+      at += 1
+    return at == len(arrays)
+  return ready
+
+
 class Run:
   """This process's part of one call, in steps that never wait: `request` (every
   pull, of every wave, at once: a pull waits at the sender's server until the sender
@@ -346,41 +360,22 @@ class Run:
   def _ready(self, slots: Sequence[int]) -> None:
     """Waits (bounded, liveness-aware) until the arrays of `slots` are ready (a wave's
     local copies read them), watching the senders pulled from; notes their pointers."""
-    left = [self.arrays[s] for s in slots]
-    left = [a for a in left if not a.is_ready()]
-    if not left:
-      self._note_pointers(slots)
-      return
-
-    def ready() -> bool:
-      nonlocal left
-      left = [a for a in left if not a.is_ready()]
-      return not left
-    senders = {p: (lambda arrs=arrs: sum(a.is_ready() for a in arrs))
-               for p, arrs in sorted(self.pulled.items())}
-    self.waits.wait_ready(ready, senders, "the data this process forwards")
+    ready = _all_ready([self.arrays[s] for s in slots])
+    if not ready():
+      senders = {p: (lambda arrs=arrs: sum(a.is_ready() for a in arrs))
+                 for p, arrs in sorted(self.pulled.items())}
+      self.waits.wait_ready(ready, senders, "the data this process forwards")
     self._note_pointers(slots)
 
   def settle(self, outputs: Sequence[jax.Array]) -> None:
     """Waits (bounded) until `outputs` (this process's own copies) are ready."""
-    left = list(outputs)
-
-    def ready() -> bool:
-      nonlocal left
-      left = [a for a in left if not a.is_ready()]
-      return not left
-    self.waits.wait_ready(ready, {}, "this process's copies")
+    self.waits.wait_ready(_all_ready(outputs), {}, "this process's copies")
 
   def wait(self, outputs: Sequence[jax.Array]) -> None:
     """Waits (bounded, liveness-aware) until `outputs` and every pulled array are
     ready; a failed pull (its sender died, or closed its server, mid-transfer) is a
     ReshardRuntimeError naming the sender."""
-    left = [a for arrs in self.pulled.values() for a in arrs] + list(outputs)
-
-    def ready() -> bool:
-      nonlocal left
-      left = [a for a in left if not a.is_ready()]
-      return not left
+    ready = _all_ready([a for arrs in self.pulled.values() for a in arrs] + list(outputs))
 
     def completed(arrays):
       return lambda: sum(a.is_ready() for a in arrays)
