@@ -16,8 +16,8 @@ PROC, KV, DEV = "#e2f0d9", "#fde9c8", "#dbe9f6"
 BOXES = {
     "kv": (0.4, 7.6, 9.3, 1.3, KV, "jax.distributed key-value store (coordination service)",
            "per call n: fp/<p> (plan fingerprint)  outcome ('done' or the first failure)  "
-           "done (a counter)  fin/<p>\nper process: addr/<p> (transfer server)  beat/<p> "
-           "(every 0.25 s)  gone/<p> (at exit)"),
+           "done (a counter)\nper process: addr/<p> (transfer server)  beat/<p> "
+           "(every 0.25 s: its count, the calls it finished)  gone/<p> (at exit)"),
     "p0": (0.4, 2.2, 2.9, 4.4, PROC, "process 0 (source)", ""),
     "p1": (3.6, 2.2, 2.9, 4.4, PROC, "process 1", ""),
     "p2": (6.8, 2.2, 2.9, 4.4, PROC, "process 2", ""),

@@ -84,10 +84,10 @@ def test_model_pytree_bitwise_with_key_value_operations_constant_per_call():
   found = results(outs, "scale")
   assert sorted(p for p, _, _ in found) == list(range(num_processes)), outs[0][-3000:]
   # Per call: the outcome's get, the fingerprint's post, one directory read and at
-  # most one get per peer not there yet, the done counter and (the last) its post,
-  # the fin post. (The first call also starts this process's engine: its address
-  # posted and the peers' read, once per job.)
-  bound = 6 + (num_processes - 1)
+  # most one get per peer not there yet, the done counter and (the last) its post;
+  # the call's end travels in the beats. (The first call also starts this process's
+  # engine: its address posted and the peers' read, once per job.)
+  bound = 5 + (num_processes - 1)
   for _, f, line in found:
     assert f["ok"] == "1" and int(f["leaves"]) == 122, line
     for k in ("kv_repeat", "kv_small"):
