@@ -153,17 +153,6 @@ def _tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
                             lambda tp: _build_tensor_ops(tp, chunk_bytes))
 
 
-def _buffer_geometry(tp, device: int, kind: int):
-  """(origin, dims) of one buffer of one device, padded to MAX_RANK with (0, 1)."""
-  rank = len(tp.src.shape)
-  if kind == FULL_TMP:
-    origin, dims = (0,) * rank, tuple(tp.src.shape)
-  else:
-    box = (tp.src if kind == SRC_SHARD else tp.dst).box_of(device)
-    origin, dims = tuple(lo for lo, _ in box), tuple(hi - lo for lo, hi in box)
-  return origin + (0,) * (MAX_RANK - rank), dims + (1,) * (MAX_RANK - rank)
-
-
 def _contiguous_rows(extent: np.ndarray, dims: np.ndarray) -> np.ndarray:
   """Per row, whether a box of `extent` inside a row-major buffer of `dims` is one byte
   range: past the first extent that is not 1, extents equal dims (padding has extent 1
@@ -175,14 +164,22 @@ def _contiguous_rows(extent: np.ndarray, dims: np.ndarray) -> np.ndarray:
 
 
 def _geometry_columns(tp, dev: np.ndarray, kind: np.ndarray):
-  """(origin, dims) rows of the buffers (`dev`, `kind`) of `tp`: one geometry per
-  distinct pair (a route repeats few buffers over many transfers)."""
-  pairs, inverse = np.unique(dev.astype(np.int64) * 3 + kind, return_inverse=True)
-  geo = [_buffer_geometry(tp, int(p) // 3, int(p) % 3) for p in pairs.tolist()]
-  origin = np.array([g[0] for g in geo], np.int64).reshape(len(geo), MAX_RANK)
-  dims = np.array([g[1] for g in geo], np.int64).reshape(len(geo), MAX_RANK)
-  inverse = inverse.reshape(-1)
-  return origin[inverse], dims[inverse]
+  """(origin, dims) rows of the buffers (`dev`, `kind`) of `tp`, padded to MAX_RANK with
+  (0, 1): a full-tensor buffer spans the tensor, a shard its box in the source or
+  destination layout (the first entry of the device there)."""
+  rank = len(tp.src.shape)
+  origin = np.zeros((len(dev), MAX_RANK), np.int64)
+  dims = np.ones((len(dev), MAX_RANK), np.int64)
+  dims[kind == FULL_TMP, :rank] = tp.src.shape
+  for code, layout in ((SRC_SHARD, tp.src), (DST_SHARD, tp.dst)):
+    sel = np.flatnonzero(kind == code)
+    devices = np.array(layout.devices, np.int64)
+    boxes = np.array(layout.boxes, np.int64).reshape(len(devices), rank, 2)
+    by_id = np.argsort(devices, kind="stable")
+    at = by_id[np.searchsorted(devices[by_id], dev[sel])]
+    origin[sel, :rank] = boxes[at, :, 0]
+    dims[sel, :rank] = boxes[at, :, 1] - boxes[at, :, 0]
+  return origin, dims
 
 
 def _build_tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
