@@ -251,8 +251,9 @@ class _Table:
   `base` holds the rows of each distinct TensorPlan once (tensor-local steps, slots and
   packs unset); the op `i` of the plan (step order) is row `part_start[tensor[i]] +
   index[i]` of it, with its plan step, tensor, slots and packs filled in by `_rows`.
-  `by_device[ptr[j]:ptr[j + 1]]` are the ops that touch the device at position `j` (its
-  source or destination side), in op order.
+  `by_source[src_ptr[j]:src_ptr[j + 1]]` are the ops whose source is the device at
+  position `j`, `by_dest[dst_ptr[j]:dst_ptr[j + 1]]` those whose destination is and
+  whose source is not, each in op order (`device_ops` merges them).
   """
 
   base: np.ndarray          # (rows of the distinct TensorPlans, OP_WIDTH)
@@ -261,14 +262,22 @@ class _Table:
   index: np.ndarray         # (n_ops,) chunk index in the tensor's part
   step: np.ndarray          # (n_ops,)
   packs: np.ndarray | None  # (n_ops, 2) src_pack, dst_pack offsets; None: no staging
-  ptr: np.ndarray           # (n_devices + 1,)
-  by_device: np.ndarray     # ops, grouped by device
+  src_ptr: np.ndarray       # (n_devices + 1,)
+  by_source: np.ndarray     # ops, grouped by source device
+  dst_ptr: np.ndarray       # (n_devices + 1,)
+  by_dest: np.ndarray       # cross-device ops, grouped by destination device
   devices: np.ndarray       # (n_devices,) global ids, ascending
   slots: np.ndarray         # `_slot_table`
   ws: dict                  # device -> workspace bytes
   n_steps: int
   prefix: np.ndarray        # header (n_ops 0), devices, ws, tensors
   width: np.ndarray         # (n_tensors,) record width of each tensor's ops
+
+  def device_ops(self, j: int) -> np.ndarray:
+    """The ops that touch the device at position `j` (its source or destination
+    side), in op order."""
+    return np.sort(np.concatenate([self.by_source[self.src_ptr[j]:self.src_ptr[j + 1]],
+                                   self.by_dest[self.dst_ptr[j]:self.dst_ptr[j + 1]]]))
 
   def rows(self, ops: np.ndarray, width: int = OP_WIDTH) -> np.ndarray:
     """The rows (n, width) of `ops` (indices in op order): their first `width` fields."""
@@ -342,24 +351,20 @@ def widen(schedule: np.ndarray) -> np.ndarray:
 _BLOCK_OPS = 1 << 18
 
 
-def _group_by_device(src_pos: np.ndarray, dst_pos: np.ndarray, n_devices: int):
-  """(ptr, op, side): every op once per device it touches (the source side, and the
-  destination side where that is another device), grouped by device position, in op
-  order within a device: one stable sort."""
-  n = len(src_pos)
-  key = np.stack([src_pos, dst_pos], axis=1).reshape(-1)
-  keep = np.ones(2 * n, bool)
-  keep[1::2] = dst_pos != src_pos
-  entries = np.flatnonzero(keep)
-  key = key[entries]
-  if n_devices < (1 << 16):
-    key = key.astype(np.uint16)  # numpy sorts 16-bit keys stably by radix
-  order = np.argsort(key, kind="stable")
-  entries = entries[order]
+def _positions(devices: np.ndarray, ids: np.ndarray) -> np.ndarray:
+  """The positions of device `ids` in `devices` (ascending): uint16 where they fit
+  (numpy sorts 16-bit keys stably by radix), else int64."""
+  pos = np.searchsorted(devices, ids)
+  return pos.astype(np.uint16) if len(devices) < (1 << 16) else pos
+
+
+def _group_by_device(ops: np.ndarray, pos: np.ndarray, n_devices: int):
+  """(ptr, grouped): `ops` grouped by their device positions `pos`, in their order
+  within a position (one stable sort): `grouped[ptr[j]:ptr[j + 1]]` are those at
+  position `j`."""
   ptr = np.zeros(n_devices + 1, np.int64)
-  ptr[1:] = np.cumsum(np.bincount(key, minlength=n_devices))
-  index = _index_dtype(n)
-  return ptr, (entries >> 1).astype(index), (entries & 1).astype(np.int8)
+  ptr[1:] = np.cumsum(np.bincount(pos, minlength=n_devices))
+  return ptr, ops[np.argsort(pos, kind="stable")]
 
 
 @functools.lru_cache(maxsize=64)
@@ -382,9 +387,13 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
           else np.zeros((0, OP_WIDTH), np.int64))
   tensor, index = chunks.tensor, chunks.index
   row = part_start[tensor] + index
-  src_pos = np.searchsorted(devices, base[row, 3])
-  dst_pos = np.searchsorted(devices, base[row, 6])
-  ptr, by_device, side = _group_by_device(src_pos, dst_pos, len(devices))
+  src_pos = _positions(devices, base[:, 3])[row]
+  dst_pos = _positions(devices, base[:, 6])[row]
+  ops = np.arange(len(row), dtype=_index_dtype(len(row)))
+  crossing = src_pos != dst_pos
+  cross = ops[crossing]
+  src_ptr, by_source = _group_by_device(ops, src_pos, len(devices))
+  dst_ptr, by_dest = _group_by_device(cross, dst_pos[cross], len(devices))
   packs = None
   if staging and len(row):
     packs = np.full((len(row), 2), -1, np.int64)
@@ -392,13 +401,15 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
     dst_pack = np.concatenate([p.dst_pack for p in distinct])[row]
     if types is not None:
       src_pack, dst_pack = _repack_for_types(types, tensor, base[row, 4], base[row, 7],
-                                             src_pos != dst_pos, src_pack, dst_pack)
+                                             crossing, src_pack, dst_pack)
     # Pack areas: per (device, step), the ops' aligned bytes in op order (an op packs on
     # at most one side per device: packing ops cross devices).
-    flag = np.where(side == 0, src_pack[by_device], dst_pack[by_device])
-    entries = np.flatnonzero(flag)
-    op, op_side = by_device[entries], side[entries]
-    dev = np.searchsorted(ptr, entries, side="right") - 1
+    src_op, dst_op = np.flatnonzero(src_pack), np.flatnonzero(dst_pack)
+    op = np.concatenate([src_op, dst_op])
+    dev = np.concatenate([src_pos[src_op], dst_pos[dst_op]]).astype(np.int64)
+    by_device = np.lexsort((op, dev))
+    op, dev = op[by_device], dev[by_device]
+    op_side = (by_device >= len(src_op)).astype(np.int64)
     step = chunks.step[op]
     size = np.concatenate([p.nbytes for p in distinct])[row[op]]
     end = np.cumsum(size)
@@ -416,11 +427,11 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
     packs.flags.writeable = False
   prefix = _prefix(plan, ws, chunks.n_steps, 0, types)
   width = np.array([OP_FIXED + 3 * len(tp.src.shape) for tp in plan.tensors], np.int64)
-  for a in (base, part_start, ptr, by_device, prefix, width):
+  for a in (base, part_start, src_ptr, by_source, dst_ptr, by_dest, prefix, width):
     a.flags.writeable = False
-  return _Table(base, part_start, tensor, index, chunks.step, packs, ptr, by_device,
-                devices, _slot_table(plan, bufs, devices), ws, chunks.n_steps, prefix,
-                width)
+  return _Table(base, part_start, tensor, index, chunks.step, packs, src_ptr, by_source,
+                dst_ptr, by_dest, devices, _slot_table(plan, bufs, devices), ws,
+                chunks.n_steps, prefix, width)
 
 
 @functools.lru_cache(maxsize=16)
@@ -500,8 +511,8 @@ def encode(plan: Plan, device: int | None = None, staging: bool = False,
   table = _table(plan, staging, types)
   j = int(np.searchsorted(table.devices, device))
   if j < len(table.devices) and table.devices[j] == device:
-    return table.encode(table.by_device[table.ptr[j]:table.ptr[j + 1]])
-  return table.encode(table.by_device[:0])
+    return table.encode(table.device_ops(j))
+  return table.encode(table.by_source[:0])
 
 
 def clear_caches() -> None:
