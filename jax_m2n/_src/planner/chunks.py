@@ -14,6 +14,9 @@ arithmetic. Pure; no devices, no encodings. The chunk size is the plan's
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
+
 import numpy as np
 
 from jax_m2n._src.layout import MAX_RANK, Box, box_size, intersect
@@ -177,8 +180,47 @@ class TensorChunks:
 
 
 def tensor_chunks(tp, chunk_bytes: int) -> TensorChunks:
-  """The chunks of `tp` for `chunk_bytes` (cached on `tp`)."""
-  return derived(tp, ("chunks", chunk_bytes), lambda tp: _build_tensor_chunks(tp, chunk_bytes))
+  """The chunks of `tp` for `chunk_bytes` (cached on `tp`, and shared by the
+  TensorPlans of one `_Structure`)."""
+  return derived(tp, ("chunks", chunk_bytes),
+                 lambda tp: _structure_chunks(_Structure.of(tp), chunk_bytes))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Structure:
+  """Everything a TensorPlan's chunks depend on (`key`: itemsize, rank, boxes, parents,
+  and its devices renamed in order of first appearance), with one TensorPlan that has
+  it to build them from. TensorPlans of one structure (a model's layers on other
+  devices: 114 distinct TensorPlans, 22 structures in the DeepSeek-V3 plan) have the
+  same chunks: they see devices only as equal or not (what is local, what one device
+  holds in one step). Compared and hashed by `key`."""
+
+  key: tuple
+  tp: Any
+
+  @staticmethod
+  def of(tp) -> "_Structure":
+    xs = tp.transfers
+    _, first, inverse = np.unique(np.concatenate([xs.src, xs.dst]), return_index=True,
+                                  return_inverse=True)
+    renamed = np.empty(len(first), np.int64)
+    renamed[np.argsort(first, kind="stable")] = np.arange(len(first))
+    columns = [renamed[inverse.reshape(-1)], xs.box, xs.parent]
+    return _Structure((tp.itemsize, len(tp.src.shape), xs.boxes,
+                       tuple(sorted(xs.extra_parents.items())),
+                       b"".join(c.astype(np.int64).tobytes() for c in columns)), tp)
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, _Structure) and self.key == other.key
+
+  def __hash__(self) -> int:
+    return hash(self.key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _structure_chunks(structure: _Structure, chunk_bytes: int) -> TensorChunks:
+  """The chunks of every TensorPlan of `structure` (built from its first)."""
+  return _build_tensor_chunks(structure.tp, chunk_bytes)
 
 
 def _parent_pairs(xs):
