@@ -261,7 +261,8 @@ class _Table:
   tensor: np.ndarray        # (n_ops,) per op
   index: np.ndarray         # (n_ops,) chunk index in the tensor's part
   step: np.ndarray          # (n_ops,)
-  packs: np.ndarray | None  # (n_ops, 2) src_pack, dst_pack offsets; None: no staging
+  packed: np.ndarray | None  # ops that pack on a side, ascending; None: no staging
+  packs: np.ndarray | None   # (len(packed), 2) src_pack, dst_pack offsets (-1: none)
   src_ptr: np.ndarray       # (n_devices + 1,)
   by_source: np.ndarray     # ops, grouped by source device
   dst_ptr: np.ndarray       # (n_devices + 1,)
@@ -279,6 +280,15 @@ class _Table:
     return np.sort(np.concatenate([self.by_source[self.src_ptr[j]:self.src_ptr[j + 1]],
                                    self.by_dest[self.dst_ptr[j]:self.dst_ptr[j + 1]]]))
 
+  def pack_rows(self, ops: np.ndarray) -> np.ndarray:
+    """The (src_pack, dst_pack) offsets (len(ops), 2) of `ops` (-1: none; staging)."""
+    out = np.full((len(ops), 2), -1, np.int64)
+    if len(self.packed):
+      at = np.minimum(np.searchsorted(self.packed, ops), len(self.packed) - 1)
+      hit = self.packed[at] == ops
+      out[hit] = self.packs[at[hit]]
+    return out
+
   def rows(self, ops: np.ndarray, width: int = OP_WIDTH) -> np.ndarray:
     """The rows (n, width) of `ops` (indices in op order): their first `width` fields."""
     tensor = self.tensor[ops]
@@ -288,31 +298,29 @@ class _Table:
     for dev_col, kind_col, slot_col in ((3, 4, 5), (6, 7, 8)):
       position = np.searchsorted(self.devices, rows[:, dev_col])
       rows[:, slot_col] = self.slots[rows[:, kind_col], tensor, position]
-    if self.packs is not None:
-      rows[:, 9:11] = self.packs[ops]
+    if self.packed is not None:
+      rows[:, 9:11] = self.pack_rows(ops)
     return rows
 
   def encode(self, ops: np.ndarray) -> np.ndarray:
     """The encoding of `ops`: the prefix, then each op's rank-sized record, written
-    per block of ops and per record width (no full-width copy of the ops)."""
+    per block of ops (a block's rows as wide as its widest record, each row's first
+    `width` fields kept in row-major order)."""
     head = len(self.prefix)
     width = self.width[self.tensor[ops]]
-    end = head + np.cumsum(width)
-    out = np.empty(int(end[-1]) if len(ops) else head, np.int64)
+    out = np.empty(head + int(width.sum()), np.int64)
     out[:head] = self.prefix
     out[5] = len(ops)
+    at = head
     for start in range(0, len(ops), _BLOCK_OPS):
       block = slice(start, start + _BLOCK_OPS)
       w_block = width[block]
-      first = int(end[block][0] - w_block[0])
-      if (w_block == w_block[0]).all():  # one width: the records are one slab
-        w = int(w_block[0])
-        out[first:first + w * len(w_block)] = self.rows(ops[block], w).reshape(-1)
-        continue
-      for w in np.unique(w_block).tolist():
-        sel = np.flatnonzero(w_block == w)
-        at = (end[block][sel] - w)[:, None] + np.arange(w)
-        out[at] = self.rows(ops[block][sel], w)
+      w = int(w_block.max())
+      rows = self.rows(ops[block], w)
+      if (w_block != w).any():
+        rows = rows[np.arange(w)[None, :] < w_block[:, None]]
+      out[at:at + rows.size] = rows.reshape(-1)
+      at += rows.size
     out = _narrow(out)
     out.flags.writeable = False
     return out
@@ -394,9 +402,8 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
   cross = ops[crossing]
   src_ptr, by_source = _group_by_device(ops, src_pos, len(devices))
   dst_ptr, by_dest = _group_by_device(cross, dst_pos[cross], len(devices))
-  packs = None
+  packed = packs = None
   if staging and len(row):
-    packs = np.full((len(row), 2), -1, np.int64)
     src_pack = np.concatenate([p.src_pack for p in distinct])[row]
     dst_pack = np.concatenate([p.dst_pack for p in distinct])[row]
     if types is not None:
@@ -418,19 +425,22 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
     group_start = np.maximum.accumulate(np.where(new_group, np.arange(len(op)), 0))
     used = end - size - (end - size)[group_start]
     tmp_bytes = np.array([bufs.tmp_bytes.get(int(d), 0) for d in devices], np.int64)
-    packs[op, op_side] = used + tmp_bytes[dev]
+    packed, at = np.unique(op, return_inverse=True)
+    packs = np.full((len(packed), 2), -1, np.int64)
+    packs[at.reshape(-1), op_side] = used + tmp_bytes[dev]
     peak = np.zeros(len(devices), np.int64)
     np.maximum.at(peak, dev, used + size)
     for j in np.flatnonzero(peak):
       d = int(devices[j])
       ws[d] = ws.get(d, 0) + int(peak[j])
-    packs.flags.writeable = False
+    for a in (packed, packs):
+      a.flags.writeable = False
   prefix = _prefix(plan, ws, chunks.n_steps, 0, types)
   width = np.array([OP_FIXED + 3 * len(tp.src.shape) for tp in plan.tensors], np.int64)
   for a in (base, part_start, src_ptr, by_source, dst_ptr, by_dest, prefix, width):
     a.flags.writeable = False
-  return _Table(base, part_start, tensor, index, chunks.step, packs, src_ptr, by_source,
-                dst_ptr, by_dest, devices, _slot_table(plan, bufs, devices), ws,
+  return _Table(base, part_start, tensor, index, chunks.step, packed, packs, src_ptr,
+                by_source, dst_ptr, by_dest, devices, _slot_table(plan, bufs, devices), ws,
                 chunks.n_steps, prefix, width)
 
 
@@ -574,8 +584,10 @@ def _plan_digest(plan: Plan, staging: bool, types: tuple | None) -> bytes:
   h.update(table.base.tobytes())
   for a in (table.part_start, table.tensor, table.index, table.step):
     h.update(np.ascontiguousarray(a, np.int64).tobytes())
-  if table.packs is not None:
-    h.update(table.packs.tobytes())
+  if table.packed is not None:  # every op's offsets, -1 where none (per block)
+    for start in range(0, len(table.step), _BLOCK_OPS):
+      ops = np.arange(start, min(start + _BLOCK_OPS, len(table.step)))
+      h.update(table.pack_rows(ops).tobytes())
   return h.digest()
 
 
