@@ -140,17 +140,52 @@ def buffers(plan: Plan) -> Buffers:
 @dataclasses.dataclass(frozen=True, eq=False)
 class _TensorOps:
   """The plan-independent part of one TensorPlan's ops, one row per chunk in
-  TensorChunks order: step local, tensor 0, slots and packs unset (-1)."""
+  TensorChunks order: step local, tensor 0, devices, slots and packs unset (-1); the
+  devices are `src` and `dst`. All but those are shared by the TensorPlans of one
+  `_ops_structure`."""
 
   rows: np.ndarray        # (n, OP_WIDTH)
+  src: np.ndarray         # (n,) source device of each op
+  dst: np.ndarray         # (n,) destination device
   src_pack: np.ndarray    # (n,) bool: cross-device and not contiguous on the source
   dst_pack: np.ndarray    # (n,) bool: same on the destination
   nbytes: np.ndarray      # (n,) aligned bytes of the chunk
 
 
 def _tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
-  return chunks_lib.derived(tp, ("ops", chunk_bytes),
-                            lambda tp: _build_tensor_ops(tp, chunk_bytes))
+  """The ops of `tp` (cached on `tp`): its structure's, on its own devices."""
+  def build(tp):
+    shared = _structure_ops(_ops_structure(tp), chunk_bytes)
+    tc = chunks_lib.tensor_chunks(tp, chunk_bytes)
+    src = tp.transfers.src.astype(np.int64)[tc.transfer]
+    dst = tp.transfers.dst.astype(np.int64)[tc.transfer]
+    for a in (src, dst):
+      a.flags.writeable = False
+    return dataclasses.replace(shared, src=src, dst=dst)
+  return chunks_lib.derived(tp, ("ops", chunk_bytes), build)
+
+
+def _ops_structure(tp) -> chunks_lib.Structure:
+  """What `tp`'s ops but their devices depend on: its chunks' structure, its shape,
+  stages and buffer kinds, and per renamed device its source and destination box.
+  TensorPlans of one such structure have the same ops on renamed devices."""
+  def build(tp):
+    xs = tp.transfers
+    # Each device's first box in a layout (Layout.box_of), by a dict built backwards.
+    src, dst = (dict(zip(reversed(layout.devices), reversed(layout.boxes)))
+                for layout in (tp.src, tp.dst))
+    boxes = tuple((src.get(d), dst.get(d))
+                  for d in chunks_lib.renamed_devices(tp).tolist())
+    return chunks_lib.Structure(
+        (chunks_lib.structure(tp).key, tuple(tp.src.shape), xs.stage.tobytes(),
+         xs.src_kind.tobytes(), xs.dst_kind.tobytes(), boxes), tp)
+  return chunks_lib.derived(tp, "ops_structure", build)
+
+
+@functools.lru_cache(maxsize=4096)
+def _structure_ops(shape: chunks_lib.Structure, chunk_bytes: int) -> _TensorOps:
+  """The ops of every TensorPlan of structure `shape` (built from its first)."""
+  return _build_tensor_ops(shape.tp, chunk_bytes)
 
 
 def _contiguous_rows(extent: np.ndarray, dims: np.ndarray) -> np.ndarray:
@@ -196,8 +231,7 @@ def _build_tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
   rows[:, 0] = tc.step
   rows[:, 1] = xs.stage[tc.transfer]  # STAGES order: the format's stage codes
   rows[:, 2] = 0
-  rows[:, 3], rows[:, 4] = src, src_kind
-  rows[:, 6], rows[:, 7] = dst, dst_kind
+  rows[:, 4], rows[:, 7] = src_kind, dst_kind
   extent = tc.hi - tc.lo
   rows[:, OP_FIXED::3] = extent
   rows[:, OP_FIXED + 1::3] = tc.lo - s_origin
@@ -206,9 +240,9 @@ def _build_tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
   src_pack = cross & ~_contiguous_rows(extent, s_dims)
   dst_pack = cross & ~_contiguous_rows(extent, d_dims)
   nbytes = -(-(np.prod(extent, axis=1) * tp.itemsize) // ALIGN) * ALIGN
-  for a in (rows, src_pack, dst_pack, nbytes):
+  for a in (rows, src, dst, src_pack, dst_pack, nbytes):
     a.flags.writeable = False
-  return _TensorOps(rows, src_pack, dst_pack, nbytes)
+  return _TensorOps(rows, src, dst, src_pack, dst_pack, nbytes)
 
 
 def _slot_table(plan: Plan, bufs: Buffers, devices: np.ndarray) -> np.ndarray:
@@ -391,8 +425,11 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
       first[id(tp)] = sum(len(p.rows) for p in distinct)
       distinct.append(_tensor_ops(tp, plan.chunk_bytes))
   part_start = np.array([first[id(tp)] for tp in plan.tensors], np.int64)
-  base = (np.concatenate([p.rows for p in distinct]) if distinct
-          else np.zeros((0, OP_WIDTH), np.int64))
+  base = np.zeros((0, OP_WIDTH), np.int64)
+  if distinct:
+    base = np.concatenate([p.rows for p in distinct])
+    base[:, 3] = np.concatenate([p.src for p in distinct])
+    base[:, 6] = np.concatenate([p.dst for p in distinct])
   tensor, index = chunks.tensor, chunks.index
   row = part_start[tensor] + index
   src_pos = _positions(devices, base[:, 3])[row]
@@ -526,9 +563,9 @@ def encode(plan: Plan, device: int | None = None, staging: bool = False,
 
 
 def clear_caches() -> None:
-  """Forgets every cached encoding table, SPMD encoding, digest and buffer slots
-  (benchmarks of cold encoding)."""
-  for cache in (_table, _spmd, _plan_digest, buffers):
+  """Forgets every cached encoding table, SPMD encoding, digest, buffer slots and
+  shared ops (benchmarks of cold encoding)."""
+  for cache in (_table, _spmd, _plan_digest, buffers, _structure_ops):
     cache.cache_clear()
 
 

@@ -181,46 +181,61 @@ class TensorChunks:
 
 def tensor_chunks(tp, chunk_bytes: int) -> TensorChunks:
   """The chunks of `tp` for `chunk_bytes` (cached on `tp`, and shared by the
-  TensorPlans of one `_Structure`)."""
+  TensorPlans of one `structure`)."""
   return derived(tp, ("chunks", chunk_bytes),
-                 lambda tp: _structure_chunks(_Structure.of(tp), chunk_bytes))
+                 lambda tp: _structure_chunks(structure(tp), chunk_bytes))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Structure:
-  """Everything a TensorPlan's chunks depend on (`key`: itemsize, rank, boxes, parents,
-  and its devices renamed in order of first appearance), with one TensorPlan that has
-  it to build them from. TensorPlans of one structure (a model's layers on other
-  devices: 114 distinct TensorPlans, 22 structures in the DeepSeek-V3 plan) have the
-  same chunks: they see devices only as equal or not (what is local, what one device
-  holds in one step). Compared and hashed by `key`."""
+class Structure:
+  """A key for what is derived from a TensorPlan, with one TensorPlan that has it (to
+  derive it from; not compared): TensorPlans of equal keys derive the same. Compared
+  and hashed by `key`."""
 
   key: tuple
   tp: Any
 
-  @staticmethod
-  def of(tp) -> "_Structure":
-    xs = tp.transfers
-    _, first, inverse = np.unique(np.concatenate([xs.src, xs.dst]), return_index=True,
-                                  return_inverse=True)
-    renamed = np.empty(len(first), np.int64)
-    renamed[np.argsort(first, kind="stable")] = np.arange(len(first))
-    columns = [renamed[inverse.reshape(-1)], xs.box, xs.parent]
-    return _Structure((tp.itemsize, len(tp.src.shape), xs.boxes,
-                       tuple(sorted(xs.extra_parents.items())),
-                       b"".join(c.astype(np.int64).tobytes() for c in columns)), tp)
-
   def __eq__(self, other) -> bool:
-    return isinstance(other, _Structure) and self.key == other.key
+    return isinstance(other, Structure) and self.key == other.key
 
   def __hash__(self) -> int:
     return hash(self.key)
 
 
+def renamed_devices(tp) -> np.ndarray:
+  """The devices of `tp`'s transfers (sources, then destinations) in order of first
+  appearance: device k is renamed k in `structure` (cached on `tp`)."""
+  def build(tp):
+    xs = tp.transfers
+    ids, first = np.unique(np.concatenate([xs.src, xs.dst]), return_index=True)
+    out = ids[np.argsort(first, kind="stable")].astype(np.int64)
+    out.flags.writeable = False
+    return out
+  return derived(tp, "renamed_devices", build)
+
+
+def structure(tp) -> Structure:
+  """What `tp`'s chunks depend on: itemsize, rank, boxes, parents, and its devices
+  renamed (`renamed_devices`; cached on `tp`). TensorPlans of one structure (a model's
+  layers on other devices: 114 distinct TensorPlans, 22 structures in the DeepSeek-V3
+  plan) have the same chunks: they see devices only as equal or not (what is local,
+  what one device holds in one step)."""
+  def build(tp):
+    xs = tp.transfers
+    devices = renamed_devices(tp)
+    by_id = np.argsort(devices, kind="stable")
+    columns = [by_id[np.searchsorted(devices[by_id], c)] for c in (xs.src, xs.dst)]
+    columns += [xs.box, xs.parent]
+    return Structure((tp.itemsize, len(tp.src.shape), xs.boxes,
+                      tuple(sorted(xs.extra_parents.items())),
+                      b"".join(c.astype(np.int64).tobytes() for c in columns)), tp)
+  return derived(tp, "structure", build)
+
+
 @functools.lru_cache(maxsize=4096)
-def _structure_chunks(structure: _Structure, chunk_bytes: int) -> TensorChunks:
-  """The chunks of every TensorPlan of `structure` (built from its first)."""
-  return _build_tensor_chunks(structure.tp, chunk_bytes)
+def _structure_chunks(shape: Structure, chunk_bytes: int) -> TensorChunks:
+  """The chunks of every TensorPlan of structure `shape` (built from its first)."""
+  return _build_tensor_chunks(shape.tp, chunk_bytes)
 
 
 def _parent_pairs(xs):
