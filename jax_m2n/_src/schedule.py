@@ -252,9 +252,9 @@ def _slot_table(plan: Plan, bufs: Buffers, devices: np.ndarray) -> np.ndarray:
   for kind, per_device in ((SRC_SHARD, bufs.operands), (DST_SHARD, bufs.results),
                            (FULL_TMP, bufs.tmp)):
     for dev, slots in per_device.items():
-      j = position[dev]
-      for t, slot in slots.items():
-        table[kind, t, j] = slot
+      tensors = np.fromiter(slots.keys(), np.int64, len(slots))
+      table[kind, tensors, position[dev]] = np.fromiter(slots.values(), np.int64,
+                                                        len(slots))
   return table
 
 
@@ -477,8 +477,8 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
   for a in (base, part_start, src_ptr, by_source, dst_ptr, by_dest, prefix, width):
     a.flags.writeable = False
   return _Table(base, part_start, tensor, index, chunks.step, packed, packs, src_ptr,
-                by_source, dst_ptr, by_dest, devices, _slot_table(plan, bufs, devices), ws,
-                chunks.n_steps, prefix, width)
+                by_source, dst_ptr, by_dest, devices, _slot_table(plan, bufs, devices),
+                ws, chunks.n_steps, prefix, width)
 
 
 @functools.lru_cache(maxsize=16)
