@@ -282,16 +282,22 @@ class _Table:
   """A plan's ops for one (staging, types), kept per device: what `encode` needs to
   write any device's rows in O(its rows), built once by array arithmetic.
 
-  `base` holds the rows of each distinct TensorPlan once (tensor-local steps, slots and
-  packs unset); the op `i` of the plan (step order) is row `part_start[tensor[i]] +
-  index[i]` of it, with its plan step, tensor, slots and packs filled in by `_rows`.
+  `base` holds the rows of each distinct ops structure once (tensor-local steps,
+  devices, slots and packs unset), `src` and `dst` the devices of each distinct
+  TensorPlan's; the op `i` of the plan (step order) is row `part_start[tensor[i]] +
+  index[i]` of `base` on devices `dev_start[tensor[i]] + index[i]`, with its plan step,
+  tensor, slots and packs filled in by `rows`.
   `by_source[src_ptr[j]:src_ptr[j + 1]]` are the ops whose source is the device at
   position `j`, `by_dest[dst_ptr[j]:dst_ptr[j + 1]]` those whose destination is and
   whose source is not, each in op order (`device_ops` merges them).
   """
 
-  base: np.ndarray          # (rows of the distinct TensorPlans, OP_WIDTH)
+  base: np.ndarray          # (rows of the distinct ops structures, OP_WIDTH)
   part_start: np.ndarray    # (n_tensors,) first row of each tensor's part in `base`
+  src: np.ndarray           # (rows of the distinct TensorPlans,) source devices
+  dst: np.ndarray           # (rows of the distinct TensorPlans,) destination devices
+  dev_start: np.ndarray     # (n_tensors,) first row of each tensor's in `src`, `dst`
+  distinct: np.ndarray      # (distinct TensorPlans, 2): first row in `src`, in `base`
   tensor: np.ndarray        # (n_ops,) per op
   index: np.ndarray         # (n_ops,) chunk index in the tensor's part
   step: np.ndarray          # (n_ops,)
@@ -325,8 +331,10 @@ class _Table:
 
   def rows(self, ops: np.ndarray, width: int = OP_WIDTH) -> np.ndarray:
     """The rows (n, width) of `ops` (indices in op order): their first `width` fields."""
-    tensor = self.tensor[ops]
-    rows = self.base[self.part_start[tensor] + self.index[ops], :width]
+    tensor, index = self.tensor[ops], self.index[ops]
+    rows = self.base[self.part_start[tensor] + index, :width]
+    on = self.dev_start[tensor] + index
+    rows[:, 3], rows[:, 6] = self.src[on], self.dst[on]
     rows[:, 0] = self.step[ops]
     rows[:, 2] = tensor
     for dev_col, kind_col, slot_col in ((3, 4, 5), (6, 7, 8)):
@@ -404,9 +412,14 @@ def _group_by_device(ops: np.ndarray, pos: np.ndarray, n_devices: int):
   """(ptr, grouped): `ops` grouped by their device positions `pos`, in their order
   within a position (one stable sort): `grouped[ptr[j]:ptr[j + 1]]` are those at
   position `j`."""
-  ptr = np.zeros(n_devices + 1, np.int64)
-  ptr[1:] = np.cumsum(np.bincount(pos, minlength=n_devices))
-  return ptr, ops[np.argsort(pos, kind="stable")]
+  order = np.argsort(pos, kind="stable")
+  ptr = np.searchsorted(pos[order], np.arange(n_devices + 1, dtype=pos.dtype))
+  return ptr.astype(np.int64), ops[order]
+
+
+def _cat_rows(parts: list, empty: tuple) -> np.ndarray:
+  """`parts` (int64 arrays) concatenated; an array of shape `empty` when none."""
+  return np.concatenate(parts) if parts else np.zeros(empty, np.int64)
 
 
 @functools.lru_cache(maxsize=64)
@@ -417,23 +430,33 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
   chunks = plan.chunks
   devices = np.array(plan.devices, np.int64)
   ws = dict(bufs.tmp_bytes)
-  # The distinct TensorPlans' parts, once each.
-  first: dict[int, int] = {}
-  distinct = []
+  # The distinct TensorPlans' devices and their ops structures' rows (the TensorPlans
+  # of one share its rows array), once each.
+  first: dict[int, tuple[int, int]] = {}  # id(tp) -> (first device row, first row)
+  row_first: dict[int, int] = {}  # id(rows) -> first row in base
+  distinct, shapes = [], []
+  n_devs = n_rows = 0
   for tp in plan.tensors:
     if id(tp) not in first:
-      first[id(tp)] = sum(len(p.rows) for p in distinct)
-      distinct.append(_tensor_ops(tp, plan.chunk_bytes))
-  part_start = np.array([first[id(tp)] for tp in plan.tensors], np.int64)
-  base = np.zeros((0, OP_WIDTH), np.int64)
-  if distinct:
-    base = np.concatenate([p.rows for p in distinct])
-    base[:, 3] = np.concatenate([p.src for p in distinct])
-    base[:, 6] = np.concatenate([p.dst for p in distinct])
+      ops = _tensor_ops(tp, plan.chunk_bytes)
+      if id(ops.rows) not in row_first:
+        row_first[id(ops.rows)] = n_rows
+        n_rows += len(ops.rows)
+        shapes.append(ops)
+      first[id(tp)] = n_devs, row_first[id(ops.rows)]
+      n_devs += len(ops.src)
+      distinct.append(ops)
+  starts = np.array([first[id(tp)] for tp in plan.tensors], np.int64).reshape(-1, 2)
+  dev_start, part_start = starts[:, 0], starts[:, 1]
+  parts = np.array(list(first.values()), np.int64).reshape(-1, 2)
+  base = _cat_rows([p.rows for p in shapes], (0, OP_WIDTH))
+  src = _cat_rows([p.src for p in distinct], (0,))
+  dst = _cat_rows([p.dst for p in distinct], (0,))
   tensor, index = chunks.tensor, chunks.index
   row = part_start[tensor] + index
-  src_pos = _positions(devices, base[:, 3])[row]
-  dst_pos = _positions(devices, base[:, 6])[row]
+  on = dev_start[tensor] + index
+  src_pos = _positions(devices, src)[on]
+  dst_pos = _positions(devices, dst)[on]
   ops = np.arange(len(row), dtype=_index_dtype(len(row)))
   crossing = src_pos != dst_pos
   cross = ops[crossing]
@@ -441,8 +464,8 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
   dst_ptr, by_dest = _group_by_device(cross, dst_pos[cross], len(devices))
   packed = packs = None
   if staging and len(row):
-    src_pack = np.concatenate([p.src_pack for p in distinct])[row]
-    dst_pack = np.concatenate([p.dst_pack for p in distinct])[row]
+    src_pack = np.concatenate([p.src_pack for p in shapes])[row]
+    dst_pack = np.concatenate([p.dst_pack for p in shapes])[row]
     if types is not None:
       src_pack, dst_pack = _repack_for_types(types, tensor, base[row, 4], base[row, 7],
                                              crossing, src_pack, dst_pack)
@@ -455,7 +478,7 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
     op, dev = op[by_device], dev[by_device]
     op_side = (by_device >= len(src_op)).astype(np.int64)
     step = chunks.step[op]
-    size = np.concatenate([p.nbytes for p in distinct])[row[op]]
+    size = np.concatenate([p.nbytes for p in shapes])[row[op]]
     end = np.cumsum(size)
     new_group = np.ones(len(op), bool)
     new_group[1:] = (dev[1:] != dev[:-1]) | (step[1:] != step[:-1])
@@ -474,11 +497,12 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
       a.flags.writeable = False
   prefix = _prefix(plan, ws, chunks.n_steps, 0, types)
   width = np.array([OP_FIXED + 3 * len(tp.src.shape) for tp in plan.tensors], np.int64)
-  for a in (base, part_start, src_ptr, by_source, dst_ptr, by_dest, prefix, width):
+  for a in (base, part_start, src, dst, dev_start, parts, src_ptr, by_source, dst_ptr,
+            by_dest, prefix, width):
     a.flags.writeable = False
-  return _Table(base, part_start, tensor, index, chunks.step, packed, packs, src_ptr,
-                by_source, dst_ptr, by_dest, devices, _slot_table(plan, bufs, devices),
-                ws, chunks.n_steps, prefix, width)
+  return _Table(base, part_start, src, dst, dev_start, parts, tensor, index, chunks.step,
+                packed, packs, src_ptr, by_source, dst_ptr, by_dest, devices,
+                _slot_table(plan, bufs, devices), ws, chunks.n_steps, prefix, width)
 
 
 @functools.lru_cache(maxsize=16)
@@ -618,8 +642,13 @@ def _plan_digest(plan: Plan, staging: bool, types: tuple | None) -> bytes:
   h = hashlib.blake2b(digest_size=16)
   h.update(table.prefix.tobytes())
   h.update(table.slots.tobytes())
-  h.update(table.base.tobytes())
-  for a in (table.part_start, table.tensor, table.index, table.step):
+  # Each distinct TensorPlan's rows on its devices, and where each tensor's start.
+  ends = np.append(table.distinct[1:, 0], len(table.src))
+  for (d0, r0), d1 in zip(table.distinct.tolist(), ends.tolist()):
+    rows = table.base[r0:r0 + d1 - d0].copy()
+    rows[:, 3], rows[:, 6] = table.src[d0:d1], table.dst[d0:d1]
+    h.update(rows.tobytes())
+  for a in (table.dev_start, table.tensor, table.index, table.step):
     h.update(np.ascontiguousarray(a, np.int64).tobytes())
   if table.packed is not None:  # every op's offsets, -1 where none (per block)
     for start in range(0, len(table.step), _BLOCK_OPS):
