@@ -140,28 +140,52 @@ def buffers(plan: Plan) -> Buffers:
 @dataclasses.dataclass(frozen=True, eq=False)
 class _TensorOps:
   """The plan-independent part of one TensorPlan's ops, one row per chunk in
-  TensorChunks order: step local, tensor 0, slots and packs unset (-1)."""
+  TensorChunks order: step local, tensor 0, devices, slots and packs unset (-1); the
+  devices are `src` and `dst`. All but those are shared by the TensorPlans of one
+  `_ops_structure`."""
 
   rows: np.ndarray        # (n, OP_WIDTH)
+  src: np.ndarray         # (n,) source device of each op
+  dst: np.ndarray         # (n,) destination device
   src_pack: np.ndarray    # (n,) bool: cross-device and not contiguous on the source
   dst_pack: np.ndarray    # (n,) bool: same on the destination
   nbytes: np.ndarray      # (n,) aligned bytes of the chunk
 
 
 def _tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
-  return chunks_lib.derived(tp, ("ops", chunk_bytes),
-                            lambda tp: _build_tensor_ops(tp, chunk_bytes))
+  """The ops of `tp` (cached on `tp`): its structure's, on its own devices."""
+  def build(tp):
+    shared = _structure_ops(_ops_structure(tp), chunk_bytes)
+    tc = chunks_lib.tensor_chunks(tp, chunk_bytes)
+    src = tp.transfers.src.astype(np.int64)[tc.transfer]
+    dst = tp.transfers.dst.astype(np.int64)[tc.transfer]
+    for a in (src, dst):
+      a.flags.writeable = False
+    return dataclasses.replace(shared, src=src, dst=dst)
+  return chunks_lib.derived(tp, ("ops", chunk_bytes), build)
 
 
-def _buffer_geometry(tp, device: int, kind: int):
-  """(origin, dims) of one buffer of one device, padded to MAX_RANK with (0, 1)."""
-  rank = len(tp.src.shape)
-  if kind == FULL_TMP:
-    origin, dims = (0,) * rank, tuple(tp.src.shape)
-  else:
-    box = (tp.src if kind == SRC_SHARD else tp.dst).box_of(device)
-    origin, dims = tuple(lo for lo, _ in box), tuple(hi - lo for lo, hi in box)
-  return origin + (0,) * (MAX_RANK - rank), dims + (1,) * (MAX_RANK - rank)
+def _ops_structure(tp) -> chunks_lib.Structure:
+  """What `tp`'s ops but their devices depend on: its chunks' structure, its shape,
+  stages and buffer kinds, and per renamed device its source and destination box.
+  TensorPlans of one such structure have the same ops on renamed devices."""
+  def build(tp):
+    xs = tp.transfers
+    # Each device's first box in a layout (Layout.box_of), by a dict built backwards.
+    src, dst = (dict(zip(reversed(layout.devices), reversed(layout.boxes)))
+                for layout in (tp.src, tp.dst))
+    boxes = tuple((src.get(d), dst.get(d))
+                  for d in chunks_lib.renamed_devices(tp).tolist())
+    return chunks_lib.Structure(
+        (chunks_lib.structure(tp).key, tuple(tp.src.shape), xs.stage.tobytes(),
+         xs.src_kind.tobytes(), xs.dst_kind.tobytes(), boxes), tp)
+  return chunks_lib.derived(tp, "ops_structure", build)
+
+
+@functools.lru_cache(maxsize=4096)
+def _structure_ops(shape: chunks_lib.Structure, chunk_bytes: int) -> _TensorOps:
+  """The ops of every TensorPlan of structure `shape` (built from its first)."""
+  return _build_tensor_ops(shape.tp, chunk_bytes)
 
 
 def _contiguous_rows(extent: np.ndarray, dims: np.ndarray) -> np.ndarray:
@@ -175,14 +199,22 @@ def _contiguous_rows(extent: np.ndarray, dims: np.ndarray) -> np.ndarray:
 
 
 def _geometry_columns(tp, dev: np.ndarray, kind: np.ndarray):
-  """(origin, dims) rows of the buffers (`dev`, `kind`) of `tp`: one geometry per
-  distinct pair (a route repeats few buffers over many transfers)."""
-  pairs, inverse = np.unique(dev.astype(np.int64) * 3 + kind, return_inverse=True)
-  geo = [_buffer_geometry(tp, int(p) // 3, int(p) % 3) for p in pairs.tolist()]
-  origin = np.array([g[0] for g in geo], np.int64).reshape(len(geo), MAX_RANK)
-  dims = np.array([g[1] for g in geo], np.int64).reshape(len(geo), MAX_RANK)
-  inverse = inverse.reshape(-1)
-  return origin[inverse], dims[inverse]
+  """(origin, dims) rows of the buffers (`dev`, `kind`) of `tp`, padded to MAX_RANK with
+  (0, 1): a full-tensor buffer spans the tensor, a shard its box in the source or
+  destination layout (the first entry of the device there)."""
+  rank = len(tp.src.shape)
+  origin = np.zeros((len(dev), MAX_RANK), np.int64)
+  dims = np.ones((len(dev), MAX_RANK), np.int64)
+  dims[kind == FULL_TMP, :rank] = tp.src.shape
+  for code, layout in ((SRC_SHARD, tp.src), (DST_SHARD, tp.dst)):
+    sel = np.flatnonzero(kind == code)
+    devices = np.array(layout.devices, np.int64)
+    boxes = np.array(layout.boxes, np.int64).reshape(len(devices), rank, 2)
+    by_id = np.argsort(devices, kind="stable")
+    at = by_id[np.searchsorted(devices[by_id], dev[sel])]
+    origin[sel, :rank] = boxes[at, :, 0]
+    dims[sel, :rank] = boxes[at, :, 1] - boxes[at, :, 0]
+  return origin, dims
 
 
 def _build_tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
@@ -199,8 +231,7 @@ def _build_tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
   rows[:, 0] = tc.step
   rows[:, 1] = xs.stage[tc.transfer]  # STAGES order: the format's stage codes
   rows[:, 2] = 0
-  rows[:, 3], rows[:, 4] = src, src_kind
-  rows[:, 6], rows[:, 7] = dst, dst_kind
+  rows[:, 4], rows[:, 7] = src_kind, dst_kind
   extent = tc.hi - tc.lo
   rows[:, OP_FIXED::3] = extent
   rows[:, OP_FIXED + 1::3] = tc.lo - s_origin
@@ -209,9 +240,9 @@ def _build_tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
   src_pack = cross & ~_contiguous_rows(extent, s_dims)
   dst_pack = cross & ~_contiguous_rows(extent, d_dims)
   nbytes = -(-(np.prod(extent, axis=1) * tp.itemsize) // ALIGN) * ALIGN
-  for a in (rows, src_pack, dst_pack, nbytes):
+  for a in (rows, src, dst, src_pack, dst_pack, nbytes):
     a.flags.writeable = False
-  return _TensorOps(rows, src_pack, dst_pack, nbytes)
+  return _TensorOps(rows, src, dst, src_pack, dst_pack, nbytes)
 
 
 def _slot_table(plan: Plan, bufs: Buffers, devices: np.ndarray) -> np.ndarray:
@@ -221,9 +252,9 @@ def _slot_table(plan: Plan, bufs: Buffers, devices: np.ndarray) -> np.ndarray:
   for kind, per_device in ((SRC_SHARD, bufs.operands), (DST_SHARD, bufs.results),
                            (FULL_TMP, bufs.tmp)):
     for dev, slots in per_device.items():
-      j = position[dev]
-      for t, slot in slots.items():
-        table[kind, t, j] = slot
+      tensors = np.fromiter(slots.keys(), np.int64, len(slots))
+      table[kind, tensors, position[dev]] = np.fromiter(slots.values(), np.int64,
+                                                        len(slots))
   return table
 
 
@@ -251,21 +282,31 @@ class _Table:
   """A plan's ops for one (staging, types), kept per device: what `encode` needs to
   write any device's rows in O(its rows), built once by array arithmetic.
 
-  `base` holds the rows of each distinct TensorPlan once (tensor-local steps, slots and
-  packs unset); the op `i` of the plan (step order) is row `part_start[tensor[i]] +
-  index[i]` of it, with its plan step, tensor, slots and packs filled in by `_rows`.
-  `by_device[ptr[j]:ptr[j + 1]]` are the ops that touch the device at position `j` (its
-  source or destination side), in op order.
+  `base` holds the rows of each distinct ops structure once (tensor-local steps,
+  devices, slots and packs unset), `src` and `dst` the devices of each distinct
+  TensorPlan's; the op `i` of the plan (step order) is row `part_start[tensor[i]] +
+  index[i]` of `base` on devices `dev_start[tensor[i]] + index[i]`, with its plan step,
+  tensor, slots and packs filled in by `rows`.
+  `by_source[src_ptr[j]:src_ptr[j + 1]]` are the ops whose source is the device at
+  position `j`, `by_dest[dst_ptr[j]:dst_ptr[j + 1]]` those whose destination is and
+  whose source is not, each in op order (`device_ops` merges them).
   """
 
-  base: np.ndarray          # (rows of the distinct TensorPlans, OP_WIDTH)
+  base: np.ndarray          # (rows of the distinct ops structures, OP_WIDTH)
   part_start: np.ndarray    # (n_tensors,) first row of each tensor's part in `base`
+  src: np.ndarray           # (rows of the distinct TensorPlans,) source devices
+  dst: np.ndarray           # (rows of the distinct TensorPlans,) destination devices
+  dev_start: np.ndarray     # (n_tensors,) first row of each tensor's in `src`, `dst`
+  distinct: np.ndarray      # (distinct TensorPlans, 2): first row in `src`, in `base`
   tensor: np.ndarray        # (n_ops,) per op
   index: np.ndarray         # (n_ops,) chunk index in the tensor's part
   step: np.ndarray          # (n_ops,)
-  packs: np.ndarray | None  # (n_ops, 2) src_pack, dst_pack offsets; None: no staging
-  ptr: np.ndarray           # (n_devices + 1,)
-  by_device: np.ndarray     # ops, grouped by device
+  packed: np.ndarray | None  # ops that pack on a side, ascending; None: no staging
+  packs: np.ndarray | None   # (len(packed), 2) src_pack, dst_pack offsets (-1: none)
+  src_ptr: np.ndarray       # (n_devices + 1,)
+  by_source: np.ndarray     # ops, grouped by source device
+  dst_ptr: np.ndarray       # (n_devices + 1,)
+  by_dest: np.ndarray       # cross-device ops, grouped by destination device
   devices: np.ndarray       # (n_devices,) global ids, ascending
   slots: np.ndarray         # `_slot_table`
   ws: dict                  # device -> workspace bytes
@@ -273,40 +314,55 @@ class _Table:
   prefix: np.ndarray        # header (n_ops 0), devices, ws, tensors
   width: np.ndarray         # (n_tensors,) record width of each tensor's ops
 
+  def device_ops(self, j: int) -> np.ndarray:
+    """The ops that touch the device at position `j` (its source or destination
+    side), in op order."""
+    return np.sort(np.concatenate([self.by_source[self.src_ptr[j]:self.src_ptr[j + 1]],
+                                   self.by_dest[self.dst_ptr[j]:self.dst_ptr[j + 1]]]))
+
+  def pack_rows(self, ops: np.ndarray) -> np.ndarray:
+    """The (src_pack, dst_pack) offsets (len(ops), 2) of `ops` (-1: none; staging)."""
+    out = np.full((len(ops), 2), -1, np.int64)
+    if len(self.packed):
+      at = np.minimum(np.searchsorted(self.packed, ops), len(self.packed) - 1)
+      hit = self.packed[at] == ops
+      out[hit] = self.packs[at[hit]]
+    return out
+
   def rows(self, ops: np.ndarray, width: int = OP_WIDTH) -> np.ndarray:
     """The rows (n, width) of `ops` (indices in op order): their first `width` fields."""
-    tensor = self.tensor[ops]
-    rows = self.base[self.part_start[tensor] + self.index[ops], :width]
+    tensor, index = self.tensor[ops], self.index[ops]
+    rows = self.base[self.part_start[tensor] + index, :width]
+    on = self.dev_start[tensor] + index
+    rows[:, 3], rows[:, 6] = self.src[on], self.dst[on]
     rows[:, 0] = self.step[ops]
     rows[:, 2] = tensor
     for dev_col, kind_col, slot_col in ((3, 4, 5), (6, 7, 8)):
       position = np.searchsorted(self.devices, rows[:, dev_col])
       rows[:, slot_col] = self.slots[rows[:, kind_col], tensor, position]
-    if self.packs is not None:
-      rows[:, 9:11] = self.packs[ops]
+    if self.packed is not None:
+      rows[:, 9:11] = self.pack_rows(ops)
     return rows
 
   def encode(self, ops: np.ndarray) -> np.ndarray:
     """The encoding of `ops`: the prefix, then each op's rank-sized record, written
-    per block of ops and per record width (no full-width copy of the ops)."""
+    per block of ops (a block's rows as wide as its widest record, each row's first
+    `width` fields kept in row-major order)."""
     head = len(self.prefix)
     width = self.width[self.tensor[ops]]
-    end = head + np.cumsum(width)
-    out = np.empty(int(end[-1]) if len(ops) else head, np.int64)
+    out = np.empty(head + int(width.sum()), np.int64)
     out[:head] = self.prefix
     out[5] = len(ops)
+    at = head
     for start in range(0, len(ops), _BLOCK_OPS):
       block = slice(start, start + _BLOCK_OPS)
       w_block = width[block]
-      first = int(end[block][0] - w_block[0])
-      if (w_block == w_block[0]).all():  # one width: the records are one slab
-        w = int(w_block[0])
-        out[first:first + w * len(w_block)] = self.rows(ops[block], w).reshape(-1)
-        continue
-      for w in np.unique(w_block).tolist():
-        sel = np.flatnonzero(w_block == w)
-        at = (end[block][sel] - w)[:, None] + np.arange(w)
-        out[at] = self.rows(ops[block][sel], w)
+      w = int(w_block.max())
+      rows = self.rows(ops[block], w)
+      if (w_block != w).any():
+        rows = rows[np.arange(w)[None, :] < w_block[:, None]]
+      out[at:at + rows.size] = rows.reshape(-1)
+      at += rows.size
     out = _narrow(out)
     out.flags.writeable = False
     return out
@@ -345,24 +401,25 @@ def widen(schedule: np.ndarray) -> np.ndarray:
 _BLOCK_OPS = 1 << 18
 
 
-def _group_by_device(src_pos: np.ndarray, dst_pos: np.ndarray, n_devices: int):
-  """(ptr, op, side): every op once per device it touches (the source side, and the
-  destination side where that is another device), grouped by device position, in op
-  order within a device: one stable sort."""
-  n = len(src_pos)
-  key = np.stack([src_pos, dst_pos], axis=1).reshape(-1)
-  keep = np.ones(2 * n, bool)
-  keep[1::2] = dst_pos != src_pos
-  entries = np.flatnonzero(keep)
-  key = key[entries]
-  if n_devices < (1 << 16):
-    key = key.astype(np.uint16)  # numpy sorts 16-bit keys stably by radix
-  order = np.argsort(key, kind="stable")
-  entries = entries[order]
-  ptr = np.zeros(n_devices + 1, np.int64)
-  ptr[1:] = np.cumsum(np.bincount(key, minlength=n_devices))
-  index = _index_dtype(n)
-  return ptr, (entries >> 1).astype(index), (entries & 1).astype(np.int8)
+def _positions(devices: np.ndarray, ids: np.ndarray) -> np.ndarray:
+  """The positions of device `ids` in `devices` (ascending): uint16 where they fit
+  (numpy sorts 16-bit keys stably by radix), else int64."""
+  pos = np.searchsorted(devices, ids)
+  return pos.astype(np.uint16) if len(devices) < (1 << 16) else pos
+
+
+def _group_by_device(ops: np.ndarray, pos: np.ndarray, n_devices: int):
+  """(ptr, grouped): `ops` grouped by their device positions `pos`, in their order
+  within a position (one stable sort): `grouped[ptr[j]:ptr[j + 1]]` are those at
+  position `j`."""
+  order = np.argsort(pos, kind="stable")
+  ptr = np.searchsorted(pos[order], np.arange(n_devices + 1, dtype=pos.dtype))
+  return ptr.astype(np.int64), ops[order]
+
+
+def _cat_rows(parts: list, empty: tuple) -> np.ndarray:
+  """`parts` (int64 arrays) concatenated; an array of shape `empty` when none."""
+  return np.concatenate(parts) if parts else np.zeros(empty, np.int64)
 
 
 @functools.lru_cache(maxsize=64)
@@ -373,57 +430,79 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
   chunks = plan.chunks
   devices = np.array(plan.devices, np.int64)
   ws = dict(bufs.tmp_bytes)
-  # The distinct TensorPlans' parts, once each.
-  first: dict[int, int] = {}
-  distinct = []
+  # The distinct TensorPlans' devices and their ops structures' rows (the TensorPlans
+  # of one share its rows array), once each.
+  first: dict[int, tuple[int, int]] = {}  # id(tp) -> (first device row, first row)
+  row_first: dict[int, int] = {}  # id(rows) -> first row in base
+  distinct, shapes = [], []
+  n_devs = n_rows = 0
   for tp in plan.tensors:
     if id(tp) not in first:
-      first[id(tp)] = sum(len(p.rows) for p in distinct)
-      distinct.append(_tensor_ops(tp, plan.chunk_bytes))
-  part_start = np.array([first[id(tp)] for tp in plan.tensors], np.int64)
-  base = (np.concatenate([p.rows for p in distinct]) if distinct
-          else np.zeros((0, OP_WIDTH), np.int64))
+      ops = _tensor_ops(tp, plan.chunk_bytes)
+      if id(ops.rows) not in row_first:
+        row_first[id(ops.rows)] = n_rows
+        n_rows += len(ops.rows)
+        shapes.append(ops)
+      first[id(tp)] = n_devs, row_first[id(ops.rows)]
+      n_devs += len(ops.src)
+      distinct.append(ops)
+  starts = np.array([first[id(tp)] for tp in plan.tensors], np.int64).reshape(-1, 2)
+  dev_start, part_start = starts[:, 0], starts[:, 1]
+  parts = np.array(list(first.values()), np.int64).reshape(-1, 2)
+  base = _cat_rows([p.rows for p in shapes], (0, OP_WIDTH))
+  src = _cat_rows([p.src for p in distinct], (0,))
+  dst = _cat_rows([p.dst for p in distinct], (0,))
   tensor, index = chunks.tensor, chunks.index
   row = part_start[tensor] + index
-  src_pos = np.searchsorted(devices, base[row, 3])
-  dst_pos = np.searchsorted(devices, base[row, 6])
-  ptr, by_device, side = _group_by_device(src_pos, dst_pos, len(devices))
-  packs = None
+  on = dev_start[tensor] + index
+  src_pos = _positions(devices, src)[on]
+  dst_pos = _positions(devices, dst)[on]
+  ops = np.arange(len(row), dtype=_index_dtype(len(row)))
+  crossing = src_pos != dst_pos
+  cross = ops[crossing]
+  src_ptr, by_source = _group_by_device(ops, src_pos, len(devices))
+  dst_ptr, by_dest = _group_by_device(cross, dst_pos[cross], len(devices))
+  packed = packs = None
   if staging and len(row):
-    packs = np.full((len(row), 2), -1, np.int64)
-    src_pack = np.concatenate([p.src_pack for p in distinct])[row]
-    dst_pack = np.concatenate([p.dst_pack for p in distinct])[row]
+    src_pack = np.concatenate([p.src_pack for p in shapes])[row]
+    dst_pack = np.concatenate([p.dst_pack for p in shapes])[row]
     if types is not None:
       src_pack, dst_pack = _repack_for_types(types, tensor, base[row, 4], base[row, 7],
-                                             src_pos != dst_pos, src_pack, dst_pack)
+                                             crossing, src_pack, dst_pack)
     # Pack areas: per (device, step), the ops' aligned bytes in op order (an op packs on
     # at most one side per device: packing ops cross devices).
-    flag = np.where(side == 0, src_pack[by_device], dst_pack[by_device])
-    entries = np.flatnonzero(flag)
-    op, op_side = by_device[entries], side[entries]
-    dev = np.searchsorted(ptr, entries, side="right") - 1
+    src_op, dst_op = np.flatnonzero(src_pack), np.flatnonzero(dst_pack)
+    op = np.concatenate([src_op, dst_op])
+    dev = np.concatenate([src_pos[src_op], dst_pos[dst_op]]).astype(np.int64)
+    by_device = np.lexsort((op, dev))
+    op, dev = op[by_device], dev[by_device]
+    op_side = (by_device >= len(src_op)).astype(np.int64)
     step = chunks.step[op]
-    size = np.concatenate([p.nbytes for p in distinct])[row[op]]
+    size = np.concatenate([p.nbytes for p in shapes])[row[op]]
     end = np.cumsum(size)
     new_group = np.ones(len(op), bool)
     new_group[1:] = (dev[1:] != dev[:-1]) | (step[1:] != step[:-1])
     group_start = np.maximum.accumulate(np.where(new_group, np.arange(len(op)), 0))
     used = end - size - (end - size)[group_start]
     tmp_bytes = np.array([bufs.tmp_bytes.get(int(d), 0) for d in devices], np.int64)
-    packs[op, op_side] = used + tmp_bytes[dev]
+    packed, at = np.unique(op, return_inverse=True)
+    packs = np.full((len(packed), 2), -1, np.int64)
+    packs[at.reshape(-1), op_side] = used + tmp_bytes[dev]
     peak = np.zeros(len(devices), np.int64)
     np.maximum.at(peak, dev, used + size)
     for j in np.flatnonzero(peak):
       d = int(devices[j])
       ws[d] = ws.get(d, 0) + int(peak[j])
-    packs.flags.writeable = False
+    for a in (packed, packs):
+      a.flags.writeable = False
   prefix = _prefix(plan, ws, chunks.n_steps, 0, types)
   width = np.array([OP_FIXED + 3 * len(tp.src.shape) for tp in plan.tensors], np.int64)
-  for a in (base, part_start, ptr, by_device, prefix, width):
+  for a in (base, part_start, src, dst, dev_start, parts, src_ptr, by_source, dst_ptr,
+            by_dest, prefix, width):
     a.flags.writeable = False
-  return _Table(base, part_start, tensor, index, chunks.step, packs, ptr, by_device,
-                devices, _slot_table(plan, bufs, devices), ws, chunks.n_steps, prefix,
-                width)
+  return _Table(base, part_start, src, dst, dev_start, parts, tensor, index, chunks.step,
+                packed, packs, src_ptr, by_source, dst_ptr, by_dest, devices,
+                _slot_table(plan, bufs, devices), ws, chunks.n_steps, prefix, width)
 
 
 @functools.lru_cache(maxsize=16)
@@ -503,14 +582,14 @@ def encode(plan: Plan, device: int | None = None, staging: bool = False,
   table = _table(plan, staging, types)
   j = int(np.searchsorted(table.devices, device))
   if j < len(table.devices) and table.devices[j] == device:
-    return table.encode(table.by_device[table.ptr[j]:table.ptr[j + 1]])
-  return table.encode(table.by_device[:0])
+    return table.encode(table.device_ops(j))
+  return table.encode(table.by_source[:0])
 
 
 def clear_caches() -> None:
-  """Forgets every cached encoding table, SPMD encoding, digest and buffer slots
-  (benchmarks of cold encoding)."""
-  for cache in (_table, _spmd, _plan_digest, buffers):
+  """Forgets every cached encoding table, SPMD encoding, digest, buffer slots and
+  shared ops (benchmarks of cold encoding)."""
+  for cache in (_table, _spmd, _plan_digest, buffers, _structure_ops):
     cache.cache_clear()
 
 
@@ -563,11 +642,18 @@ def _plan_digest(plan: Plan, staging: bool, types: tuple | None) -> bytes:
   h = hashlib.blake2b(digest_size=16)
   h.update(table.prefix.tobytes())
   h.update(table.slots.tobytes())
-  h.update(table.base.tobytes())
-  for a in (table.part_start, table.tensor, table.index, table.step):
+  # Each distinct TensorPlan's rows on its devices, and where each tensor's start.
+  ends = np.append(table.distinct[1:, 0], len(table.src))
+  for (d0, r0), d1 in zip(table.distinct.tolist(), ends.tolist()):
+    rows = table.base[r0:r0 + d1 - d0].copy()
+    rows[:, 3], rows[:, 6] = table.src[d0:d1], table.dst[d0:d1]
+    h.update(rows.tobytes())
+  for a in (table.dev_start, table.tensor, table.index, table.step):
     h.update(np.ascontiguousarray(a, np.int64).tobytes())
-  if table.packs is not None:
-    h.update(table.packs.tobytes())
+  if table.packed is not None:  # every op's offsets, -1 where none (per block)
+    for start in range(0, len(table.step), _BLOCK_OPS):
+      ops = np.arange(start, min(start + _BLOCK_OPS, len(table.step)))
+      h.update(table.pack_rows(ops).tobytes())
   return h.digest()
 
 

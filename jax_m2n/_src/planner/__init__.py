@@ -12,6 +12,7 @@ Pure and deterministic: every rank derives the same plan; never touches devices,
 buffers or JAX runtime state. This module re-exports what callers import.
 """
 
+from jax_m2n._src.planner import chunks as _chunks
 from jax_m2n._src.planner import plan as _plan
 from jax_m2n._src.planner import routes as _routes
 from jax_m2n._src.planner import size as _size
@@ -30,7 +31,8 @@ from jax_m2n._src.planner.transfers import (
 
 
 def clear_caches() -> None:
-  """Forgets every cached plan, tensor route and size bound (benchmarks of cold
-  planning, tests that look at what a fresh plan logs)."""
-  for cache in (_plan.plan_cached, _plan.plan_tensor, _size.tensor_size, _routes.shards):
+  """Forgets every cached plan, tensor route, size bound and shared chunks (benchmarks
+  of cold planning, tests that look at what a fresh plan logs)."""
+  for cache in (_plan.plan_cached, _plan.plan_tensor, _size.tensor_size, _routes.shards,
+                _chunks._structure_chunks):
     cache.cache_clear()

@@ -14,6 +14,9 @@ arithmetic. Pure; no devices, no encodings. The chunk size is the plan's
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
+
 import numpy as np
 
 from jax_m2n._src.layout import MAX_RANK, Box, box_size, intersect
@@ -56,44 +59,94 @@ def chunk_box(box: Box, itemsize: int, limit: int) -> list[Box]:
   return out
 
 
-def _tensor_chunks(transfers, itemsize: int, limit: int, rank: int):
-  """Per transfer of one tensor, its chunks as arrays (lo (k, rank), hi (k, rank),
-  step (k,)), steps local to the tensor. A transfer inside its one parent follows the
-  parent's chunks (chunk i reads exactly what parent chunk i wrote: their
-  intersections, one step later); any other is cut by `chunk_box` and each chunk runs
-  one step after the latest parent chunk it meets."""
-  out: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-  read = {p for x in transfers for p in x.parents}
+def _ranges(start: np.ndarray, count: np.ndarray):
+  """The ranges [start[i], start[i] + count[i]) concatenated: (i per element, the
+  element)."""
+  owner = np.repeat(np.arange(len(count), dtype=np.int64), count)
+  offset = np.cumsum(count) - count
+  return owner, start[owner] + np.arange(len(owner), dtype=np.int64) - offset[owner]
 
-  def arrays(boxes, steps):
-    b = np.array(boxes, np.int64).reshape(len(boxes), rank, 2)
-    return b[:, :, 0], b[:, :, 1], np.asarray(steps, np.int64).reshape(len(boxes))
 
-  for i, x in enumerate(transfers):
-    xlo = np.array([lo for lo, _ in x.box], np.int64).reshape(1, rank)
-    xhi = np.array([hi for _, hi in x.box], np.int64).reshape(1, rank)
-    if not x.parents:
-      size = limit if i in read else LEAF_CHUNK_FACTOR * limit
-      boxes = chunk_box(x.box, itemsize, size)
-      out.append(arrays(boxes, range(len(boxes))))
-      continue
-    parent = transfers[x.parents[0]]
-    if len(x.parents) == 1 and intersect(parent.box, x.box) == x.box:
-      plo, phi, pstep = out[x.parents[0]]
-      lo, hi = np.maximum(plo, xlo), np.minimum(phi, xhi)
-      meets = (lo < hi).all(axis=1)
-      out.append((lo[meets], hi[meets], pstep[meets] + 1))
-      continue
-    boxes = chunk_box(x.box, itemsize, limit)
-    blo, bhi, _ = arrays(boxes, [0] * len(boxes))
-    step = np.zeros(len(boxes), np.int64)
-    for p in x.parents:
-      plo, phi, pstep = out[p]
-      meets = ((np.maximum(blo[:, None], plo[None]) < np.minimum(bhi[:, None], phi[None]))
-               .all(axis=2))
-      step = np.maximum(step, np.where(meets, pstep[None] + 1, 0).max(axis=1, initial=0))
-    out.append((blo, bhi, step))
-  return out
+def _cut(xs, rows: np.ndarray, sizes: np.ndarray, itemsize: int, rank: int):
+  """The chunks of transfers `rows` of `xs` cut by `chunk_box` at `sizes` bytes, once
+  per distinct (box, size): (transfer, index in its transfer, lo, hi), padded to
+  MAX_RANK with (0, 1), in the order of `rows`."""
+  cuts: dict[tuple[int, int], list[Box]] = {}
+  boxes: list[Box] = []
+  counts = []
+  for b, size in zip(xs.box[rows].tolist(), sizes.tolist()):
+    cut = cuts.get((b, size))
+    if cut is None:
+      cut = cuts[(b, size)] = chunk_box(xs.boxes[b], itemsize, size)
+    boxes.extend(cut)
+    counts.append(len(cut))
+  counts = np.array(counts, np.int64)
+  a = np.array(boxes, np.int64).reshape(len(boxes), rank, 2)
+  lo = np.zeros((len(boxes), MAX_RANK), np.int64)
+  hi = np.ones((len(boxes), MAX_RANK), np.int64)
+  lo[:, :rank], hi[:, :rank] = a[:, :, 0], a[:, :, 1]
+  owner, index = _ranges(np.zeros(len(rows), np.int64), counts)
+  return rows[owner], index, lo, hi
+
+
+def _tensor_chunks(xs, itemsize: int, limit: int, rank: int, lo: np.ndarray,
+                   hi: np.ndarray):
+  """The chunks of every transfer of `xs` (boxes `lo`, `hi`: `_box_columns`) in transfer
+  order: (transfer (k,), step (k,), lo (k, MAX_RANK), hi (k, MAX_RANK)), steps local to
+  the tensor. A transfer inside its one parent follows the parent's chunks (chunk i
+  reads exactly what parent chunk i wrote: their intersections, one step later); any
+  other is cut by `chunk_box` (a leaf's chunk k at step k) and each chunk runs one step
+  after the latest parent chunk it meets (step 0 when it meets none). By array
+  arithmetic, one pass per wave of transfers whose parents are placed (`_waves`)."""
+  n = len(xs)
+  child, p = _parent_pairs(xs)
+  waves = _waves(n, child, p)
+  if waves is None:
+    raise ValueError("chunks: the transfers' parents form a cycle.")
+  n_parents = np.bincount(child, minlength=n)
+  read = np.zeros(n, bool)
+  read[p] = True
+  first = np.maximum(xs.parent.astype(np.int64), 0)
+  follows = ((n_parents == 1) & (lo[first] <= lo).all(axis=1)
+             & (hi <= hi[first]).all(axis=1) & (lo < hi).all(axis=1))
+  by_child = p[np.argsort(child, kind="stable")]  # each transfer's parents, in order
+  parent_start = np.cumsum(n_parents) - n_parents
+  # Placed chunks (every transfer's contiguous, from start[t], count[t] of them).
+  start, count = np.zeros(n, np.int64), np.zeros(n, np.int64)
+  placed = [np.zeros(0, np.int64), np.zeros(0, np.int64),
+            np.zeros((0, MAX_RANK), np.int64), np.zeros((0, MAX_RANK), np.int64)]
+  for w, wave in enumerate(waves):
+    if w == 0:
+      rows = np.flatnonzero(wave)
+      sizes = np.where(read[rows], limit, LEAF_CHUNK_FACTOR * limit)
+      pieces = [_cut(xs, rows, sizes, itemsize, rank)]
+    else:
+      _, step, plo, phi = placed
+      rows = np.flatnonzero(wave & follows)
+      owner, r = _ranges(start[first[rows]], count[first[rows]])
+      t = rows[owner]
+      clo, chi = np.maximum(plo[r], lo[t]), np.minimum(phi[r], hi[t])
+      meets = (clo < chi).all(axis=1)
+      pieces = [(t[meets], step[r][meets] + 1, clo[meets], chi[meets])]
+      rows = np.flatnonzero(wave & ~follows)
+      t, _, clo, chi = _cut(xs, rows, np.full(len(rows), limit), itemsize, rank)
+      # Every (chunk, parent of its transfer) pair, then every chunk of that parent.
+      j, k = _ranges(parent_start[t], n_parents[t])
+      q = by_child[k]
+      owner, r = _ranges(start[q], count[q])
+      j = j[owner]
+      meets = (np.maximum(clo[j], plo[r]) < np.minimum(chi[j], phi[r])).all(axis=1)
+      cut_step = np.zeros(len(t), np.int64)
+      np.maximum.at(cut_step, j, np.where(meets, step[r] + 1, 0))
+      pieces.append((t, cut_step, clo, chi))
+    for piece in pieces:  # a piece's transfers ascend, each one's chunks in order
+      c = np.bincount(piece[0], minlength=n)
+      has = c > 0
+      start[has] = len(placed[0]) + (np.cumsum(c) - c)[has]
+      count[has] = c[has]
+      placed = [np.concatenate([a, b]) for a, b in zip(placed, piece)]
+  order = np.argsort(placed[0], kind="stable")
+  return tuple(a[order] for a in placed)
 
 
 def derived(tp, key, build):
@@ -127,13 +180,99 @@ class TensorChunks:
 
 
 def tensor_chunks(tp, chunk_bytes: int) -> TensorChunks:
-  """The chunks of `tp` for `chunk_bytes` (cached on `tp`)."""
-  return derived(tp, ("chunks", chunk_bytes), lambda tp: _build_tensor_chunks(tp, chunk_bytes))
+  """The chunks of `tp` for `chunk_bytes` (cached on `tp`, and shared by the
+  TensorPlans of one `structure`)."""
+  return derived(tp, ("chunks", chunk_bytes),
+                 lambda tp: _structure_chunks(structure(tp), chunk_bytes))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Structure:
+  """A key for what is derived from a TensorPlan, with one TensorPlan that has it (to
+  derive it from; not compared): TensorPlans of equal keys derive the same. Compared
+  and hashed by `key`."""
+
+  key: tuple
+  tp: Any
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, Structure) and self.key == other.key
+
+  def __hash__(self) -> int:
+    return hash(self.key)
+
+
+def renamed_devices(tp) -> np.ndarray:
+  """The devices of `tp`'s transfers (sources, then destinations) in order of first
+  appearance: device k is renamed k in `structure` (cached on `tp`)."""
+  def build(tp):
+    xs = tp.transfers
+    ids, first = np.unique(np.concatenate([xs.src, xs.dst]), return_index=True)
+    out = ids[np.argsort(first, kind="stable")].astype(np.int64)
+    out.flags.writeable = False
+    return out
+  return derived(tp, "renamed_devices", build)
+
+
+def structure(tp) -> Structure:
+  """What `tp`'s chunks depend on: itemsize, rank, boxes, parents, and its devices
+  renamed (`renamed_devices`; cached on `tp`). TensorPlans of one structure (a model's
+  layers on other devices: 114 distinct TensorPlans, 22 structures in the DeepSeek-V3
+  plan) have the same chunks: they see devices only as equal or not (what is local,
+  what one device holds in one step)."""
+  def build(tp):
+    xs = tp.transfers
+    devices = renamed_devices(tp)
+    by_id = np.argsort(devices, kind="stable")
+    columns = [by_id[np.searchsorted(devices[by_id], c)] for c in (xs.src, xs.dst)]
+    columns += [xs.box, xs.parent]
+    return Structure((tp.itemsize, len(tp.src.shape), xs.boxes,
+                      tuple(sorted(xs.extra_parents.items())),
+                      b"".join(c.astype(np.int64).tobytes() for c in columns)), tp)
+  return derived(tp, "structure", build)
+
+
+@functools.lru_cache(maxsize=4096)
+def _structure_chunks(shape: Structure, chunk_bytes: int) -> TensorChunks:
+  """The chunks of every TensorPlan of structure `shape` (built from its first)."""
+  return _build_tensor_chunks(shape.tp, chunk_bytes)
+
+
+def _parent_pairs(xs):
+  """(child, parent) index arrays: one pair per parent of every transfer of `xs`."""
+  parent = xs.parent.astype(np.int64)
+  child = np.flatnonzero(parent >= 0)
+  p = parent[child]
+  if xs.extra_parents:  # every parent of a multi-parent one
+    multi = np.fromiter(xs.extra_parents, np.int64, len(xs.extra_parents))
+    lists = [xs.extra_parents[int(c)] for c in multi]
+    sizes = np.array([len(ps) for ps in lists], np.int64)
+    single = ~np.isin(child, multi)
+    child = np.concatenate([child[single], np.repeat(multi, sizes)])
+    p = np.concatenate([p[single], np.concatenate(lists).astype(np.int64)])
+  return child, p
+
+
+def _waves(n: int, child: np.ndarray, p: np.ndarray):
+  """The `n` transfers in waves (boolean masks), each transfer in the first wave after
+  all its parents' (`child`, `p`: `_parent_pairs`); the first wave holds those without a
+  parent. None on a cycle."""
+  done = np.ones(n, bool)
+  done[child] = False
+  out = [done.copy()]
+  while not done.all():
+    waiting = np.bincount(child[~done[p]], minlength=n)  # parents not placed yet
+    ready = ~done & (waiting == 0)
+    if not ready.any():
+      return None  # a cycle: not a route's parents
+    out.append(ready)
+    done |= ready
+  return out
 
 
 def _single_chunk_steps(xs, itemsize: int, limit: int, lo, hi):
   """The steps `_tensor_chunks` gives when every transfer of `xs` is one chunk, by
-  array arithmetic (one pass per depth); None otherwise.
+  array arithmetic (one pass per wave); None otherwise.
 
   Then a transfer's only chunk is its box, at step 0 without a parent, else one step
   after the latest parent it meets (their boxes intersect), and at step 0 when it meets
@@ -142,21 +281,12 @@ def _single_chunk_steps(xs, itemsize: int, limit: int, lo, hi):
   fan-out (routes._whole_fanout) has several parents.
   """
   n = len(xs)
-  parent = xs.parent.astype(np.int64)
-  child = np.flatnonzero(parent >= 0)
-  p = parent[child]
-  if xs.extra_parents:  # (child, parent) pairs: every parent of a multi-parent one
-    multi = np.fromiter(xs.extra_parents, np.int64, len(xs.extra_parents))
-    lists = [xs.extra_parents[int(c)] for c in multi]
-    sizes = np.array([len(ps) for ps in lists], np.int64)
-    single = ~np.isin(child, multi)
-    child = np.concatenate([child[single], np.repeat(multi, sizes)])
-    p = np.concatenate([p[single], np.concatenate(lists).astype(np.int64)])
+  child, p = _parent_pairs(xs)
   read = np.zeros(n, bool)
   read[p] = True
   size = np.where(read, limit, LEAF_CHUNK_FACTOR * limit)
   if xs.extra_parents:  # cut like any box inside no single parent (`_tensor_chunks`)
-    size[multi] = limit
+    size[np.fromiter(xs.extra_parents, np.int64, len(xs.extra_parents))] = limit
   elems = xs.box_elements
   if elems.dtype == object:
     return None
@@ -164,17 +294,13 @@ def _single_chunk_steps(xs, itemsize: int, limit: int, lo, hi):
   if not ((elems * itemsize <= size) | (elems <= 1)).all():
     return None
   meets = (np.maximum(lo[child], lo[p]) < np.minimum(hi[child], hi[p])).all(axis=1)
+  waves = _waves(n, child, p)
+  if waves is None:
+    return None
   step = np.zeros(n, np.int64)
-  done = np.ones(n, bool)
-  done[child] = False
-  while not done.all():
-    waiting = np.bincount(child[~done[p]], minlength=n)  # parents not placed yet
-    ready = ~done & (waiting == 0)
-    if not ready.any():
-      return None  # a cycle: not a route's parents
+  for ready in waves[1:]:
     pairs = ready[child]
     np.maximum.at(step, child[pairs], np.where(meets[pairs], step[p[pairs]] + 1, 0))
-    done |= ready
   return step
 
 
@@ -195,20 +321,10 @@ def _build_tensor_chunks(tp, limit: int) -> TensorChunks:
   lo, hi = _box_columns(xs, rank)
   step = _single_chunk_steps(xs, tp.itemsize, limit, lo, hi)
   if step is not None:
-    n = len(xs)
-    transfer = np.arange(n, dtype=np.int64)
+    transfer = np.arange(len(xs), dtype=np.int64)
   else:
-    # Records once (a list indexes faster than the planner's columns).
-    per_transfer = _tensor_chunks(list(xs), tp.itemsize, limit, rank)
-    counts = np.array([len(st) for _, _, st in per_transfer], np.int64)
-    n = int(counts.sum())
-    transfer = np.repeat(np.arange(len(per_transfer), dtype=np.int64), counts)
-    step = _cat([st for _, _, st in per_transfer]).astype(np.int64).reshape(n)
-    lo = np.zeros((n, MAX_RANK), np.int64)
-    hi = np.ones((n, MAX_RANK), np.int64)
-    if n:
-      lo[:, :rank] = np.concatenate([a for a, _, _ in per_transfer]).reshape(n, rank)
-      hi[:, :rank] = np.concatenate([b for _, b, _ in per_transfer]).reshape(n, rank)
+    transfer, step, lo, hi = _tensor_chunks(xs, tp.itemsize, limit, rank, lo, hi)
+  n = len(step)
   length = int(step.max()) + 1 if n else 0
   # Bytes per (device, local step) of non-local chunks: the tensor's footprint.
   src = tp.transfers.src.astype(np.int64)[transfer]
