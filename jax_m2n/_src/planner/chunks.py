@@ -349,14 +349,20 @@ class Chunks:
 
   A sequence of `Chunk` too (built on access; the arrays are what encoders use).
   Attributes: `tensor`, `index` (chunk index in the tensor's `TensorChunks`), `transfer`
-  (index into Plan.transfers), `step`, `order` (position of each chunk in the
-  tensor-by-tensor concatenation), `parts` (the `TensorChunks` of each tensor; boxes stay
-  there, per distinct TensorPlan, rather than copied per plan).
+  (index into Plan.transfers; built on first access), `step`, `order` (position of each
+  chunk in the tensor-by-tensor concatenation), `parts` (the `TensorChunks` of each
+  tensor; boxes stay there, per distinct TensorPlan, rather than copied per plan),
+  `first_transfer` (per tensor, the index of its first transfer in Plan.transfers).
   """
 
-  def __init__(self, tensor, index, transfer, step, order, parts):
-    self.tensor, self.index, self.transfer, self.step = tensor, index, transfer, step
-    self.order, self.parts = order, parts
+  def __init__(self, tensor, index, step, order, parts, first_transfer):
+    self.tensor, self.index, self.step = tensor, index, step
+    self.order, self.parts, self.first_transfer = order, parts, first_transfer
+
+  @functools.cached_property
+  def transfer(self) -> np.ndarray:
+    local = _cat([tc.transfer for tc in self.parts])[self.order]
+    return local + self.first_transfer[self.tensor]
 
   @property
   def n_steps(self) -> int:
@@ -401,13 +407,15 @@ def schedule_chunks(plan) -> Chunks:
     local = _cat([tc.step for tc in parts])
     step = local + np.repeat(np.array(_wave_offsets(parts, limit), local.dtype), counts)
   n_transfers = np.array([len(tp.transfers) for tp in plan.tensors], np.int64)
-  tensor = np.repeat(np.arange(len(parts), dtype=np.int64), counts)
-  first_transfer = np.cumsum(n_transfers) - n_transfers
-  index = np.arange(len(tensor), dtype=np.int64) - (np.cumsum(counts) - counts)[tensor]
-  transfer = _cat([tc.transfer for tc in parts]) + first_transfer[tensor]
   order = np.argsort(step, kind="stable")
-  return Chunks(tensor[order], index[order], transfer[order], step[order], order,
-                tuple(parts))
+  # Sorted by step: the tensor of each chunk by one gather, its index from its position
+  # in the concatenation, the steps from their counts.
+  tensor = np.repeat(np.arange(len(parts), dtype=np.int64), counts)[order]
+  index = order - (np.cumsum(counts) - counts)[tensor]
+  per_step = np.bincount(step)
+  step = np.repeat(np.arange(len(per_step), dtype=np.int64), per_step)
+  return Chunks(tensor, index, step, order, tuple(parts),
+                np.cumsum(n_transfers) - n_transfers)
 
 
 def _wave_offsets(parts, limit: int) -> list[int]:
