@@ -331,9 +331,8 @@ class _Table:
     rows[:, 3], rows[:, 6] = self.src[on], self.dst[on]
     rows[:, 0] = self.step[ops]
     rows[:, 2] = tensor
-    for dev_col, kind_col, slot_col in ((3, 4, 5), (6, 7, 8)):
-      position = np.searchsorted(self.devices, rows[:, dev_col])
-      rows[:, slot_col] = self.slots[rows[:, kind_col], tensor, position]
+    for kind_col, slot_col, position in ((4, 5, self.src_pos), (7, 8, self.dst_pos)):
+      rows[:, slot_col] = self.slots[rows[:, kind_col], tensor, position[ops]]
     if self.packed is not None:
       rows[:, 9:11] = self.pack_rows(ops)
     return rows
