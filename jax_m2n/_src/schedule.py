@@ -121,8 +121,6 @@ def buffers(plan: Plan) -> Buffers:
   order; full-tensor workspace buffers come first in the workspace, in tensor order."""
   operands: dict[int, dict[int, int]] = {}
   results: dict[int, dict[int, int]] = {}
-  tmp: dict[int, dict[int, int]] = {}
-  tmp_bytes: dict[int, int] = {}
   for t, tp in enumerate(plan.tensors):
     for d in tp.src.devices:
       slots = operands.setdefault(d, {})
@@ -130,11 +128,20 @@ def buffers(plan: Plan) -> Buffers:
     for d in tp.dst.devices:
       slots = results.setdefault(d, {})
       slots[t] = len(slots)
+  return Buffers(operands, results, *_tmp_buffers(plan))
+
+
+def _tmp_buffers(plan: Plan) -> tuple[dict[int, dict[int, int]], dict[int, int]]:
+  """`Buffers.tmp` and `Buffers.tmp_bytes`: per device its full-tensor workspace
+  buffers, in tensor order."""
+  tmp: dict[int, dict[int, int]] = {}
+  tmp_bytes: dict[int, int] = {}
+  for t, tp in enumerate(plan.tensors):
     for dev in sorted(_tmp_devices(tp)):
       offset = tmp_bytes.get(dev, 0)
       tmp.setdefault(dev, {})[t] = offset
       tmp_bytes[dev] = offset + _align(tp.nbytes)
-  return Buffers(operands, results, tmp, tmp_bytes)
+  return tmp, tmp_bytes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -245,16 +252,31 @@ def _build_tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
   return _TensorOps(rows, src, dst, src_pack, dst_pack, nbytes)
 
 
-def _slot_table(plan: Plan, bufs: Buffers, devices: np.ndarray) -> np.ndarray:
-  """(kind, tensor, device position) -> slot; -1 where the buffer does not exist."""
-  table = np.full((3, len(plan.tensors), len(devices)), -1, np.int64)
+def _slot_table(plan: Plan, tmp: dict[int, dict[int, int]],
+                devices: np.ndarray) -> np.ndarray:
+  """(kind, tensor, device position) -> slot; -1 where the buffer does not exist: the
+  slots of `buffers` by array arithmetic (a device's operand slot of a tensor counts
+  the earlier tensors whose source layout lists it; results alike), `tmp` its
+  workspace offsets (`_tmp_buffers`)."""
+  n = len(plan.tensors)
+  table = np.full((3, n, len(devices)), -1, np.int64)
+  for kind, side in ((SRC_SHARD, "src"), (DST_SHARD, "dst")):
+    by_layout: dict[int, tuple] = {}  # id -> (layout, its tensors): tensors share a few
+    for t, tp in enumerate(plan.tensors):
+      layout = getattr(tp, side)
+      by_layout.setdefault(id(layout), (layout, []))[1].append(t)
+    # Per (device position, tensor) 1 where listed; counted along the tensors (the
+    # contiguous axis: an int64 cumsum there is ~20x one across rows).
+    listed = np.zeros((len(devices), n), np.int64)
+    for layout, tensors in by_layout.values():
+      at = np.searchsorted(devices, np.array(layout.devices, np.int64))
+      listed[np.ix_(at, tensors)] = 1
+    table[kind] = np.where(listed == 1, np.cumsum(listed, axis=1) - 1, -1).T
   position = {int(d): j for j, d in enumerate(devices)}
-  for kind, per_device in ((SRC_SHARD, bufs.operands), (DST_SHARD, bufs.results),
-                           (FULL_TMP, bufs.tmp)):
-    for dev, slots in per_device.items():
-      tensors = np.fromiter(slots.keys(), np.int64, len(slots))
-      table[kind, tensors, position[dev]] = np.fromiter(slots.values(), np.int64,
-                                                        len(slots))
+  for dev, slots in tmp.items():
+    tensors = np.fromiter(slots.keys(), np.int64, len(slots))
+    table[FULL_TMP, tensors, position[dev]] = np.fromiter(slots.values(), np.int64,
+                                                          len(slots))
   return table
 
 
@@ -410,10 +432,10 @@ def _cat_rows(parts: list, empty: tuple) -> np.ndarray:
 def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
   """The ops of `plan` per device. `types`: per tensor (src_type, dst_type) codes, None
   when nothing converts; the plan's itemsizes are then the wire itemsizes."""
-  bufs = buffers(plan)
+  tmp, tmp_bytes = _tmp_buffers(plan)
   chunks = plan.chunks
   devices = np.array(plan.devices, np.int64)
-  ws = dict(bufs.tmp_bytes)
+  ws = dict(tmp_bytes)
   # The distinct TensorPlans' devices and their ops structures' rows (the TensorPlans
   # of one share its rows array), once each.
   first: dict[int, tuple[int, int]] = {}  # id(tp) -> (first device row, first row)
@@ -463,10 +485,10 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
     new_group[1:] = (dev[1:] != dev[:-1]) | (step[1:] != step[:-1])
     group_start = np.maximum.accumulate(np.where(new_group, np.arange(len(op)), 0))
     used = end - size - (end - size)[group_start]
-    tmp_bytes = np.array([bufs.tmp_bytes.get(int(d), 0) for d in devices], np.int64)
+    tmp_end = np.array([tmp_bytes.get(int(d), 0) for d in devices], np.int64)
     packed, at = np.unique(op, return_inverse=True)
     packs = np.full((len(packed), 2), -1, np.int64)
-    packs[at.reshape(-1), op_side] = used + tmp_bytes[dev]
+    packs[at.reshape(-1), op_side] = used + tmp_end[dev]
     peak = np.zeros(len(devices), np.int64)
     np.maximum.at(peak, dev, used + size)
     for j in np.flatnonzero(peak):
@@ -481,7 +503,7 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
     a.flags.writeable = False
   return _Table(base, part_start, src, dst, dev_start, parts, tensor, index, chunks.step,
                 packed, packs, src_pos, dst_pos, devices,
-                _slot_table(plan, bufs, devices), ws, chunks.n_steps, prefix, width)
+                _slot_table(plan, tmp, devices), ws, chunks.n_steps, prefix, width)
 
 
 @functools.lru_cache(maxsize=16)
