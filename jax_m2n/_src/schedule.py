@@ -459,12 +459,15 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
   src = _cat_rows([p.src for p in distinct], (0,))
   dst = _cat_rows([p.dst for p in distinct], (0,))
   tensor, index = chunks.tensor, chunks.index
-  row = part_start[tensor] + index
-  on = dev_start[tensor] + index
+  on = dev_start[tensor]  # per op its row in src, dst (in place: fewer fresh pages)
+  on += index
   src_pos = _positions(devices, src)[on]
   dst_pos = _positions(devices, dst)[on]
+  del on
   packed = packs = None
-  if staging and len(row):
+  if staging and len(tensor):
+    row = part_start[tensor]  # per op its row in base
+    row += index
     src_pack = np.concatenate([p.src_pack for p in shapes])[row]
     dst_pack = np.concatenate([p.dst_pack for p in shapes])[row]
     if types is not None:

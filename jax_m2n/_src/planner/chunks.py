@@ -349,15 +349,21 @@ class Chunks:
 
   A sequence of `Chunk` too (built on access; the arrays are what encoders use).
   Attributes: `tensor`, `index` (chunk index in the tensor's `TensorChunks`), `transfer`
-  (index into Plan.transfers; built on first access), `step`, `order` (position of each
-  chunk in the tensor-by-tensor concatenation), `parts` (the `TensorChunks` of each
-  tensor; boxes stay there, per distinct TensorPlan, rather than copied per plan),
-  `first_transfer` (per tensor, the index of its first transfer in Plan.transfers).
+  (index into Plan.transfers), `step`, `order` (position of each chunk in the
+  tensor-by-tensor concatenation), `parts` (the `TensorChunks` of each tensor; boxes stay
+  there, per distinct TensorPlan, rather than copied per plan), `starts` (per tensor,
+  the position of its first chunk in the concatenation), `first_transfer` (per tensor,
+  the index of its first transfer in Plan.transfers). `order` and `transfer` are built
+  on first access (the encoder reads neither).
   """
 
-  def __init__(self, tensor, index, step, order, parts, first_transfer):
+  def __init__(self, tensor, index, step, parts, starts, first_transfer):
     self.tensor, self.index, self.step = tensor, index, step
-    self.order, self.parts, self.first_transfer = order, parts, first_transfer
+    self.parts, self.starts, self.first_transfer = parts, starts, first_transfer
+
+  @functools.cached_property
+  def order(self) -> np.ndarray:
+    return self.starts[self.tensor] + self.index
 
   @functools.cached_property
   def transfer(self) -> np.ndarray:
@@ -404,17 +410,18 @@ def schedule_chunks(plan) -> Chunks:
   if plan.transport.matched_steps:
     step = _cat(_matched_steps(plan, parts))
   else:  # each tensor's local steps plus its wave's offset, in one pass
-    local = _cat([tc.step for tc in parts])
-    step = local + np.repeat(np.array(_wave_offsets(parts, limit), local.dtype), counts)
+    step = _cat([tc.step for tc in parts])
+    step += np.repeat(np.array(_wave_offsets(parts, limit), step.dtype), counts)
   n_transfers = np.array([len(tp.transfers) for tp in plan.tensors], np.int64)
-  order = np.argsort(step, kind="stable")
+  starts = np.cumsum(counts) - counts
   # Sorted by step: the tensor of each chunk by one gather, its index from its position
-  # in the concatenation, the steps from their counts.
-  tensor = np.repeat(np.arange(len(parts), dtype=np.int64), counts)[order]
-  index = order - (np.cumsum(counts) - counts)[tensor]
+  # in the concatenation (in place: fewer fresh pages), the steps from their counts.
+  index = np.argsort(step, kind="stable")
+  tensor = np.repeat(np.arange(len(parts), dtype=np.int64), counts)[index]
+  index -= starts[tensor]
   per_step = np.bincount(step)
   step = np.repeat(np.arange(len(per_step), dtype=np.int64), per_step)
-  return Chunks(tensor, index, step, order, tuple(parts),
+  return Chunks(tensor, index, step, tuple(parts), starts,
                 np.cumsum(n_transfers) - n_transfers)
 
 
