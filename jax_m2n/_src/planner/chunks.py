@@ -351,12 +351,24 @@ class Chunks:
   Attributes: `tensor`, `index` (chunk index in the tensor's `TensorChunks`), `transfer`
   (index into Plan.transfers), `step`, `order` (position of each chunk in the
   tensor-by-tensor concatenation), `parts` (the `TensorChunks` of each tensor; boxes stay
-  there, per distinct TensorPlan, rather than copied per plan).
+  there, per distinct TensorPlan, rather than copied per plan), `starts` (per tensor,
+  the position of its first chunk in the concatenation), `first_transfer` (per tensor,
+  the index of its first transfer in Plan.transfers). `order` and `transfer` are built
+  on first access (the encoder reads neither).
   """
 
-  def __init__(self, tensor, index, transfer, step, order, parts):
-    self.tensor, self.index, self.transfer, self.step = tensor, index, transfer, step
-    self.order, self.parts = order, parts
+  def __init__(self, tensor, index, step, parts, starts, first_transfer):
+    self.tensor, self.index, self.step = tensor, index, step
+    self.parts, self.starts, self.first_transfer = parts, starts, first_transfer
+
+  @functools.cached_property
+  def order(self) -> np.ndarray:
+    return self.starts[self.tensor] + self.index
+
+  @functools.cached_property
+  def transfer(self) -> np.ndarray:
+    local = _cat([tc.transfer for tc in self.parts])[self.order]
+    return local + self.first_transfer[self.tensor]
 
   @property
   def n_steps(self) -> int:
@@ -398,16 +410,19 @@ def schedule_chunks(plan) -> Chunks:
   if plan.transport.matched_steps:
     step = _cat(_matched_steps(plan, parts))
   else:  # each tensor's local steps plus its wave's offset, in one pass
-    local = _cat([tc.step for tc in parts])
-    step = local + np.repeat(np.array(_wave_offsets(parts, limit), local.dtype), counts)
+    step = _cat([tc.step for tc in parts])
+    step += np.repeat(np.array(_wave_offsets(parts, limit), step.dtype), counts)
   n_transfers = np.array([len(tp.transfers) for tp in plan.tensors], np.int64)
-  tensor = np.repeat(np.arange(len(parts), dtype=np.int64), counts)
-  first_transfer = np.cumsum(n_transfers) - n_transfers
-  index = np.arange(len(tensor), dtype=np.int64) - (np.cumsum(counts) - counts)[tensor]
-  transfer = _cat([tc.transfer for tc in parts]) + first_transfer[tensor]
-  order = np.argsort(step, kind="stable")
-  return Chunks(tensor[order], index[order], transfer[order], step[order], order,
-                tuple(parts))
+  starts = np.cumsum(counts) - counts
+  # Sorted by step: the tensor of each chunk by one gather, its index from its position
+  # in the concatenation (in place: fewer fresh pages), the steps from their counts.
+  index = np.argsort(step, kind="stable")
+  tensor = np.repeat(np.arange(len(parts), dtype=np.int64), counts)[index]
+  index -= starts[tensor]
+  per_step = np.bincount(step)
+  step = np.repeat(np.arange(len(per_step), dtype=np.int64), per_step)
+  return Chunks(tensor, index, step, tuple(parts), starts,
+                np.cumsum(n_transfers) - n_transfers)
 
 
 def _wave_offsets(parts, limit: int) -> list[int]:

@@ -57,13 +57,16 @@ class Traffic:
     for link, on in (("nvlink", ~network), ("network", network)):
       by_link[link] = int(n[on].sum())
     for side, at in ((egress, s_at), (ingress, d_at)):
-      # Devices in order of first appearance on this side (as a loop would add them).
+      # Per device position, its bytes over nvlink then network (exact sums: int64 or
+      # Python ints, as `nbytes` gives), devices in order of first appearance on this
+      # side (as a loop would add them).
+      loads = np.zeros(2 * len(devices), n.dtype)
+      np.add.at(loads, 2 * at + network, n)
       seen, first = np.unique(at, return_index=True)
-      for j in seen[np.argsort(first, kind="stable")].tolist():
-        side[int(devices[j])] = {"nvlink": 0, "network": 0}
-      for link, on in (("nvlink", ~network), ("network", network)):
-        for j, v in zip(*_sum_by(at[on], n[on])):
-          side[int(devices[j])][link] = v
+      seen = seen[np.argsort(first, kind="stable")]
+      for d, nvlink, net in zip(devices[seen].tolist(), loads[2 * seen].tolist(),
+                                loads[2 * seen + 1].tolist()):
+        side[d] = {"nvlink": nvlink, "network": net}
     return Traffic(by_link, egress, ingress)
 
   @staticmethod
@@ -94,20 +97,6 @@ class Traffic:
         worst = max(worst, _ms(loads["nvlink"], topo.nvlink_gbps),
                     _ms(loads["network"], topo.nic_gbps))
     return worst
-
-
-def _sum_by(keys: np.ndarray, values: np.ndarray) -> tuple[list[int], list[int]]:
-  """Exact integer sums of `values` per distinct key: (keys, sums) as Python ints."""
-  if not len(keys):
-    return [], []
-  order = np.argsort(keys, kind="stable")
-  keys, values = keys[order], values[order]
-  starts = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
-  if values.dtype == object:
-    sums = [sum(values[a:b].tolist()) for a, b in zip(starts, list(starts[1:]) + [len(keys)])]
-  else:
-    sums = np.add.reduceat(values, starts).tolist()
-  return keys[starts].tolist(), sums
 
 
 def sol_ms(tensors: Sequence[TensorPlan]) -> float:

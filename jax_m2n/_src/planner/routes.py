@@ -706,20 +706,27 @@ def _whole_fanout(xs: Transfers, whole: Sequence[Box | None], arr_seg: np.ndarra
   parent, depth = xs.parent.astype(np.int64), xs.depth.copy()
   order = np.argsort(agroup, kind="stable")       # arrivals by group, in order
   starts = np.searchsorted(agroup[order], np.arange(n_groups))
-  extra: dict[int, tuple[int, ...]] = {}
-  for f in reps.tolist():
-    g = int(f_group[f])
+  # Per merging group (in order of its first merged copy): the whole box, the first
+  # parent, the depth and every parent of its copies; then every copy at once.
+  rep_group = f_group[reps]
+  g_box, g_parent, g_depth = (np.zeros(n_groups, np.int64) for _ in range(3))
+  g_parents: dict[int, tuple[int, ...]] = {}
+  for g in rep_group.tolist():
+    if g in g_parents:
+      continue
     arrs = order[starts[g]:starts[g] + g_count[g]]
     b = whole[int(arr_seg[arrs[0]])]
     bid = box_ids.get(b)
     if bid is None:
       bid = box_ids[b] = len(boxes)
       boxes.append(b)
-    row = int(fan_pos[f])
     ps = arr_pos[arrs]
-    box[row], src_kind[row] = bid, DST_SHARD
-    parent[row], depth[row] = ps[0], int(xs.depth[ps].max()) + 1
-    extra[int(new_pos[row])] = tuple(new_pos[ps].tolist())
+    g_box[g], g_parent[g], g_depth[g] = bid, ps[0], int(xs.depth[ps].max()) + 1
+    g_parents[g] = tuple(new_pos[ps].tolist())
+  rows = fan_pos[reps]
+  box[rows], src_kind[rows] = g_box[rep_group], DST_SHARD
+  parent[rows], depth[rows] = g_parent[rep_group], g_depth[rep_group]
+  extra = {r: g_parents[g] for r, g in zip(new_pos[rows].tolist(), rep_group.tolist())}
   parent = np.where(parent >= 0, new_pos[np.maximum(parent, 0)], -1)
   return Transfers(0, xs.src[keep], xs.dst[keep], xs.stage[keep], src_kind[keep],
                    xs.dst_kind[keep], box[keep], tuple(boxes),
