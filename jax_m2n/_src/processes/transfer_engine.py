@@ -302,12 +302,7 @@ class Run:
     for wave in self.schedule.waves:
       if wave.copies:
         self._ready(wave.copy_inputs)
-        for (_, _, _, slots), got in zip(wave.copies, self._copy(wave.copies)):
-          for s, a in zip(slots, got):
-            arrays[s] = a
-      for prog in wave.programs:
-        for s, a in zip(prog.outputs, prog(arrays)):
-          arrays[s] = a
+      self._run_into(arrays, wave.copies, wave.programs)
       src, to, into = wave.moves
       if src:
         moved = jax.device_put([arrays[s] for s in src], list(to))
@@ -334,16 +329,23 @@ class Run:
     flat: list[Any] = [None] * sched.out_offsets[-1]
     if sched.copies:
       self._note_pointers(sched.copy_inputs)
-      for (_, _, _, at), got in zip(sched.copies, self._copy(sched.copies)):
-        for p, a in zip(at, got):
-          flat[p] = a
-    for prog in sched.assemble:
-      for p, a in zip(prog.outputs, prog(arrays)):
-        flat[p] = a
+    self._run_into(flat, sched.copies, sched.assemble)
     for p, s in sched.passthrough:
       flat[p] = arrays[s]
     offsets = sched.out_offsets
     return [flat[offsets[t]:offsets[t + 1]] for t in range(len(offsets) - 1)]
+
+  def _run_into(self, into: list[Any], copies, progs: Sequence[programs.Program]
+                ) -> None:
+    """Runs local copies (their inputs ready) then programs over this call's arrays,
+    each output stored at its position of `into` (copies: the last field of each;
+    programs: their `outputs`)."""
+    for (_, _, _, at), got in zip(copies, self._copy(copies)):
+      for p, a in zip(at, got):
+        into[p] = a
+    for prog in progs:
+      for p, a in zip(prog.outputs, prog(self.arrays)):
+        into[p] = a
 
   def _copy(self, copies) -> list[list[jax.Array]]:
     """Runs local copies ((copier, pointer slots, byte offsets, where the outputs
