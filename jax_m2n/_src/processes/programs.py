@@ -406,12 +406,7 @@ def _build(waves, leaves, out_dtypes, src_dtypes, wire, src_layouts, dst_layouts
         exprs.append(e)
         outs.append(pos)
         continue
-      boxes, outs, entries, at = copy_of.setdefault(d.id, ([], [], {}, []))
-      for slot, offset, cb in parts:
-        entry = entries.setdefault((slot, offset), len(entries))
-        boxes.append(cb._replace(out=len(outs), slot=entry))
-      outs.append(local_copy.Out(_shape(box), out_dtype))
-      at.append(pos)
+      _add_copy(copy_of, d.id, parts, _shape(box), out_dtype, pos)
     out_offsets.append(out_offsets[-1] + len(local_dst[t]))
   assemble = tuple(_program(devices[d], exprs, outs, b.where)
                    for d, (exprs, outs) in sorted(by_device.items()))
@@ -442,12 +437,7 @@ def _wave(b: _Builder, wave: Any, devices: dict[int, Any]) -> WaveSteps:
       exprs.append(e)
       slots.append(s)
       return s
-    boxes, outs, entries, slots = copies.setdefault(src, ([], [], {}, []))
-    for slot, offset, cb in parts:
-      entry = entries.setdefault((slot, offset), len(entries))
-      boxes.append(cb._replace(out=len(outs), slot=entry))
-    outs.append(local_copy.Out(shape, w))
-    slots.append(s)
+    _add_copy(copies, src, parts, shape, w, s)
     return s
 
   def unpack(item, slot) -> None:
@@ -510,6 +500,20 @@ def _wave(b: _Builder, wave: Any, devices: dict[int, Any]) -> WaveSteps:
   return WaveSteps(wave.depth, copied, inputs, programs,
                    (tuple(move_from), tuple(move_to), tuple(move_into)), tuple(sends),
                    tuple(recvs))
+
+
+def _add_copy(copies: dict, device: int, parts, shape: tuple[int, ...], dtype: np.dtype,
+              where: int) -> None:
+  """One more output (`shape`, `dtype`, going to `where`: a slot or an assembly's
+  position) of `device`'s local copy in `copies` ({device: (boxes, outs, entries,
+  where each output goes)}), read from `parts` ((slot, byte offset, Box) as
+  _Builder.copy_boxes gives them); each distinct (slot, offset) is one pointer."""
+  boxes, outs, entries, at = copies.setdefault(device, ([], [], {}, []))
+  for slot, offset, cb in parts:
+    entry = entries.setdefault((slot, offset), len(entries))
+    boxes.append(cb._replace(out=len(outs), slot=entry))
+  outs.append(local_copy.Out(shape, dtype))
+  at.append(where)
 
 
 def _copiers(copies: dict, devices: dict[int, Any]) -> tuple[tuple, tuple[int, ...]]:
