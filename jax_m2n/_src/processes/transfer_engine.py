@@ -259,12 +259,13 @@ def _all_ready(arrays: Sequence[jax.Array]) -> Callable[[], bool]:
 
 
 class Run:
-  """This process's part of one call, in steps that never wait: `request` (every
-  pull, of every wave, at once: a pull waits at the sender's server until the sender
-  offers its id), `offer` (after the agreement: every wave's programs, in-process
-  moves and sends, each reading arrays that may still be arriving: JAX orders them by
-  their data, so a leader forwards chunk c while chunk c + 1 arrives), `assemble`
-  (the destination shards), then `wait` for the outputs and what was pulled. No
+  """This process's part of one call: `request` (every pull, of every wave, at once:
+  a pull waits at the sender's server until the sender offers its id), `offer` (after
+  the agreement: every wave's reads, in-process moves and sends; programs, moves and
+  sends may read arrays still arriving, ordered by their data, while a wave's local
+  copies, which read raw pointers, first wait for their inputs: a leader forwards
+  wave w while wave w + 1 arrives), `wait` for what was pulled and what the
+  assembly reads, `assemble` (the destination shards), then `settle` for them. No
   key-value round per wave or chunk, and no Python step per transfer: the
   schedule's programs (programs.build, once per plan) hold every box."""
 
