@@ -188,7 +188,8 @@ def _plan_call(shapes, dtypes, srcs, dsts, options, out_dtypes, *, path, src_lay
   dst_layouts = _layouts(dsts, shapes)
   pairs = list(zip(dtypes, out_dtypes))
   distinct = {p: k for k, p in enumerate(dict.fromkeys(pairs))}
-  sizes, codes = schedule.wire_itemsizes([a for a, _ in distinct], [b for _, b in distinct])
+  sizes, codes = schedule.wire_itemsizes([a for a, _ in distinct],
+                                         [b for _, b in distinct])
   itemsizes = [sizes[distinct[p]] for p in pairs]
   types = None if codes is None else tuple(codes[distinct[p]] for p in pairs)
   plan = plan_layouts(tuple(src_layouts), dst_layouts, itemsizes, topology, options,

@@ -196,7 +196,8 @@ class _Builder:
                out_dtypes: Sequence[Any]):
     self.src_dtypes = [np.dtype(d) for d in src_dtypes]
     self.wire = [np.dtype(d) for d in wire]
-    floats = lambda a, c: a == c or bool(TYPE_CODES.get(a) and TYPE_CODES.get(c))  # noqa: E731
+    def floats(a, c):
+      return a == c or bool(TYPE_CODES.get(a) and TYPE_CODES.get(c))
     # Per leaf: whether one local copy converts its source to its result as the
     # source -> wire -> result conversions do (at most one of them converts).
     self.copyable = [floats(a, w) and floats(w, np.dtype(o)) and (a == w or w == o)
@@ -555,8 +556,10 @@ def _pack_boxes(b: _Builder, pieces, w: np.dtype):
       s_stride = [math.prod(src_shape[i + 1:]) for i in range(rank)]
       d_stride = [math.prod(shape[i + 1:]) for i in range(rank)]
       grids = np.meshgrid(*[np.arange(n) for n in ex[:k]], indexing="ij")
-      src_at = sum((st[i] + (grids[i] if i < k else 0)) * s_stride[i] for i in range(rank))
-      dst_at = sum((ds[i] + (grids[i] if i < k else 0)) * d_stride[i] for i in range(rank))
+      def at_k(start, i, k=k, grids=grids):  # index i along the piece's runs
+        return start[i] + (grids[i] if i < k else 0)
+      src_at = sum(at_k(st, i) * s_stride[i] for i in range(rank))
+      dst_at = sum(at_k(ds, i) * d_stride[i] for i in range(rank))
       src_at = np.broadcast_to(np.asarray(src_at, np.int64), grids[0].shape if k else ())
       dst_at = np.broadcast_to(np.asarray(dst_at, np.int64), src_at.shape)
       runs += src_at.size

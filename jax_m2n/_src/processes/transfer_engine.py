@@ -311,8 +311,9 @@ class Run:
           arrays[s] = a
       for peer, slots in wave.sends:
         out = [arrays[s] for s in slots]
-        transfer_server.await_pull(self.eng.server, uuid(self.tag, n, wave.depth, me, peer),
-                                   out, self._expiry)
+        transfer_server.await_pull(self.eng.server,
+                                   uuid(self.tag, n, wave.depth, me, peer), out,
+                                   self._expiry)
         stats["sent_bytes"] += sum(a.nbytes for a in out)
     if _fault_hook is not None:
       _fault_hook("offered")
