@@ -345,6 +345,38 @@ def test_pytree_one_plan_one_program_per_device():
   assert sorted(p.device.id for p in entry.programs) == list(range(8))
 
 
+def test_devices_of_one_buffer_signature_share_one_lowering():
+  # Every device holds shards of the same shapes: the call traces and lowers its
+  # program once and compiles one copy per device, each with that device's own
+  # schedule (were any device given another's, its bytes would differ or it would
+  # wait for peers that never come).
+  import jax.monitoring
+  devs = np.array(devices())
+  mesh = Mesh(devs.reshape(2, 4), ("a", "b"))
+  x = {"w": jax.device_put(random_data((16, 24), np.float32, 31),
+                           NamedSharding(mesh, P("a", "b"))),
+       "v": jax.device_put(random_data((8, 4), np.int16, 32),
+                           NamedSharding(mesh, P(None, "b")))}
+  dst = {"w": NamedSharding(mesh, P("b", "a")), "v": NamedSharding(mesh, P("b", "a"))}
+  counts = {"lowerings": 0, "compiles": 0}
+  events = {"/jax/core/compile/jaxpr_to_mlir_module_duration": "lowerings",
+            "/jax/core/compile/backend_compile_duration": "compiles"}
+
+  def on_event(event, duration, **_):
+    if event in events:
+      counts[events[event]] += 1
+
+  jax.monitoring.register_event_duration_secs_listener(on_event)
+  try:
+    y = jax_m2n.reshard(x, dst, timeout_s=60)
+    jax.block_until_ready(y)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_event)
+  for k in x:
+    assert_same_as_device_put(y[k], x[k], dst[k])
+  assert counts == {"lowerings": 1, "compiles": 8}, counts
+
+
 def test_pytree_inside_jit_one_custom_call():
   devs = np.array(devices())
   mesh = Mesh(devs, ("x",))

@@ -8,7 +8,9 @@ logic beyond the access itself; where a public spelling exists it is used instea
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import re
 from typing import Any, Sequence
 
@@ -90,6 +92,62 @@ def reusable_aval(y: jax.Array) -> Any:
   if _ArrayImpl is not None and type(y) is _ArrayImpl:
     return y.aval
   return None
+
+
+@functools.lru_cache(maxsize=1)
+def one_device_abstract_sharding() -> Sharding:
+  """A sharding of one device, none in particular (a 1-device AbstractMesh): a
+  program lowered with it is compiled for a device given then (`lower_abstract`)."""
+  mesh = jax.sharding.AbstractMesh((1,), ("d",))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def lower_abstract(jitted: Any, in_types: Sequence[Any], platform: str) -> Any:
+  """`jitted` lowered for `platform` over `one_device_abstract_sharding()` operands:
+  `.compile(device_assignment=(device,))` then places it on any one device."""
+  return jitted.trace(*in_types).lower(lowering_platforms=(platform,))
+
+
+def with_module(lowered: Any, edit: Any) -> Any:
+  """A copy of `lowered` (jax.stages.Lowered) whose MLIR module is a clone of its
+  own, changed in place by `edit(module)`; `lowered` itself is left as it was.
+
+  JAX has no public way to compile an edited module as a Lowered; this copies the
+  Lowered and its lowering (pxla.MeshComputation: `_hlo`, `_executable`).
+  """
+  from jax._src.lib.mlir import ir  # the MLIR bindings JAX lowers with
+  lowering = copy.copy(lowered._lowering)  # noqa: SLF001 - see above
+  module = lowering._hlo  # noqa: SLF001
+  with module.context:
+    # A Module, as the compiler takes it (an Operation's clone is a bare ModuleOp).
+    clone = ir.Module.parse(_bytecode(module))
+    edit(clone)
+  lowering._hlo = clone  # noqa: SLF001
+  lowering._executable = None  # noqa: SLF001 - the clone's compile is its own
+  out = copy.copy(lowered)
+  out._lowering = lowering  # noqa: SLF001
+  return out
+
+
+def _bytecode(module: Any) -> bytes:
+  """`module` as MLIR bytecode (parsed back by ir.Module.parse)."""
+  import io
+  buffer = io.BytesIO()
+  module.operation.write_bytecode(file=buffer)
+  return buffer.getvalue()
+
+
+def module_ops(module: Any) -> list[Any]:
+  """Every operation nested in an MLIR module (or its operation), outermost first."""
+  out, stack = [], [module.operation]
+  while stack:
+    op = stack.pop()
+    for region in op.regions:
+      for block in region.blocks:
+        for child in block.operations:
+          out.append(child.operation)
+          stack.append(child.operation)
+  return out
 
 
 def context_mesh() -> Any:

@@ -67,12 +67,11 @@ def _x64_for(dtypes: Sequence[Any]) -> bool:
   return x64 or any(jax.dtypes.canonicalize_dtype(d) != d for d in dtypes)
 
 
-def _lower(device, in_sig, out_sig, workspace: int, sched: np.ndarray, platform: str,
-           attrs: dict, cpu_async: bool, x64: bool) -> Any:
-  """One device's program, lowered (jax.stages.Lowered): the jax_m2n custom call over
-  its shards (the CPU generation ticket last), its results and workspace, for
-  `device`."""
-  sharding = _single_device_sharding(device)
+def _jitted(in_sig, out_sig, workspace: int, sched: np.ndarray, platform: str,
+            attrs: dict, cpu_async: bool, sharding: Sharding) -> tuple[Any, list]:
+  """One device's program before lowering: the jitted jax_m2n custom call over its
+  shards (the CPU generation ticket last), its results and workspace, and its
+  operands' types, all placed by `sharding` (one device's)."""
   in_types = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
               for shape, dtype in in_sig]
   if platform == "cpu":  # the generation ticket, last (see TICKETS)
@@ -95,8 +94,51 @@ def _lower(device, in_sig, out_sig, workspace: int, sched: np.ndarray, platform:
   # program of 857 results (0.22 -> 0.11 s CPU). A program without operands (a
   # destination-only device without a ticket) is placed by its outputs' sharding.
   jitted = jax.jit(body) if in_types else jax.jit(body, out_shardings=sharding)
+  return jitted, in_types
+
+
+def _lower(device, in_sig, out_sig, workspace: int, sched: np.ndarray, platform: str,
+           attrs: dict, cpu_async: bool, x64: bool) -> Any:
+  """One device's program, lowered for `device` (jax.stages.Lowered)."""
+  jitted, in_types = _jitted(in_sig, out_sig, workspace, sched, platform, attrs,
+                             cpu_async, _single_device_sharding(device))
   with jax.enable_x64(x64):
     return jitted.lower(*in_types)
+
+
+def _lower_shared(in_sig, out_sig, workspace: int, sched: np.ndarray, platform: str,
+                  attrs: dict, cpu_async: bool, x64: bool) -> Any:
+  """The program of every device of one buffer signature, lowered once for no device
+  in particular: `_for_device` makes each device's from it. Tracing and lowering a program of ~1,000 buffers costs ~50 ms and holds the GIL;
+  a device's copy with its own schedule costs ~2 ms."""
+  jitted, in_types = _jitted(in_sig, out_sig, workspace, sched, platform, attrs,
+                             cpu_async, jax_compat.one_device_abstract_sharding())
+  with jax.enable_x64(x64):
+    return jax_compat.lower_abstract(jitted, in_types, platform)
+
+
+def _for_device(shared: Any, sched: np.ndarray) -> Any:
+  """`shared` (from `_lower_shared`) with `sched` as its custom call's schedule: one
+  device's program, to compile with that device's assignment."""
+  return jax_compat.with_module(shared, lambda module: _set_schedule(module, sched))
+
+
+def _set_schedule(module: Any, sched: np.ndarray) -> None:
+  """Replaces the `schedule` attribute of the jax_m2n custom call in `module` (an MLIR
+  module of `_jitted`'s program: one such call) by `sched`."""
+  from jax._src.lib.mlir import ir  # the MLIR bindings JAX lowers with
+  from jax.interpreters import mlir
+  calls = [op for op in jax_compat.module_ops(module)
+           if op.name == "stablehlo.custom_call"
+           and ir.StringAttr(op.attributes["call_target_name"]).value == m2n_ffi.TARGET_NAME]
+  if len(calls) != 1:
+    raise ReshardRuntimeError(f"{API}: a lowered program must hold one "
+                              f"{m2n_ffi.TARGET_NAME} call; got {len(calls)}.")
+  op = calls[0]
+  config = ir.DictAttr(op.attributes["mhlo.backend_config"])
+  entries = {config[i].name: config[i].attr for i in range(len(config))}
+  entries["schedule"] = mlir.ir_attribute(sched)  # as jax.ffi.ffi_call writes it
+  op.attributes["mhlo.backend_config"] = ir.DictAttr.get(entries)
 
 
 def _extent(box) -> tuple[int, ...]:
@@ -427,30 +469,44 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
       missing.setdefault(key, []).append(len(programs) - 1)
       specs[key] = (device, in_sig, out_sig, workspace, sched)
 
-  # Lower the missing programs one after another on the lowering thread (tracing and
-  # lowering hold the GIL), each compiled on the compile pool as soon as it is lowered
-  # (XLA compiles without the GIL): lowering program i overlaps compiling the ones
-  # before it. Not on the calling thread: its thread-local contexts (a `jax.set_mesh`
-  # mesh above all) are the caller's, not these programs'. The caller's
-  # `jax.enable_x64` is one of them: the programs are traced under its value, or with
-  # x64 on where a leaf's dtype needs it (an int64 array made while x64 was on, moved
-  # after it was turned off, as jax.device_put moves it; the key says which).
-  # Each lowered module is freed by its compile's pool thread once compiled: held
-  # until every compile was done, 256 of them added 1.8 GiB to the peak RSS.
-  keys = list(missing)
+  # Lower the missing programs on the lowering thread (tracing and lowering hold the
+  # GIL), each compiled on the compile pool as soon as it is lowered (XLA compiles
+  # without the GIL): lowering program i overlaps compiling the ones before it. The
+  # devices of one buffer signature (shards of the same shapes and dtypes: a pipeline
+  # stage's, a mesh's) share one lowering, copied per device with its own schedule.
+  # Not on the calling thread: its thread-local contexts (a `jax.set_mesh` mesh above
+  # all) are the caller's, not these programs'. The caller's `jax.enable_x64` is one
+  # of them: the programs are traced under its value, or with x64 on where a leaf's
+  # dtype needs it (an int64 array made while x64 was on, moved after it was turned
+  # off, as jax.device_put moves it; the key says which). Each lowered module is freed
+  # by its compile's pool thread once compiled: held until every compile was done, 256
+  # of them added 1.8 GiB to the peak RSS.
+  groups: dict[tuple, list[Any]] = {}
+  for k in missing:
+    _, in_sig, out_sig, workspace, _ = specs[k]
+    groups.setdefault((in_sig, out_sig, workspace), []).append(k)
+  compile_pool = dispatch.build_pool("compile")
 
-  def lower_then_compile(spec) -> concurrent.futures.Future:
-    lowered = _lower(*spec, platform, attrs, cpu_async, x64)
-    return dispatch.build_pool("compile").submit(lowered.compile)
+  def lower_then_compile(group: list[Any]) -> list[concurrent.futures.Future]:
+    if len(group) == 1:
+      return [compile_pool.submit(
+          _lower(*specs[group[0]], platform, attrs, cpu_async, x64).compile)]
+    _, in_sig, out_sig, workspace, sched = specs[group[0]]
+    shared = _lower_shared(in_sig, out_sig, workspace, sched, platform, attrs,
+                           cpu_async, x64)
+    return [compile_pool.submit(_for_device(shared, specs[k][4]).compile,
+                                device_assignment=(specs[k][0],)) for k in group]
 
   lowering = dispatch.build_pool("lower")
-  futures, errors = gather_outcomes([lowering.submit(lower_then_compile, specs[k])
-                                     for k in keys])
-  concurrent.futures.wait([f for f in futures if f is not None])
-  compiled, compile_errors = gather_outcomes([f for f in futures if f is not None])
+  group_keys = list(groups.values())
+  lowered, errors = gather_outcomes([lowering.submit(lower_then_compile, g)
+                                     for g in group_keys])
+  futures = [f for fs in lowered if fs is not None for f in fs]
+  compiled, compile_errors = gather_outcomes(futures)
   for e in errors + compile_errors:
     if e is not None:
       raise e
+  keys = [k for g in group_keys for k in g]
   for k, c in zip(keys, compiled):
     program_cache[k] = c
     for i in missing[k]:
