@@ -123,6 +123,11 @@ def _for_device(shared: Any, sched: np.ndarray) -> Any:
   return jax_compat.with_module(shared, lambda module: _set_schedule(module, sched))
 
 
+def _compile_for_device(shared: Any, sched: np.ndarray, device: Any) -> Any:
+  """The compiled program of `device` from `shared`'s lowering with its schedule."""
+  return _for_device(shared, sched).compile(device_assignment=(device,))
+
+
 def _set_schedule(module: Any, sched: np.ndarray) -> None:
   """Replaces the `schedule` attribute of the jax_m2n custom call in `module` (an MLIR
   module of `_jitted`'s program: one such call) by `sched`."""
@@ -494,8 +499,11 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
     _, in_sig, out_sig, workspace, sched = specs[group[0]]
     shared = _lower_shared(in_sig, out_sig, workspace, sched, platform, attrs,
                            cpu_async, x64)
-    return [compile_pool.submit(_for_device(shared, specs[k][4]).compile,
-                                device_assignment=(specs[k][0],)) for k in group]
+    # Each device's copy is made on the compile thread, just before its compile: made
+    # here, all of them would wait in the pool's queue at once (at 256 devices, +1.5
+    # GiB of peak RSS).
+    return [compile_pool.submit(_compile_for_device, shared, specs[k][4], specs[k][0])
+            for k in group]
 
   lowering = dispatch.build_pool("lower")
   group_keys = list(groups.values())
