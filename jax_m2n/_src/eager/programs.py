@@ -109,8 +109,9 @@ def _lower(device, in_sig, out_sig, workspace: int, sched: np.ndarray, platform:
 def _lower_shared(in_sig, out_sig, workspace: int, sched: np.ndarray, platform: str,
                   attrs: dict, cpu_async: bool, x64: bool) -> Any:
   """The program of every device of one buffer signature, lowered once for no device
-  in particular: `_for_device` makes each device's from it. Tracing and lowering a program of ~1,000 buffers costs ~50 ms and holds the GIL;
-  a device's copy with its own schedule costs ~2 ms."""
+  in particular: `_for_device` makes each device's from it. Tracing and lowering a
+  program of ~1,000 buffers costs ~50 ms and holds the GIL; a device's copy with its
+  own schedule costs ~2 ms."""
   jitted, in_types = _jitted(in_sig, out_sig, workspace, sched, platform, attrs,
                              cpu_async, jax_compat.one_device_abstract_sharding())
   with jax.enable_x64(x64):
@@ -134,8 +135,8 @@ def _set_schedule(module: Any, sched: np.ndarray) -> None:
   from jax._src.lib.mlir import ir  # the MLIR bindings JAX lowers with
   from jax.interpreters import mlir
   calls = [op for op in jax_compat.module_ops(module)
-           if op.name == "stablehlo.custom_call"
-           and ir.StringAttr(op.attributes["call_target_name"]).value == m2n_ffi.TARGET_NAME]
+           if op.name == "stablehlo.custom_call" and ir.StringAttr(
+               op.attributes["call_target_name"]).value == m2n_ffi.TARGET_NAME]
   if len(calls) != 1:
     raise ReshardRuntimeError(f"{API}: a lowered program must hold one "
                               f"{m2n_ffi.TARGET_NAME} call; got {len(calls)}.")
@@ -493,9 +494,11 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
   compile_pool = dispatch.build_pool("compile")
 
   def lower_then_compile(group: list[Any]) -> list[concurrent.futures.Future]:
-    if len(group) == 1:
+    if len(group) == 1 or platform != "cpu":
+      # GPUs lower per device until a several-GPU run has checked the shared lowering
+      # there (the one-GPU machine never has two devices of one signature).
       return [compile_pool.submit(
-          _lower(*specs[group[0]], platform, attrs, cpu_async, x64).compile)]
+          _lower(*specs[k], platform, attrs, cpu_async, x64).compile) for k in group]
     _, in_sig, out_sig, workspace, sched = specs[group[0]]
     shared = _lower_shared(in_sig, out_sig, workspace, sched, platform, attrs,
                            cpu_async, x64)
