@@ -113,7 +113,8 @@ def with_module(lowered: Any, edit: Any) -> Any:
   own, changed in place by `edit(module)`; `lowered` itself is left as it was.
 
   JAX has no public way to compile an edited module as a Lowered; this copies the
-  Lowered and its lowering (pxla.MeshComputation: `_hlo`, `_executable`).
+  Lowered and its lowering (pxla.MeshComputation), replacing the module and the
+  compiled executable it caches.
   """
   from jax._src.lib.mlir import ir  # the MLIR bindings JAX lowers with
   lowering = copy.copy(lowered._lowering)  # noqa: SLF001 - see above
