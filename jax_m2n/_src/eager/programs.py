@@ -503,8 +503,7 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
     shared = _lower_shared(in_sig, out_sig, workspace, sched, platform, attrs,
                            cpu_async, x64)
     # Each device's copy is made on the compile thread, just before its compile: made
-    # here, all of them would wait in the pool's queue at once (at 256 devices, +1.5
-    # GiB of peak RSS).
+    # here, every copy would wait in the pool's queue at once.
     return [compile_pool.submit(_compile_for_device, shared, specs[k][4], specs[k][0])
             for k in group]
 
