@@ -109,24 +109,20 @@ def _lower(device, in_sig, out_sig, workspace: int, sched: np.ndarray, platform:
 def _lower_shared(in_sig, out_sig, workspace: int, sched: np.ndarray, platform: str,
                   attrs: dict, cpu_async: bool, x64: bool) -> Any:
   """The program of every device of one buffer signature, lowered once for no device
-  in particular: `_for_device` makes each device's from it. Tracing and lowering a
-  program of ~1,000 buffers costs ~50 ms and holds the GIL; a device's copy with its
-  own schedule costs ~2 ms."""
+  in particular: `_compile_for_device` makes each device's from it. Tracing and
+  lowering a program of ~1,000 buffers costs ~50 ms and holds the GIL; a device's copy
+  with its own schedule costs ~2 ms."""
   jitted, in_types = _jitted(in_sig, out_sig, workspace, sched, platform, attrs,
                              cpu_async, jax_compat.one_device_abstract_sharding())
   with jax.enable_x64(x64):
     return jax_compat.lower_abstract(jitted, in_types, platform)
 
 
-def _for_device(shared: Any, sched: np.ndarray) -> Any:
-  """`shared` (from `_lower_shared`) with `sched` as its custom call's schedule: one
-  device's program, to compile with that device's assignment."""
-  return jax_compat.with_module(shared, lambda module: _set_schedule(module, sched))
-
-
 def _compile_for_device(shared: Any, sched: np.ndarray, device: Any) -> Any:
-  """The compiled program of `device` from `shared`'s lowering with its schedule."""
-  return _for_device(shared, sched).compile(device_assignment=(device,))
+  """`device`'s compiled program: a copy of `shared` (from `_lower_shared`) with
+  `sched` as its custom call's schedule, compiled with that device's assignment."""
+  lowered = jax_compat.with_module(shared, lambda module: _set_schedule(module, sched))
+  return lowered.compile(device_assignment=(device,))
 
 
 def _set_schedule(module: Any, sched: np.ndarray) -> None:
