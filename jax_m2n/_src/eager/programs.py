@@ -440,40 +440,10 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
   attrs = dict(site=np.int64(site), timeout_ms=timeout, **extra)
   attrs_key = tuple((k, v.tobytes() if isinstance(v, np.ndarray) else v)
                     for k, v in sorted(attrs.items()))
-  programs: list[DeviceProgram] = []
-  missing: dict[Any, list[int]] = {}  # program key -> indices into programs
-  specs: dict[Any, tuple] = {}
-  result_index: dict[tuple[int, int], tuple[int, int]] = {}  # (leaf, dev) -> (prog, r)
-  for dev_id in local:
-    device = devices[dev_id]
-    ops = bufs.operands.get(dev_id, {})
-    res = bufs.results.get(dev_id, {})
-    operand_leaves = sorted(ops, key=ops.get)
-    result_leaves = sorted(res, key=res.get)
-    in_sig = tuple((_extent(src_layouts[t].box_of(dev_id)), dtypes[t])
-                   for t in operand_leaves)
-    out_sig = tuple((_extent(dst_layouts[t].box_of(dev_id)), out_dtypes[t])
-                    for t in result_leaves)
-    workspace = max(1, schedule.workspace_bytes(plan, dev_id, staging, types))
-    sched = schedule.encode(plan, dev_id, staging, types)
-    # A device's program depends on its schedule, its buffers and the call's attributes
-    # only: later builds of the same layouts (another pytree of them, an evicted
-    # entry) reuse it, compiling nothing.
-    key = (platform, dev_id, hashlib.blake2b(sched, digest_size=16).digest(),
-           sched.size, attrs_key, in_sig, out_sig, workspace, x64, cpu_async)
-    for r, t in enumerate(result_leaves):
-      result_index[(t, dev_id)] = (len(programs), r)
-    call = program_cache.get(key)
-    programs.append(DeviceProgram(
-        device, call, tuple((t, src_shard_index[t][dev_id]) for t in operand_leaves),
-        tuple(result_leaves)))
-    if call is None:
-      missing.setdefault(key, []).append(len(programs) - 1)
-      specs[key] = (device, in_sig, out_sig, workspace, sched)
-
-  # Lower the missing programs on the lowering thread (tracing and lowering hold the
-  # GIL), each compiled on the compile pool as soon as it is lowered (XLA compiles
-  # without the GIL): lowering program i overlaps compiling the ones before it. The
+  # Each missing program is lowered on the lowering thread (tracing and lowering hold
+  # the GIL) and compiled on the compile pool (XLA compiles without it) as soon as its
+  # device's schedule is encoded here: compiles start with the first device, not after
+  # the last one's encoding (256 devices: 2.5 s of encoding on this thread). On CPU the
   # devices of one buffer signature (shards of the same shapes and dtypes: a pipeline
   # stage's, a mesh's) share one lowering, copied per device with its own schedule.
   # Not on the calling thread: its thread-local contexts (a `jax.set_mesh` mesh above
@@ -483,40 +453,67 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
   # off, as jax.device_put moves it; the key says which). Each lowered module is freed
   # by its compile's pool thread once compiled: held until every compile was done, 256
   # of them added 1.8 GiB to the peak RSS.
-  groups: dict[tuple, list[Any]] = {}
-  for k in missing:
-    _, in_sig, out_sig, workspace, _ = specs[k]
-    groups.setdefault((in_sig, out_sig, workspace), []).append(k)
   compile_pool = dispatch.build_pool("compile")
+  lowering = dispatch.build_pool("lower")
+  shared: dict[tuple, Any] = {}  # buffer signature -> its lowering (lowering thread only)
 
-  def lower_then_compile(group: list[Any]) -> list[concurrent.futures.Future]:
-    if len(group) == 1 or platform != "cpu":
+  def lower_then_compile(device, in_sig, out_sig, workspace: int,
+                         sched: np.ndarray) -> concurrent.futures.Future:
+    if platform != "cpu":
       # GPUs lower per device until a several-GPU run has checked the shared lowering
       # there (the one-GPU machine never has two devices of one signature).
-      return [compile_pool.submit(
-          _lower(*specs[k], platform, attrs, cpu_async, x64).compile) for k in group]
-    _, in_sig, out_sig, workspace, sched = specs[group[0]]
-    shared = _lower_shared(in_sig, out_sig, workspace, sched, platform, attrs,
-                           cpu_async, x64)
-    # Each device's copy is made on the compile thread, just before its compile: made
+      return compile_pool.submit(
+          _lower(device, in_sig, out_sig, workspace, sched, platform, attrs, cpu_async,
+                 x64).compile)
+    sig = (in_sig, out_sig, workspace)
+    if sig not in shared:
+      shared[sig] = _lower_shared(in_sig, out_sig, workspace, sched, platform, attrs,
+                                  cpu_async, x64)
+    # The device's copy is made on the compile thread, just before its compile: made
     # here, every copy would wait in the pool's queue at once.
-    return [compile_pool.submit(_compile_for_device, shared, specs[k][4], specs[k][0])
-            for k in group]
+    return compile_pool.submit(_compile_for_device, shared[sig], sched, device)
 
-  lowering = dispatch.build_pool("lower")
-  group_keys = list(groups.values())
-  lowered, errors = gather_outcomes([lowering.submit(lower_then_compile, g)
-                                     for g in group_keys])
-  futures = [f for fs in lowered if fs is not None for f in fs]
-  compiled, compile_errors = gather_outcomes(futures)
+  programs: list[DeviceProgram] = []
+  pending: list[tuple[Any, concurrent.futures.Future]] = []  # (key, its lowering)
+  result_index: dict[tuple[int, int], tuple[int, int]] = {}  # (leaf, dev) -> (prog, r)
+  try:
+    for dev_id in local:
+      device = devices[dev_id]
+      ops = bufs.operands.get(dev_id, {})
+      res = bufs.results.get(dev_id, {})
+      operand_leaves = sorted(ops, key=ops.get)
+      result_leaves = sorted(res, key=res.get)
+      in_sig = tuple((_extent(src_layouts[t].box_of(dev_id)), dtypes[t])
+                     for t in operand_leaves)
+      out_sig = tuple((_extent(dst_layouts[t].box_of(dev_id)), out_dtypes[t])
+                      for t in result_leaves)
+      workspace = max(1, schedule.workspace_bytes(plan, dev_id, staging, types))
+      sched = schedule.encode(plan, dev_id, staging, types)
+      # A device's program depends on its schedule, its buffers and the call's
+      # attributes only: later builds of the same layouts (another pytree of them, an
+      # evicted entry) reuse it, compiling nothing.
+      key = (platform, dev_id, hashlib.blake2b(sched, digest_size=16).digest(),
+             sched.size, attrs_key, in_sig, out_sig, workspace, x64, cpu_async)
+      for r, t in enumerate(result_leaves):
+        result_index[(t, dev_id)] = (len(programs), r)
+      call = program_cache.get(key)
+      programs.append(DeviceProgram(
+          device, call, tuple((t, src_shard_index[t][dev_id]) for t in operand_leaves),
+          tuple(result_leaves)))
+      if call is None:
+        pending.append((key, lowering.submit(lower_then_compile, device, in_sig,
+                                             out_sig, workspace, sched)))
+  finally:
+    # Every submitted build is finished, even when encoding a later device failed.
+    lowered, errors = gather_outcomes([f for _, f in pending])
+    compiled, compile_errors = gather_outcomes([f for f in lowered if f is not None])
   for e in errors + compile_errors:
     if e is not None:
       raise e
-  keys = [k for g in group_keys for k in g]
-  for k, c in zip(keys, compiled):
+  missing = [i for i, p in enumerate(programs) if p.call is None]
+  for (k, _), i, c in zip(pending, missing, compiled):
     program_cache[k] = c
-    for i in missing[k]:
-      programs[i].call = c
+    programs[i].call = c
   compiled = [p.call for p in programs]
   # A reshard within one device (e.g. a dtype conversion in place) has no peer to wait
   # for: the calling thread dispatches it (no hand-off to the device's worker).
