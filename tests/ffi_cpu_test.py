@@ -598,6 +598,74 @@ def test_a_narrow_schedule_decodes_and_runs_as_its_wide_form():
   assert "tensor" in str(wide_error.value)
 
 
+def _packed(a):
+  """`a` (version 3) in the packed form, written here element by element (not by
+  jax_m2n's array arithmetic): version 5, the element count, then each element's zigzag
+  LEB128 bytes, little-endian words, the last zero-padded."""
+  stream = bytearray()
+  for v in (int(x) for x in a[8:]):
+    z = (v << 1) ^ (v >> 63)  # zigzag; Python ints: -1 -> 1, 1 -> 2
+    z &= (1 << 64) - 1
+    while True:
+      byte, z = z & 0x7F, z >> 7
+      stream.append(byte | (0x80 if z else 0))
+      if not z:
+        break
+  stream += bytes(-len(stream) % 8)
+  head = np.array(a[:8], np.int64)
+  head[1] = 5
+  return np.concatenate([head, [len(a) - 8], np.frombuffer(bytes(stream), "<i8")])
+
+
+def test_a_packed_schedule_decodes_and_runs_as_its_wide_form():
+  """Version 5 is version 3's elements as zigzag varints: the same decoded schedule
+  (fingerprint included, so peers may hold either form), the same bytes moved, the
+  same errors naming the same fields."""
+  tensors, ops = _simple()
+  wide = _encode(tensors, DEVICES, ops)
+  packed = _packed(wide)
+  assert len(packed) < len(wide) // 3
+  assert _ffi.decode_schedule(packed) == _ffi.decode_schedule(wide)
+  x, out = _run_simple(packed, _new_site())
+  _bytes_equal(out, np.roll(x, 1, axis=0))
+  bad = wide.copy()
+  bad[_OPS_AT + 2] = 5  # op 0's tensor
+  with pytest.raises(ValueError) as wide_error:
+    _ffi.decode_schedule(bad)
+  with pytest.raises(ValueError) as packed_error:
+    _ffi.decode_schedule(_packed(bad))
+  assert str(packed_error.value) == str(wide_error.value)
+
+
+def test_the_decoder_rejects_a_malformed_packed_body():
+  """A packed body must hold exactly its element count of varints, each at most 10
+  bytes, then less than a word of zero padding; the error names the rule."""
+  tensors, ops = _simple()
+  packed = _packed(_encode(tensors, DEVICES, ops))
+  count = int(packed[8])
+  cases = []
+  more = packed.copy()
+  more[8] = count + 1  # a padding byte read as one element more, or none left
+  cases.append((more, "cut off|sizes must add up"))
+  huge = packed.copy()
+  huge[8] = 8 * (len(packed) - 9) + 1
+  cases.append((huge, "must lie in"))
+  cases.append((packed[:8], "element count"))
+  padded = np.concatenate([packed, [0]])  # a whole word of padding
+  cases.append((padded, "padding must be less than a word"))
+  long = np.concatenate([packed[:8], [1], np.frombuffer(bytes([0xFF] * 10 + [1] + [0] * 5),
+                                                         "<i8")])
+  cases.append((long, "runs past 10 bytes"))
+  for encoded, message in cases:
+    with pytest.raises(ValueError, match=message):
+      _ffi.decode_schedule(encoded)
+  # A nonzero padding byte: the last word's high byte, where the stream ends earlier.
+  tail = _packed(np.concatenate([np.array([MAGIC, 3, 0, 0, 0, 0, OP_FIXED, 8]), [5]]))
+  tail[-1] |= 1 << 56
+  with pytest.raises(ValueError, match="padding byte 7 must be 0"):
+    _ffi.decode_schedule(tail)
+
+
 def _assert_site_works(site):
   tensors, ops = _simple()
   x, out = _run_simple(_encode(tensors, DEVICES, ops), site)

@@ -187,16 +187,24 @@ def _encode_reference(plan, device, staging):
 # --------------------------------------------------------------------------------------
 
 
-def _check_narrow_where_it_fits(have, want):
-  """`have` is `want` (version 3) narrow exactly where every element after the header
-  fits int32: half its body, rounded up."""
+def _varint_bytes(values) -> int:
+  """The bytes of `values` as zigzag LEB128 varints, counted one by one."""
+  total = 0
+  for v in (int(x) for x in values):
+    z = ((v << 1) ^ (v >> 63)) & ((1 << 64) - 1)
+    total += max(1, -(-z.bit_length() // 7))
+  return total
+
+
+def _check_packed(have, want):
+  """`have` is `want` (version 3) packed: its element count after the header, then
+  their varints in whole words."""
   body = want[schedule_lib.HEADER_WIDTH:]
-  fits = not len(body) or (body.min() > schedule_lib.PAD and body.max() < (1 << 31))
-  if fits:
-    assert have[1] == schedule_lib.NARROW_VERSION
-    assert len(have) == schedule_lib.HEADER_WIDTH + (len(body) + 1) // 2
-  else:
-    np.testing.assert_array_equal(have, want)
+  assert have[1] == schedule_lib.PACKED_VERSION
+  np.testing.assert_array_equal(have[:schedule_lib.HEADER_WIDTH][[0, *range(2, 8)]],
+                                want[:schedule_lib.HEADER_WIDTH][[0, *range(2, 8)]])
+  assert have[schedule_lib.HEADER_WIDTH] == len(body)
+  assert len(have) == schedule_lib.HEADER_WIDTH + 1 + -(-_varint_bytes(body) // 8)
 
 
 def _check_against_reference(plan):
@@ -212,7 +220,7 @@ def _check_against_reference(plan):
       want = _encode_reference(plan, device, staging)
       have = schedule_lib.encode(plan, device, staging)
       assert have.dtype == np.int64 and not have.flags.writeable
-      _check_narrow_where_it_fits(have, want)
+      _check_packed(have, want)
       np.testing.assert_array_equal(schedule_lib.widen(have), want,
                                     err_msg=f"device={device}, {staging=}")
       decoded = schedule_lib.decode(have)["ops"]
@@ -232,20 +240,25 @@ def _plan_of(cases, route, chunk, domain):
   return plan_reshard(srcs, dsts, sizes, Topology(domain_size=domain), route, chunk)
 
 
-def test_an_encoding_with_a_value_past_int32_stays_version_3():
+def test_an_encoding_with_values_past_int32_packs_and_decodes():
   """A 1-D tensor of 2^32 one-byte elements, split over 2 devices -> 4: its dim (in every
-  encoding's tensor table) and its starts pass 2^31, so no device's encoding (nor the
-  SPMD one) is narrow, and the decoder reads the ops back; a small tensor's is narrow."""
+  encoding's tensor table) and its starts pass 2^31 (5-byte varints), and the decoder
+  reads the ops back; every magnitude of an int64 packs and unpacks."""
   big = _plan_of([((1 << 32,), "mesh(a0=2) P('a0') @0", "mesh(a0=4) P('a0') @2", 1)],
                  "hierarchical", 1 << 30, None)
   for device in (None, *big.devices):
     enc = schedule_lib.encode(big, device)
-    assert enc[1] == schedule_lib.SCHEDULE_VERSION, device
-    assert enc[schedule_lib.HEADER_WIDTH:].max() >= 1 << 31
+    assert enc[1] == schedule_lib.PACKED_VERSION, device
+    wide = schedule_lib.widen(enc)
+    assert wide[schedule_lib.HEADER_WIDTH:].max() >= 1 << 31
     assert len(schedule_lib.decode(enc)["ops"]) == enc[5]
-  small = _plan_of([((64,), "mesh(a0=2) P('a0') @0", "mesh(a0=4) P('a0') @2", 4)],
-                   "hierarchical", 1 << 30, None)
-  assert schedule_lib.encode(small, 2)[1] == schedule_lib.NARROW_VERSION
+  values = [0, -1, 1, 63, -64, 64, -65, 8191, 8192, 2**31, -2**31 - 1, 2**62, -2**62,
+            np.iinfo(np.int64).max, np.iinfo(np.int64).min]
+  head = [schedule_lib.MAGIC, 3, 0, 0, 0, 0, schedule_lib.OP_FIXED, MAX_RANK]
+  probe = np.array(head + values, np.int64)
+  packed = schedule_lib.pack(probe)
+  assert len(packed) == schedule_lib.HEADER_WIDTH + 1 + -(-_varint_bytes(values) // 8)
+  np.testing.assert_array_equal(schedule_lib.widen(packed), probe)
 
 
 @hypothesis.settings(max_examples=150, deadline=None)
@@ -325,10 +338,11 @@ def test_256_device_plan_encodings_are_sized_by_each_device():
   layer per stage, four NVLink domains): each device's encoding holds the prefix and
   the rank-sized records of its own ops, and nothing builds the all-ops table.
 
-  Budget: an op is on at most two devices (its source and destination), at
-  4 * (11 + 3 * rank) bytes each (narrow: every value fits int32; 8 bytes an element in
-  version 3); this plan's 92,990 chunks are 1-, 2- and 3-D. Its encodings take 14.4 MiB
-  over all devices and 0.17 MiB on the busiest (version 3: 28.8 and 0.34 MiB;
+  Budget: an op is on at most two devices (its source and destination), at most
+  11 + 3 * rank elements each, packed as varints (1-2 bytes an element here; narrow took
+  4, version 3 8); this plan's 92,990 chunks are 1-, 2- and 3-D. Its encodings take
+  4.8 MiB over all devices and 0.060 MiB on the busiest (narrow: 14.4 and 0.17 MiB;
+  version 3: 28.8 and 0.34 MiB;
   231,680 chunks, 62.8 MiB and 0.84 MiB before a small shard's fan-out was merged into
   one copy per receiver, routes._whole_fanout; 582,656 chunks, 144.5 MiB and 1.15 MiB
   before small tensors were led by few replicas, routes.MIN_LEAD_BYTES; version 2's
@@ -356,11 +370,12 @@ def test_256_device_plan_encodings_are_sized_by_each_device():
     enc = schedule_lib.encode(plan, d)
     mine = (src_dev == d) | (dst_dev == d)
     body = head - schedule_lib.HEADER_WIDTH + int(width[mine].sum())
-    assert enc[1] == schedule_lib.NARROW_VERSION, d
-    assert enc.nbytes == 8 * (schedule_lib.HEADER_WIDTH + (body + 1) // 2), d
+    assert enc[1] == schedule_lib.PACKED_VERSION, d
+    assert enc[schedule_lib.HEADER_WIDTH] == body, d  # the elements, one varint each
+    assert enc.nbytes <= 8 * (schedule_lib.HEADER_WIDTH + 1) + 2 * body + 8, d
     sizes[d] = enc.nbytes
   assert schedule_lib._spmd.cache_info().currsize == 0  # noqa: SLF001
-  assert sum(sizes.values()) <= 15.1 * (1 << 20)
-  assert max(sizes.values()) <= 0.18 * (1 << 20)
+  assert sum(sizes.values()) <= 5.05 * (1 << 20)
+  assert max(sizes.values()) <= 0.064 * (1 << 20)
   # Trainer devices send their own shards only: a small part of a generator device's.
   assert max(sizes[d] for d in range(128)) * 4 < max(sizes.values())

@@ -183,8 +183,9 @@ ffi::Error DecodeHeader(const int64_t* a, int64_t size, Header* h) {
   if (version != kScheduleVersion) {
     return JAX_M2N_SCHEDULE_ERROR(
         "header VERSION must be " + std::to_string(kScheduleVersion) +
-        " (or " + std::to_string(kScheduleNarrowVersion) +
-        ", the same narrow: the versions this extension decodes); got " +
+        " (or " + std::to_string(kScheduleNarrowVersion) + " or " +
+        std::to_string(kSchedulePackedVersion) +
+        ", the same narrow or packed: the versions this extension decodes); got " +
         std::to_string(version) +
         ": the Python package and the extension are out of step, rebuild");
   }
@@ -542,6 +543,65 @@ std::vector<int64_t> Widen(ffi::Span<const int64_t> encoded) {
   return wide;
 }
 
+// A packed schedule (kSchedulePackedVersion) as the version-3 array it stands for:
+// the header with VERSION 3, then the count of elements the word after the header
+// gives, each read as a zigzag LEB128 varint from the bytes of the words after it.
+// Errors name the element and the byte; the padding must be zero and under a word.
+ffi::ErrorOr<std::vector<int64_t>> Unpack(ffi::Span<const int64_t> encoded) {
+  auto fail = [](const std::string& message) -> ffi::ErrorOr<std::vector<int64_t>> {
+    return ffi::Unexpected<ffi::Error>(
+        JAX_M2N_ERROR(kInvalidArgument, "schedule: packed body: " + message));
+  };
+  if (encoded.size() < static_cast<size_t>(kHeaderWidth + 1)) {
+    return fail("the word after the header (the element count) is missing");
+  }
+  const int64_t count = encoded[kHeaderWidth];
+  const int64_t n_bytes =
+      8 * (static_cast<int64_t>(encoded.size()) - kHeaderWidth - 1);
+  // Every element is at least one byte: a larger count cannot be read.
+  if (count < 0 || count > n_bytes) {
+    return fail("element count = " + std::to_string(count) + " must lie in [0, " +
+                std::to_string(n_bytes) + "], the bytes that follow it");
+  }
+  std::vector<uint8_t> bytes(static_cast<size_t>(n_bytes));
+  if (n_bytes > 0) {  // the words' bytes, little-endian
+    for (int64_t w = 0; w < n_bytes / 8; ++w) {
+      const uint64_t word = static_cast<uint64_t>(encoded[kHeaderWidth + 1 + w]);
+      for (int k = 0; k < 8; ++k) bytes[8 * w + k] = static_cast<uint8_t>(word >> (8 * k));
+    }
+  }
+  std::vector<int64_t> wide(encoded.begin(), encoded.begin() + kHeaderWidth);
+  wide[1] = kScheduleVersion;
+  wide.reserve(kHeaderWidth + count);
+  int64_t at = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    uint64_t z = 0;
+    for (int shift = 0;; shift += 7) {
+      if (at >= n_bytes) {
+        return fail("element " + std::to_string(i) + " of " + std::to_string(count) +
+                    " is cut off at byte " + std::to_string(at));
+      }
+      if (shift > 63) {
+        return fail("element " + std::to_string(i) + " at byte " + std::to_string(at) +
+                    " runs past 10 bytes (not an int64)");
+      }
+      const uint8_t b = bytes[at++];
+      z |= static_cast<uint64_t>(b & 0x7F) << shift;
+      if ((b & 0x80) == 0) break;
+    }
+    wide.push_back(static_cast<int64_t>(z >> 1) ^ -static_cast<int64_t>(z & 1));
+  }
+  if (n_bytes - at >= 8) {
+    return fail(std::to_string(n_bytes - at) + " bytes after element " +
+                std::to_string(count) + " of " + std::to_string(count) +
+                ": the padding must be less than a word");
+  }
+  for (int64_t k = at; k < n_bytes; ++k) {
+    if (bytes[k] != 0) return fail("padding byte " + std::to_string(k) + " must be 0");
+  }
+  return wide;
+}
+
 // The attribute in its order (docs/schedule_format.md): header, devices and their
 // workspace bytes, tensor records, op records; each section checked as it is read.
 ffi::ErrorOr<Schedule> DecodeWide(ffi::Span<const int64_t> encoded) {
@@ -601,12 +661,19 @@ ffi::ErrorOr<Schedule> DecodeWide(ffi::Span<const int64_t> encoded) {
 
 }  // namespace
 
-// Version 3 as it is; a narrow schedule widened first (its temporary freed on return).
+// Version 3 as it is; a narrow or packed schedule widened first (its temporary freed
+// on return).
 ffi::ErrorOr<Schedule> DecodeSchedule(ffi::Span<const int64_t> encoded) {
   if (encoded.size() >= static_cast<size_t>(kHeaderWidth) &&
       encoded[0] == kScheduleMagic && encoded[1] == kScheduleNarrowVersion) {
     const std::vector<int64_t> wide = Widen(encoded);
     return DecodeWide(ffi::Span<const int64_t>(wide.data(), wide.size()));
+  }
+  if (encoded.size() >= static_cast<size_t>(kHeaderWidth) &&
+      encoded[0] == kScheduleMagic && encoded[1] == kSchedulePackedVersion) {
+    ffi::ErrorOr<std::vector<int64_t>> wide = Unpack(encoded);
+    if (wide.has_error()) return ffi::Unexpected<ffi::Error>(wide.error());
+    return DecodeWide(ffi::Span<const int64_t>(wide->data(), wide->size()));
   }
   return DecodeWide(encoded);
 }

@@ -31,6 +31,11 @@ inline constexpr int64_t kScheduleVersion = 3;
 // when every value fits (docs/schedule_format.md, "Narrow schedules").
 inline constexpr int64_t kScheduleNarrowVersion = 4;
 inline constexpr int64_t kNarrowPad = -(int64_t{1} << 31);
+// The same records packed (docs/schedule_format.md, "Packed schedules"): after the
+// header, one word with the count of elements after the version-3 header, then
+// those elements as zigzag LEB128 varints, their bytes in little-endian words, the
+// last word zero-padded: what encoders write.
+inline constexpr int64_t kSchedulePackedVersion = 5;
 inline constexpr int64_t kHeaderWidth = 8;
 inline constexpr int64_t kMaxRank = 8;
 // elem_bytes, rank, dims, src_type, dst_type
