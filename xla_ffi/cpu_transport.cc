@@ -496,16 +496,16 @@ class Participant {
       return e;
     }
     const TensorSpec& spec = schedule_.tensors[op.tensor];
-    const ConstBoxRef from{src.data, src.dims.begin(), op.src.start.data()};
-    const BoxRef to{dst.data, dst.dims.begin(), op.dst.start.data()};
+    const ConstBoxRef from{src.data, src.dims.begin(), op.src.start};
+    const BoxRef to{dst.data, dst.dims.begin(), op.dst.start};
     // A converting tensor: one pass from the source buffer's type to the
     // destination's (the wire type only ever sits in the workspace).
     const ElemType src_type = TypeOf(spec, op.src.kind);
     const ElemType dst_type = TypeOf(spec, op.dst.kind);
     if (src_type != dst_type) {
-      ConvertBox(from, to, op.extent.data(), spec.rank, src_type, dst_type);
+      ConvertBox(from, to, op.extent, spec.rank, src_type, dst_type);
     } else {
-      CopyBox(from, to, op.extent.data(), spec.rank, src.elem_bytes);
+      CopyBox(from, to, op.extent, spec.rank, src.elem_bytes);
     }
     return ffi::Error::Success();
   }

@@ -141,6 +141,10 @@ std::string OpName(int64_t index, const Op& op) {
 
 }  // namespace
 
+// A 256-device refit program decodes ~8,000 ops: keep an op small (its dims are in
+// Schedule::coords).
+static_assert(sizeof(Op) <= 120, "an Op holds no per-dim arrays");
+
 int32_t Schedule::ParticipantIndex(int64_t device_id) const {
   auto it = std::lower_bound(devices.begin(), devices.end(), device_id);
   if (it == devices.end() || *it != device_id) return -1;
@@ -348,23 +352,23 @@ ffi::Error DecodeTensor(const int64_t* row, int64_t t, TensorSpec* spec) {
 }
 
 // An op's box: per dim its extent and the start in each side's buffer (local
-// coordinates); dims beyond the tensor's rank are (1, 0, 0). Sets op->extent, the
-// ends' starts and op->bytes.
+// coordinates), appended to `coords` (the tensor's rank extents, then src starts,
+// then dst starts; DecodeWide points the op at them once every op is read). Sets
+// op->bytes.
 ffi::Error DecodeBox(const int64_t* row, const TensorSpec& spec,
-                     const std::string& full_name, Op* op) {
+                     const std::string& full_name, Op* op, std::vector<int64_t>* coords) {
   op->bytes = spec.elem_bytes;
-  for (int64_t d = spec.rank; d < kMaxRank; ++d) {  // not encoded (version 3)
-    op->extent[d] = 1;
-    op->src.start[d] = 0;
-    op->dst.start[d] = 0;
-  }
+  const int64_t rank = spec.rank;
+  const size_t at = coords->size();
+  coords->resize(at + 3 * rank);
+  int64_t* box = coords->data() + at;
   for (int64_t d = 0; d < spec.rank; ++d) {
     const int64_t extent = row[kOpFixedWidth + 3 * d];
     const int64_t src_start = row[kOpFixedWidth + 3 * d + 1];
     const int64_t dst_start = row[kOpFixedWidth + 3 * d + 2];
-    op->extent[d] = extent;
-    op->src.start[d] = src_start;
-    op->dst.start[d] = dst_start;
+    box[d] = extent;
+    box[rank + d] = src_start;
+    box[2 * rank + d] = dst_start;
     const std::string dim = "[" + std::to_string(d) + "]";
     if (extent < 0 || extent > spec.dims[d]) {
       return JAX_M2N_SCHEDULE_ERROR(
@@ -506,7 +510,9 @@ ffi::Error DecodeOp(const int64_t* row, int64_t remaining, int64_t i, const Head
         std::to_string(remaining) + " left in the attribute");
   }
   const std::string full_name = OpName(i, op);
-  if (ffi::Error e = DecodeBox(row, spec, full_name, &op); e.failure()) return e;
+  if (ffi::Error e = DecodeBox(row, spec, full_name, &op, &s->coords); e.failure()) {
+    return e;
+  }
   for (int side = 0; side < 2; ++side) {
     ffi::Error e = DecodeEnd(row, side, *s, spec, full_name, h.n_tensors, slot_tensor,
                              &op);
@@ -643,11 +649,22 @@ ffi::ErrorOr<Schedule> DecodeWide(ffi::Span<const int64_t> encoded) {
   SlotTensors slot_tensor;
   int64_t prev_step = 0;
   const int64_t* end = a + size;
+  // The records' elements beyond their fixed fields: their coordinates, if sizes add up.
+  s.coords.reserve(std::max<int64_t>(0, (end - ops) - h.n_ops * kOpFixedWidth));
   for (int64_t i = 0; i < h.n_ops; ++i) {
     int64_t width = 0;
     ffi::Error e = DecodeOp(ops, end - ops, i, h, &s, &prev_step, &slot_tensor, &width);
     if (e.failure()) return fail(std::move(e));
     ops += width;
+  }
+  // Every op's coordinates are in place (appended in op order): point the ops at them.
+  const int64_t* box = s.coords.data();
+  for (Op& op : s.ops) {
+    const int64_t rank = s.tensors[op.tensor].rank;
+    op.extent = box;
+    op.src.start = box + rank;
+    op.dst.start = box + 2 * rank;
+    box += 3 * rank;
   }
   if (ops != end) {
     return fail(JAX_M2N_ERROR(
@@ -713,8 +730,8 @@ ffi::Error CheckOpEnd(const Schedule& schedule, int32_t op_index, bool src_side,
     if (end.start[d] + op.extent[d] > buffer.dims[d]) {
       return JAX_M2N_ERROR(
           kInvalidArgument,
-          where() + ": box start " + FormatSpan(end.start.data(), rank) +
-              " + extent " + FormatSpan(op.extent.data(), rank) +
+          where() + ": box start " + FormatSpan(end.start, rank) +
+              " + extent " + FormatSpan(op.extent, rank) +
               " must lie inside the buffer's dims " +
               FormatSpan(buffer.dims.begin(), rank) + " (dim " +
               std::to_string(d) + ")");

@@ -89,34 +89,46 @@ int64_t ElemBytesOf(const TensorSpec& spec, BufferKind kind);
 
 // One side (source or destination) of an op.
 struct OpEnd {
-  int64_t device = 0;       // global device id
+  int64_t device = 0;  // global device id
+  int64_t slot = 0;    // meaning depends on `kind`
+  int64_t pack = -1;   // workspace byte offset of a staging area, -1 if none
+  // First index per dim, local coordinates: the tensor's rank values, held by the
+  // schedule (Schedule::coords).
+  const int64_t* start = nullptr;
   int32_t participant = 0;  // index of `device` in Schedule::devices
   BufferKind kind = BufferKind::kOperand;
-  int64_t slot = 0;   // meaning depends on `kind`
-  int64_t pack = -1;  // workspace byte offset of a staging area, -1 if none
-  std::array<int64_t, kMaxRank>
-      start{};  // first index per dim, local coordinates
 };
 
-// One copy of a box of one tensor from one buffer to another (a chunk).
+// One copy of a box of one tensor from one buffer to another (a chunk). 120 bytes
+// plus 24 a dim in the schedule's coordinates (a decoded op was 288 bytes with every
+// dim of kMaxRank inline: most of a 256-device refit program's decoded schedule).
 struct Op {
   int64_t step = 0;
-  Stage stage = Stage::kLocal;
   int64_t tensor = 0;
+  int64_t bytes = 0;  // elem_bytes * prod(extent[:rank]): wire bytes
+  // Box size per dim: the tensor's rank values, held by the schedule (coords).
+  const int64_t* extent = nullptr;
   OpEnd src;
   OpEnd dst;
-  std::array<int64_t, kMaxRank> extent{};  // box size per dim; 1 for d >= rank
-  int64_t bytes = 0;  // elem_bytes * prod(extent[:rank]): wire bytes
+  Stage stage = Stage::kLocal;
 };
 
 // A decoded, validated schedule. Immutable after DecodeSchedule; safe to share
-// between threads.
+// between threads. Move-only: its ops point into its own `coords`.
 struct Schedule {
+  Schedule() = default;
+  Schedule(Schedule&&) = default;
+  Schedule& operator=(Schedule&&) = default;
+  Schedule(const Schedule&) = delete;
+  Schedule& operator=(const Schedule&) = delete;
+
   int64_t n_steps = 0;
   std::vector<int64_t> devices;   // global ids of the participants, ascending
   std::vector<int64_t> ws_bytes;  // workspace bytes each participant needs
   std::vector<TensorSpec> tensors;
   std::vector<Op> ops;  // sorted by step
+  // Per op, its tensor's rank values of extent, then src start, then dst start.
+  std::vector<int64_t> coords;
 
   // Per participant, indices into `ops` (in step order) of the ops it writes
   // (dst) and of the ops that touch it (src or dst).

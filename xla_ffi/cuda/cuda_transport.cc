@@ -188,8 +188,8 @@ ffi::ErrorOr<DevicePlanPtr> BuildDevicePlan(const Schedule& s,
       ffi::Span<const int64_t> sd = BufferDims(s, shapes, op, op.src);
       ffi::Span<const int64_t> dd = BufferDims(s, shapes, op, op.dst);
       const ElemType st = TypeOf(t, op.src.kind), dt = TypeOf(t, op.dst.kind);
-      Geometry g = Collapse(sd.begin(), op.src.start.data(), dd.begin(), op.dst.start.data(),
-                            op.extent.data(), t.rank, ElemBytesOf(t, op.src.kind),
+      Geometry g = Collapse(sd.begin(), op.src.start, dd.begin(), op.dst.start,
+                            op.extent, t.rank, ElemBytesOf(t, op.src.kind),
                             ElemBytesOf(t, op.dst.kind));
       if (g.n_outer == 0 && st == dt) {
         MemcpyTemplate m;
@@ -234,21 +234,21 @@ ffi::ErrorOr<DevicePlanPtr> BuildDevicePlan(const Schedule& s,
       // Gather the box into a dense staging area (send) / scatter it from one (receive),
       // narrowing before the send / widening after the receive when the types differ.
       if (is_src) {
-        Geometry g = Collapse(dims.begin(), mine.start.data(), nullptr, nullptr,
-                              op.extent.data(), t.rank, mine_bytes, t.elem_bytes);
+        Geometry g = Collapse(dims.begin(), mine.start, nullptr, nullptr,
+                              op.extent, t.rank, mine_bytes, t.elem_bytes);
         cur->pre.push_back(
             MakeCopy(g, RefOf(mine), Staging(mine.pack), mine_type, wire, index));
       } else {
-        Geometry g = Collapse(nullptr, nullptr, dims.begin(), mine.start.data(),
-                              op.extent.data(), t.rank, t.elem_bytes, mine_bytes);
+        Geometry g = Collapse(nullptr, nullptr, dims.begin(), mine.start,
+                              op.extent, t.rank, t.elem_bytes, mine_bytes);
         cur->post.push_back(
             MakeCopy(g, Staging(mine.pack), RefOf(mine), wire, mine_type, index));
       }
       ++plan->stats.kernel_tasks;
       p.buffer = Staging(mine.pack);
     } else {
-      Geometry g = Collapse(dims.begin(), mine.start.data(), nullptr, nullptr,
-                            op.extent.data(), t.rank, mine_bytes);
+      Geometry g = Collapse(dims.begin(), mine.start, nullptr, nullptr,
+                            op.extent, t.rank, mine_bytes);
       if (mine_type != wire) {
         return ffi::Unexpected(JAX_M2N_ERROR(
             kInvalidArgument,

@@ -349,8 +349,8 @@ ffi::ErrorOr<std::unique_ptr<PeerPlan>> BuildPeerPlan(const std::vector<const Pe
       PeerOp o;
       o.src_type = TypeOf(t, op.src.kind);
       o.dst_type = TypeOf(t, op.dst.kind);
-      o.g = Collapse(sd.begin(), op.src.start.data(), dd.begin(), op.dst.start.data(),
-                     op.extent.data(), t.rank, ElemBytesOf(t, op.src.kind),
+      o.g = Collapse(sd.begin(), op.src.start, dd.begin(), op.dst.start,
+                     op.extent, t.rank, ElemBytesOf(t, op.src.kind),
                      ElemBytesOf(t, op.dst.kind));
       o.src = RefOf(a, op.src, o.g.src_offset);
       o.dst = RefOf(p, op.dst, o.g.dst_offset);
