@@ -93,6 +93,7 @@ ffi::ErrorOr<std::unique_ptr<ReshardCpuState>> Instantiate(
   if (decoded.has_error()) return fail(decoded.error(), context);
   auto state = std::make_unique<ReshardCpuState>();
   state->schedule = std::move(decoded.value());
+  state->checked = std::make_unique<std::atomic<bool>[]>(state->schedule.devices.size());
   state->site = site;
   state->timeout_ms = timeout_ms;
   if (attrs.contains("network")) {
@@ -131,7 +132,8 @@ ffi::ErrorOr<std::unique_ptr<ReshardCpuState>> Instantiate(
   return Result(std::move(state));
 }
 
-// Maps XLA's buffers to the schedule's slots and checks them; on success fills
+// Maps XLA's buffers to the schedule's slots and checks them (once per
+// participant of the executable: their shapes never change); on success fills
 // `buffers`.
 ffi::Error CollectBuffers(const ReshardCpuState& state, int32_t participant,
                           const ffi::RemainingArgs& args, size_t n_operands,
@@ -189,7 +191,11 @@ ffi::Error CollectBuffers(const ReshardCpuState& state, int32_t participant,
     buffers->results.push_back(view);
     shapes.results.push_back(BufferShape{view.dims, view.elem_bytes});
   }
-  return CheckDeviceBuffers(state.schedule, participant, shapes);
+  std::atomic<bool>& checked = state.checked[participant];
+  if (checked.load(std::memory_order_acquire)) return ffi::Error::Success();
+  ffi::Error error = CheckDeviceBuffers(state.schedule, participant, shapes);
+  if (error.success()) checked.store(true, std::memory_order_release);
+  return error;
 }
 
 // The eager call's ticket: the last operand, an int32 scalar in
