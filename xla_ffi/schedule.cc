@@ -139,6 +139,13 @@ std::string OpName(int64_t index, const Op& op) {
          ")";
 }
 
+// An op's name for errors, formed only when one is raised: "op 3 (step 1, ...)".
+struct OpLabel {
+  int64_t index;
+  const Op* op;
+  std::string str() const { return OpName(index, *op); }
+};
+
 }  // namespace
 
 // A 256-device refit program decodes ~8,000 ops: keep an op small (its dims are in
@@ -356,7 +363,7 @@ ffi::Error DecodeTensor(const int64_t* row, int64_t t, TensorSpec* spec) {
 // then dst starts; DecodeWide points the op at them once every op is read). Sets
 // op->bytes.
 ffi::Error DecodeBox(const int64_t* row, const TensorSpec& spec,
-                     const std::string& full_name, Op* op, std::vector<int64_t>* coords) {
+                     const OpLabel& label, Op* op, std::vector<int64_t>* coords) {
   op->bytes = spec.elem_bytes;
   const int64_t rank = spec.rank;
   const size_t at = coords->size();
@@ -369,10 +376,10 @@ ffi::Error DecodeBox(const int64_t* row, const TensorSpec& spec,
     box[d] = extent;
     box[rank + d] = src_start;
     box[2 * rank + d] = dst_start;
-    const std::string dim = "[" + std::to_string(d) + "]";
+    auto dim = [d] { return "[" + std::to_string(d) + "]"; };
     if (extent < 0 || extent > spec.dims[d]) {
       return JAX_M2N_SCHEDULE_ERROR(
-          full_name + ": extent" + dim + " must be in [0, " +
+          label.str() + ": extent" + dim() + " must be in [0, " +
           std::to_string(spec.dims[d]) + "] (tensor dim " +
           std::to_string(d) + "); got " + std::to_string(extent));
     }
@@ -381,7 +388,7 @@ ffi::Error DecodeBox(const int64_t* row, const TensorSpec& spec,
           std::make_pair("dst.start", dst_start)}) {
       // Local coordinates: a shard is never larger than the global tensor.
       if (start < 0 || start > spec.dims[d] - extent) {
-        return JAX_M2N_SCHEDULE_ERROR(full_name + ": " + side + dim + " = " +
+        return JAX_M2N_SCHEDULE_ERROR(label.str() + ": " + side + dim() + " = " +
                                       std::to_string(start) + " with extent " +
                                       std::to_string(extent) +
                                       " must lie in tensor dim " + std::to_string(d) +
@@ -397,7 +404,7 @@ ffi::Error DecodeBox(const int64_t* row, const TensorSpec& spec,
 // slot (a workspace offset for the workspace), and staging area. A buffer holds one
 // tensor across all ops (`slot_tensor`).
 ffi::Error DecodeEnd(const int64_t* row, int side, const Schedule& s,
-                     const TensorSpec& spec, const std::string& full_name,
+                     const TensorSpec& spec, const OpLabel& label,
                      int64_t n_tensors, SlotTensors* slot_tensor, Op* op) {
   OpEnd& end = side == 0 ? op->src : op->dst;
   const char* which = side == 0 ? "src" : "dst";
@@ -409,12 +416,12 @@ ffi::Error DecodeEnd(const int64_t* row, int side, const Schedule& s,
   end.participant = s.ParticipantIndex(device);
   if (end.participant < 0) {
     return JAX_M2N_SCHEDULE_ERROR(
-        full_name + ": " + which + "_dev = " + std::to_string(device) +
+        label.str() + ": " + which + "_dev = " + std::to_string(device) +
         " must be one of the devices " + FormatList(s.devices));
   }
   const int64_t min_kind = side == 0 ? 0 : 1;
   if (kind < min_kind || kind > 2) {
-    return JAX_M2N_SCHEDULE_ERROR(full_name + ": " + which + "_kind must be " +
+    return JAX_M2N_SCHEDULE_ERROR(label.str() + ": " + which + "_kind must be " +
                                   (side == 0
                                        ? "0 (operand), 1 (result) or 2 (workspace)"
                                        : "1 (result) or 2 (workspace)") +
@@ -427,7 +434,7 @@ ffi::Error DecodeEnd(const int64_t* row, int side, const Schedule& s,
   if (end.kind == BufferKind::kWorkspace) {
     if (slot < 0 || slot > ws_bytes - spec.bytes) {
       return JAX_M2N_SCHEDULE_ERROR(
-          full_name + ": " + which + "_slot = " + std::to_string(slot) +
+          label.str() + ": " + which + "_slot = " + std::to_string(slot) +
           " is a workspace offset: the whole tensor (" +
           std::to_string(spec.bytes) + " bytes) must fit in ws[device " +
           std::to_string(device) + "] = " + std::to_string(ws_bytes) +
@@ -435,7 +442,7 @@ ffi::Error DecodeEnd(const int64_t* row, int side, const Schedule& s,
     }
   } else if (slot < 0 || slot >= n_tensors) {
     // A device has at most one operand and one result per tensor.
-    return JAX_M2N_SCHEDULE_ERROR(full_name + ": " + which +
+    return JAX_M2N_SCHEDULE_ERROR(label.str() + ": " + which +
                                   "_slot = " + std::to_string(slot) + " is a " +
                                   BufferKindName(end.kind) +
                                   " index and must be in [0, n_tensors = " +
@@ -447,14 +454,14 @@ ffi::Error DecodeEnd(const int64_t* row, int side, const Schedule& s,
   auto [it, inserted] = slot_tensor->emplace(key, op->tensor);
   if (!inserted && it->second != op->tensor) {
     return JAX_M2N_SCHEDULE_ERROR(
-        full_name + ": " + which + " " + BufferKindName(end.kind) + " " +
+        label.str() + ": " + which + " " + BufferKindName(end.kind) + " " +
         std::to_string(slot) + " of device " + std::to_string(device) +
         " holds tensor " + std::to_string(it->second) +
         " in an earlier op; one buffer must hold one tensor");
   }
   if (pack < -1 || (pack >= 0 && pack > ws_bytes - op->bytes)) {
     return JAX_M2N_SCHEDULE_ERROR(
-        full_name + ": " + which + "_pack = " + std::to_string(pack) +
+        label.str() + ": " + which + "_pack = " + std::to_string(pack) +
         " must be -1 or a staging area of " + std::to_string(op->bytes) +
         " bytes inside ws[device " + std::to_string(device) +
         "] = " + std::to_string(ws_bytes) + " bytes");
@@ -469,9 +476,10 @@ ffi::Error DecodeOp(const int64_t* row, int64_t remaining, int64_t i, const Head
                     Schedule* s, int64_t* prev_step, SlotTensors* slot_tensor,
                     int64_t* width) {
   Op& op = s->ops[i];
-  const std::string name = "op " + std::to_string(i);
+  // Names are formed only for an error: a 256-device program decodes ~8,000 ops.
+  auto name = [i] { return "op " + std::to_string(i); };
   if (remaining < kOpFixedWidth) {
-    return JAX_M2N_SCHEDULE_ERROR(name + ": sizes must add up: the record needs " +
+    return JAX_M2N_SCHEDULE_ERROR(name() + ": sizes must add up: the record needs " +
                                   std::to_string(kOpFixedWidth) +
                                   " elements at least; " + std::to_string(remaining) +
                                   " left in the attribute");
@@ -479,17 +487,17 @@ ffi::Error DecodeOp(const int64_t* row, int64_t remaining, int64_t i, const Head
   op.step = row[0];
   if (op.step < 0 || op.step >= h.n_steps) {
     return JAX_M2N_SCHEDULE_ERROR(
-        name + ": step must be in [0, n_steps = " + std::to_string(h.n_steps) +
+        name() + ": step must be in [0, n_steps = " + std::to_string(h.n_steps) +
         "); got " + std::to_string(op.step));
   }
   if (op.step < *prev_step) {
-    return JAX_M2N_SCHEDULE_ERROR(name + ": ops must be sorted by step; got step " +
+    return JAX_M2N_SCHEDULE_ERROR(name() + ": ops must be sorted by step; got step " +
                                   std::to_string(op.step) + " after step " +
                                   std::to_string(*prev_step));
   }
   *prev_step = op.step;
   if (row[1] < 0 || row[1] >= kNumStages) {
-    return JAX_M2N_SCHEDULE_ERROR(name +
+    return JAX_M2N_SCHEDULE_ERROR(name() +
                                   ": stage must be in [0, 5] (local, inject, "
                                   "forward, fanout, gather, bcast); got " +
                                   std::to_string(row[1]));
@@ -497,7 +505,7 @@ ffi::Error DecodeOp(const int64_t* row, int64_t remaining, int64_t i, const Head
   op.stage = static_cast<Stage>(row[1]);
   op.tensor = row[2];
   if (op.tensor < 0 || op.tensor >= h.n_tensors) {
-    return JAX_M2N_SCHEDULE_ERROR(name + ": tensor must be in [0, n_tensors = " +
+    return JAX_M2N_SCHEDULE_ERROR(name() + ": tensor must be in [0, n_tensors = " +
                                   std::to_string(h.n_tensors) + "); got " +
                                   std::to_string(op.tensor));
   }
@@ -505,16 +513,16 @@ ffi::Error DecodeOp(const int64_t* row, int64_t remaining, int64_t i, const Head
   *width = OpWidth(spec.rank);
   if (remaining < *width) {
     return JAX_M2N_SCHEDULE_ERROR(
-        name + ": sizes must add up: the record of a rank-" + std::to_string(spec.rank) +
+        name() + ": sizes must add up: the record of a rank-" + std::to_string(spec.rank) +
         " tensor needs " + std::to_string(*width) + " elements; " +
         std::to_string(remaining) + " left in the attribute");
   }
-  const std::string full_name = OpName(i, op);
-  if (ffi::Error e = DecodeBox(row, spec, full_name, &op, &s->coords); e.failure()) {
+  const OpLabel label{i, &op};
+  if (ffi::Error e = DecodeBox(row, spec, label, &op, &s->coords); e.failure()) {
     return e;
   }
   for (int side = 0; side < 2; ++side) {
-    ffi::Error e = DecodeEnd(row, side, *s, spec, full_name, h.n_tensors, slot_tensor,
+    ffi::Error e = DecodeEnd(row, side, *s, spec, label, h.n_tensors, slot_tensor,
                              &op);
     if (e.failure()) return e;
   }
