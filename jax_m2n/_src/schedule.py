@@ -392,28 +392,30 @@ class _Table:
 def pack(wide: np.ndarray) -> np.ndarray:
   """`wide` (version 3) as PACKED_VERSION: each element after the header a zigzag
   LEB128 varint (1 byte below 64 in magnitude, 2 below 8192, at most 10), by array
-  arithmetic: an (elements, bytes of the longest) table of 7-bit groups in the
-  narrowest unsigned type that holds them, its used cells in row-major order."""
+  arithmetic in the narrowest unsigned type that holds them: each element's byte
+  count, its first byte's position, then byte k of the elements that have one."""
   body = np.asarray(wide[HEADER_WIDTH:], np.int64)
   zigzag = ((body << 1) ^ (body >> 63)).view(np.uint64)
   top = int(zigzag.max()) if len(body) else 0
   kind = np.uint16 if top < 1 << 16 else np.uint32 if top < 1 << 32 else np.uint64
-  rest = zigzag.astype(kind)
+  z = zigzag.astype(kind)
   width = max(1, -(-top.bit_length() // 7))
-  groups = np.empty((len(body), width), np.uint8)
-  used = np.ones((len(body), width), bool)
-  for k in range(width - 1):
-    more = rest >> kind(7)
-    groups[:, k] = (rest & kind(0x7F)) | (more > 0) * kind(0x80)
-    used[:, k + 1] = more > 0
-    rest = more
-  groups[:, width - 1] = rest  # < 0x80: `width` groups hold the largest
-  stream = groups[used]
-  out = np.zeros(HEADER_WIDTH + 1 + -(-len(stream) // 8), np.int64)
+  n_bytes = np.ones(len(z), np.uint8)
+  for k in range(1, width):
+    n_bytes += z >= kind(1 << (7 * k))
+  ends = np.cumsum(n_bytes, dtype=np.int64)
+  starts = ends - n_bytes
+  size = int(ends[-1]) if len(body) else 0
+  out = np.zeros(HEADER_WIDTH + 1 + -(-size // 8), np.int64)
   out[:HEADER_WIDTH] = wide[:HEADER_WIDTH]
   out[1] = PACKED_VERSION
   out[HEADER_WIDTH] = len(body)
-  out[HEADER_WIDTH + 1:].view(np.uint8)[:len(stream)] = stream  # little-endian words
+  stream = out[HEADER_WIDTH + 1:].view(np.uint8)  # little-endian words
+  stream[starts] = (z & kind(0x7F)) | (n_bytes > 1) * kind(0x80)
+  for k in range(1, width):
+    has = np.flatnonzero(n_bytes > k)
+    group = (z[has] >> kind(7 * k)) & kind(0x7F)
+    stream[starts[has] + k] = group | (n_bytes[has] > k + 1) * kind(0x80)
   return out
 
 
