@@ -328,6 +328,37 @@ def test_two_programs_on_one_host_and_a_killed_publisher(meshes):
   assert _memfds() == memfds
 
 
+def test_a_version_its_publisher_died_writing_fails_at_once():
+  """A slot read while its version is being written waits only while the publisher
+  process runs: killed between announcing a version and committing its slot, the
+  pull fails with ReshardRuntimeError now, not at the commit wait's end (10 s)."""
+  from jax_m2n._src.jobs import local  # noqa: PLC0415
+  child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  imp = local.Import.__new__(local.Import)  # the wait alone: no export to map
+  imp.name = "trainer process 0"
+  imp.latest = np.array([2], np.int64)      # version 3 announced, not yet committed
+  imp.header = np.array([2, -3], np.int64)  # slot 1 being written with it
+  imp._liveness = local._pidfd(child.pid)
+  if imp._liveness is None:
+    child.kill()
+    pytest.skip("no pidfd here: liveness is not checked")
+  try:
+    with pytest.raises(jax_m2n.ReshardTimeoutError):  # alive: waits to its deadline
+      imp.slot_of(3, time.monotonic() + 0.2)
+    child.kill()
+    child.wait(timeout=30)
+    t0 = time.monotonic()
+    with pytest.raises(jax_m2n.ReshardRuntimeError, match="exited while writing it"):
+      imp.slot_of(3, time.monotonic() + 10)
+    assert time.monotonic() - t0 < 1.0
+    imp.header[1] = 3  # committed: found whatever the process does next
+    assert imp.slot_of(3, time.monotonic()) == 1
+  finally:
+    os.close(imp._liveness)
+    if child.poll() is None:
+      child.kill()
+
+
 _SUBSCRIBER = textwrap.dedent("""
     import sys
     import jax

@@ -191,10 +191,12 @@ class Import:
     return not poller.poll(0)
 
   def slot_of(self, version: int, deadline: float) -> int:
-    """The slot holding `version`, waiting (bounded) while it is being written.
+    """The slot holding `version`, waiting (bounded) while it is being written, and
+    only while the publisher process runs (killed mid-write, it never finishes).
 
     Raises:
       VersionGone: no slot holds it (dropped, or overwritten by a newer one).
+      ReshardRuntimeError: the publisher process exited before it was written.
     """
     delay = SLOT_POLL_S
     while True:
@@ -205,6 +207,9 @@ class Import:
       if not pending:
         raise VersionGone(f"{API}: version {version} must be held by {self.name}; its "
                           "slot holds another version (dropped meanwhile).")
+      if not self.alive():
+        raise ReshardRuntimeError(f"{API}: {self.name} must be alive to write version "
+                                  f"{version}; it exited while writing it.")
       if time.monotonic() > deadline:
         raise ReshardTimeoutError(f"{API}: version {version} must be written by "
                                   f"{self.name} in time; it was not (it lags, or stalled).")
