@@ -27,8 +27,8 @@ inline constexpr int64_t kScheduleMagic = 0x4D324E5F;  // "M2N_"
 inline constexpr int64_t kScheduleVersion = 3;
 // The same records with every element after the header an int32, two to an int64 word
 // (element 2k in the low half of word k, little-endian), an odd count padded with
-// kNarrowPad (never a value: narrow values lie in (-2^31, 2^31)): what encoders write
-// when every value fits (docs/schedule_format.md, "Narrow schedules").
+// kNarrowPad (never a value: narrow values lie in (-2^31, 2^31)): what encoders wrote
+// before the packed form (docs/schedule_format.md, "Narrow schedules"); still decoded.
 inline constexpr int64_t kScheduleNarrowVersion = 4;
 inline constexpr int64_t kNarrowPad = -(int64_t{1} << 31);
 // The same records packed (docs/schedule_format.md, "Packed schedules"): after the
