@@ -28,7 +28,20 @@ import launcher
 
 SETTLE_S = 10.0  # how long a failed call may take to be noticed, generously
 
-eager.programs._CPU_ASYNC = True  # before any layout of this file is built
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_async():
+  """This file's layouts are built with asynchronous CPU dispatch on, and only this
+  file's: set at import, the switch also reached the files collected with it in one
+  pytest process (reshard_test's peer timeout then returned before it). The eager
+  cache is emptied on both sides, so no entry crosses the switch."""
+  before = eager.programs._CPU_ASYNC
+  eager.eager_cache.clear()
+  eager.programs._CPU_ASYNC = True
+  yield
+  eager.programs._CPU_ASYNC = before
+  eager.eager_cache.clear()
 
 
 @pytest.fixture(scope="module")
