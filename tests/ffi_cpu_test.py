@@ -653,8 +653,8 @@ def test_the_decoder_rejects_a_malformed_packed_body():
   cases.append((packed[:8], "element count"))
   padded = np.concatenate([packed, [0]])  # a whole word of padding
   cases.append((padded, "padding must be less than a word"))
-  long = np.concatenate([packed[:8], [1], np.frombuffer(bytes([0xFF] * 10 + [1] + [0] * 5),
-                                                         "<i8")])
+  eleven = bytes([0xFF] * 10 + [1] + [0] * 5)  # one varint of 11 bytes, 2 words
+  long = np.concatenate([packed[:8], [1], np.frombuffer(eleven, "<i8")])
   cases.append((long, "runs past 10 bytes"))
   for encoded, message in cases:
     with pytest.raises(ValueError, match=message):

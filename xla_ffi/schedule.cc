@@ -513,7 +513,8 @@ ffi::Error DecodeOp(const int64_t* row, int64_t remaining, int64_t i, const Head
   *width = OpWidth(spec.rank);
   if (remaining < *width) {
     return JAX_M2N_SCHEDULE_ERROR(
-        name() + ": sizes must add up: the record of a rank-" + std::to_string(spec.rank) +
+        name() + ": sizes must add up: the record of a rank-" +
+        std::to_string(spec.rank) +
         " tensor needs " + std::to_string(*width) + " elements; " +
         std::to_string(remaining) + " left in the attribute");
   }
@@ -581,7 +582,9 @@ ffi::ErrorOr<std::vector<int64_t>> Unpack(ffi::Span<const int64_t> encoded) {
   if (n_bytes > 0) {  // the words' bytes, little-endian
     for (int64_t w = 0; w < n_bytes / 8; ++w) {
       const uint64_t word = static_cast<uint64_t>(encoded[kHeaderWidth + 1 + w]);
-      for (int k = 0; k < 8; ++k) bytes[8 * w + k] = static_cast<uint8_t>(word >> (8 * k));
+      for (int k = 0; k < 8; ++k) {
+        bytes[8 * w + k] = static_cast<uint8_t>(word >> (8 * k));
+      }
     }
   }
   std::vector<int64_t> wide(encoded.begin(), encoded.begin() + kHeaderWidth);

@@ -125,7 +125,7 @@ class Layout:
   def box_of(self, device: int) -> Box | None:
     """The box `device` holds, None if it holds none; O(1) (a device -> box map made
     on first use: the eager path asks every device for every leaf's box, 246,000
-    times at 256 devices x 856 leaves, where a scan of the devices cost 0.8 s)."""
+    times at 256 devices x 856 leaves, where a scan of the devices cost 0.26 s)."""
     boxes = self.__dict__.get("_box_of")
     if boxes is None:
       boxes = dict(zip(self.devices, self.boxes))

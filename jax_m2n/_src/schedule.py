@@ -446,7 +446,8 @@ def _unpack(a: np.ndarray) -> np.ndarray:
   z = np.zeros(count, np.uint64)
   for k in range(int((last - starts).max()) + 1 if count else 0):
     more = starts + k <= last
-    z[more] |= (stream[starts[more] + k].astype(np.uint64) & np.uint64(0x7F)) << np.uint64(7 * k)
+    group = stream[starts[more] + k].astype(np.uint64) & np.uint64(0x7F)
+    z[more] |= group << np.uint64(7 * k)
   return (z >> np.uint64(1)).view(np.int64) ^ -(z & np.uint64(1)).view(np.int64)
 
 
