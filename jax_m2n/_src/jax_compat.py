@@ -87,6 +87,16 @@ def array_from_single_device_arrays(shape: Sequence[int], sharding: Sharding,
                                                   dtype=dtype)
 
 
+def arrays_of_known_layouts(known: Sequence[tuple[Any, Sharding]],
+                            groups: Sequence[Sequence[jax.Array]]) -> list[jax.Array]:
+  """Per (aval, sharding) of `known` (each aval from `reusable_aval`, so this JAX has
+  ArrayImpl) and its group of per-device arrays, the committed global array, unchecked:
+  `array_from_single_device_arrays` for many leaves in one comprehension."""
+  make = _ArrayImpl
+  return [make(aval, sharding, list(arrays), committed=True, _skip_checks=True)
+          for (aval, sharding), arrays in zip(known, groups)]
+
+
 def reusable_aval(y: jax.Array) -> Any:
   """y's abstract value if `array_from_single_device_arrays` may reuse it, else None."""
   if _ArrayImpl is not None and type(y) is _ArrayImpl:
