@@ -33,7 +33,8 @@ from jax_m2n._src.eager import dispatch
 from jax_m2n._src.eager.calls import (TICKETS, Call, SiteState, cpu_module,
                                       dispatch_lock, failure_text, mark_issued,
                                       raise_failed_calls, reached_handler, run_guarded,
-                                      state_of_site, tickets_of, wait_for_other_issuers)
+                                      state_of_site, ticket_scalars, tickets_of,
+                                      wait_for_other_issuers)
 from jax_m2n._src.eager.dispatch import (Outcomes, check_live, executor_of,
                                          gather_outcomes, wait_interruptibly)
 from jax_m2n._src.errors import API, ReshardError, ReshardRuntimeError, ReshardTimeoutError
@@ -246,9 +247,9 @@ class EagerReshard:
         call.index = self.site_state().begin(cpu_module(), self.device_ids, call)
         if self.one_issuer:  # from here on, every way out finalizes the call
           mark_issued(call)
-        ticket = call.index % TICKETS
-        for p, args in zip(programs, arguments):
-          args.append(p.tickets[ticket])
+        scalars = ticket_scalars([p.tickets for p in programs], call.index % TICKETS)
+        for args, scalar in zip(arguments, scalars):
+          args.append(scalar)
       results: list[Any] = [None] * len(programs)
       try:
         if self.caller_dispatch:
