@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import functools
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 from jax.sharding import Sharding
@@ -95,6 +95,34 @@ def arrays_of_known_layouts(known: Sequence[tuple[Any, Sharding]],
   make = _ArrayImpl
   return [make(aval, sharding, list(arrays), committed=True, _skip_checks=True)
           for (aval, sharding), arrays in zip(known, groups)]
+
+
+def runtime_parts(compiled: Any) -> tuple[Callable, Sequence[Any]] | None:
+  """(its runtime executable's execute_sharded, its result handlers) of `compiled` (a
+  jax.stages.Compiled), or None where this JAX lacks that structure, or the program
+  has effects or host callbacks, or jit pruned one of its arguments."""
+  try:
+    unsafe = compiled._executable.unsafe_call  # noqa: SLF001 - no public spelling
+    execute = unsafe.xla_executable.execute_sharded
+    handlers = unsafe.out_handler.handlers
+    plain = not (unsafe.ordered_effects or unsafe.has_unordered_effects
+                 or unsafe.has_host_callbacks or unsafe.mut)
+    kept = len(unsafe.kept_var_idx) == len(compiled.in_avals[0])
+  except (AttributeError, TypeError, IndexError):
+    return None
+  return (execute, handlers) if plain and kept else None
+
+
+def runtime_execute(compiled: Any) -> Callable[[Sequence[jax.Array]], list[jax.Array]]:
+  """What runs `compiled` (a jax.stages.Compiled of one device) on single-device
+  arrays through its runtime executable and its own result handlers (C++), returning
+  its flat outputs in order: JAX's call without its Python checks of the arguments
+  (`runtime_parts`); where that is not there, JAX's checked call."""
+  parts = runtime_parts(compiled)
+  if parts is None:
+    return lambda args: jax.tree.leaves(compiled(*args))
+  execute, handlers = parts
+  return lambda args: execute(list(args)).consume_with_handlers(handlers)
 
 
 def reusable_aval(y: jax.Array) -> Any:
