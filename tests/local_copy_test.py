@@ -157,6 +157,24 @@ def test_program_is_reused_for_new_addresses():
   assert now.hits == compiled.hits + 1 and now.misses == compiled.misses
 
 
+def test_copy_all_of_several_devices_new_and_repeated_addresses():
+  """copy_all over copiers of several devices, int64 pointer arrays as a pull passes
+  them: new addresses (checked, sent), the same again (the tables held on the
+  devices), then some devices' new and others' repeated in one call; each job gets
+  its own device's outputs, bitwise."""
+  from jax_m2n._src import local_copy as module  # noqa: PLC0415
+  devices = jax.devices()[:3]
+  box = [Box(0, 0, (8,), F32, (1,), (0,), (6,))]
+  copiers = [module.copier(d, box, [Out((6,), F32)], 1) for d in devices]
+  sources = [np.arange(8, dtype=np.float32) + 10 * k for k in range(6)]
+  for round_, picks in enumerate(((0, 1, 2), (0, 1, 2), (0, 4, 2), (5, 4, 2))):
+    jobs = [(c, np.array([sources[i].ctypes.data], np.int64))
+            for c, i in zip(copiers, picks)]
+    for i, outs, device in zip(picks, module.copy_all(jobs), devices):
+      assert outs[0].devices() == {device}, round_
+      np.testing.assert_array_equal(np.asarray(outs[0]), sources[i][1:7])
+
+
 def test_many_like_outputs_share_programs_and_keep_their_order():
   """900 outputs of three kinds, interleaved, each read from its own place: outputs
   come back in order, bitwise, from one program per kind and PROGRAM_OUTPUTS (starts

@@ -279,9 +279,11 @@ def copy_all(jobs: Sequence[tuple[Copier, Sequence[int]]]) -> list[list[jax.Arra
   held: list[Any] = []  # per job, its tables on its device (None: sent below)
   tables, devices, sent = [], [], []
   for j, (c, pointers) in enumerate(jobs):
-    if type(pointers) is np.ndarray and pointers.dtype == np.int64:  # (checked once)
-      held.append(c.on_device.get(pointers.tobytes()) if pointers.ndim == 1 else None)
-      if held[-1] is not None:
+    if (type(pointers) is np.ndarray and pointers.dtype == np.int64
+        and pointers.ndim == 1):  # the same addresses again: checked when first sent
+      hit = c.on_device.get(pointers.tobytes())
+      if hit is not None:
+        held.append(hit)
         continue
     key, mine = c.tables(pointers)
     held.append(c.on_device.get(key))
