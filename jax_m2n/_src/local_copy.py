@@ -279,18 +279,18 @@ def copy_all(jobs: Sequence[tuple[Copier, Sequence[int]]]) -> list[list[jax.Arra
   held: list[Any] = []  # per job, its tables on its device (None: sent below)
   tables, devices, sent = [], [], []
   for j, (c, pointers) in enumerate(jobs):
+    hit = None  # the same int64 addresses again: checked when they were first sent
     if (type(pointers) is np.ndarray and pointers.dtype == np.int64
-        and pointers.ndim == 1):  # the same addresses again: checked when first sent
+        and pointers.ndim == 1):
       hit = c.on_device.get(pointers.tobytes())
-      if hit is not None:
-        held.append(hit)
-        continue
-    key, mine = c.tables(pointers)
-    held.append(c.on_device.get(key))
-    if held[-1] is None:
-      sent.append((j, c, key, len(tables), len(mine)))
-      tables += mine
-      devices += [c.device] * len(mine)
+    if hit is None:
+      key, mine = c.tables(pointers)
+      hit = c.on_device.get(key)
+      if hit is None:
+        sent.append((j, c, key, len(tables), len(mine)))
+        tables += mine
+        devices += [c.device] * len(mine)
+    held.append(hit)
   if tables:
     with jax.transfer_guard("allow"):  # jax_m2n's own tables, not the caller's data
       arrays = jax.device_put(tables, devices)
