@@ -141,3 +141,37 @@ def test_an_evicted_entry_is_rebuilt(devs):
   same(jax_m2n.reshard(x, dst), jax.device_put(x, dst))
   assert len(eager.eager_cache) == 1
   same(jax_m2n.reshard(x, dst), jax.device_put(x, dst))
+
+
+def test_one_device_leaves_come_from_their_programs_handlers(devs):
+  # From the second call on, a leaf whose destination is one device is its program's
+  # output itself, made by a result handler of that destination. Two destinations of
+  # the same devices (a SingleDeviceSharding or a Device, a NamedSharding of a
+  # one-device mesh) share their programs' compiles: each call must still give its own
+  # sharding, and a leaf of several devices beside them is assembled as before.
+  from jax_m2n._src.eager import programs
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  one = NamedSharding(Mesh(devs[5:6], ("y",)), P(None, "y"))
+  several = NamedSharding(Mesh(devs[2:6], ("y",)), P(None, "y"))
+  dsts = [{"a": SingleDeviceSharding(devs[5]), "b": devs[6], "c": several},
+          {"a": one, "b": NamedSharding(Mesh(devs[6:7], ("z",)), P()), "c": several}]
+  x = {"a": jax.device_put(data(seed=20), src), "b": jax.device_put(data(seed=21), src),
+       "c": jax.device_put(data(seed=22), src)}
+  jax_m2n.reshard(x, dsts[0])
+  compiled = len(programs.program_cache)
+  jax_m2n.reshard(x, dsts[1])
+  assert len(programs.program_cache) == compiled, "the same schedules compiled again"
+  for _ in range(3):
+    for dst in dsts:
+      for dtype in (None, jnp.bfloat16):
+        y = jax_m2n.reshard(x, dst, dtype=dtype)
+        for k in x:
+          v = x[k] if dtype is None else x[k].astype(dtype)
+          ref = jax.device_put(v, dst[k])
+          same(y[k], ref)
+          assert type(y[k].sharding) is type(ref.sharding)
+  entry = next(eager.eager_cache[k] for k in eager.eager_cache
+               if eager.eager_cache[k].out_avals[0][2] == one)
+  assert entry._known[0][1] is None and entry._known[1][1] is None, (
+      "a one-device leaf is assembled again: its handler was not taken")
+  assert entry._known[2][1] == several

@@ -78,7 +78,8 @@ def test_runtime_execute_runs_a_compiled_program_as_its_checked_call_does():
   assert jax_compat.runtime_parts(plain) is not None, (
       "JAX's Compiled no longer exposes its runtime executable and result handlers: "
       "eager programs take JAX's checked call (~14 ms a first call of 1,000 buffers)")
-  got, want = jax_compat.runtime_execute(plain)([a, b]), plain(a, b)
+  parts = jax_compat.runtime_parts(plain)
+  got, want = jax_compat.runtime_execute(plain, parts)([a, b]), plain(a, b)
   assert len(got) == 3
   for g, w in zip(got, want):
     assert g.dtype == w.dtype and g.devices() == {device} and g.committed
@@ -86,8 +87,31 @@ def test_runtime_execute_runs_a_compiled_program_as_its_checked_call_does():
   # An argument jit pruned (unused): the checked call, which drops it itself.
   pruned = jax.jit(lambda u, v: [u + 1]).lower(a, b).compile()
   assert jax_compat.runtime_parts(pruned) is None
-  out, = jax_compat.runtime_execute(pruned)([a, b])
+  out, = jax_compat.runtime_execute(pruned, None)([a, b])
   np.testing.assert_array_equal(np.asarray(out), np.arange(4.0) + 1)
+
+
+def test_result_handler_makes_the_output_the_array_of_that_sharding():
+  # A program's one-device output made the destination's array by its own handler,
+  # as jax.device_put would give it: a NamedSharding of a one-device mesh stays one.
+  device = jax.devices()[2]
+  a = jax.device_put(np.arange(6.0, dtype=np.float32).reshape(2, 3), device)
+  named = NamedSharding(Mesh(np.array([device]), ("x",)), P("x"))
+  plain = jax.jit(lambda u: [u * 2, u + 1]).lower(a).compile()
+  execute, handlers = jax_compat.runtime_parts(plain)
+  want = jax.device_put(np.asarray(a) * 2, named)
+  handler = jax_compat.result_handler(want.aval, named)
+  assert handler is not None, (
+      "this JAX has no runtime result handler: one-device leaves are assembled again")
+  got, other = jax_compat.runtime_execute(plain, (execute, [handler, handlers[1]]))([a])
+  assert type(got) is type(want) and got.sharding == named and got.committed
+  assert got.aval == want.aval and other.sharding == jax.sharding.SingleDeviceSharding(device)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # Its group's array as it is (a sharding of None), beside one assembled.
+  kept, made = jax_compat.arrays_of_known_layouts(
+      [(got.aval, None), (want.aval, named)], [[got], [other]])
+  assert kept is got and made.sharding == named
+  np.testing.assert_array_equal(np.asarray(made), np.asarray(a) + 1)
 
 
 def test_context_mesh_plain_aval_tangent_zero_and_staging():

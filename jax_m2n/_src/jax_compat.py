@@ -91,9 +91,11 @@ def arrays_of_known_layouts(known: Sequence[tuple[Any, Sharding]],
                             groups: Sequence[Sequence[jax.Array]]) -> list[jax.Array]:
   """Per (aval, sharding) of `known` (each aval from `reusable_aval`, so this JAX has
   ArrayImpl) and its group of per-device arrays, the committed global array, unchecked:
-  `array_from_single_device_arrays` for many leaves in one comprehension."""
+  `array_from_single_device_arrays` for many leaves in one comprehension. A sharding
+  of None: the group's one array is the leaf's array already (`result_handler`)."""
   make = _ArrayImpl
   return [make(aval, sharding, list(arrays), committed=True, _skip_checks=True)
+          if sharding is not None else arrays[0]
           for (aval, sharding), arrays in zip(known, groups)]
 
 
@@ -113,16 +115,30 @@ def runtime_parts(compiled: Any) -> tuple[Callable, Sequence[Any]] | None:
   return (execute, handlers) if plain and kept else None
 
 
-def runtime_execute(compiled: Any) -> Callable[[Sequence[jax.Array]], list[jax.Array]]:
+def runtime_execute(compiled: Any, parts: tuple[Callable, Sequence[Any]] | None
+                    ) -> Callable[[Sequence[jax.Array]], list[jax.Array]]:
   """What runs `compiled` (a jax.stages.Compiled of one device) on single-device
-  arrays through its runtime executable and its own result handlers (C++), returning
-  its flat outputs in order: JAX's call without its Python checks of the arguments
-  (`runtime_parts`); where that is not there, JAX's checked call."""
-  parts = runtime_parts(compiled)
+  arrays: with `parts` (`runtime_parts(compiled)`, its result handlers possibly
+  replaced by `result_handler`s) through its runtime executable and those handlers
+  (C++), returning its flat outputs in order: JAX's call without its Python checks of
+  the arguments; with None, JAX's checked call."""
   if parts is None:
     return lambda args: jax.tree.leaves(compiled(*args))
   execute, handlers = parts
   return lambda args: execute(list(args)).consume_with_handlers(handlers)
+
+
+def result_handler(aval: Any, sharding: Sharding) -> Any:
+  """A runtime result handler (for `runtime_execute`'s parts) that makes a program's
+  one-device output the committed array of `aval` (from `reusable_aval`) and
+  `sharding` (a sharding of that one device) itself, unchecked; None where this JAX
+  has no such handler (the caller then assembles the array as before)."""
+  try:
+    from jax._src.lib import xla_client
+    return xla_client.array_result_handler(aval, sharding, committed=True,
+                                           _skip_checks=True)
+  except (ImportError, AttributeError, TypeError):
+    return None
 
 
 def reusable_aval(y: jax.Array) -> Any:
