@@ -70,7 +70,7 @@ class Executable:
   def __call__(self, *args: jax.Array) -> list[jax.Array]:
     return self._execute(args)
 
-  def making(self, outputs: dict[int, tuple[Any, Sharding]]) -> "Executable":
+  def making(self, outputs: dict[int, tuple[Any, Sharding]]) -> "Executable | None":
     """The same program, whose output i of `outputs` comes out as the committed array
     of that (aval, sharding) (a leaf whose only shard it is: nothing to assemble); or
     None where this JAX cannot (the runtime call, or its result handler, is not
@@ -448,10 +448,10 @@ class EagerReshard:
   def _make_one_device_leaves(self) -> None:
     """Once every aval is known: the leaves whose destination is one device get their
     array from their program's own result handler (C++), not from a second array
-    built around it (856 leaves on one GPU: ~4 ms a call). `_known` then says None
-    for them. Where this JAX cannot, nothing changes."""
+    built around it (856 leaves on one CPU device: 4.06 -> 0.28 ms a call). `_known`
+    then says None for them. Where this JAX cannot, nothing changes."""
     per_program: dict[int, dict[int, tuple[Any, Sharding]]] = {}
-    for t, (slots, (aval, sharding)) in enumerate(zip(self.out_slots, self._known)):
+    for slots, (aval, sharding) in zip(self.out_slots, self._known):
       if len(slots) == 1 and len(sharding.device_set) == 1:
         p, r = slots[0]
         per_program.setdefault(p, {})[r] = (aval, sharding)
