@@ -451,10 +451,12 @@ class EagerReshard:
     built around it (856 leaves on one CPU device: 4.06 -> 0.28 ms a call). `_known`
     then says None for them. Where this JAX cannot, nothing changes."""
     per_program: dict[int, dict[int, tuple[Any, Sharding]]] = {}
-    for slots, (aval, sharding) in zip(self.out_slots, self._known):
+    direct = set()  # the leaves
+    for t, (slots, (aval, sharding)) in enumerate(zip(self.out_slots, self._known)):
       if len(slots) == 1 and len(sharding.device_set) == 1:
         p, r = slots[0]
         per_program.setdefault(p, {})[r] = (aval, sharding)
+        direct.add(t)
     made = {p: self.programs[p].call.making(outs) for p, outs in per_program.items()}
     if not made or any(m is None for m in made.values()):
       return
@@ -462,9 +464,7 @@ class EagerReshard:
       self.programs[p].call = call
     # The programs first, then `_known`: a call that reads the new `_known` runs the
     # new programs.
-    direct = {(p, r) for p, outs in per_program.items() for r in outs}
-    self._known = [(a, None if len(slots) == 1 and slots[0] in direct else s)
-                   for slots, (a, s) in zip(self.out_slots, self._known)]
+    self._known = [(a, None if t in direct else s) for t, (a, s) in enumerate(self._known)]
 
 
 def crossing_text(out_avals: Sequence[tuple[Any, Any, Sharding]],
