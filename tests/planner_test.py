@@ -418,6 +418,45 @@ def test_transfers_columns_match_records():
     assert p.traffic.by_link == by_link and p.traffic.egress == egress
 
 
+def _traffic_by_loop(p, topo):
+  """(by_link, egress, ingress) of plan `p`, summed transfer by transfer."""
+  by_link = {"local": 0, "nvlink": 0, "network": 0}
+  sides = ({}, {})
+  for tp in p.tensors:
+    for x in tp.transfers:
+      n = box_size(x.box) * tp.itemsize
+      link = ("local" if x.src == x.dst else
+              "nvlink" if topo.domain_of(x.src) == topo.domain_of(x.dst) else "network")
+      by_link[link] += n
+      if link != "local":
+        for side, d in zip(sides, (x.src, x.dst)):
+          side.setdefault(d, {"nvlink": 0, "network": 0})[link] += n
+  return by_link, sides[0], sides[1]
+
+
+@pytest.mark.parametrize("topo", [Topology(domain_size=2),
+                                  Topology(domains=[[4, 5], [0, 1, 2, 3]])],
+                         ids=["domain_size", "domains"])
+def test_merged_traffic_is_the_sum_of_every_tensors_transfers_in_first_appearance_order(topo):
+  a = parse_layout("mesh(x=4) P(x, None) @0", (8, 8))
+  b = parse_layout("mesh(x=2, y=2) P(y, x) @2", (8, 8))
+  c = parse_layout("mesh(x=2) P(None, x) @4", (8, 8))
+  # Three tensors, two of one layout pair (their TensorPlan shared, counted twice), one
+  # of 2**60-byte elements (a tensor whose own sums overflow int64); then 400 tensors
+  # of one pair whose per-device sums fit int64 one by one, not together.
+  for p in (plan_reshard([a, b, a], [b, c, b], [4, 1 << 60, 4], topo),
+            plan_reshard([a] * 400, [b] * 400, [1 << 52] * 400, topo)):
+    by_link, egress, ingress = _traffic_by_loop(p, topo)
+    traffic = p.traffic
+    assert traffic.by_link == by_link
+    assert list(traffic.egress.items()) == list(egress.items())
+    assert list(traffic.ingress.items()) == list(ingress.items())
+    assert max(max(v.values()) for v in egress.values()) > 1 << 63
+    worst = max(v[k] / ((topo.nvlink_gbps if k == "nvlink" else topo.nic_gbps) * 1e6)
+                for side in (egress, ingress) for v in side.values() for k in v)
+    assert traffic.time_ms(topo) == worst
+
+
 # --------------------------------------------------------------------------------------
 # The minimum led share (routes.MIN_LEAD_BYTES)
 # --------------------------------------------------------------------------------------

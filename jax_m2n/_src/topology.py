@@ -11,6 +11,8 @@ import dataclasses
 import numbers
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from jax_m2n._src.errors import ReshardTypeError, ReshardValueError
 
 # Per device, one direction, in GB/s (1 GB = 1e9 bytes). The defaults of the `plan`
@@ -120,6 +122,18 @@ class Topology:
     if self.domain_size is not None:
       return device // self.domain_size
     return 0
+
+  def domains_of(self, devices: np.ndarray) -> np.ndarray:
+    """`domain_of` of each of `devices` (global ids, an int array), as an int64 array."""
+    devices = np.asarray(devices, np.int64)
+    if self.domains is not None:
+      index = self._domain_index  # type: ignore[attr-defined]
+      unlisted = len(self.domains)
+      return np.fromiter((index.get(d, unlisted + d) for d in devices.tolist()),
+                         np.int64, len(devices))
+    if self.domain_size is not None:
+      return devices // self.domain_size
+    return np.zeros(len(devices), np.int64)
 
   def bandwidth_gbps(self, src: int, dst: int) -> float:
     """One-way bandwidth of the link class between two devices (inf for local)."""

@@ -109,14 +109,10 @@ def _pipeline(plan) -> tuple[float, int, int, int]:
   topo = plan.topology
   traffic = plan.traffic
   t_ms = traffic.time_ms(topo)
-  busiest = 0
-  worst = -1.0
-  for side in (traffic.egress, traffic.ingress):
-    for loads in side.values():
-      for link, gbps in (("nvlink", topo.nvlink_gbps), ("network", topo.nic_gbps)):
-        ms = loads[link] / (gbps * 1e6)
-        if ms > worst:
-          worst, busiest = ms, loads[link]
+  # The busiest (device, direction, link): the first of the longest, devices in
+  # order of first appearance, egress first, nvlink before network.
+  loads = traffic.loads().reshape(-1)
+  busiest = int(loads[int(traffic.link_ms(topo).argmax())]) if loads.size else 0
   hops = 0
   largest = 0
   distinct = {id(tp): tp for tp in plan.tensors}  # shared TensorPlans once each
