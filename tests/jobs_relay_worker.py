@@ -12,8 +12,9 @@ and not gone (DIR/gone_NAME) has it (DIR/latest_NAME; bounded: 120 s), as an RL 
 waits for its rollouts; it prints "RESULT published ..." per version and waits for
 DIR/done. A subscriber writes DIR/ready_NAME, pulls the newest version,
 then each next one, and prints "RESULT pulled name=NAME version=v ok=1 ..." per
-version (bytes from the trainer and from other members, re-routes, seconds), "RESULT
-left" after a clean leave; with --die-version it dies (os._exit(9)) once it has
+version (bytes from the trainer and from other members, re-routes, seconds), and
+after the last one waits (bounded) until every subscriber ready and not gone has it
+too; "RESULT left" after a clean leave; with --die-version it dies (os._exit(9)) once it has
 offered N chunks to a child in a version >= V ("RESULT dying ..."), or, if it never
 has a child by version V + 2, once N chunks of that version arrived. Every wait is
 bounded.
@@ -190,6 +191,12 @@ def subscriber(jax, jax_m2n, args):
       return 0
     if v >= args.versions:
       break
+  # Later members of the chain may still read the last version from this one: it
+  # stays until every subscriber ready and not gone has it (bounded), as a job would,
+  # rather than leaving them to re-route to the trainer.
+  limit = time.monotonic() + 60
+  while _behind(args.dir, args.versions) and time.monotonic() < limit:
+    time.sleep(0.02)
   sub.close()
   return 0
 
