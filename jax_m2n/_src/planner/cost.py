@@ -280,11 +280,12 @@ def _per_step(plan) -> tuple[np.ndarray, np.ndarray, int]:
   devices = np.unique(np.concatenate([src, dst]))
   n_dev = len(devices)
   d_all = np.searchsorted(devices, dst)
-  keys, per_device = np.unique(chunks.step * n_dev + d_all, return_counts=True)
+  step = chunks.step.astype(np.int64)  # (32 bits there) keys below pass 2**31
+  keys, per_device = np.unique(step * n_dev + d_all, return_counts=True)
   chunks_per_step = np.zeros(n_steps, np.int64)
   np.maximum.at(chunks_per_step, keys // n_dev, per_device)
   cross = src != dst
-  src, dst, ms, step = src[cross], dst[cross], ms[cross], chunks.step[cross]
+  src, dst, ms, step = src[cross], dst[cross], ms[cross], step[cross]
   if not len(step):
     return longest, chunks_per_step, 0
   domain = np.array([topo.domain_of(d) for d in devices.tolist()], np.int64)
