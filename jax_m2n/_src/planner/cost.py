@@ -288,7 +288,7 @@ def _per_step(plan) -> tuple[np.ndarray, np.ndarray, int]:
   src, dst, ms, step = src[cross], dst[cross], ms[cross], step[cross]
   if not len(step):
     return longest, chunks_per_step, 0
-  domain = np.array([topo.domain_of(d) for d in devices.tolist()], np.int64)
+  domain = topo.domains_of(devices)
   s_at, d_at = np.searchsorted(devices, src), np.searchsorted(devices, dst)
   network = domain[s_at] != domain[d_at]
   ms = ms / np.where(network, topo.nic_gbps, topo.nvlink_gbps)
