@@ -126,11 +126,8 @@ class Topology:
   def domains_of(self, devices: np.ndarray) -> np.ndarray:
     """`domain_of` of each of `devices` (global ids, an int array), as an int64 array."""
     devices = np.asarray(devices, np.int64)
-    if self.domains is not None:
-      index = self._domain_index  # type: ignore[attr-defined]
-      unlisted = len(self.domains)
-      return np.fromiter((index.get(d, unlisted + d) for d in devices.tolist()),
-                         np.int64, len(devices))
+    if self.domains is not None:  # a lookup per device (unlisted ones: domain_of)
+      return np.fromiter(map(self.domain_of, devices.tolist()), np.int64, len(devices))
     if self.domain_size is not None:
       return devices // self.domain_size
     return np.zeros(len(devices), np.int64)
