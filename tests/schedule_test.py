@@ -9,6 +9,7 @@ import dataclasses
 
 import hypothesis
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 
 from jax_m2n._src import planner
@@ -230,6 +231,11 @@ def _check_against_reference(plan):
       np.testing.assert_array_equal(decoded, full)
       if device is not None:
         assert schedule_lib.workspace_bytes(plan, device, staging) == ws.get(device, 0)
+        # A process encoding its own devices finds only their ops: the same encoding.
+        for local in ((device,), (device, *plan.devices[1::2])):
+          np.testing.assert_array_equal(
+              schedule_lib.encode(plan, device, staging, local=local), have,
+              err_msg=f"device={device}, {local=}, {staging=}")
     assert schedule_lib.workspace_bytes(plan, None, staging) == max(ws.values(), default=0)
 
 
@@ -379,3 +385,37 @@ def test_256_device_plan_encodings_are_sized_by_each_device():
   assert max(sizes.values()) <= 0.064 * (1 << 20)
   # Trainer devices send their own shards only: a small part of a generator device's.
   assert max(sizes[d] for d in range(128)) * 4 < max(sizes.values())
+
+
+def test_a_process_finds_only_its_own_devices_ops():
+  """One process of a 256-device refit (its 8 devices, the first host of the
+  generator) encodes its devices from the plan's per-tensor chunks: the plan's op list
+  (`Plan.chunks`, every device's ops) is never built, the ops found are those that touch
+  its devices, and each encoding is the one any process would write."""
+  from jax_m2n.bench import suites
+  model = suites.PlannerModel(name="deepseek_v3_256_small", layers=8, hidden=112,
+                              experts=16, moe_ffn=128, vocab=2032)
+  layouts = suites._parse_stages(model, model.descriptors())  # noqa: SLF001
+  src = [s for stage, _ in layouts for s in stage]
+  dst = [d for _, stage in layouts for d in stage]
+  schedule_lib.clear_caches()
+  planner.clear_caches()
+  plan = plan_reshard(src, dst, [2] * len(src), model.topology())
+  local = tuple(range(128, 136))
+  mine = {d: schedule_lib.encode(plan, d, True, local=local) for d in local}
+  site = schedule_lib.plan_digest(plan, True)
+  assert "chunks" not in plan.__dict__  # no device's encoding needed every op
+  ops = schedule_lib._ops(plan, True, None, local)  # noqa: SLF001
+  chunks = plan.chunks
+  src_dev = np.concatenate([tp.transfers.src for tp in plan.tensors])[chunks.transfer]
+  dst_dev = np.concatenate([tp.transfers.dst for tp in plan.tensors])[chunks.transfer]
+  touching = np.isin(src_dev, local) | np.isin(dst_dev, local)
+  assert len(ops.step) == int(touching.sum()) < len(chunks) // 4
+  np.testing.assert_array_equal(ops.tensor, chunks.tensor[touching])
+  np.testing.assert_array_equal(ops.index, chunks.index[touching])
+  np.testing.assert_array_equal(ops.step, chunks.step[touching])
+  for d in local:
+    np.testing.assert_array_equal(mine[d], schedule_lib.encode(plan, d, True))
+  assert schedule_lib.plan_digest(plan, True) == site
+  with pytest.raises(ValueError, match="device 3 must be one of local"):
+    schedule_lib.encode(plan, 3, True, local=local)

@@ -157,7 +157,7 @@ class _TensorOps:
   devices are `src` and `dst`. All but those are shared by the TensorPlans of one
   `_ops_structure`."""
 
-  rows: np.ndarray        # (n, OP_WIDTH)
+  rows: np.ndarray        # (n, OP_FIXED + 3 * rank): the tensor's record width
   src: np.ndarray         # (n,) source device of each op
   dst: np.ndarray         # (n,) destination device
   src_pack: np.ndarray    # (n,) bool: cross-device and not contiguous on the source
@@ -203,30 +203,32 @@ def _structure_ops(shape: chunks_lib.Structure, chunk_bytes: int) -> _TensorOps:
 
 def _contiguous_rows(extent: np.ndarray, dims: np.ndarray) -> np.ndarray:
   """Per row, whether a box of `extent` inside a row-major buffer of `dims` is one byte
-  range: past the first extent that is not 1, extents equal dims (padding has extent 1
-  and dim 1, so it never breaks contiguity)."""
+  range: past the first extent that is not 1, extents equal dims."""
+  rank = extent.shape[1]
+  if rank == 0:
+    return np.ones(len(extent), bool)
   not_one = extent != 1
-  first = np.where(not_one.any(axis=1), not_one.argmax(axis=1), MAX_RANK)
-  later = np.arange(MAX_RANK)[None, :] > first[:, None]
+  first = np.where(not_one.any(axis=1), not_one.argmax(axis=1), rank)
+  later = np.arange(rank)[None, :] > first[:, None]
   return ~((extent != dims) & later).any(axis=1)
 
 
 def _geometry_columns(tp, dev: np.ndarray, kind: np.ndarray):
-  """(origin, dims) rows of the buffers (`dev`, `kind`) of `tp`, padded to MAX_RANK with
-  (0, 1): a full-tensor buffer spans the tensor, a shard its box in the source or
-  destination layout (the first entry of the device there)."""
+  """(origin, dims) rows (n, rank) of the buffers (`dev`, `kind`) of `tp`: a
+  full-tensor buffer spans the tensor, a shard its box in the source or destination
+  layout (the first entry of the device there)."""
   rank = len(tp.src.shape)
-  origin = np.zeros((len(dev), MAX_RANK), np.int64)
-  dims = np.ones((len(dev), MAX_RANK), np.int64)
-  dims[kind == FULL_TMP, :rank] = tp.src.shape
+  origin = np.zeros((len(dev), rank), np.int64)
+  dims = np.ones((len(dev), rank), np.int64)
+  dims[kind == FULL_TMP] = tp.src.shape
   for code, layout in ((SRC_SHARD, tp.src), (DST_SHARD, tp.dst)):
     sel = np.flatnonzero(kind == code)
     devices = np.array(layout.devices, np.int64)
     boxes = np.array(layout.boxes, np.int64).reshape(len(devices), rank, 2)
     by_id = np.argsort(devices, kind="stable")
     at = by_id[np.searchsorted(devices[by_id], dev[sel])]
-    origin[sel, :rank] = boxes[at, :, 0]
-    dims[sel, :rank] = boxes[at, :, 1] - boxes[at, :, 0]
+    origin[sel] = boxes[at, :, 0]
+    dims[sel] = boxes[at, :, 1] - boxes[at, :, 0]
   return origin, dims
 
 
@@ -239,16 +241,19 @@ def _build_tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
   dst_kind = xs.dst_kind.astype(np.int64)[tc.transfer]
   s_origin, s_dims = _geometry_columns(tp, src, src_kind)
   d_origin, d_dims = _geometry_columns(tp, dst, dst_kind)
-  n = len(tc.step)
-  rows = np.full((n, OP_WIDTH), -1, np.int64)
+  n, rank = len(tc.step), tc.rank
+  # The record's fields only: OP_FIXED, then per dim extent, source and destination
+  # start (bytes a fresh page costs dominate this build).
+  rows = np.full((n, OP_FIXED + 3 * rank), -1, np.int64)
   rows[:, 0] = tc.step
   rows[:, 1] = xs.stage[tc.transfer]  # STAGES order: the format's stage codes
   rows[:, 2] = 0
   rows[:, 4], rows[:, 7] = src_kind, dst_kind
-  extent = tc.hi - tc.lo
+  lo = tc.lo[:, :rank]
+  extent = tc.hi[:, :rank] - lo
   rows[:, OP_FIXED::3] = extent
-  rows[:, OP_FIXED + 1::3] = tc.lo - s_origin
-  rows[:, OP_FIXED + 2::3] = tc.lo - d_origin
+  rows[:, OP_FIXED + 1::3] = lo - s_origin
+  rows[:, OP_FIXED + 2::3] = lo - d_origin
   cross = src != dst
   src_pack = cross & ~_contiguous_rows(extent, s_dims)
   dst_pack = cross & ~_contiguous_rows(extent, d_dims)
@@ -303,39 +308,73 @@ def _repack_for_types(types, tensor, src_kind, dst_kind, cross, src_pack, dst_pa
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Table:
-  """A plan's ops for one (staging, types): what `encode` needs to write any device's
-  rows (in O(its rows) after one scan of two small per-op columns), built once by
-  array arithmetic.
+  """What every device's encoding of a plan shares, for one (staging, types), built
+  by array arithmetic without the plan's op list (a process encoding its own devices
+  never builds the others' ops, `_Ops`).
 
   `base` holds the rows of each distinct ops structure once (tensor-local steps,
   devices, slots and packs unset), `src` and `dst` the devices of each distinct
-  TensorPlan's; the op `i` of the plan (step order) is row `part_start[tensor[i]] +
-  index[i]` of `base` on devices `dev_start[tensor[i]] + index[i]`, with its plan step,
-  tensor, slots and packs filled in by `rows`.
-  `src_pos` and `dst_pos` are the positions in `devices` of each op's source and
-  destination (`device_ops` finds a device's ops by one scan of both: ~1 ms for the
-  DeepSeek-V3 plan's 2.7M ops, where grouping every device's took ~90 ms).
+  TensorPlan's (`src_pos`, `dst_pos`: their positions in `devices`); chunk k of tensor
+  t is row `part_start[t] + k` of `base` on devices `dev_start[t] + k`, its global step
+  `steps.of(t, k)`, with its plan step, tensor, slots and packs filled in by
+  `_Ops.rows`. `packed` are the order keys (`steps.key`) of the ops that pack on a
+  side, ascending, and `packs` their offsets on each side: the pack areas of every
+  device, which its workspace (`ws`, in every encoding's prefix) and its peers' rows
+  need.
   """
 
-  base: np.ndarray          # (rows of the distinct ops structures, OP_WIDTH)
+  base: np.ndarray          # (rows of the distinct ops structures, widest record)
   part_start: np.ndarray    # (n_tensors,) first row of each tensor's part in `base`
   src: np.ndarray           # (rows of the distinct TensorPlans,) source devices
   dst: np.ndarray           # (rows of the distinct TensorPlans,) destination devices
+  src_pos: np.ndarray       # (rows of the distinct TensorPlans,) positions in `devices`
+  dst_pos: np.ndarray
   dev_start: np.ndarray     # (n_tensors,) first row of each tensor's in `src`, `dst`
   distinct: np.ndarray      # (distinct TensorPlans, 2): first row in `src`, in `base`
-  tensor: np.ndarray        # (n_ops,) per op
-  index: np.ndarray         # (n_ops,) chunk index in the tensor's part
-  step: np.ndarray          # (n_ops,)
-  packed: np.ndarray | None  # ops that pack on a side, ascending; None: no staging
+  which: np.ndarray         # (n_tensors,) each tensor's row in `distinct`
+  steps: chunks_lib.Steps
+  packed: np.ndarray | None  # order keys of the ops that pack on a side; None: no staging
   packs: np.ndarray | None   # (len(packed), 2) src_pack, dst_pack offsets (-1: none)
-  src_pos: np.ndarray       # (n_ops,) position of each op's source in `devices`
-  dst_pos: np.ndarray       # (n_ops,) of its destination
   devices: np.ndarray       # (n_devices,) global ids, ascending
   slots: np.ndarray         # `_slot_table`
   ws: dict                  # device -> workspace bytes
-  n_steps: int
   prefix: np.ndarray        # header (n_ops 0), devices, ws, tensors
   width: np.ndarray         # (n_tensors,) record width of each tensor's ops
+
+  def touching(self, local: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tensor, index, step) of the ops whose source or destination is one of the
+    devices `local`, in op order: per distinct TensorPlan its chunks on them, once."""
+    wanted = np.isin(self.devices, np.array(local, np.int64))
+    ends = np.append(self.distinct[1:, 0], len(self.src))
+    mine = [np.flatnonzero(wanted[self.src_pos[d0:d1]] | wanted[self.dst_pos[d0:d1]])
+            for d0, d1 in zip(self.distinct[:, 0].tolist(), ends.tolist())]
+    per_tensor = [mine[w] for w in self.which.tolist()]
+    counts = np.fromiter(map(len, per_tensor), np.int64, len(per_tensor))
+    tensor = np.repeat(np.arange(len(per_tensor), dtype=np.int64), counts)
+    index = _cat_rows(per_tensor, (0,))
+    step = _global_steps(self.steps, self.base, self.part_start, tensor, index)
+    order = np.argsort(self.steps.key(tensor, index, step), kind="stable")
+    narrow = np.int32 if self.steps.n_chunks < 1 << 31 else np.int64
+    return tensor[order].astype(narrow), index[order], step[order].astype(narrow)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Ops:
+  """Ops of a plan in op order (step, then the tensor-by-tensor chunk order): every
+  op, or those of some devices (`_ops`), with what `encode` needs to write any of
+  those devices' rows in O(its rows) after one scan of two small per-op columns.
+
+  `src_pos` and `dst_pos` are the positions in `table.devices` of each op's source
+  and destination (`device_ops` finds a device's ops by one scan of both: ~1 ms for the
+  DeepSeek-V3 plan's 2.7M ops, where grouping every device's took ~90 ms).
+  """
+
+  table: _Table
+  tensor: np.ndarray        # (n_ops,) per op
+  index: np.ndarray         # (n_ops,) chunk index in the tensor's part
+  step: np.ndarray          # (n_ops,)
+  src_pos: np.ndarray       # (n_ops,) position of each op's source in `table.devices`
+  dst_pos: np.ndarray       # (n_ops,) of its destination
 
   def device_ops(self, j: int) -> np.ndarray:
     """The ops that touch the device at position `j` (its source or destination
@@ -344,24 +383,28 @@ class _Table:
 
   def pack_rows(self, ops: np.ndarray) -> np.ndarray:
     """The (src_pack, dst_pack) offsets (len(ops), 2) of `ops` (-1: none; staging)."""
+    table = self.table
     out = np.full((len(ops), 2), -1, np.int64)
-    if len(self.packed):
-      at = np.minimum(np.searchsorted(self.packed, ops), len(self.packed) - 1)
-      hit = self.packed[at] == ops
-      out[hit] = self.packs[at[hit]]
+    if len(table.packed) and len(ops):
+      key = table.steps.key(self.tensor[ops], self.index[ops], self.step[ops])
+      at = np.minimum(np.searchsorted(table.packed, key), len(table.packed) - 1)
+      hit = table.packed[at] == key
+      out[hit] = table.packs[at[hit]]
     return out
 
-  def rows(self, ops: np.ndarray, width: int = OP_WIDTH) -> np.ndarray:
-    """The rows (n, width) of `ops` (indices in op order): their first `width` fields."""
+  def rows(self, ops: np.ndarray, width: int) -> np.ndarray:
+    """The rows (n, width) of `ops` (indices in op order): their first `width` fields
+    (at most the widest record's)."""
+    t = self.table
     tensor, index = self.tensor[ops], self.index[ops]
-    rows = self.base[self.part_start[tensor] + index, :width]
-    on = self.dev_start[tensor] + index
-    rows[:, 3], rows[:, 6] = self.src[on], self.dst[on]
+    rows = t.base[t.part_start[tensor] + index, :width]
+    on = t.dev_start[tensor] + index
+    rows[:, 3], rows[:, 6] = t.src[on], t.dst[on]
     rows[:, 0] = self.step[ops]
     rows[:, 2] = tensor
     for kind_col, slot_col, position in ((4, 5, self.src_pos), (7, 8, self.dst_pos)):
-      rows[:, slot_col] = self.slots[rows[:, kind_col], tensor, position[ops]]
-    if self.packed is not None:
+      rows[:, slot_col] = t.slots[rows[:, kind_col], tensor, position[ops]]
+    if t.packed is not None:
       rows[:, 9:11] = self.pack_rows(ops)
     return rows
 
@@ -369,10 +412,11 @@ class _Table:
     """The encoding of `ops`: the prefix, then each op's rank-sized record, written
     per block of ops (a block's rows as wide as its widest record, each row's first
     `width` fields kept in row-major order)."""
-    head = len(self.prefix)
-    width = self.width[self.tensor[ops]]
+    prefix = self.table.prefix
+    head = len(prefix)
+    width = self.table.width[self.tensor[ops]]
     out = np.empty(head + int(width.sum()), np.int64)
-    out[:head] = self.prefix
+    out[:head] = prefix
     out[5] = len(ops)
     at = head
     for start in range(0, len(ops), _BLOCK_OPS):
@@ -462,6 +506,18 @@ def _positions(devices: np.ndarray, ids: np.ndarray) -> np.ndarray:
   return pos.astype(np.uint16) if len(devices) < (1 << 16) else pos
 
 
+def _base_rows(parts: list) -> np.ndarray:
+  """The ops structures' rows one after another, as wide as the widest (a narrower
+  record's row padded with -1, never written: `_Ops.encode` keeps a tensor's width)."""
+  width = max((p.shape[1] for p in parts), default=OP_FIXED)
+  base = np.full((sum(len(p) for p in parts), width), -1, np.int64)
+  at = 0
+  for p in parts:
+    base[at:at + len(p), :p.shape[1]] = p
+    at += len(p)
+  return base
+
+
 def _cat_rows(parts: list, empty: tuple) -> np.ndarray:
   """`parts` (int64 arrays) concatenated; an array of shape `empty` when none."""
   return np.concatenate(parts) if parts else np.zeros(empty, np.int64)
@@ -469,17 +525,18 @@ def _cat_rows(parts: list, empty: tuple) -> np.ndarray:
 
 @functools.lru_cache(maxsize=64)
 def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
-  """The ops of `plan` per device. `types`: per tensor (src_type, dst_type) codes, None
-  when nothing converts; the plan's itemsizes are then the wire itemsizes."""
+  """What the encodings of `plan` share (`_Table`). `types`: per tensor (src_type,
+  dst_type) codes, None when nothing converts; the plan's itemsizes are then the wire
+  itemsizes."""
   tmp, tmp_bytes = _tmp_buffers(plan)
-  chunks = plan.chunks
+  steps = plan.steps
   devices = np.array(plan.devices, np.int64)
   ws = dict(tmp_bytes)
   # The distinct TensorPlans' devices and their ops structures' rows (the TensorPlans
   # of one share its rows array), once each.
-  first: dict[int, tuple[int, int]] = {}  # id(tp) -> (first device row, first row)
+  first: dict[int, int] = {}  # id(tp) -> its row in `distinct`
   row_first: dict[int, int] = {}  # id(rows) -> first row in base
-  distinct, shapes = [], []
+  distinct, shapes, which = [], [], []
   n_devs = n_rows = 0
   for tp in plan.tensors:
     if id(tp) not in first:
@@ -488,74 +545,131 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
         row_first[id(ops.rows)] = n_rows
         n_rows += len(ops.rows)
         shapes.append(ops)
-      first[id(tp)] = n_devs, row_first[id(ops.rows)]
+      first[id(tp)] = len(distinct)
+      distinct.append((n_devs, row_first[id(ops.rows)], ops))
       n_devs += len(ops.src)
-      distinct.append(ops)
-  starts = np.array([first[id(tp)] for tp in plan.tensors], np.int64).reshape(-1, 2)
-  dev_start, part_start = starts[:, 0], starts[:, 1]
-  parts = np.array(list(first.values()), np.int64).reshape(-1, 2)
-  base = _cat_rows([p.rows for p in shapes], (0, OP_WIDTH))
-  src = _cat_rows([p.src for p in distinct], (0,))
-  dst = _cat_rows([p.dst for p in distinct], (0,))
-  tensor, index = chunks.tensor, chunks.index
-  # Per op its row in src, dst; in place, 32 bits where the rows fit: fresh pages cost
-  # ~2 ms a MB here (2.7M ops: 21 MB at 64 bits).
-  narrow = np.int32 if max(len(src), len(base)) < 1 << 31 else np.int64
-  on = dev_start.astype(narrow)[tensor]
-  on += index
-  src_pos = _positions(devices, src)[on]
-  dst_pos = _positions(devices, dst)[on]
-  del on
+    which.append(first[id(tp)])
+  which = np.array(which, np.int64)
+  parts = np.array([(d0, r0) for d0, r0, _ in distinct], np.int64).reshape(-1, 2)
+  dev_start, part_start = parts[which, 0], parts[which, 1]
+  base = _base_rows([p.rows for p in shapes])
+  src = _cat_rows([p.src for *_, p in distinct], (0,))
+  dst = _cat_rows([p.dst for *_, p in distinct], (0,))
+  src_pos, dst_pos = _positions(devices, src), _positions(devices, dst)
   packed = packs = None
-  if staging and len(tensor):
-    row = part_start.astype(narrow)[tensor]  # per op its row in base
-    row += index
-    src_pack = np.concatenate([p.src_pack for p in shapes])[row]
-    dst_pack = np.concatenate([p.dst_pack for p in shapes])[row]
-    if types is not None:
-      src_pack, dst_pack = _repack_for_types(types, tensor, base[row, 4], base[row, 7],
-                                             src_pos != dst_pos, src_pack, dst_pack)
-    # Pack areas: per (device, step), the ops' aligned bytes in op order (an op packs on
-    # at most one side per device: packing ops cross devices).
-    src_op, dst_op = np.flatnonzero(src_pack), np.flatnonzero(dst_pack)
-    op = np.concatenate([src_op, dst_op])
-    dev = np.concatenate([src_pos[src_op], dst_pos[dst_op]]).astype(np.int64)
-    by_device = np.lexsort((op, dev))
-    op, dev = op[by_device], dev[by_device]
-    op_side = (by_device >= len(src_op)).astype(np.int64)
-    step = chunks.step[op]
-    size = np.concatenate([p.nbytes for p in shapes])[row[op]]
-    end = np.cumsum(size)
-    new_group = np.ones(len(op), bool)
-    new_group[1:] = (dev[1:] != dev[:-1]) | (step[1:] != step[:-1])
-    group_start = np.maximum.accumulate(np.where(new_group, np.arange(len(op)), 0))
-    used = end - size - (end - size)[group_start]
+  if staging:
     tmp_end = np.array([tmp_bytes.get(int(d), 0) for d in devices], np.int64)
-    packed, at = np.unique(op, return_inverse=True)
-    packs = np.full((len(packed), 2), -1, np.int64)
-    packs[at.reshape(-1), op_side] = used + tmp_end[dev]
-    peak = np.zeros(len(devices), np.int64)
-    np.maximum.at(peak, dev, used + size)
+    packed, packs, peak = _pack_areas(
+        plan, types, steps, base, part_start, dev_start, which, src, dst, src_pos,
+        dst_pos, [(p.src_pack, p.dst_pack, p.nbytes) for p in shapes], tmp_end)
     for j in np.flatnonzero(peak):
       d = int(devices[j])
       ws[d] = ws.get(d, 0) + int(peak[j])
-    for a in (packed, packs):
-      a.flags.writeable = False
-  prefix = _prefix(plan, ws, chunks.n_steps, 0, types)
+  prefix = _prefix(plan, ws, steps.n_steps, 0, types)
   width = np.array([OP_FIXED + 3 * len(tp.src.shape) for tp in plan.tensors], np.int64)
-  for a in (base, part_start, src, dst, dev_start, parts, src_pos, dst_pos, prefix,
-            width):
+  for a in (base, part_start, src, dst, src_pos, dst_pos, dev_start, parts, which,
+            prefix, width):
     a.flags.writeable = False
-  return _Table(base, part_start, src, dst, dev_start, parts, tensor, index, chunks.step,
-                packed, packs, src_pos, dst_pos, devices,
-                _slot_table(plan, tmp, devices), ws, chunks.n_steps, prefix, width)
+  return _Table(base, part_start, src, dst, src_pos, dst_pos, dev_start, parts, which,
+                steps, packed, packs, devices, _slot_table(plan, tmp, devices), ws,
+                prefix, width)
+
+
+def _pack_areas(plan, types, steps, base, part_start, dev_start, which, src, dst,
+                src_pos, dst_pos, shapes, tmp_end):
+  """The pack staging of every device: per (device, step) the ops that pack there, in
+  op order, their aligned bytes one after another past the device's full-tensor
+  buffers (`tmp_end`; an op packs on at most one side per device: packing ops cross
+  devices). Found per distinct (TensorPlan, conversion) among its chunks, not over the
+  plan's ops. Returns (order keys of the packing ops ascending, their (src, dst)
+  offsets (-1: none), per device position its largest pack area)."""
+  src_flags = _cat_rows([f for f, _, _ in shapes], (0,)).astype(bool)
+  dst_flags = _cat_rows([f for _, f, _ in shapes], (0,)).astype(bool)
+  nbytes = _cat_rows([n for _, _, n in shapes], (0,))
+  found: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+  on_src, on_dst = [], []
+  for t, tp in enumerate(plan.tensors):
+    code = None if types is None else types[t]
+    hit = found.get((int(which[t]), code))
+    if hit is None:
+      r0, d0 = int(part_start[t]), int(dev_start[t])
+      n = len(steps.parts[t].step)
+      sp, dp = src_flags[r0:r0 + n], dst_flags[r0:r0 + n]
+      if types is not None:
+        sp, dp = _repack_for_types(types, np.full(n, t), base[r0:r0 + n, 4],
+                                   base[r0:r0 + n, 7], src[d0:d0 + n] != dst[d0:d0 + n],
+                                   sp, dp)
+      hit = found[(int(which[t]), code)] = (np.flatnonzero(sp), np.flatnonzero(dp))
+    on_src.append(hit[0])
+    on_dst.append(hit[1])
+  n_src = np.fromiter(map(len, on_src), np.int64, len(on_src))
+  n_dst = np.fromiter(map(len, on_dst), np.int64, len(on_dst))
+  tensors = np.arange(len(plan.tensors), dtype=np.int64)
+  tensor = np.concatenate([np.repeat(tensors, n_src), np.repeat(tensors, n_dst)])
+  index = np.concatenate([_cat_rows(on_src, (0,)), _cat_rows(on_dst, (0,))])
+  side = np.repeat(np.array([0, 1], np.int64), [int(n_src.sum()), int(n_dst.sum())])
+  on = dev_start[tensor] + index
+  dev = np.where(side == 0, src_pos[on], dst_pos[on]).astype(np.int64)
+  step = _global_steps(steps, base, part_start, tensor, index)
+  key = steps.key(tensor, index, step)
+  by_device = np.lexsort((key, dev))
+  key, dev, side, step = key[by_device], dev[by_device], side[by_device], step[by_device]
+  size = nbytes[part_start[tensor[by_device]] + index[by_device]]
+  end = np.cumsum(size)
+  new_group = np.ones(len(key), bool)
+  new_group[1:] = (dev[1:] != dev[:-1]) | (step[1:] != step[:-1])
+  group_start = np.maximum.accumulate(np.where(new_group, np.arange(len(key)), 0))
+  used = end - size - (end - size)[group_start]
+  packed, at = np.unique(key, return_inverse=True)
+  packs = np.full((len(packed), 2), -1, np.int64)
+  packs[at.reshape(-1), side] = used + tmp_end[dev]
+  peak = np.zeros(len(tmp_end), np.int64)
+  np.maximum.at(peak, dev, used + size)
+  for a in (packed, packs):
+    a.flags.writeable = False
+  return packed, packs, peak
+
+
+def _global_steps(steps, base, part_start, tensor: np.ndarray,
+                  index: np.ndarray) -> np.ndarray:
+  """The global steps (int64) of the chunks (`tensor`, `index`): a wave's offset plus
+  the local step (column 0 of the chunk's base row), or the matched step."""
+  if steps.matched is None:
+    return base[part_start[tensor] + index, 0] + steps.offsets[tensor]
+  out = np.empty(len(tensor), np.int64)
+  for t in np.unique(tensor).tolist():
+    mine = tensor == t
+    out[mine] = steps.of(t, index[mine])
+  return out
+
+
+@functools.lru_cache(maxsize=16)
+def _ops(plan: Plan, staging: bool, types: tuple | None, local: tuple | None) -> _Ops:
+  """The ops of `plan` that touch the devices `local` (None: every op, the plan's
+  chunks), in op order."""
+  table = _table(plan, staging, types)
+  if local is None:
+    chunks = plan.chunks
+    tensor, index, step = chunks.tensor, chunks.index, chunks.step
+  else:
+    tensor, index, step = table.touching(local)
+  # Per op its row in src, dst; in place, 32 bits where the rows fit: fresh pages cost
+  # ~2 ms a MB here (2.7M ops: 21 MB at 64 bits).
+  narrow = np.int32 if len(table.src) < 1 << 31 else np.int64
+  on = table.dev_start.astype(narrow)[tensor]
+  on += index
+  src_pos, dst_pos = table.src_pos[on], table.dst_pos[on]
+  del on
+  for a in (src_pos, dst_pos):
+    a.flags.writeable = False
+  return _Ops(table, tensor, index, step, src_pos, dst_pos)
 
 
 @functools.lru_cache(maxsize=16)
 def _spmd(plan: Plan, staging: bool, types: tuple | None = None) -> np.ndarray:
   """The SPMD encoding (every op)."""
-  table = _table(plan, staging, types)
-  return table.encode(np.arange(len(table.step)))
+  ops = _ops(plan, staging, types, None)
+  return ops.encode(np.arange(len(ops.step)))
 
 
 def _prefix_width(plan: Plan) -> int:
@@ -602,7 +716,7 @@ def workspace_bytes(plan: Plan, device: int | None = None, staging: bool = False
 
 
 def encode(plan: Plan, device: int | None = None, staging: bool = False,
-           types=None) -> np.ndarray:
+           types=None, local=None) -> np.ndarray:
   """The `schedule` attribute for one device (eager dispatch) or every device (SPMD).
 
   Args:
@@ -614,28 +728,47 @@ def encode(plan: Plan, device: int | None = None, staging: bool = False,
     types: per tensor `(src_type, dst_type)` codes (`type_codes`), or None: nothing
       converts. With conversions, the plan must have been made with the wire itemsizes
       (`wire_dtype`): elem_bytes, workspace and staging are wire bytes.
+    local: the global ids of the devices this caller encodes (a process's own, with
+      `device` among them), or None: any. Only their ops are found (once per plan,
+      staging, types and `local`), not every device's; the encoding is the same.
 
   Returns:
     A read-only 1-D int64 array (docs/schedule_format.md): version 3's elements packed
     (PACKED_VERSION: zigzag varints, ~1.2 bytes an element here). The SPMD encoding
     is cached with the plan and types: repeated calls return the same array. A device's
-    costs O(its ops) plus a scan of two 2-byte columns of the plan's ops once the plan's
-    table is built (once per plan, staging and types, by array arithmetic).
+    costs O(its ops) plus a scan of two 2-byte columns of the ops of `local` (of the
+    plan's, when None) once those are found.
+
+  Raises:
+    ValueError: `device` is not in `local`.
   """
   types = _check_types(plan, types)
   if device is None:
     return _spmd(plan, staging, types)  # cached and read-only: shared by every caller
-  table = _table(plan, staging, types)
-  j = int(np.searchsorted(table.devices, device))
-  if j < len(table.devices) and table.devices[j] == device:
-    return table.encode(table.device_ops(j))
-  return table.encode(np.zeros(0, np.int64))
+  local = _local_key(plan, local)
+  if local is not None and device not in local:
+    raise ValueError(f"encode: device {device} must be one of local {list(local)}.")
+  ops = _ops(plan, staging, types, local)
+  devices = ops.table.devices
+  j = int(np.searchsorted(devices, device))
+  if j < len(devices) and devices[j] == device:
+    return ops.encode(ops.device_ops(j))
+  return ops.encode(np.zeros(0, np.int64))
+
+
+def _local_key(plan: Plan, local) -> tuple | None:
+  """`local` as a cache key: its device ids ascending, or None where it holds every
+  device of `plan` (or is None)."""
+  if local is None:
+    return None
+  key = tuple(sorted({int(d) for d in local}))
+  return None if set(plan.devices) <= set(key) else key
 
 
 def clear_caches() -> None:
   """Forgets every cached encoding table, SPMD encoding, digest, buffer slots and
   shared ops (benchmarks of cold encoding)."""
-  for cache in (_table, _spmd, _plan_digest, buffers, _structure_ops):
+  for cache in (_table, _ops, _spmd, _plan_digest, buffers, _structure_ops):
     cache.cache_clear()
 
 
@@ -674,11 +807,11 @@ def digest(sched: np.ndarray) -> bytes:
 
 def plan_digest(plan: Plan, staging: bool = False, types=None) -> bytes:
   """A 16-byte hash of everything every device's encoding of `plan` holds (the shared
-  prefix: header, devices, workspace, tensors; and per op its tensor, chunk, step and,
-  with staging, its pack offsets, over each distinct TensorPlan's rows), without
-  writing the SPMD encoding: the same on every process that plans the same call, and
-  different where any device's encoding differs (it covers the slots too). Cached per
-  plan, staging and types."""
+  prefix: header, devices, workspace, tensors; the slots; each distinct TensorPlan's
+  rows on its devices, the tensors' step offsets and, with staging, the packing ops'
+  offsets: every op's record and place follow from them), without the plan's op list
+  or the SPMD encoding: the same on every process that plans the same call, and
+  different where any device's encoding differs. Cached per plan, staging and types."""
   return _plan_digest(plan, staging, _check_types(plan, types))
 
 
@@ -686,20 +819,24 @@ def plan_digest(plan: Plan, staging: bool = False, types=None) -> bytes:
 def _plan_digest(plan: Plan, staging: bool, types: tuple | None) -> bytes:
   table = _table(plan, staging, types)
   h = hashlib.blake2b(digest_size=16)
+  h.update(b"staging" if staging else b"direct")
   h.update(table.prefix.tobytes())
   h.update(table.slots.tobytes())
-  # Each distinct TensorPlan's rows on its devices, and where each tensor's start.
+  # Each distinct TensorPlan's rows on its devices (their local steps in column 0), and
+  # where each tensor's start: with the steps' offsets (or matched steps), every op's
+  # place in op order.
   ends = np.append(table.distinct[1:, 0], len(table.src))
   for (d0, r0), d1 in zip(table.distinct.tolist(), ends.tolist()):
     rows = table.base[r0:r0 + d1 - d0].copy()
     rows[:, 3], rows[:, 6] = table.src[d0:d1], table.dst[d0:d1]
     h.update(rows.tobytes())
-  for a in (table.dev_start, table.tensor, table.index, table.step):
+  steps = table.steps
+  for a in (table.dev_start, table.part_start,
+            *(steps.matched if steps.matched is not None else (steps.offsets,))):
     h.update(np.ascontiguousarray(a, np.int64).tobytes())
-  if table.packed is not None:  # every op's offsets, -1 where none (per block)
-    for start in range(0, len(table.step), _BLOCK_OPS):
-      ops = np.arange(start, min(start + _BLOCK_OPS, len(table.step)))
-      h.update(table.pack_rows(ops).tobytes())
+  if table.packed is not None:  # the packing ops' order keys and offsets
+    h.update(table.packed.tobytes())
+    h.update(table.packs.tobytes())
   return h.digest()
 
 

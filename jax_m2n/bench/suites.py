@@ -478,7 +478,8 @@ def process_of_8_once(model: PlannerModel, per_process: int = 8,
   every stage's tensors in one plan (one reshard call over the whole model, as every
   process plans the global call), cold, then encode the schedule of the process's
   `per_process` devices (the first host of the generator: its devices receive every
-  replicated leaf, the most ops of any host). `staging`: the CUDA transport's encoding.
+  replicated leaf, the most ops of any host; only their ops are found, as a process
+  of the job finds its own). `staging`: the CUDA transport's encoding.
   Seconds (wall and CPU) and what was built."""
   from jax_m2n._src import schedule
   from jax_m2n._src.planner import plan_reshard
@@ -491,7 +492,8 @@ def process_of_8_once(model: PlannerModel, per_process: int = 8,
   first = model.trainer_dp * model.ep * model.pp if not model.colocated else 0
   t0, c0 = time.perf_counter(), time.process_time()
   plan = plan_reshard(src, dst, [itemsize] * len(src), model.topology())
-  encoded = [schedule.encode(plan, d, staging) for d in range(first, first + per_process)]
+  local = range(first, first + per_process)
+  encoded = [schedule.encode(plan, d, staging, local=local) for d in local]
   seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
   return {"s": seconds, "cpu_s": cpu, "tensors": len(src), "devices": len(plan.devices),
           "transfers": sum(len(tp.transfers) for tp in plan.tensors),

@@ -576,7 +576,7 @@ def build_programs(request: Request, dsts: Sequence[Sharding]) -> EagerReshard:
       out_sig = tuple((_extent(dst_layouts[t].box_of(dev_id)), out_dtypes[t])
                       for t in result_leaves)
       workspace = max(1, schedule.workspace_bytes(plan, dev_id, staging, types))
-      sched = schedule.encode(plan, dev_id, staging, types)
+      sched = schedule.encode(plan, dev_id, staging, types, local)  # this process's ops
       # A device's program depends on its schedule, its buffers and the call's
       # attributes only: later builds of the same layouts (another pytree of them, an
       # evicted entry) reuse it, compiling nothing.

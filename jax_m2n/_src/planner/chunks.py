@@ -391,14 +391,39 @@ class Chunks:
     return (self[i] for i in range(len(self)))
 
 
-def schedule_chunks(plan) -> Chunks:
-  """Every chunk of `plan`, with global steps, sorted by step (stable).
+@dataclasses.dataclass(frozen=True, eq=False)
+class Steps:
+  """Where every chunk of a plan falls, per tensor, without the plan's chunk list.
 
-  Steps are each tensor's local steps offset by waves (below), or, where the transport
-  runs matched steps (`Plan.transport.matched_steps`: the emulated network), assigned
-  by `_matched_steps`. The chunks themselves (boxes, order within a tensor) are the
-  same either way.
+  The plan's chunks in the tensor-by-tensor concatenation are tensor t's `parts[t]`
+  from position `starts[t]`; the global step of its chunk k is `of(t, k)`: its local
+  step plus the tensor's wave offset (`offsets`), or, on matched steps, its own
+  (`matched`). `schedule_chunks` sorts them all by step (stable); one device's chunks
+  can be taken from here in that order without building the others' (`key`).
   """
+
+  parts: tuple            # per tensor its TensorChunks (shared per TensorPlan)
+  starts: np.ndarray      # (n_tensors,) int64: first chunk's position in the concatenation
+  offsets: np.ndarray | None  # (n_tensors,) int64 wave offsets; None on matched steps
+  matched: tuple | None   # per tensor its chunks' steps (int64); None in waves
+  n_steps: int
+  n_chunks: int
+
+  def of(self, t: int, k: np.ndarray) -> np.ndarray:
+    """The global steps (int64) of chunks `k` (indices in tensor `t`'s part)."""
+    if self.matched is not None:
+      return self.matched[t][k]
+    return self.parts[t].step[k] + self.offsets[t]
+
+  def key(self, tensor: np.ndarray, index: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Per chunk (its tensor, index in the tensor's part, global step) an int64 that
+    ascends in the plan's chunk order (by step, then position in the concatenation)."""
+    return (step.astype(np.int64) * max(self.n_chunks, 1) + self.starts[tensor]
+            + index.astype(np.int64))
+
+
+def plan_steps(plan) -> Steps:
+  """The `Steps` of `plan` (its tensors' chunks made, cached per TensorPlan)."""
   limit = plan.chunk_bytes
   made: dict[int, TensorChunks] = {}  # per TensorPlan object (leaves share a few)
   parts = []
@@ -408,16 +433,41 @@ def schedule_chunks(plan) -> Chunks:
       tc = made[id(tp)] = tensor_chunks(tp, limit)
     parts.append(tc)
   counts = np.array([len(tc.step) for tc in parts], np.int64)
+  starts = np.cumsum(counts) - counts
+  offsets = matched = None
+  if plan.transport.matched_steps:
+    matched = tuple(np.asarray(s, np.int64) for s in _matched_steps(plan, parts))
+    n_steps = max((int(s.max()) + 1 for s in matched if len(s)), default=0)
+  else:
+    offsets = np.array(_wave_offsets(parts, limit), np.int64)
+    n_steps = max((int(o) + tc.length for o, tc in zip(offsets, parts) if len(tc.step)),
+                  default=0)
+  for a in (starts, offsets):
+    if a is not None:
+      a.flags.writeable = False
+  return Steps(tuple(parts), starts, offsets, matched, n_steps, int(counts.sum()))
+
+
+def schedule_chunks(plan, steps: Steps) -> Chunks:
+  """Every chunk of `plan` (its `steps`), with global steps, sorted by step (stable).
+
+  Steps are each tensor's local steps offset by waves (below), or, where the transport
+  runs matched steps (`Plan.transport.matched_steps`: the emulated network), assigned
+  by `_matched_steps`. The chunks themselves (boxes, order within a tensor) are the
+  same either way.
+  """
+  parts = steps.parts
+  counts = np.array([len(tc.step) for tc in parts], np.int64)
   # The per-chunk columns in 32 bits where they fit: fresh pages are most of their cost
   # (2.7M chunks: 21 MB each at 64 bits).
-  narrow = np.int32 if counts.sum() < 1 << 31 else np.int64
-  if plan.transport.matched_steps:
-    step = _cat(_matched_steps(plan, parts), narrow)
+  narrow = np.int32 if steps.n_chunks < 1 << 31 else np.int64
+  if steps.matched is not None:
+    step = _cat(list(steps.matched), narrow)
   else:  # each tensor's local steps plus its wave's offset, in one pass
     step = _cat([tc.step for tc in parts], narrow)
-    step += np.repeat(np.array(_wave_offsets(parts, limit), narrow), counts)
+    step += np.repeat(steps.offsets.astype(narrow), counts)
   n_transfers = np.array([len(tp.transfers) for tp in plan.tensors], np.int64)
-  starts = np.cumsum(counts) - counts
+  starts = steps.starts
   # Sorted by step: the tensor of each chunk by one gather, its index from its position
   # in the concatenation (in place: fewer fresh pages), the steps from their counts.
   index = np.argsort(step, kind="stable")

@@ -180,8 +180,9 @@ class Plan:
                         self.itemsizes, self.topology, route, self.chunking)
 
   @functools.cached_property
-  def chunks(self):
-    """The chunked, step-assigned schedule (a `planner.chunks.Chunks`).
+  def steps(self):
+    """Where each tensor's chunks fall in the schedule (a `planner.chunks.Steps`):
+    every device's chunks in order without the plan's whole chunk list.
 
     Raises ReshardValueError, before building anything, over MAX_PLAN_CHUNKS chunks.
     """
@@ -190,7 +191,16 @@ class Plan:
     check_plan_size([tp.src for tp in distinct], [tp.dst for tp in distinct],
                     [tp.itemsize for tp in distinct], self.route, self.chunk_bytes,
                     [counts[id(tp)] for tp in distinct])
-    return chunks_lib.schedule_chunks(self)
+    return chunks_lib.plan_steps(self)
+
+  @functools.cached_property
+  def chunks(self):
+    """The chunked, step-assigned schedule (a `planner.chunks.Chunks`): every chunk of
+    `steps`, sorted by step.
+
+    Raises ReshardValueError, before building anything, over MAX_PLAN_CHUNKS chunks.
+    """
+    return chunks_lib.schedule_chunks(self, self.steps)
 
   def describe(self, size: PlanSize | None = None) -> str:
     """One line: route, tensors, devices, transfers by stage, bytes by link."""
