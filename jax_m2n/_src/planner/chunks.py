@@ -29,6 +29,9 @@ STEP_CHUNKS = 4
 # H200 a 1 GiB point-to-point copy was fastest in 256 MiB pieces, 4 x the 64 MiB
 # default: each NCCL step drains the pipe; docs/cuda_transport.md).
 LEAF_CHUNK_FACTOR = 4
+# (chunk, parent chunk) pairs compared at once when a chunk's step is found among its
+# transfer's parents' chunks (`_cut_steps`): bounds the temporaries (~150 MiB).
+_PAIR_BLOCK = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +113,9 @@ def _tensor_chunks(xs, itemsize: int, limit: int, rank: int, lo: np.ndarray,
   follows = ((n_parents == 1) & (lo[first] <= lo).all(axis=1)
              & (hi <= hi[first]).all(axis=1) & (lo < hi).all(axis=1))
   by_child = p[np.argsort(child, kind="stable")]  # each transfer's parents, in order
+  # Row-major strides of a shape holding every box (flat positions order the chunks).
+  extent = np.maximum(hi.max(axis=0), 1) if n else np.ones(MAX_RANK, np.int64)
+  strides = np.cumprod(np.append(extent[1:], 1)[::-1])[::-1].astype(np.int64)
   parent_start = np.cumsum(n_parents) - n_parents
   # Placed chunks (every transfer's contiguous, from start[t], count[t] of them).
   start, count = np.zeros(n, np.int64), np.zeros(n, np.int64)
@@ -130,14 +136,8 @@ def _tensor_chunks(xs, itemsize: int, limit: int, rank: int, lo: np.ndarray,
       pieces = [(t[meets], step[r][meets] + 1, clo[meets], chi[meets])]
       rows = np.flatnonzero(wave & ~follows)
       t, _, clo, chi = _cut(xs, rows, np.full(len(rows), limit), itemsize, rank)
-      # Every (chunk, parent of its transfer) pair, then every chunk of that parent.
-      j, k = _ranges(parent_start[t], n_parents[t])
-      q = by_child[k]
-      owner, r = _ranges(start[q], count[q])
-      j = j[owner]
-      meets = (np.maximum(clo[j], plo[r]) < np.minimum(chi[j], phi[r])).all(axis=1)
-      cut_step = np.zeros(len(t), np.int64)
-      np.maximum.at(cut_step, j, np.where(meets, step[r] + 1, 0))
+      cut_step = _cut_steps(t, clo, chi, parent_start, n_parents, by_child, start, count,
+                            step, plo, phi, strides)
       pieces.append((t, cut_step, clo, chi))
     for piece in pieces:  # a piece's transfers ascend, each one's chunks in order
       c = np.bincount(piece[0], minlength=n)
@@ -236,6 +236,51 @@ def structure(tp) -> Structure:
 def _structure_chunks(shape: Structure, chunk_bytes: int) -> TensorChunks:
   """The chunks of every TensorPlan of structure `shape` (built from its first)."""
   return _build_tensor_chunks(shape.tp, chunk_bytes)
+
+
+def _cut_steps(t, clo, chi, parent_start, n_parents, by_child, start, count, step, plo,
+               phi, strides) -> np.ndarray:
+  """Per chunk (of transfer `t[i]`, box `clo[i]`, `chi[i]`), one step after the latest
+  placed chunk of its transfer's parents that it meets (0: none).
+
+  A transfer's placed chunks tile its box in row-major order, so their first and last
+  elements' flat positions (`strides`) ascend without overlap: the parent chunks a chunk
+  can meet are the run whose flat span overlaps its own, found by binary search per
+  (chunk, parent); only those are compared box by box. A parent whose chunks are not
+  so ordered has every chunk compared. Candidates are compared in blocks of at most
+  _PAIR_BLOCK pairs (bounded memory)."""
+  out = np.zeros(len(t), np.int64)
+  j, k = _ranges(parent_start[t], n_parents[t])  # every (chunk, parent of its transfer)
+  if not len(j):
+    return out
+  q = by_child[k]
+  cmin = clo[j] @ strides
+  cmax = (chi[j] - 1) @ strides
+  empty = (clo[j] >= chi[j]).any(axis=1)
+  first = np.empty(len(j), np.int64)
+  last = np.empty(len(j), np.int64)
+  for parent in np.unique(q).tolist():
+    mine = np.flatnonzero(q == parent)
+    s0, n = int(start[parent]), int(count[parent])
+    fmin = plo[s0:s0 + n] @ strides
+    fmax = (phi[s0:s0 + n] - 1) @ strides
+    if n > 1 and not ((fmin <= fmax).all() and (fmin[1:] > fmax[:-1]).all()):
+      first[mine], last[mine] = s0, s0 + n
+      continue
+    first[mine] = s0 + np.searchsorted(fmax, cmin[mine], "left")
+    last[mine] = s0 + np.searchsorted(fmin, cmax[mine], "right")
+  runs = np.where(empty, 0, np.maximum(last - first, 0))
+  ends = np.cumsum(runs)
+  b0 = 0
+  while b0 < len(j):
+    done = int(ends[b0 - 1]) if b0 else 0
+    b1 = max(b0 + 1, int(np.searchsorted(ends, done + _PAIR_BLOCK, "right")))
+    owner, r = _ranges(first[b0:b1], runs[b0:b1])
+    i = j[owner + b0]
+    meets = (np.maximum(clo[i], plo[r]) < np.minimum(chi[i], phi[r])).all(axis=1)
+    np.maximum.at(out, i, np.where(meets, step[r] + 1, 0))
+    b0 = b1
+  return out
 
 
 def _parent_pairs(xs):
