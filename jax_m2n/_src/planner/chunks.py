@@ -29,8 +29,8 @@ STEP_CHUNKS = 4
 # H200 a 1 GiB point-to-point copy was fastest in 256 MiB pieces, 4 x the 64 MiB
 # default: each NCCL step drains the pipe; docs/cuda_transport.md).
 LEAF_CHUNK_FACTOR = 4
-# (chunk, parent chunk) pairs compared at once when a chunk's step is found among its
-# transfer's parents' chunks (`_cut_steps`): bounds the temporaries (~150 MiB).
+# (box, placed chunk) pairs compared at once where chunks are placed after their
+# parents' (`_meeting`): bounds the temporaries (~150 MiB).
 _PAIR_BLOCK = 1 << 20
 
 
@@ -128,16 +128,24 @@ def _tensor_chunks(xs, itemsize: int, limit: int, rank: int, lo: np.ndarray,
       pieces = [_cut(xs, rows, sizes, itemsize, rank)]
     else:
       _, step, plo, phi = placed
+      placed_q = (start, count, plo, phi, strides)
+      # A following transfer: its parent's chunks that meet its box, cut to it.
       rows = np.flatnonzero(wave & follows)
-      owner, r = _ranges(start[first[rows]], count[first[rows]])
-      t = rows[owner]
-      clo, chi = np.maximum(plo[r], lo[t]), np.minimum(phi[r], hi[t])
-      meets = (clo < chi).all(axis=1)
-      pieces = [(t[meets], step[r][meets] + 1, clo[meets], chi[meets])]
+      parts = []
+      for i, r in _meeting(lo[rows], hi[rows], first[rows], *placed_q):
+        clo, chi = np.maximum(plo[r], lo[rows[i]]), np.minimum(phi[r], hi[rows[i]])
+        meets = (clo < chi).all(axis=1)
+        parts.append((rows[i][meets], step[r][meets] + 1, clo[meets], chi[meets]))
+      pieces = [tuple(np.concatenate(c) for c in zip(*parts))] if parts else []
+      # Any other: its own chunks, each one step after the latest parent chunk it meets.
       rows = np.flatnonzero(wave & ~follows)
       t, _, clo, chi = _cut(xs, rows, np.full(len(rows), limit), itemsize, rank)
-      cut_step = _cut_steps(t, clo, chi, parent_start, n_parents, by_child, start, count,
-                            step, plo, phi, strides)
+      j, k = _ranges(parent_start[t], n_parents[t])  # every (chunk, parent) pair
+      cut_step = np.zeros(len(t), np.int64)
+      for i, r in _meeting(clo[j], chi[j], by_child[k], *placed_q):
+        c = j[i]
+        meets = (np.maximum(clo[c], plo[r]) < np.minimum(chi[c], phi[r])).all(axis=1)
+        np.maximum.at(cut_step, c, np.where(meets, step[r] + 1, 0))
       pieces.append((t, cut_step, clo, chi))
     for piece in pieces:  # a piece's transfers ascend, each one's chunks in order
       c = np.bincount(piece[0], minlength=n)
@@ -238,49 +246,37 @@ def _structure_chunks(shape: Structure, chunk_bytes: int) -> TensorChunks:
   return _build_tensor_chunks(shape.tp, chunk_bytes)
 
 
-def _cut_steps(t, clo, chi, parent_start, n_parents, by_child, start, count, step, plo,
-               phi, strides) -> np.ndarray:
-  """Per chunk (of transfer `t[i]`, box `clo[i]`, `chi[i]`), one step after the latest
-  placed chunk of its transfer's parents that it meets (0: none).
+def _meeting(lo, hi, q, start, count, plo, phi, strides):
+  """The placed chunks of transfer `q[i]` that box i (`lo[i]`, `hi[i]`) may meet, as
+  blocks (i, r) of at most _PAIR_BLOCK pairs, i ascending and each i's chunks `r` in
+  their order (a superset of those that meet: the caller compares the boxes).
 
-  A transfer's placed chunks tile its box in row-major order, so their first and last
-  elements' flat positions (`strides`) ascend without overlap: the parent chunks a chunk
-  can meet are the run whose flat span overlaps its own, found by binary search per
-  (chunk, parent); only those are compared box by box. A parent whose chunks are not
-  so ordered has every chunk compared. Candidates are compared in blocks of at most
-  _PAIR_BLOCK pairs (bounded memory)."""
-  out = np.zeros(len(t), np.int64)
-  j, k = _ranges(parent_start[t], n_parents[t])  # every (chunk, parent of its transfer)
-  if not len(j):
-    return out
-  q = by_child[k]
-  cmin = clo[j] @ strides
-  cmax = (chi[j] - 1) @ strides
-  empty = (clo[j] >= chi[j]).any(axis=1)
-  first = np.empty(len(j), np.int64)
-  last = np.empty(len(j), np.int64)
+  A transfer's placed chunks tile its box in row-major order, so the flat positions
+  (`strides`) of their first and last elements ascend without overlap: the chunks a box
+  can meet are the run whose flat span overlaps the box's, found by binary search. A
+  transfer whose chunks are not so ordered gives all of them."""
+  first = np.zeros(len(q), np.int64)
+  last = np.zeros(len(q), np.int64)
+  bmin, bmax = lo @ strides, (hi - 1) @ strides
+  live = (lo < hi).all(axis=1)
   for parent in np.unique(q).tolist():
     mine = np.flatnonzero(q == parent)
     s0, n = int(start[parent]), int(count[parent])
-    fmin = plo[s0:s0 + n] @ strides
-    fmax = (phi[s0:s0 + n] - 1) @ strides
+    fmin, fmax = plo[s0:s0 + n] @ strides, (phi[s0:s0 + n] - 1) @ strides
     if n > 1 and not ((fmin <= fmax).all() and (fmin[1:] > fmax[:-1]).all()):
       first[mine], last[mine] = s0, s0 + n
       continue
-    first[mine] = s0 + np.searchsorted(fmax, cmin[mine], "left")
-    last[mine] = s0 + np.searchsorted(fmin, cmax[mine], "right")
-  runs = np.where(empty, 0, np.maximum(last - first, 0))
+    first[mine] = s0 + np.searchsorted(fmax, bmin[mine], "left")
+    last[mine] = s0 + np.searchsorted(fmin, bmax[mine], "right")
+  runs = np.where(live, np.maximum(last - first, 0), 0)
   ends = np.cumsum(runs)
   b0 = 0
-  while b0 < len(j):
+  while b0 < len(q):
     done = int(ends[b0 - 1]) if b0 else 0
     b1 = max(b0 + 1, int(np.searchsorted(ends, done + _PAIR_BLOCK, "right")))
     owner, r = _ranges(first[b0:b1], runs[b0:b1])
-    i = j[owner + b0]
-    meets = (np.maximum(clo[i], plo[r]) < np.minimum(chi[i], phi[r])).all(axis=1)
-    np.maximum.at(out, i, np.where(meets, step[r] + 1, 0))
+    yield owner + b0, r
     b0 = b1
-  return out
 
 
 def _parent_pairs(xs):
