@@ -32,6 +32,9 @@ LEAF_CHUNK_FACTOR = 4
 # (box, placed chunk) pairs compared at once where chunks are placed after their
 # parents' (`_meeting`): bounds the temporaries (~150 MiB).
 _PAIR_BLOCK = 1 << 20
+# A transfer of more placed chunks than this has those a box may meet searched for;
+# one of fewer has all of them compared.
+_SEARCH_CHUNKS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,21 +256,22 @@ def _meeting(lo, hi, q, start, count, plo, phi, strides):
 
   A transfer's placed chunks tile its box in row-major order, so the flat positions
   (`strides`) of their first and last elements ascend without overlap: the chunks a box
-  can meet are the run whose flat span overlaps the box's, found by binary search. A
-  transfer whose chunks are not so ordered gives all of them."""
-  first = np.zeros(len(q), np.int64)
-  last = np.zeros(len(q), np.int64)
-  bmin, bmax = lo @ strides, (hi - 1) @ strides
+  can meet are the run whose flat span overlaps the box's, found by binary search (for
+  a transfer of more than _SEARCH_CHUNKS). A transfer of fewer, or whose chunks are
+  not so ordered, gives all of them."""
+  first = start[q]
+  last = first + count[q]
   live = (lo < hi).all(axis=1)
-  for parent in np.unique(q).tolist():
-    mine = np.flatnonzero(q == parent)
-    s0, n = int(start[parent]), int(count[parent])
-    fmin, fmax = plo[s0:s0 + n] @ strides, (phi[s0:s0 + n] - 1) @ strides
-    if n > 1 and not ((fmin <= fmax).all() and (fmin[1:] > fmax[:-1]).all()):
-      first[mine], last[mine] = s0, s0 + n
-      continue
-    first[mine] = s0 + np.searchsorted(fmax, bmin[mine], "left")
-    last[mine] = s0 + np.searchsorted(fmin, bmax[mine], "right")
+  searched = count[q] > _SEARCH_CHUNKS  # the others: every chunk (a few)
+  if searched.any():
+    bmin, bmax = lo @ strides, (hi - 1) @ strides
+    for parent in np.unique(q[searched]).tolist():
+      mine = np.flatnonzero(q == parent)
+      s0, n = int(start[parent]), int(count[parent])
+      fmin, fmax = plo[s0:s0 + n] @ strides, (phi[s0:s0 + n] - 1) @ strides
+      if (fmin <= fmax).all() and (fmin[1:] > fmax[:-1]).all():
+        first[mine] = s0 + np.searchsorted(fmax, bmin[mine], "left")
+        last[mine] = s0 + np.searchsorted(fmin, bmax[mine], "right")
   runs = np.where(live, np.maximum(last - first, 0), 0)
   ends = np.cumsum(runs)
   b0 = 0
