@@ -339,6 +339,7 @@ class _Table:
   slots: np.ndarray         # `_slot_table`
   ws: dict                  # device -> workspace bytes
   prefix: np.ndarray        # header (n_ops 0), devices, ws, tensors
+  prefix_varints: np.ndarray  # the prefix's elements after the header as varints
   width: np.ndarray         # (n_tensors,) record width of each tensor's ops
 
   def touching(self, local: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -409,16 +410,15 @@ class _Ops:
     return rows
 
   def encode(self, ops: np.ndarray) -> np.ndarray:
-    """The encoding of `ops`: the prefix, then each op's rank-sized record, written
-    per block of ops (a block's rows as wide as its widest record, each row's first
-    `width` fields kept in row-major order)."""
-    prefix = self.table.prefix
-    head = len(prefix)
-    width = self.table.width[self.tensor[ops]]
-    out = np.empty(head + int(width.sum()), np.int64)
-    out[:head] = prefix
-    out[5] = len(ops)
-    at = head
+    """The encoding of `ops`: the header, then the prefix's elements and each op's
+    rank-sized record as varints, written per block of ops (a block's rows as wide as
+    its widest record, each row's first `width` fields kept in row-major order): no
+    array of every element is made."""
+    table = self.table
+    head = table.prefix[:HEADER_WIDTH].copy()
+    head[5] = len(ops)
+    width = table.width[self.tensor[ops]]
+    streams = [table.prefix_varints]
     for start in range(0, len(ops), _BLOCK_OPS):
       block = slice(start, start + _BLOCK_OPS)
       w_block = width[block]
@@ -426,19 +426,40 @@ class _Ops:
       rows = self.rows(ops[block], w)
       if (w_block != w).any():
         rows = rows[np.arange(w)[None, :] < w_block[:, None]]
-      out[at:at + rows.size] = rows.reshape(-1)
-      at += rows.size
-    out = pack(out)
+      streams.append(_varints(rows.reshape(-1)))
+    out = _packed(head, len(table.prefix) - HEADER_WIDTH + int(width.sum()), streams)
     out.flags.writeable = False
     return out
 
 
 def pack(wide: np.ndarray) -> np.ndarray:
-  """`wide` (version 3) as PACKED_VERSION: each element after the header a zigzag
-  LEB128 varint (1 byte below 64 in magnitude, 2 below 8192, at most 10), by array
+  """`wide` (version 3) as PACKED_VERSION: the header, the count of the elements after
+  it, then each of them as a zigzag LEB128 varint (1 byte below 64 in magnitude, 2
+  below 8192, at most 10), the bytes in little-endian words, the last zero-padded."""
+  body = np.asarray(wide[HEADER_WIDTH:], np.int64)
+  return _packed(wide[:HEADER_WIDTH], len(body), [_varints(body)])
+
+
+def _packed(header: np.ndarray, count: int, streams: list) -> np.ndarray:
+  """A packed schedule: `header` (its version set to PACKED_VERSION), `count`, then the
+  varint byte `streams` one after another."""
+  size = sum(len(b) for b in streams)
+  out = np.zeros(HEADER_WIDTH + 1 + -(-size // 8), np.int64)
+  out[:HEADER_WIDTH] = header
+  out[1] = PACKED_VERSION
+  out[HEADER_WIDTH] = count
+  stream = out[HEADER_WIDTH + 1:].view(np.uint8)  # little-endian words
+  at = 0
+  for b in streams:
+    stream[at:at + len(b)] = b
+    at += len(b)
+  return out
+
+
+def _varints(body: np.ndarray) -> np.ndarray:
+  """The zigzag LEB128 varints of `body` (int64) as one uint8 array, by array
   arithmetic in the narrowest unsigned type that holds them: each element's byte
   count, its first byte's position, then byte k of the elements that have one."""
-  body = np.asarray(wide[HEADER_WIDTH:], np.int64)
   zigzag = ((body << 1) ^ (body >> 63)).view(np.uint64)
   top = int(zigzag.max()) if len(body) else 0
   kind = np.uint16 if top < 1 << 16 else np.uint32 if top < 1 << 32 else np.uint64
@@ -449,18 +470,13 @@ def pack(wide: np.ndarray) -> np.ndarray:
     n_bytes += z >= kind(1 << (7 * k))
   ends = np.cumsum(n_bytes, dtype=np.int64)
   starts = ends - n_bytes
-  size = int(ends[-1]) if len(body) else 0
-  out = np.zeros(HEADER_WIDTH + 1 + -(-size // 8), np.int64)
-  out[:HEADER_WIDTH] = wide[:HEADER_WIDTH]
-  out[1] = PACKED_VERSION
-  out[HEADER_WIDTH] = len(body)
-  stream = out[HEADER_WIDTH + 1:].view(np.uint8)  # little-endian words
+  stream = np.empty(int(ends[-1]) if len(body) else 0, np.uint8)
   stream[starts] = (z & kind(0x7F)) | (n_bytes > 1) * kind(0x80)
   for k in range(1, width):
     has = np.flatnonzero(n_bytes > k)
     group = (z[has] >> kind(7 * k)) & kind(0x7F)
     stream[starts[has] + k] = group | (n_bytes[has] > k + 1) * kind(0x80)
-  return out
+  return stream
 
 
 def widen(schedule: np.ndarray) -> np.ndarray:
@@ -495,8 +511,9 @@ def _unpack(a: np.ndarray) -> np.ndarray:
   return (z >> np.uint64(1)).view(np.int64) ^ -(z & np.uint64(1)).view(np.int64)
 
 
-# Ops written per block by `_Table.encode` (bounds its temporaries: ~100 MiB).
-_BLOCK_OPS = 1 << 18
+# Ops written per block by `_Ops.encode`: its temporaries (~1.5 MiB) stay in memory the
+# process reuses; fresh pages cost ~2 ms a MB on a 2-core VM.
+_BLOCK_OPS = 1 << 13
 
 
 def _positions(devices: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -570,9 +587,11 @@ def _table(plan: Plan, staging: bool, types: tuple | None = None) -> _Table:
   for a in (base, part_start, src, dst, src_pos, dst_pos, dev_start, parts, which,
             prefix, width):
     a.flags.writeable = False
+  varints = _varints(prefix[HEADER_WIDTH:])
+  varints.flags.writeable = False
   return _Table(base, part_start, src, dst, src_pos, dst_pos, dev_start, parts, which,
                 steps, packed, packs, devices, _slot_table(plan, tmp, devices), ws,
-                prefix, width)
+                prefix, varints, width)
 
 
 def _pack_areas(plan, types, steps, base, part_start, dev_start, which, src, dst,
