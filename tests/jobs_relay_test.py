@@ -269,6 +269,36 @@ def test_a_two_process_trainer_job_sends_each_version_once(procs):
 _NO_HOSTS = EmulatedHosts.unavailable()
 
 
+@pytest.mark.skipif(_NO_HOSTS is not None, reason=str(_NO_HOSTS))
+def test_a_member_that_leaves_lets_its_child_finish_the_version(procs):
+  # Three emulated hosts on 25 Mbit/s links: a pulls version 1 from the trainer and
+  # leaves as soon as it has it; b joined a second later, as a's child, and is a chunk
+  # or more behind when a leaves. a waits until b says it has the version (the chunks
+  # a offered are still in flight when a's own pull returns): b takes none of it from
+  # the trainer and never re-routes.
+  procs.hosts = EmulatedHosts(3, rate="25mbit").start()
+  try:
+    procs.start("trainer", "trainer", "--wait-for", 1, "--versions", 1, "--mib", 16)
+    procs.start("subscriber", "a", "--chunk-kib", 1024, "--leave-after", 1, "--mib", 16)
+    procs.start("subscriber", "b", "--chunk-kib", 1024, "--versions", 1, "--mib", 16,
+                "--pull-delay", 1.0)
+    procs.wait(["a", "b"], 240)
+    open(os.path.join(procs.dir, "done"), "w").close()
+    procs.wait(["trainer"], 60)
+  finally:
+    procs.kill()
+    procs.hosts.close()
+  text = procs.logs()
+  for name in ("a", "b", "trainer"):
+    assert procs.proc(name).returncode == 0, (name, text)
+  pulled = {name: f for name, f, _ in procs.results("pulled")}
+  payload = 16 << 20
+  assert pulled["a"]["ok"] == pulled["b"]["ok"] == "1", text
+  assert int(pulled["a"]["trainer"]) == payload and procs.results("left"), text
+  assert (int(pulled["b"]["trainer"]), int(pulled["b"]["peers"]),
+          int(pulled["b"]["reroutes"])) == (0, payload, 0), text
+
+
 @pytest.mark.parametrize("network", [
     "loopback", pytest.param("hosts", marks=pytest.mark.skipif(
         _NO_HOSTS is not None, reason=str(_NO_HOSTS)))])

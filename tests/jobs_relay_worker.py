@@ -6,11 +6,13 @@ Not a test by itself. Usage, one per process:
   python3 tests/jobs_relay_worker.py --role trainer|subscriber --name NAME --dir DIR
       [--versions V] [--period S] [--wait-for N] [--dtype float32|bfloat16]
       [--leave-after V] [--die-version V --die-chunks N] [--mib M] [--no-relay]
+      [--pull-delay S]
 The trainer writes DIR/address, waits (bounded) for N DIR/ready_* files, then publishes
 version v, and the next once `period` s have passed and every subscriber that is ready
 and not gone (DIR/gone_NAME) has it (DIR/latest_NAME; bounded: 120 s), as an RL loop
 waits for its rollouts; it prints "RESULT published ..." per version and waits for
-DIR/done. A subscriber writes DIR/ready_NAME, pulls the newest version,
+DIR/done. A subscriber writes DIR/ready_NAME (S seconds after it started with
+--pull-delay), pulls the newest version,
 then each next one, and prints "RESULT pulled name=NAME version=v ok=1 ..." per
 version (bytes from the trainer and from other members, re-routes, seconds), and
 after the last one waits (bounded) until every subscriber ready and not gone has it
@@ -149,6 +151,7 @@ def subscriber(jax, jax_m2n, args):
   mesh = Mesh(np.array(jax.devices()), ("y",))
   dst = {"w": NamedSharding(mesh, P(None, "y")), "b": NamedSharding(mesh, P("y"))}
   dtype = None if args.dtype == "float32" else np.dtype(getattr(ml_dtypes, args.dtype))
+  time.sleep(args.pull_delay)  # (a trainer that waits for fewer starts without it)
   workers.write_file(os.path.join(args.dir, f"ready_{args.name}"))
   out, version = None, None
   while True:
@@ -218,6 +221,7 @@ def main():
   p.add_argument("--die-version", type=int, default=0)
   p.add_argument("--die-chunks", type=int, default=2)
   p.add_argument("--no-relay", action="store_true")
+  p.add_argument("--pull-delay", type=float, default=0.0)
   p.add_argument("--process-id", type=int, default=0)  # a trainer job of several
   p.add_argument("--num-processes", type=int, default=1)  # processes (jax.distributed)
   p.add_argument("--port", type=int, default=0)

@@ -70,10 +70,16 @@ class Coordinator:
     op = body["op"]
     if op == "relay_leave":
       member = messages.field(body, "member", str, max_len=32)
+      # The versions it still forwards (absent: every one): its children of those that
+      # have not said they are done.
+      versions = (set(messages.int_list(body["versions"], "relay_leave: field 'versions'",
+                                        1, 1 << 62, MAX_RELAYS))
+                  if "versions" in body else None)
       self._leaving.add(member)
       if len(self._leaving) > MAX_MEMBERS:
         self._leaving.pop()
-      pending = sum(1 for r in self._relays.values() if not r.closed
+      pending = sum(1 for (v, _), r in self._relays.items() if not r.closed
+                    and (versions is None or v in versions)
                     for e in r.members.values() if e.upstream == member
                     and not (e.done or e.dead))
       caller.reply({"pending": pending})

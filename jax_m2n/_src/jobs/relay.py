@@ -395,13 +395,21 @@ class Member:
 
   def close(self, root: channel.Client | None, answer_s: float) -> None:
     """Leaves: no new child is given this member; waits (at most LEAVE_S) until the
-    children pulling from it have their version, then stops forwarding."""
+    children pulling from it have their version (the coordinator counts a child until
+    it says it is done: every chunk offered may still be in flight), then stops
+    forwarding."""
     deadline = time.monotonic() + LEAVE_S
+    versions = sorted({v.version for _, v in self._versions})
     try:
-      while root is not None and any(f.is_alive() for f, _ in self._versions):
-        reply = root.call({"op": "relay_leave", "member": self.id}, answer_s,
-                          "a relay leave")
-        if not reply.get("pending") or time.monotonic() > deadline:
+      while root is not None and versions:
+        reply = root.call({"op": "relay_leave", "member": self.id, "versions": versions},
+                          answer_s, "a relay leave")
+        if not reply.get("pending"):
+          break
+        if time.monotonic() > deadline:
+          logger.warning("jax_m2n relay: member %s leaves with %s child(ren) still "
+                         "pulling version(s) %s from it after %g s; they re-route to "
+                         "the trainer", self.id, reply["pending"], versions, LEAVE_S)
           break
         time.sleep(0.05)
     except Exception as e:  # noqa: BLE001 - the publisher is gone: nothing to wait for
