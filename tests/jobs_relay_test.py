@@ -186,6 +186,8 @@ def _call(pub, body):
     {"op": "relay_reroute", "version": 1, "group": "g", "member": "nobody",
      "upstream": 3},
     {"op": "relay_leave"},
+    {"op": "relay_leave", "member": "m", "versions": [0]},
+    {"op": "relay_leave", "member": "m", "versions": "1"},
     {"op": "relay_done", "version": "1", "group": "g", "member": "m"},
     {"op": "pieces", "version": 1, "wire": [[0, "float32"]], "timeout_ms": 1000,
      "groups": [[[[0, 0, 0, 0, 64, 96]]]], "chunk_bytes": 1, "chunks": [0]},
