@@ -568,10 +568,15 @@ def test_close_frees_every_thread_and_descriptor():
     c.call({"op": "x"}, 2.0, "x")
     c.close()
     s.close()
-  deadline = time.monotonic() + 5  # zmq's native threads end just after close returns
-  while counts() != before and time.monotonic() < deadline:
+  # zmq's native threads end just after close returns. None may stay: at most the
+  # threads and descriptors there were before (another part of the process, a JAX
+  # thread pool, may end one of its own meanwhile: seen in CI, 29 -> 28 tasks).
+  def left():
+    return [now - was for now, was in zip(counts(), before)]
+  deadline = time.monotonic() + 5
+  while max(left()) > 0 and time.monotonic() < deadline:
     time.sleep(0.05)
-  assert counts() == before
+  assert max(left()) <= 0, (counts(), before)
 
 
 # ---------------------------------------------------------------------------------------
