@@ -370,10 +370,12 @@ def test_random_mixed_pytrees_match_device_put(case):
       assert_same(a, b)
     else:  # device_put(host value, None) keeps the host value
       assert a is xm[i] or np.array_equal(np.asarray(a), np.asarray(b))
-  for leaf, flag in zip(xm, donate):
+  for i, (leaf, flag, dst) in enumerate(zip(xm, donate, dsts)):
     if isinstance(leaf, jax.Array) and not flag:
       assert not leaf.is_deleted()
-    if flag:
+    if flag and dst is None:  # returned as it is, so kept (the docstring's rule)
+      assert y[i] is leaf and not leaf.is_deleted()
+    elif flag:
       assert leaf.is_deleted()
 
 
