@@ -157,8 +157,7 @@ class _TensorOps:
   devices are `src` and `dst`. All but those are shared by the TensorPlans of one
   `_ops_structure`."""
 
-  rows: np.ndarray        # (n, OP_FIXED + 3 * rank): the tensor's record width; int32
-                          # where every value fits
+  rows: np.ndarray        # (n, OP_FIXED + 3 * rank): the tensor's record width
   src: np.ndarray         # (n,) source device of each op
   dst: np.ndarray         # (n,) destination device
   src_pack: np.ndarray    # (n,) bool: cross-device and not contiguous on the source
@@ -244,10 +243,8 @@ def _build_tensor_ops(tp, chunk_bytes: int) -> _TensorOps:
   d_origin, d_dims = _geometry_columns(tp, dst, dst_kind)
   n, rank = len(tc.step), tc.rank
   # The record's fields only: OP_FIXED, then per dim extent, source and destination
-  # start; in 32 bits where they fit (local steps below n, coordinates within the
-  # shape): the fresh pages this build writes are most of its cost.
-  narrow = max(tp.src.shape, default=0) < 1 << 31 and n < 1 << 31
-  rows = np.full((n, OP_FIXED + 3 * rank), -1, np.int32 if narrow else np.int64)
+  # start (bytes a fresh page costs dominate this build).
+  rows = np.full((n, OP_FIXED + 3 * rank), -1, np.int64)
   rows[:, 0] = tc.step
   rows[:, 1] = xs.stage[tc.transfer]  # STAGES order: the format's stage codes
   rows[:, 2] = 0
@@ -326,8 +323,7 @@ class _Table:
   need.
   """
 
-  base: np.ndarray          # (rows of the distinct ops structures, widest record):
-                            # int32 where every structure's rows are
+  base: np.ndarray          # (rows of the distinct ops structures, widest record)
   part_start: np.ndarray    # (n_tensors,) first row of each tensor's part in `base`
   src: np.ndarray           # (rows of the distinct TensorPlans,) source devices
   dst: np.ndarray           # (rows of the distinct TensorPlans,) destination devices
@@ -402,7 +398,7 @@ class _Ops:
     (at most the widest record's)."""
     t = self.table
     tensor, index = self.tensor[ops], self.index[ops]
-    rows = t.base[t.part_start[tensor] + index, :width].astype(np.int64, copy=False)
+    rows = t.base[t.part_start[tensor] + index, :width]
     on = t.dev_start[tensor] + index
     rows[:, 3], rows[:, 6] = t.src[on], t.dst[on]
     rows[:, 0] = self.step[ops]
@@ -531,8 +527,7 @@ def _base_rows(parts: list) -> np.ndarray:
   """The ops structures' rows one after another, as wide as the widest (a narrower
   record's row padded with -1, never written: `_Ops.encode` keeps a tensor's width)."""
   width = max((p.shape[1] for p in parts), default=OP_FIXED)
-  dtype = np.result_type(np.int32, *(p.dtype for p in parts))
-  base = np.full((sum(len(p) for p in parts), width), -1, dtype)
+  base = np.full((sum(len(p) for p in parts), width), -1, np.int64)
   at = 0
   for p in parts:
     base[at:at + len(p), :p.shape[1]] = p
@@ -851,7 +846,7 @@ def _plan_digest(plan: Plan, staging: bool, types: tuple | None) -> bytes:
   # place in op order.
   ends = np.append(table.distinct[1:, 0], len(table.src))
   for (d0, r0), d1 in zip(table.distinct.tolist(), ends.tolist()):
-    rows = table.base[r0:r0 + d1 - d0].astype(np.int64)
+    rows = table.base[r0:r0 + d1 - d0].copy()
     rows[:, 3], rows[:, 6] = table.src[d0:d1], table.dst[d0:d1]
     h.update(rows.tobytes())
   steps = table.steps
