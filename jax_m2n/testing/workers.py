@@ -25,6 +25,8 @@ from typing import Any, Callable, NoReturn
 
 # How long process 0 waits for the others' ends before it leaves anyway.
 LEAVE_TIMEOUT_S = 30.0
+# How long process 0 stays once every end is posted: the replies to the last posts.
+LEAVE_GRACE_S = 0.5
 
 
 def start_jax(devices: int, num_processes: int = 1, process_id: int = 0,
@@ -93,7 +95,7 @@ def leave_job(process_id: int, num_processes: int, rc: int,
   In a `jax.distributed` job every process posts its end; process 0 hosts the
   coordination service (its exit ends the job), so it leaves last: it waits up to
   LEAVE_TIMEOUT_S for `expected` ends (default: every process's; fewer where a test
-  kills or drops some).
+  kills or drops some), then LEAVE_GRACE_S for the last posts' replies.
   """
   if num_processes > 1:
     from jax_m2n._src import jax_compat  # noqa: PLC0415 - only in a distributed job
@@ -103,6 +105,10 @@ def leave_job(process_id: int, num_processes: int, rc: int,
     deadline = time.monotonic() + LEAVE_TIMEOUT_S
     while process_id == 0 and time.monotonic() < deadline:
       if len(kv.key_value_dir_get("test/end/")) >= want:
+        # The last post is in the store before its caller has the reply: leaving at
+        # once closed the service under that call (the caller's coordination agent
+        # then aborted it: rc -6, seen in CI).
+        time.sleep(LEAVE_GRACE_S)
         break
       time.sleep(0.05)
   sys.stdout.flush()
